@@ -1,0 +1,61 @@
+// The backend interface: one planned forward pass over a batch's new rows (DESIGN §2.2–2.3).
+// CPU (fp32 reference) and CUDA (bf16) implement it; both own their weights and the KV page pool
+// memory, while kvcache/ owns which page belongs to whom.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/model.h"
+
+namespace hstu {
+
+// Host-side plan of one forward pass. Rows are user-major: user b owns rows
+// [row_offsets[b], row_offsets[b+1]), first num_new[b] new history tokens, then its candidates.
+struct ForwardBatch {
+  int32_t num_users = 0;
+  std::vector<int32_t> row_offsets;   // [B + 1]
+  std::vector<int32_t> num_new;       // [B]
+  std::vector<int32_t> num_tokens;    // [B] history tokens in the pages after this pass's append
+  std::vector<int32_t> page_indptr;   // [B + 1]
+  std::vector<int32_t> page_ids;      // [page_indptr[B]]
+  std::vector<int64_t> token_ids;     // [rows]
+  std::vector<int32_t> token_types;   // [rows], TokenType
+  std::vector<int32_t> positions;     // [rows]
+
+  int32_t num_rows() const { return row_offsets.empty() ? 0 : row_offsets.back(); }
+  int32_t num_candidates(int b) const { return row_offsets[b + 1] - row_offsets[b] - num_new[b]; }
+};
+
+struct ForwardOutput {
+  std::vector<float> scores;  // [candidate rows in row order, num_tasks]
+  std::vector<float> hidden;  // [candidate rows, d] (only when requested)
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;  // "cpu" or "cuda:0 (NVIDIA H100 ...)"
+  virtual int64_t num_pages() const = 0;
+  virtual int64_t kv_pool_bytes() const = 0;
+  virtual int64_t device_memory_bytes() const = 0;
+  // Appends the new history K/V to the pages and scores the candidate rows.
+  virtual absl::Status Forward(const ForwardBatch& batch, bool keep_hidden, ForwardOutput* out) = 0;
+  // Copies every layer's K and V of `num_tokens` tokens stored in `page_ids` into `out`
+  // ([layers, 2, num_tokens, H, D] as fp32) — tests compare caches through it.
+  virtual absl::Status ReadKv(const std::vector<int32_t>& page_ids, int32_t num_tokens,
+                              std::vector<float>* out) = 0;
+};
+
+// CPU reference backend (fp32).
+absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const ModelWeights& weights,
+                                                           int32_t page_size, int64_t num_pages);
+// "cpu", "cuda:N" or "auto" (cuda:0 when a GPU is present, else cpu).
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device,
+                                                       const ModelWeights& weights,
+                                                       int32_t page_size, int64_t num_pages);
+
+}  // namespace hstu

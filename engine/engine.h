@@ -1,0 +1,79 @@
+// Engine facade: model + backend + KV cache. Create(options) → Rank(batch) → Stats().
+//
+// Threading: Rank() must be called by one thread at a time (the server's engine worker); Stats(),
+// config() and device_name() are thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "engine/backend.h"
+#include "engine/model.h"
+#include "engine/request.h"
+#include "kvcache/cache_manager.h"
+
+namespace hstu {
+
+struct EngineOptions {
+  std::string model = "random:tiny";  // file path or random:PRESET
+  uint64_t seed = 1;                  // for random models
+  std::string device = "cpu";         // cpu | cuda:N | auto
+  int32_t page_size = 32;             // tokens per KV page
+  int64_t cache_pages = 0;            // KV pool size in pages; 0 = room for 64 users of max history
+  bool enable_cache = true;           // false: every request recomputes its whole history
+  bool keep_hidden = false;           // fill RankResult::hidden (tests, parity checks)
+  RequestLimits limits;
+};
+
+struct EngineStats {
+  CacheStats cache;
+  uint64_t batches = 0;
+  uint64_t requests = 0;
+  uint64_t forward_passes = 0;
+  double compute_seconds = 0;       // total time inside backend forwards
+  int64_t device_memory_bytes = 0;  // weights + KV pool + workspace on the device (0 on the CPU)
+  int64_t kv_pool_bytes = 0;
+  int64_t weight_bytes = 0;
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
+  // With weights already in memory (tests, tools that generated them).
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options,
+                                                        ModelWeights weights);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Scores a batch. One result per request, in order; a bad or unservable request fails alone.
+  // Requests of one user run one after another, the later one reusing the earlier one's cache.
+  std::vector<absl::StatusOr<RankResult>> Rank(absl::Span<const RankRequest> batch);
+
+  absl::Status Validate(const RankRequest& request) const;
+  const ModelConfig& config() const { return config_; }
+  const EngineOptions& options() const { return options_; }
+  std::string device_name() const { return backend_->name(); }
+  EngineStats Stats() const;
+
+ private:
+  Engine(const EngineOptions& options, ModelConfig config, std::unique_ptr<Backend> backend,
+         std::unique_ptr<CacheManager> cache);
+  // Runs one wave of requests in which each user appears at most once.
+  void RankWave(absl::Span<const RankRequest* const> wave,
+                absl::Span<absl::StatusOr<RankResult>* const> results);
+
+  EngineOptions options_;
+  ModelConfig config_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<CacheManager> cache_;
+  mutable std::mutex stats_mu_;
+  EngineStats stats_;
+};
+
+}  // namespace hstu

@@ -1,0 +1,498 @@
+#include "engine/model_file.h"
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/match.h"
+#include "nlohmann/json.hpp"
+
+namespace hstu {
+namespace {
+
+using json = nlohmann::json;
+
+uint16_t FloatToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);                     // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float Bf16ToFloat(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+std::string ShapeStr(const std::vector<int64_t>& s) {
+  return absl::StrCat("[", absl::StrJoin(s, ", "), "]");
+}
+
+// splitmix64: small, fast and fully deterministic across platforms.
+struct Rng {
+  uint64_t state;
+  uint64_t Next() {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [-1, 1).
+  float Uniform() { return static_cast<float>(Next() >> 40) * (2.0f / 16777216.0f) - 1.0f; }
+};
+
+void Fill(std::vector<float>& v, size_t n, Rng& rng, float scale, float offset = 0.f) {
+  v.resize(n);
+  for (auto& x : v) x = offset + scale * rng.Uniform();
+}
+
+struct TensorRef {
+  std::string name;
+  std::vector<int64_t> shape;
+  const std::vector<float>* data;
+};
+
+std::vector<TensorRef> ListTensors(const ModelWeights& w) {
+  const ModelConfig& c = w.config;
+  const int64_t d = c.hidden_dim, hd = c.hd();
+  std::vector<TensorRef> t;
+  t.push_back({"embeddings.item.weight", {c.item_rows, d}, &w.item_embedding});
+  t.push_back({"embeddings.action.weight", {c.action_rows, d}, &w.action_embedding});
+  if (c.position_encoding) {
+    t.push_back({"embeddings.position.weight", {c.position_rows, d}, &w.position_embedding});
+  }
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const LayerWeights& l = w.layers[i];
+    const std::string p = absl::StrCat("layers.", i, ".");
+    t.push_back({p + "input_norm.weight", {d}, &l.input_norm_w});
+    t.push_back({p + "input_norm.bias", {d}, &l.input_norm_b});
+    t.push_back({p + "uvqk.weight", {d, 4 * hd}, &l.uvqk_w});
+    t.push_back({p + "uvqk.bias", {4 * hd}, &l.uvqk_b});
+    t.push_back({p + "output_norm.weight", {hd}, &l.output_norm_w});
+    t.push_back({p + "output_norm.bias", {hd}, &l.output_norm_b});
+    t.push_back({p + "output.weight", {hd, d}, &l.output_w});
+  }
+  for (size_t j = 0; j < w.head.size(); ++j) {
+    const HeadLayerWeights& h = w.head[j];
+    t.push_back({absl::StrCat("head.", j, ".weight"), {h.in, h.out}, &h.w});
+    t.push_back({absl::StrCat("head.", j, ".bias"), {h.out}, &h.b});
+  }
+  return t;
+}
+
+absl::Status InvalidModel(const std::string& file, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat("model file '", file, "': ", what));
+}
+
+}  // namespace
+
+absl::Status ModelConfig::Validate() const {
+  auto positive = [](const char* key, int64_t v) -> absl::Status {
+    if (v > 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(key, " must be > 0, got ", v));
+  };
+  for (auto [key, v] : std::initializer_list<std::pair<const char*, int64_t>>{
+           {"hstu.num_layers", num_layers},
+           {"hstu.hidden_dim", hidden_dim},
+           {"hstu.num_heads", num_heads},
+           {"hstu.head_dim", head_dim},
+           {"hstu.attention_norm_len", attention_norm_len},
+           {"hstu.max_history_tokens", max_history_tokens},
+           {"hstu.max_candidates", max_candidates},
+           {"hstu.num_tasks", num_tasks},
+           {"item_rows", item_rows},
+           {"action_rows", action_rows}}) {
+    if (auto s = positive(key, v); !s.ok()) return s;
+  }
+  if (max_attn_len < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("hstu.max_attn_len must be >= 0, got ", max_attn_len));
+  }
+  if (max_history_tokens % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hstu.max_history_tokens must be even (2 tokens per event), got ", max_history_tokens));
+  }
+  if (position_encoding && position_rows <= 0) {
+    return absl::InvalidArgumentError("position encoding is on but the position table has no rows");
+  }
+  if (head_dims.size() < 2 || head_dims.front() != hidden_dim || head_dims.back() != num_tasks) {
+    return absl::InvalidArgumentError(absl::StrCat("head sizes ", absl::StrJoin(head_dims, "->"),
+                                                   " must start at hidden_dim ", hidden_dim,
+                                                   " and end at num_tasks ", num_tasks));
+  }
+  return absl::OkStatus();
+}
+
+std::string SerializeModelFile(const ModelWeights& w, FileDType dtype) {
+  const ModelConfig& c = w.config;
+  json header;
+  header["__metadata__"] = {
+      {"hstu.model_name", c.model_name},
+      {"hstu.num_layers", std::to_string(c.num_layers)},
+      {"hstu.hidden_dim", std::to_string(c.hidden_dim)},
+      {"hstu.num_heads", std::to_string(c.num_heads)},
+      {"hstu.head_dim", std::to_string(c.head_dim)},
+      {"hstu.attention_norm_len", std::to_string(c.attention_norm_len)},
+      {"hstu.max_history_tokens", std::to_string(c.max_history_tokens)},
+      {"hstu.max_candidates", std::to_string(c.max_candidates)},
+      {"hstu.max_attn_len", std::to_string(c.max_attn_len)},
+      {"hstu.position_encoding", c.position_encoding ? "true" : "false"},
+      {"hstu.num_tasks", std::to_string(c.num_tasks)},
+  };
+  const size_t elem = dtype == FileDType::kF32 ? 4 : 2;
+  size_t offset = 0;
+  const auto tensors = ListTensors(w);
+  for (const auto& t : tensors) {
+    const size_t bytes = t.data->size() * elem;
+    header[t.name] = {{"dtype", dtype == FileDType::kF32 ? "F32" : "BF16"},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string h = header.dump();
+  while (h.size() % 8 != 0) h.push_back(' ');
+  std::string out;
+  out.reserve(8 + h.size() + offset);
+  uint64_t n = h.size();
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+  out += h;
+  for (const auto& t : tensors) {
+    if (dtype == FileDType::kF32) {
+      out.append(reinterpret_cast<const char*>(t.data->data()), t.data->size() * 4);
+    } else {
+      for (float f : *t.data) {
+        uint16_t b = FloatToBf16(f);
+        out.push_back(static_cast<char>(b & 0xff));
+        out.push_back(static_cast<char>(b >> 8));
+      }
+    }
+  }
+  return out;
+}
+
+absl::Status WriteModelFile(const ModelWeights& w, const std::string& path, FileDType dtype) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  if (!f) return absl::InvalidArgumentError(absl::StrCat("cannot open '", path, "' for writing"));
+  const std::string bytes = SerializeModelFile(w, dtype);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!f) return absl::InternalError(absl::StrCat("write to '", path, "' failed"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelWeights> ReadModelFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot open model file '", path, "'"));
+  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  return ParseModelFile(bytes, path);
+}
+
+absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std::string& name) {
+  if (bytes.size() < 8) {
+    return InvalidModel(name, absl::StrCat("file is ", bytes.size(),
+                                           " bytes, too short for the 8-byte header length"));
+  }
+  uint64_t header_len = 0;
+  for (int i = 0; i < 8; ++i) header_len |= static_cast<uint64_t>(static_cast<uint8_t>(bytes[i])) << (8 * i);
+  if (header_len == 0 || header_len > bytes.size() - 8) {
+    return InvalidModel(name, absl::StrCat("header length ", header_len, " does not fit in the file of ",
+                                           bytes.size(), " bytes (not a safetensors file?)"));
+  }
+  json header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<int64_t>(header_len),
+                            nullptr, /*allow_exceptions=*/false);
+  if (header.is_discarded() || !header.is_object()) {
+    return InvalidModel(name, "header is not a JSON object");
+  }
+  const size_t data_start = 8 + header_len;
+  const size_t data_size = bytes.size() - data_start;
+
+  // ---- metadata ----
+  if (!header.contains("__metadata__") || !header["__metadata__"].is_object()) {
+    return InvalidModel(name, "header has no __metadata__ object with the hstu.* hyper-parameters");
+  }
+  const json& meta = header["__metadata__"];
+  ModelConfig c;
+  auto get_str = [&](const std::string& key, std::string* out, bool required) -> absl::Status {
+    if (!meta.contains(key)) {
+      if (required) return InvalidModel(name, absl::StrCat("metadata key '", key, "' is missing"));
+      return absl::OkStatus();
+    }
+    if (!meta[key].is_string()) return InvalidModel(name, absl::StrCat("metadata '", key, "' is not a string"));
+    *out = meta[key].get<std::string>();
+    return absl::OkStatus();
+  };
+  auto get_int = [&](const std::string& key, int32_t* out, bool required) -> absl::Status {
+    std::string s;
+    if (auto st = get_str(key, &s, required); !st.ok()) return st;
+    if (s.empty() && !required) return absl::OkStatus();
+    if (!absl::SimpleAtoi(s, out)) {
+      return InvalidModel(name, absl::StrCat("metadata '", key, "' = '", s, "' is not an integer"));
+    }
+    return absl::OkStatus();
+  };
+  c.max_candidates = 256;
+  std::string pos_str = "false";
+#define HSTU_RETURN_IF_ERROR(expr) \
+  do {                             \
+    absl::Status _s = (expr);      \
+    if (!_s.ok()) return _s;       \
+  } while (0)
+  HSTU_RETURN_IF_ERROR(get_int("hstu.num_layers", &c.num_layers, true));
+  HSTU_RETURN_IF_ERROR(get_int("hstu.hidden_dim", &c.hidden_dim, true));
+  HSTU_RETURN_IF_ERROR(get_int("hstu.num_heads", &c.num_heads, true));
+  HSTU_RETURN_IF_ERROR(get_int("hstu.head_dim", &c.head_dim, true));
+  HSTU_RETURN_IF_ERROR(get_int("hstu.attention_norm_len", &c.attention_norm_len, true));
+  HSTU_RETURN_IF_ERROR(get_int("hstu.max_history_tokens", &c.max_history_tokens, true));
+  HSTU_RETURN_IF_ERROR(get_int("hstu.max_attn_len", &c.max_attn_len, true));
+  HSTU_RETURN_IF_ERROR(get_int("hstu.num_tasks", &c.num_tasks, true));
+  HSTU_RETURN_IF_ERROR(get_int("hstu.max_candidates", &c.max_candidates, false));
+  HSTU_RETURN_IF_ERROR(get_str("hstu.position_encoding", &pos_str, true));
+  HSTU_RETURN_IF_ERROR(get_str("hstu.model_name", &c.model_name, false));
+  if (pos_str == "true" || pos_str == "1") {
+    c.position_encoding = true;
+  } else if (pos_str == "false" || pos_str == "0") {
+    c.position_encoding = false;
+  } else {
+    return InvalidModel(name, absl::StrCat("metadata 'hstu.position_encoding' = '", pos_str,
+                                           "' is not true/false"));
+  }
+  for (auto [key, v] : std::initializer_list<std::pair<const char*, int32_t>>{
+           {"hstu.num_layers", c.num_layers}, {"hstu.hidden_dim", c.hidden_dim},
+           {"hstu.num_heads", c.num_heads}, {"hstu.head_dim", c.head_dim},
+           {"hstu.attention_norm_len", c.attention_norm_len},
+           {"hstu.max_history_tokens", c.max_history_tokens}, {"hstu.num_tasks", c.num_tasks},
+           {"hstu.max_candidates", c.max_candidates}}) {
+    if (v <= 0) return InvalidModel(name, absl::StrCat("metadata '", key, "' must be > 0, got ", v));
+  }
+
+  // ---- tensor table ----
+  struct Entry {
+    std::vector<int64_t> shape;
+    bool bf16;
+    size_t begin, end;
+  };
+  std::map<std::string, Entry> entries;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == "__metadata__") continue;
+    const std::string& t = it.key();
+    const json& v = it.value();
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets")) {
+      return InvalidModel(name, absl::StrCat("tensor '", t, "' lacks dtype, shape or data_offsets"));
+    }
+    Entry e;
+    const std::string dt = v["dtype"].is_string() ? v["dtype"].get<std::string>() : "";
+    if (dt != "F32" && dt != "BF16") {
+      return InvalidModel(name, absl::StrCat("tensor '", t, "' has dtype '", dt, "'; only F32 and BF16 are supported"));
+    }
+    e.bf16 = dt == "BF16";
+    if (!v["shape"].is_array()) return InvalidModel(name, absl::StrCat("tensor '", t, "' shape is not an array"));
+    int64_t numel = 1;
+    for (const auto& s : v["shape"]) {
+      if (!s.is_number_integer() || s.get<int64_t>() < 0) {
+        return InvalidModel(name, absl::StrCat("tensor '", t, "' has a bad shape entry"));
+      }
+      e.shape.push_back(s.get<int64_t>());
+      numel *= e.shape.back();
+    }
+    const json& off = v["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned()) {
+      return InvalidModel(name, absl::StrCat("tensor '", t, "' data_offsets must be [begin, end]"));
+    }
+    e.begin = off[0].get<size_t>();
+    e.end = off[1].get<size_t>();
+    if (e.end < e.begin) return InvalidModel(name, absl::StrCat("tensor '", t, "' data_offsets end < begin"));
+    if (e.end > data_size) {
+      return InvalidModel(name, absl::StrCat("tensor '", t, "' data [", e.begin, ", ", e.end,
+                                             ") runs past the end of the file (", data_size,
+                                             " data bytes): truncated file?"));
+    }
+    const size_t want = static_cast<size_t>(numel) * (e.bf16 ? 2 : 4);
+    if (e.end - e.begin != want) {
+      return InvalidModel(name, absl::StrCat("tensor '", t, "' holds ", e.end - e.begin, " bytes but shape ",
+                                             ShapeStr(e.shape), " of ", dt, " needs ", want));
+    }
+    entries.emplace(t, std::move(e));
+  }
+
+  auto load = [&](const std::string& t, const std::vector<int64_t>& want_shape,
+                  std::vector<float>* out) -> absl::Status {
+    auto it = entries.find(t);
+    if (it == entries.end()) return InvalidModel(name, absl::StrCat("tensor '", t, "' is missing"));
+    const Entry& e = it->second;
+    if (e.shape != want_shape) {
+      return InvalidModel(name, absl::StrCat("tensor '", t, "' has shape ", ShapeStr(e.shape),
+                                             ", expected ", ShapeStr(want_shape)));
+    }
+    const char* src = bytes.data() + data_start + e.begin;
+    const size_t n = (e.end - e.begin) / (e.bf16 ? 2 : 4);
+    out->resize(n);
+    if (e.bf16) {
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        (*out)[i] = Bf16ToFloat(h);
+      }
+    } else {
+      std::memcpy(out->data(), src, n * 4);
+    }
+    for (float x : *out) {
+      if (!std::isfinite(x)) return InvalidModel(name, absl::StrCat("tensor '", t, "' contains NaN or Inf"));
+    }
+    entries.erase(it);
+    return absl::OkStatus();
+  };
+  auto rows_of = [&](const std::string& t, int64_t* rows) -> absl::Status {
+    auto it = entries.find(t);
+    if (it == entries.end()) return InvalidModel(name, absl::StrCat("tensor '", t, "' is missing"));
+    if (it->second.shape.size() != 2 || it->second.shape[1] != c.hidden_dim || it->second.shape[0] <= 0) {
+      return InvalidModel(name, absl::StrCat("tensor '", t, "' has shape ", ShapeStr(it->second.shape),
+                                             ", expected [rows > 0, ", c.hidden_dim, "]"));
+    }
+    *rows = it->second.shape[0];
+    return absl::OkStatus();
+  };
+
+  ModelWeights w;
+  const int64_t d = c.hidden_dim, hd = c.hd();
+  HSTU_RETURN_IF_ERROR(rows_of("embeddings.item.weight", &c.item_rows));
+  HSTU_RETURN_IF_ERROR(rows_of("embeddings.action.weight", &c.action_rows));
+  HSTU_RETURN_IF_ERROR(load("embeddings.item.weight", {c.item_rows, d}, &w.item_embedding));
+  HSTU_RETURN_IF_ERROR(load("embeddings.action.weight", {c.action_rows, d}, &w.action_embedding));
+  if (c.position_encoding) {
+    HSTU_RETURN_IF_ERROR(rows_of("embeddings.position.weight", &c.position_rows));
+    HSTU_RETURN_IF_ERROR(load("embeddings.position.weight", {c.position_rows, d}, &w.position_embedding));
+  }
+  w.layers.resize(c.num_layers);
+  for (int i = 0; i < c.num_layers; ++i) {
+    LayerWeights& l = w.layers[i];
+    const std::string p = absl::StrCat("layers.", i, ".");
+    HSTU_RETURN_IF_ERROR(load(p + "input_norm.weight", {d}, &l.input_norm_w));
+    HSTU_RETURN_IF_ERROR(load(p + "input_norm.bias", {d}, &l.input_norm_b));
+    HSTU_RETURN_IF_ERROR(load(p + "uvqk.weight", {d, 4 * hd}, &l.uvqk_w));
+    HSTU_RETURN_IF_ERROR(load(p + "uvqk.bias", {4 * hd}, &l.uvqk_b));
+    HSTU_RETURN_IF_ERROR(load(p + "output_norm.weight", {hd}, &l.output_norm_w));
+    HSTU_RETURN_IF_ERROR(load(p + "output_norm.bias", {hd}, &l.output_norm_b));
+    HSTU_RETURN_IF_ERROR(load(p + "output.weight", {hd, d}, &l.output_w));
+  }
+  c.head_dims = {c.hidden_dim};
+  for (int j = 0;; ++j) {
+    const std::string wn = absl::StrCat("head.", j, ".weight");
+    auto it = entries.find(wn);
+    if (it == entries.end()) break;
+    const auto shape = it->second.shape;
+    if (shape.size() != 2 || shape[0] != c.head_dims.back() || shape[1] <= 0) {
+      return InvalidModel(name, absl::StrCat("tensor '", wn, "' has shape ", ShapeStr(shape), ", expected [",
+                                             c.head_dims.back(), ", out > 0]"));
+    }
+    HeadLayerWeights h;
+    h.in = static_cast<int32_t>(shape[0]);
+    h.out = static_cast<int32_t>(shape[1]);
+    HSTU_RETURN_IF_ERROR(load(wn, {h.in, h.out}, &h.w));
+    HSTU_RETURN_IF_ERROR(load(absl::StrCat("head.", j, ".bias"), {h.out}, &h.b));
+    c.head_dims.push_back(h.out);
+    w.head.push_back(std::move(h));
+  }
+  if (w.head.empty()) return InvalidModel(name, "tensor 'head.0.weight' is missing");
+  if (c.head_dims.back() != c.num_tasks) {
+    return InvalidModel(name, absl::StrCat("tensor 'head.", w.head.size() - 1, ".weight' outputs ",
+                                           c.head_dims.back(), " values but hstu.num_tasks is ", c.num_tasks));
+  }
+  if (!entries.empty()) {
+    return InvalidModel(name, absl::StrCat("unexpected tensor '", entries.begin()->first, "'"));
+  }
+  if (auto s = c.Validate(); !s.ok()) return InvalidModel(name, std::string(s.message()));
+  w.config = std::move(c);
+  return w;
+#undef HSTU_RETURN_IF_ERROR
+}
+
+absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
+  ModelConfig c;
+  if (preset == "tiny") {
+    c.model_name = "hstu-tiny";
+    c.num_layers = 2;
+    c.hidden_dim = 64;
+    c.num_heads = 2;
+    c.head_dim = 32;
+    c.max_history_tokens = 256;
+    c.max_candidates = 64;
+    c.attention_norm_len = 256 + 64;
+    c.max_attn_len = 0;
+    c.position_encoding = true;
+    c.num_tasks = 3;
+    c.item_rows = 1000;
+    c.action_rows = 16;
+    c.position_rows = 256;
+    c.head_dims = {64, 32, 3};
+  } else if (preset == "base") {
+    c.model_name = "hstu-base";
+    c.num_layers = 8;
+    c.hidden_dim = 1024;
+    c.num_heads = 4;
+    c.head_dim = 256;
+    c.max_history_tokens = 4096;
+    c.max_candidates = 256;
+    c.attention_norm_len = 4096 + 256;
+    c.max_attn_len = 0;
+    c.position_encoding = false;
+    c.num_tasks = 4;
+    c.item_rows = 1000000;
+    c.action_rows = 128;
+    c.position_rows = 0;
+    c.head_dims = {1024, 512, 4};
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("unknown preset '", preset, "' (allowed: tiny, base)"));
+  }
+  return c;
+}
+
+ModelWeights RandomModel(const ModelConfig& c, uint64_t seed) {
+  ModelWeights w;
+  w.config = c;
+  Rng rng{seed * 0x2545f4914f6cdd1dull + 0x1234567ull};
+  const int64_t d = c.hidden_dim, hd = c.hd();
+  const float sqrt3 = std::sqrt(3.f);  // uniform(-a, a) has std a / sqrt(3)
+  Fill(w.item_embedding, static_cast<size_t>(c.item_rows * d), rng, 1.f);
+  Fill(w.action_embedding, static_cast<size_t>(c.action_rows * d), rng, 1.f);
+  if (c.position_encoding) Fill(w.position_embedding, static_cast<size_t>(c.position_rows * d), rng, 1.f);
+  w.layers.resize(c.num_layers);
+  for (auto& l : w.layers) {
+    Fill(l.input_norm_w, d, rng, 0.1f, 1.f);
+    Fill(l.input_norm_b, d, rng, 0.1f);
+    // LayerNorm output has unit variance, so std 1/sqrt(d) keeps uvqk pre-activations ~N(0, 1).
+    Fill(l.uvqk_w, d * 4 * hd, rng, sqrt3 / std::sqrt(static_cast<float>(d)));
+    Fill(l.uvqk_b, 4 * hd, rng, 0.1f);
+    Fill(l.output_norm_w, hd, rng, 0.1f, 1.f);
+    Fill(l.output_norm_b, hd, rng, 0.1f);
+    // Half the unit-variance scale: each layer adds a bounded amount to the residual stream.
+    Fill(l.output_w, hd * d, rng, 0.5f * sqrt3 / std::sqrt(static_cast<float>(hd)));
+  }
+  for (size_t j = 0; j + 1 < c.head_dims.size(); ++j) {
+    HeadLayerWeights h;
+    h.in = c.head_dims[j];
+    h.out = c.head_dims[j + 1];
+    // The head's input is L2-normalised (unit norm), so the first layer uses unit-variance weights.
+    const float scale = j == 0 ? sqrt3 : 1.5f * sqrt3 / std::sqrt(static_cast<float>(h.in));
+    Fill(h.w, static_cast<size_t>(h.in) * h.out, rng, scale);
+    Fill(h.b, h.out, rng, 0.1f);
+    w.head.push_back(std::move(h));
+  }
+  return w;
+}
+
+absl::StatusOr<ModelWeights> LoadModel(const std::string& spec, uint64_t seed) {
+  if (absl::StartsWith(spec, "random:")) {
+    auto c = PresetConfig(spec.substr(7));
+    if (!c.ok()) return c.status();
+    return RandomModel(*c, seed);
+  }
+  return ReadModelFile(spec);
+}
+
+}  // namespace hstu

@@ -1,0 +1,62 @@
+// Argument structs of the ops that CPU and CUDA implement alike. Shapes in comments; all matrices
+// row-major. `T` is the activation / KV element type (float on the CPU, bf16 on CUDA).
+//
+// Rows of a batch ("jagged"): user b owns rows [row_offsets[b], row_offsets[b+1]); its first
+// num_new[b] rows are new history tokens (oldest first), the rest are its candidates.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/paged_kv_view.h"
+
+namespace hstu {
+
+// Token kinds of the embedding gather.
+enum TokenType : int32_t { kItemToken = 0, kActionToken = 1 };
+
+template <typename T>
+struct EmbeddingParams {
+  const T* item_table = nullptr;      // [item_rows, d]
+  const T* action_table = nullptr;    // [action_rows, d]
+  const T* position_table = nullptr;  // [position_rows, d], nullptr when the model has none
+  int64_t item_rows = 0;
+  int64_t action_rows = 0;
+  int64_t position_rows = 0;
+  int32_t hidden_dim = 0;              // d
+  int32_t num_rows = 0;                // T
+  const int64_t* token_ids = nullptr;  // [T]; item id (hashed mod item_rows) or action id
+  const int32_t* token_types = nullptr;  // [T], TokenType
+  const int32_t* positions = nullptr;    // [T], index in the kept history (candidates: its length)
+  T* out = nullptr;                      // [T, d]
+};
+
+// HSTU attention over a paged cache (DESIGN §2.2). History K/V of every user, the new rows included,
+// must already be in the pages (append runs first); a candidate's own K/V come from its uvqk row.
+template <typename T>
+struct AttentionParams {
+  const T* uvqk = nullptr;       // [T, 4 * H * D]: u | v | q | k, head h at columns h*D .. (h+1)*D
+  int64_t uvqk_row_stride = 0;   // elements between rows (= 4 * H * D)
+  T* out = nullptr;              // [T, H * D]
+  int32_t num_rows = 0;          // T
+  const int32_t* row_offsets = nullptr;  // [B + 1]
+  const int32_t* num_new = nullptr;      // [B] new history rows of each user
+  PagedKvView<T> kv;                     // kv.num_tokens[b] = cached + new history tokens
+  float alpha = 0.f;             // 1 / sqrt(D)
+  float inv_norm = 0.f;          // 1 / attention_norm_len
+  int32_t max_attn_len = 0;      // W, 0 = no window
+};
+
+// Copies the K and V of the new history rows into their pages.
+template <typename T>
+struct AppendKvParams {
+  const T* uvqk = nullptr;       // [T, 4 * H * D]
+  int64_t uvqk_row_stride = 0;
+  const int32_t* row_offsets = nullptr;  // [B + 1]
+  const int32_t* num_new = nullptr;      // [B]
+  PagedKvView<T> kv;                     // kv.num_tokens[b] = cached + new (after the append)
+};
+
+// Column offsets of u, v, q, k inside a uvqk row, in units of H * D.
+enum UvqkPart : int32_t { kU = 0, kV = 1, kQ = 2, kK = 3 };
+
+}  // namespace hstu

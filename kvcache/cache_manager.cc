@@ -1,0 +1,220 @@
+#include "kvcache/cache_manager.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace hstu {
+namespace {
+
+constexpr uint64_t kHashSeed = 0x6a09e667f3bcc908ull;
+
+inline uint64_t Mix(uint64_t h, uint64_t v) {
+  // One round of a 64-bit multiply-xorshift (wyhash-style); good enough to make accidental
+  // collisions between histories of one user negligible.
+  h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  h *= 0xff51afd7ed558ccdull;
+  return h ^ (h >> 32);
+}
+
+uint64_t HashPage(uint64_t prev, const uint64_t* keys, int64_t count) {
+  uint64_t h = Mix(prev, static_cast<uint64_t>(count));
+  for (int64_t i = 0; i < count; ++i) h = Mix(h, keys[i]);
+  return h;
+}
+
+}  // namespace
+
+const char* LookupResultName(LookupResult r) {
+  switch (r) {
+    case LookupResult::kHit: return "gpu_hit";
+    case LookupResult::kPartial: return "partial";
+    case LookupResult::kMiss: return "miss";
+    case LookupResult::kMismatch: return "hash_mismatch";
+    case LookupResult::kDisabled: return "disabled";
+    default: return "unknown";
+  }
+}
+
+std::vector<uint64_t> PageChainHashes(absl::Span<const uint64_t> keys, int32_t page_size) {
+  std::vector<uint64_t> out;
+  uint64_t h = kHashSeed;
+  for (size_t start = 0; start + page_size <= keys.size(); start += page_size) {
+    h = HashPage(h, keys.data() + start, page_size);
+    out.push_back(h);
+  }
+  return out;
+}
+
+uint64_t PrefixHash(absl::Span<const uint64_t> keys, int32_t page_size) {
+  uint64_t h = kHashSeed;
+  for (size_t start = 0; start < keys.size(); start += page_size) {
+    const int64_t count = std::min<int64_t>(page_size, static_cast<int64_t>(keys.size() - start));
+    h = HashPage(h, keys.data() + start, count);
+  }
+  return h;
+}
+
+CacheManager::CacheManager(int32_t page_size, int64_t num_pages)
+    : page_size_(page_size), allocator_(num_pages) {
+  stats_.page_size = page_size;
+}
+
+void CacheManager::TouchLocked(Entry& e, uint64_t user_id) {
+  lru_.erase(e.lru_it);
+  lru_.push_front(user_id);
+  e.lru_it = lru_.begin();
+}
+
+void CacheManager::DropLocked(uint64_t user_id) {
+  auto it = entries_.find(user_id);
+  if (it == entries_.end()) return;
+  allocator_.Free(it->second.page_ids.data(), static_cast<int64_t>(it->second.page_ids.size()));
+  lru_.erase(it->second.lru_it);
+  entries_.erase(it);
+}
+
+bool CacheManager::AllocateLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out) {
+  if (n <= allocator_.num_free()) return allocator_.Allocate(n, out);
+  // Evict only when eviction can succeed, so a request that cannot fit costs nobody their cache.
+  const int64_t evictable = allocator_.num_pages() - allocator_.num_free() - pinned_pages_;
+  if (allocator_.num_free() + evictable < n) return false;
+  auto it = lru_.end();
+  while (allocator_.num_free() < n && it != lru_.begin()) {
+    --it;
+    const uint64_t victim = *it;
+    const Entry& e = entries_.at(victim);
+    if (e.pinned || victim == user_id) continue;
+    it = std::next(it);  // DropLocked erases the victim's list node
+    DropLocked(victim);
+    ++stats_.evictions;
+  }
+  return allocator_.Allocate(n, out);
+}
+
+absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<const uint64_t> keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Reservation r;
+  r.user_id = user_id;
+  r.total_tokens = static_cast<int32_t>(keys.size());
+  auto [it, inserted] = entries_.try_emplace(user_id);
+  Entry& e = it->second;
+  if (inserted) {
+    lru_.push_front(user_id);
+    e.lru_it = lru_.begin();
+    e.prefix_hash = PrefixHash({}, page_size_);
+    r.result = LookupResult::kMiss;
+  } else if (e.pinned) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("user ", user_id, " already has a request in flight"));
+  } else if (static_cast<size_t>(e.num_tokens) <= keys.size() &&
+             PrefixHash(keys.subspan(0, e.num_tokens), page_size_) == e.prefix_hash) {
+    r.reused_tokens = e.num_tokens;
+    r.result = e.num_tokens > 0 ? LookupResult::kHit : LookupResult::kMiss;
+  } else {
+    // Longest page-aligned prefix whose chain still matches; the rest of the entry is stale.
+    const size_t cmp_tokens = std::min(keys.size(), e.page_hashes.size() * page_size_);
+    const std::vector<uint64_t> req = PageChainHashes(keys.subspan(0, cmp_tokens), page_size_);
+    size_t k = 0;
+    while (k < req.size() && req[k] == e.page_hashes[k]) ++k;
+    allocator_.Free(e.page_ids.data() + k, static_cast<int64_t>(e.page_ids.size() - k));
+    e.page_ids.resize(k);
+    e.page_hashes.resize(k);
+    e.num_tokens = static_cast<int32_t>(k) * page_size_;
+    e.prefix_hash = k > 0 ? e.page_hashes.back() : PrefixHash({}, page_size_);
+    r.reused_tokens = e.num_tokens;
+    r.result = k > 0 ? LookupResult::kPartial : LookupResult::kMismatch;
+  }
+  e.pinned = true;
+  TouchLocked(e, user_id);
+  const int64_t pages_needed = (static_cast<int64_t>(keys.size()) + page_size_ - 1) / page_size_;
+  const int64_t missing = pages_needed - static_cast<int64_t>(e.page_ids.size());
+  // This entry's own pages are pinned now but not yet in pinned_pages_: count them for the check.
+  pinned_pages_ += static_cast<int64_t>(e.page_ids.size());
+  if (missing > 0 && !AllocateLocked(user_id, missing, &e.page_ids)) {
+    pinned_pages_ -= static_cast<int64_t>(e.page_ids.size());
+    e.pinned = false;
+    if (e.num_tokens == 0) DropLocked(user_id);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "KV cache pool too small: user ", user_id, " needs ", pages_needed, " pages of ", page_size_,
+        " tokens, the pool has ", allocator_.num_pages(), " pages and ", pinned_pages_,
+        " are pinned by requests in flight"));
+  }
+  pinned_pages_ += std::max<int64_t>(missing, 0);
+  ++stats_.lookups[static_cast<int>(r.result)];
+  stats_.tokens_reused += r.reused_tokens;
+  stats_.tokens_computed += keys.size() - r.reused_tokens;
+  r.page_ids = e.page_ids;
+  return r;
+}
+
+absl::StatusOr<Reservation> CacheManager::AcquireTemporary(uint64_t user_id, int32_t num_tokens) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Reservation r;
+  r.user_id = user_id;
+  r.temporary = true;
+  r.total_tokens = num_tokens;
+  r.result = LookupResult::kDisabled;
+  const int64_t pages_needed = (static_cast<int64_t>(num_tokens) + page_size_ - 1) / page_size_;
+  if (!AllocateLocked(user_id, pages_needed, &r.page_ids)) {
+    return absl::ResourceExhaustedError(absl::StrCat("KV page pool too small: ", num_tokens,
+                                                     " tokens need ", pages_needed, " pages of ",
+                                                     page_size_, ", the pool has ",
+                                                     allocator_.num_pages()));
+  }
+  pinned_pages_ += pages_needed;
+  ++stats_.lookups[static_cast<int>(LookupResult::kDisabled)];
+  stats_.tokens_computed += num_tokens;
+  return r;
+}
+
+void CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t> keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pinned_pages_ -= static_cast<int64_t>(r.page_ids.size());
+  if (r.temporary) {
+    allocator_.Free(r.page_ids.data(), static_cast<int64_t>(r.page_ids.size()));
+    return;
+  }
+  Entry& e = entries_.at(r.user_id);
+  e.num_tokens = static_cast<int32_t>(keys.size());
+  e.page_hashes = PageChainHashes(keys, page_size_);
+  e.prefix_hash = PrefixHash(keys, page_size_);
+  e.pinned = false;
+  TouchLocked(e, r.user_id);
+}
+
+void CacheManager::Release(const Reservation& r) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pinned_pages_ -= static_cast<int64_t>(r.page_ids.size());
+  if (r.temporary) {
+    allocator_.Free(r.page_ids.data(), static_cast<int64_t>(r.page_ids.size()));
+    return;
+  }
+  DropLocked(r.user_id);
+  ++stats_.dropped_entries;
+}
+
+void CacheManager::Clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<uint64_t> victims;
+  for (const auto& [user, e] : entries_) {
+    if (!e.pinned) victims.push_back(user);
+  }
+  for (uint64_t u : victims) DropLocked(u);
+}
+
+CacheStats CacheManager::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  CacheStats s = stats_;
+  s.pages_total = allocator_.num_pages();
+  s.pages_free = allocator_.num_free();
+  s.pages_pinned = pinned_pages_;
+  s.entries = static_cast<int64_t>(entries_.size());
+  return s;
+}
+
+int32_t CacheManager::CachedTokens(uint64_t user_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(user_id);
+  return it == entries_.end() ? 0 : it->second.num_tokens;
+}
+
+}  // namespace hstu

@@ -1,0 +1,106 @@
+// Per-user KV cache entries over a page pool (DESIGN §4, §6): hash-chain reuse rules, pinning and
+// LRU eviction. Holds metadata only (page ids, hashes, counts), never memory addresses.
+//
+// A token is identified by a 64-bit key (kind and id, see TokenKey). Each full page has a chain hash
+// covering its keys and the previous page's hash; the entry also keeps the hash of its whole prefix.
+//
+// Thread-safe: every method takes the manager's lock.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kvcache/page_allocator.h"
+
+namespace hstu {
+
+enum class LookupResult : int { kHit = 0, kPartial, kMiss, kMismatch, kDisabled, kNumResults };
+const char* LookupResultName(LookupResult r);  // "gpu_hit", "partial", "miss", "hash_mismatch", "disabled"
+
+struct CacheStats {
+  uint64_t lookups[static_cast<int>(LookupResult::kNumResults)] = {};
+  uint64_t tokens_reused = 0;
+  uint64_t tokens_computed = 0;
+  uint64_t evictions = 0;        // entries evicted to make room
+  uint64_t dropped_entries = 0;  // entries dropped because they failed or could not be kept
+  int64_t pages_total = 0;
+  int64_t pages_free = 0;
+  int64_t pages_pinned = 0;
+  int64_t entries = 0;
+  int32_t page_size = 0;
+};
+
+// Key of one history token: items and actions never collide.
+inline uint64_t TokenKey(bool is_action, int64_t id) {
+  return (static_cast<uint64_t>(id) << 1) | (is_action ? 1u : 0u);
+}
+
+// One request's hold on its user's pages, between Acquire and Commit/Release.
+struct Reservation {
+  uint64_t user_id = 0;
+  bool temporary = false;        // cache disabled: pages are freed at release
+  int32_t reused_tokens = 0;     // tokens valid in the pages before this request
+  int32_t total_tokens = 0;      // tokens valid after this request's append
+  std::vector<int32_t> page_ids; // covers total_tokens
+  LookupResult result = LookupResult::kMiss;
+};
+
+class CacheManager {
+ public:
+  CacheManager(int32_t page_size, int64_t num_pages);
+  CacheManager(const CacheManager&) = delete;
+  CacheManager& operator=(const CacheManager&) = delete;
+
+  int32_t page_size() const { return page_size_; }
+
+  // Looks up `user_id`, decides how much of `keys` (the kept history, oldest first) is cached,
+  // pins the entry and makes sure it has pages for all of `keys`, evicting least recently used
+  // unpinned entries. RESOURCE_EXHAUSTED when the pool cannot hold the user even after evicting;
+  // FAILED_PRECONDITION if the user is already pinned (two requests of one user at once).
+  absl::StatusOr<Reservation> Acquire(uint64_t user_id, absl::Span<const uint64_t> keys);
+  // Pages for `num_tokens` tokens that belong to no entry (cache disabled); freed by Release.
+  absl::StatusOr<Reservation> AcquireTemporary(uint64_t user_id, int32_t num_tokens);
+  // The request's pages now hold K/V for all of `keys`: record the hashes, unpin, mark recent.
+  void Commit(const Reservation& r, absl::Span<const uint64_t> keys);
+  // The request failed: unpin and drop what it added (and the entry, whose pages may be partial).
+  void Release(const Reservation& r);
+
+  void Clear();  // drops every unpinned entry
+  CacheStats Stats() const;
+  // Number of cached tokens of a user (0 when absent); for tests and tools.
+  int32_t CachedTokens(uint64_t user_id) const;
+
+ private:
+  struct Entry {
+    int32_t num_tokens = 0;
+    std::vector<int32_t> page_ids;
+    std::vector<uint64_t> page_hashes;  // one per full page
+    uint64_t prefix_hash = 0;           // over all num_tokens keys
+    bool pinned = false;
+    std::list<uint64_t>::iterator lru_it;
+  };
+
+  bool AllocateLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out);
+  void DropLocked(uint64_t user_id);
+  void TouchLocked(Entry& e, uint64_t user_id);
+
+  mutable std::mutex mu_;
+  int32_t page_size_;
+  PageAllocator allocator_;
+  std::unordered_map<uint64_t, Entry> entries_;
+  std::list<uint64_t> lru_;  // front = most recently used
+  CacheStats stats_;
+  int64_t pinned_pages_ = 0;
+};
+
+// Chain hash of keys [0, n) in pages of `page_size`: hashes[i] covers full page i and hashes[i-1].
+std::vector<uint64_t> PageChainHashes(absl::Span<const uint64_t> keys, int32_t page_size);
+// Hash of the whole prefix keys[0, n) (the chain extended over a partial last page).
+uint64_t PrefixHash(absl::Span<const uint64_t> keys, int32_t page_size);
+
+}  // namespace hstu
