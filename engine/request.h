@@ -27,6 +27,7 @@ struct RankResult {
 // Limits a caller may tighten (the server's --max_candidates); 0 = no limit beyond the model's.
 struct RequestLimits {
   int64_t max_candidates = 1024;
+  int64_t max_history_events = 1 << 20;  // longer histories are rejected, not truncated
 };
 
 // Validates a request against the model; INVALID_ARGUMENT naming the field otherwise.

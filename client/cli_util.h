@@ -1,0 +1,33 @@
+// Small helpers shared by the command-line programs.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace hstu {
+
+// absl flag names use underscores; accept the dashed spelling too (`--page-size` == `--page_size`,
+// `--no-cache` == `--no_cache`). Returns storage whose c_str()s back `argv_out`.
+inline std::vector<std::string> NormalizeFlagDashes(int argc, char** argv) {
+  std::vector<std::string> args;
+  for (int i = 0; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.size() > 2 && a[0] == '-' && a[1] == '-') {
+      const size_t end = a.find('=') == std::string::npos ? a.size() : a.find('=');
+      for (size_t j = 2; j < end; ++j) {
+        if (a[j] == '-') a[j] = '_';
+      }
+    }
+    args.push_back(std::move(a));
+  }
+  return args;
+}
+
+inline std::vector<char*> ArgvOf(std::vector<std::string>& args) {
+  std::vector<char*> out;
+  for (auto& a : args) out.push_back(a.data());
+  out.push_back(nullptr);
+  return out;
+}
+
+}  // namespace hstu

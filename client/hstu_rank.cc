@@ -1,0 +1,135 @@
+// hstu_rank: offline scoring of a JSONL file of requests, in order, in one process (so returning
+// users reuse their KV cache). One JSON line out per line in.
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "client/cli_util.h"
+#include "engine/engine.h"
+#include "nlohmann/json.hpp"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(std::string, model, "random:tiny", "model file, or random:PRESET (tiny | base)");
+ABSL_FLAG(uint64_t, seed, 1, "seed of a random:PRESET model");
+ABSL_FLAG(std::string, input, "", "JSONL requests, one per line ('-' = stdin)");
+ABSL_FLAG(std::string, device, "cpu", "cpu | cuda:N | auto");
+ABSL_FLAG(bool, no_cache, false, "recompute every history (no KV reuse between requests)");
+ABSL_FLAG(int32_t, page_size, 32, "tokens per KV page");
+ABSL_FLAG(int64_t, cache_pages, 0, "KV pool size in pages (0 = default for the device)");
+ABSL_FLAG(int64_t, max_candidates, 1 << 20, "reject requests with more candidates than this");
+
+namespace {
+
+using json = nlohmann::json;
+
+// Parses one request; the error names the field.
+absl::StatusOr<hstu::RankRequest> ParseRequest(const std::string& line) {
+  json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("not a JSON object");
+  hstu::RankRequest r;
+  if (!j.contains("user_id") || !j["user_id"].is_number_integer() || j["user_id"].get<int64_t>() < 0) {
+    return absl::InvalidArgumentError("field 'user_id' must be a non-negative integer");
+  }
+  r.user_id = j["user_id"].get<uint64_t>();
+  auto ints = [&](const char* field, auto* out, bool required) -> absl::Status {
+    if (!j.contains(field)) {
+      return required ? absl::InvalidArgumentError(std::string("field '") + field + "' is missing")
+                      : absl::OkStatus();
+    }
+    const json& a = j[field];
+    if (!a.is_array()) return absl::InvalidArgumentError(std::string("field '") + field + "' must be an array");
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (!a[i].is_number_integer()) {
+        return absl::InvalidArgumentError(std::string("field '") + field + "[" + std::to_string(i) +
+                                          "]' is not an integer");
+      }
+      out->push_back(a[i].get<typename std::remove_pointer_t<decltype(out)>::value_type>());
+    }
+    return absl::OkStatus();
+  };
+  if (auto s = ints("history_item_ids", &r.history_item_ids, false); !s.ok()) return s;
+  if (auto s = ints("history_actions", &r.history_actions, false); !s.ok()) return s;
+  if (auto s = ints("candidate_item_ids", &r.candidate_item_ids, true); !s.ok()) return s;
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "hstu_rank: scores JSONL requests offline.\n"
+      "  hstu_rank --model FILE|random:PRESET --input FILE.jsonl [--device cpu|cuda:N] [--no-cache]\n"
+      "            [--page-size N] [--cache-pages N]\n"
+      "Input line: {\"user_id\": 7, \"history_item_ids\": [...], \"history_actions\": [...],\n"
+      "             \"candidate_item_ids\": [...]}\n"
+      "Output line: {\"user_id\": 7, \"scores\": [[t0, t1, ...] per candidate], \"reused_tokens\": R,\n"
+      "              \"computed_tokens\": C}  or  {\"line\": N, \"error\": \"...\"}");
+  auto args = hstu::NormalizeFlagDashes(argc, argv);
+  auto argv2 = hstu::ArgvOf(args);
+  absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data());
+  spdlog::set_default_logger(spdlog::default_logger());
+  spdlog::set_level(spdlog::level::warn);
+
+  const std::string input = absl::GetFlag(FLAGS_input);
+  if (input.empty()) {
+    std::fprintf(stderr, "error: --input FILE.jsonl is required (see --help)\n");
+    return 2;
+  }
+  std::ifstream file;
+  std::istream* in = &std::cin;
+  if (input != "-") {
+    file.open(input);
+    if (!file) {
+      std::fprintf(stderr, "error: cannot open --input '%s'\n", input.c_str());
+      return 2;
+    }
+    in = &file;
+  }
+
+  hstu::EngineOptions opts;
+  opts.model = absl::GetFlag(FLAGS_model);
+  opts.seed = absl::GetFlag(FLAGS_seed);
+  opts.device = absl::GetFlag(FLAGS_device);
+  opts.enable_cache = !absl::GetFlag(FLAGS_no_cache);
+  opts.page_size = absl::GetFlag(FLAGS_page_size);
+  opts.cache_pages = absl::GetFlag(FLAGS_cache_pages);
+  opts.limits.max_candidates = absl::GetFlag(FLAGS_max_candidates);
+  auto engine = hstu::Engine::Create(opts);
+  if (!engine.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(engine.status().message()).c_str());
+    return 1;
+  }
+
+  int failures = 0;
+  std::string line;
+  for (int line_no = 1; std::getline(*in, line); ++line_no) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    auto req = ParseRequest(line);
+    absl::StatusOr<hstu::RankResult> res =
+        req.ok() ? std::move((*engine)->Rank({&*req, 1})[0]) : absl::StatusOr<hstu::RankResult>(req.status());
+    if (!res.ok()) {
+      ++failures;
+      nlohmann::ordered_json err = {{"line", line_no}, {"error", std::string(res.status().message())}};
+      std::printf("%s\n", err.dump().c_str());
+      std::fprintf(stderr, "line %d: %s\n", line_no, std::string(res.status().message()).c_str());
+      continue;
+    }
+    json scores = json::array();
+    for (size_t c = 0; c < req->candidate_item_ids.size(); ++c) {
+      json row = json::array();
+      for (int t = 0; t < res->num_tasks; ++t) row.push_back(res->scores[c * res->num_tasks + t]);
+      scores.push_back(std::move(row));
+    }
+    nlohmann::ordered_json out = {{"user_id", req->user_id},
+                {"scores", std::move(scores)},
+                {"reused_tokens", res->reused_tokens},
+                {"computed_tokens", res->computed_tokens}};
+    std::printf("%s\n", out.dump().c_str());
+    std::fflush(stdout);
+  }
+  return failures == 0 ? 0 : 1;
+}

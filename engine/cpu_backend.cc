@@ -1,0 +1,176 @@
+// CPU reference backend: the forward of DESIGN §2.2–2.3 in fp32, composed of kernels/cpu ops.
+#include <cmath>
+#include <cstring>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "engine/backend.h"
+#include "kernels/cpu/ops.h"
+
+namespace hstu {
+namespace {
+
+constexpr float kLayerNormEps = 1e-5f;
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend(const ModelWeights& weights, int32_t page_size, int64_t num_pages)
+      : w_(weights), page_size_(page_size), num_pages_(num_pages) {
+    const ModelConfig& c = w_.config;
+    page_elems_ = 2LL * page_size_ * c.hd();
+    layer_elems_ = page_elems_ * num_pages_;
+    // Left uninitialised on purpose: pages are always written (append) before they are read, and a
+    // large pool should not be touched up front.
+    pool_.reset(new float[static_cast<size_t>(layer_elems_ * c.num_layers)]);
+  }
+
+  std::string name() const override { return "cpu"; }
+  int64_t num_pages() const override { return num_pages_; }
+  int64_t kv_pool_bytes() const override { return layer_elems_ * w_.config.num_layers * 4; }
+  int64_t device_memory_bytes() const override { return 0; }
+
+  absl::Status Forward(const ForwardBatch& batch, bool keep_hidden, ForwardOutput* out) override;
+  absl::Status ReadKv(const std::vector<int32_t>& page_ids, int32_t num_tokens,
+                      std::vector<float>* out) override;
+
+ private:
+  PagedKvView<float> View(int layer, const ForwardBatch& batch) const {
+    const ModelConfig& c = w_.config;
+    PagedKvView<float> v;
+    v.base = pool_.get() + layer * layer_elems_;
+    v.page_stride = page_elems_;
+    v.kv_stride = page_elems_ / 2;
+    v.page_size = page_size_;
+    v.num_heads = c.num_heads;
+    v.head_dim = c.head_dim;
+    v.batch_size = batch.num_users;
+    v.indptr = batch.page_indptr.data();
+    v.page_ids = batch.page_ids.data();
+    v.num_tokens = batch.num_tokens.data();
+    return v;
+  }
+
+  const ModelWeights w_;  // own copy: the engine drops its host weights after start-up
+  int32_t page_size_;
+  int64_t num_pages_;
+  int64_t page_elems_ = 0;
+  int64_t layer_elems_ = 0;
+  std::unique_ptr<float[]> pool_;  // [layers, num_pages, 2, page_size, H, D]
+};
+
+absl::Status CpuBackend::Forward(const ForwardBatch& batch, bool keep_hidden, ForwardOutput* out) {
+  const ModelConfig& c = w_.config;
+  const int64_t rows = batch.num_rows();
+  const int64_t d = c.hidden_dim, hd = c.hd();
+  for (int32_t id : batch.page_ids) {
+    if (id < 0 || id >= num_pages_) {
+      return absl::InternalError(absl::StrCat("page id ", id, " outside the pool of ", num_pages_));
+    }
+  }
+  std::vector<float> x(rows * d), n(rows * d), uvqk(rows * 4 * hd), a(rows * hd), y(rows * hd);
+
+  EmbeddingParams<float> ep;
+  ep.item_table = w_.item_embedding.data();
+  ep.action_table = w_.action_embedding.data();
+  ep.position_table = c.position_encoding ? w_.position_embedding.data() : nullptr;
+  ep.item_rows = c.item_rows;
+  ep.action_rows = c.action_rows;
+  ep.position_rows = c.position_rows;
+  ep.hidden_dim = c.hidden_dim;
+  ep.num_rows = static_cast<int32_t>(rows);
+  ep.token_ids = batch.token_ids.data();
+  ep.token_types = batch.token_types.data();
+  ep.positions = batch.positions.data();
+  ep.out = x.data();
+  cpu::EmbeddingGather(ep);
+
+  for (int layer = 0; layer < c.num_layers; ++layer) {
+    const LayerWeights& l = w_.layers[layer];
+    cpu::LayerNorm(x.data(), rows, d, l.input_norm_w.data(), l.input_norm_b.data(), kLayerNormEps,
+                   n.data());
+    cpu::Gemm(n.data(), l.uvqk_w.data(), l.uvqk_b.data(), rows, 4 * hd, d, 0.f, uvqk.data());
+    cpu::SiluInPlace(uvqk.data(), rows * 4 * hd);
+
+    const PagedKvView<float> kv = View(layer, batch);
+    AppendKvParams<float> ap;
+    ap.uvqk = uvqk.data();
+    ap.uvqk_row_stride = 4 * hd;
+    ap.row_offsets = batch.row_offsets.data();
+    ap.num_new = batch.num_new.data();
+    ap.kv = kv;
+    cpu::AppendKv(ap);
+
+    AttentionParams<float> att;
+    att.uvqk = uvqk.data();
+    att.uvqk_row_stride = 4 * hd;
+    att.out = a.data();
+    att.num_rows = static_cast<int32_t>(rows);
+    att.row_offsets = batch.row_offsets.data();
+    att.num_new = batch.num_new.data();
+    att.kv = kv;
+    att.alpha = 1.f / std::sqrt(static_cast<float>(c.head_dim));
+    att.inv_norm = 1.f / static_cast<float>(c.attention_norm_len);
+    att.max_attn_len = c.max_attn_len;
+    cpu::HstuAttention(att);
+
+    cpu::NormMulU(a.data(), uvqk.data() + kU * hd, 4 * hd, rows, hd, l.output_norm_w.data(),
+                  l.output_norm_b.data(), kLayerNormEps, y.data());
+    cpu::Gemm(y.data(), l.output_w.data(), nullptr, rows, d, hd, 1.f, x.data());
+  }
+
+  // Candidate rows, user-major, in request order.
+  std::vector<float> h;
+  int64_t num_cand = 0;
+  for (int b = 0; b < batch.num_users; ++b) {
+    const int64_t first = batch.row_offsets[b] + batch.num_new[b];
+    const int64_t count = batch.row_offsets[b + 1] - first;
+    h.insert(h.end(), x.begin() + first * d, x.begin() + (first + count) * d);
+    num_cand += count;
+  }
+  if (keep_hidden) out->hidden = h;
+  cpu::L2NormalizeRows(h.data(), num_cand, d);
+  std::vector<float> act = std::move(h);
+  for (size_t j = 0; j < w_.head.size(); ++j) {
+    const HeadLayerWeights& hl = w_.head[j];
+    std::vector<float> next(num_cand * hl.out);
+    cpu::Gemm(act.data(), hl.w.data(), hl.b.data(), num_cand, hl.out, hl.in, 0.f, next.data());
+    if (j + 1 < w_.head.size()) cpu::ReluInPlace(next.data(), static_cast<int64_t>(next.size()));
+    act = std::move(next);
+  }
+  cpu::SigmoidInPlace(act.data(), static_cast<int64_t>(act.size()));
+  out->scores = std::move(act);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::ReadKv(const std::vector<int32_t>& page_ids, int32_t num_tokens,
+                                std::vector<float>* out) {
+  const ModelConfig& c = w_.config;
+  const int64_t hd = c.hd();
+  if (static_cast<int64_t>(page_ids.size()) * page_size_ < num_tokens) {
+    return absl::InvalidArgumentError("ReadKv: too few pages for the token count");
+  }
+  out->assign(static_cast<size_t>(c.num_layers) * 2 * num_tokens * hd, 0.f);
+  for (int l = 0; l < c.num_layers; ++l) {
+    const float* base = pool_.get() + l * layer_elems_;
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int32_t t = 0; t < num_tokens; ++t) {
+        const float* src = base + page_ids[t / page_size_] * page_elems_ + kv * (page_elems_ / 2) +
+                           static_cast<int64_t>(t % page_size_) * hd;
+        std::memcpy(out->data() + ((static_cast<int64_t>(l) * 2 + kv) * num_tokens + t) * hd, src,
+                    sizeof(float) * hd);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const ModelWeights& weights,
+                                                          int32_t page_size, int64_t num_pages) {
+  if (page_size <= 0) return absl::InvalidArgumentError("page_size must be > 0");
+  if (num_pages <= 0) return absl::InvalidArgumentError("the KV pool needs at least one page");
+  return std::unique_ptr<Backend>(new CpuBackend(weights, page_size, num_pages));
+}
+
+}  // namespace hstu

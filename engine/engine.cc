@@ -1,0 +1,240 @@
+#include "engine/engine.h"
+
+#include <chrono>
+#include <unordered_map>
+
+#include "absl/strings/str_cat.h"
+#include "engine/model_file.h"
+#include "kernels/params.h"
+#include "spdlog/spdlog.h"
+
+namespace hstu {
+namespace {
+
+// The kept history of one request (DESIGN §4 truncation): tokens [start, 2n) of the full sequence
+// [item_1, action_1, ..., item_n, action_n]; start is even so the kept part begins with an item.
+struct KeptHistory {
+  int64_t start = 0;
+  int32_t length = 0;
+  std::vector<uint64_t> keys;
+};
+
+KeptHistory KeepHistory(const RankRequest& r, const ModelConfig& c) {
+  KeptHistory k;
+  const int64_t total = 2 * static_cast<int64_t>(r.history_item_ids.size());
+  const int64_t m = c.max_history_tokens, s = c.truncation_stride();
+  if (total > m) k.start = (total - m + s - 1) / s * s;
+  k.length = static_cast<int32_t>(total - k.start);
+  k.keys.resize(k.length);
+  for (int32_t j = 0; j < k.length; ++j) {
+    const int64_t t = k.start + j;
+    const bool is_action = t % 2 == 1;
+    const int64_t id = is_action ? r.history_actions[t / 2] : r.history_item_ids[t / 2];
+    k.keys[j] = TokenKey(is_action, id);
+  }
+  return k;
+}
+
+// One user's share of one forward pass.
+struct PassItem {
+  size_t request_idx;
+  int32_t first_new;      // first kept-history index computed in this pass
+  int32_t num_new;
+  int32_t first_cand;
+  int32_t num_cand;
+};
+
+constexpr int64_t kDefaultCpuPoolBytes = 1LL << 30;
+constexpr int64_t kDefaultGpuPoolBytes = 16LL << 30;
+
+}  // namespace
+
+Engine::Engine(const EngineOptions& options, ModelConfig config, std::unique_ptr<Backend> backend,
+               std::unique_ptr<CacheManager> cache)
+    : options_(options), config_(std::move(config)), backend_(std::move(backend)),
+      cache_(std::move(cache)) {}
+
+Engine::~Engine() = default;
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
+  auto weights = LoadModel(options.model, options.seed);
+  if (!weights.ok()) return weights.status();
+  return Create(options, *std::move(weights));
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
+                                                       ModelWeights weights) {
+  const ModelConfig& c = weights.config;
+  if (auto s = c.Validate(); !s.ok()) return s;
+  if (options.page_size <= 0 || options.page_size > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_size must be in [1, 4096], got ", options.page_size));
+  }
+  if (options.cache_pages < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cache_pages must be >= 0, got ", options.cache_pages));
+  }
+  int64_t num_pages = options.cache_pages;
+  const int64_t pages_per_user = (c.max_history_tokens + options.page_size - 1) / options.page_size;
+  if (num_pages == 0) {
+    const bool cpu = options.device == "cpu";
+    const int64_t page_bytes = 2LL * options.page_size * c.hd() * (cpu ? 4 : 2) * c.num_layers;
+    num_pages = std::max(pages_per_user * 2,
+                         (cpu ? kDefaultCpuPoolBytes : kDefaultGpuPoolBytes) / page_bytes);
+  }
+  auto backend = CreateBackend(options.device, weights, options.page_size, num_pages);
+  if (!backend.ok()) return backend.status();
+  if (num_pages < pages_per_user) {
+    spdlog::warn("KV pool of {} pages cannot hold one user of max history ({} pages)", num_pages,
+                 pages_per_user);
+  }
+  auto cache = std::make_unique<CacheManager>(options.page_size, num_pages);
+  std::unique_ptr<Engine> engine(new Engine(options, c, *std::move(backend), std::move(cache)));
+  engine->stats_.kv_pool_bytes = engine->backend_->kv_pool_bytes();
+  engine->stats_.device_memory_bytes = engine->backend_->device_memory_bytes();
+  return engine;
+}
+
+absl::Status Engine::Validate(const RankRequest& request) const {
+  return ValidateRankRequest(request, config_, options_.limits);
+}
+
+EngineStats Engine::Stats() const {
+  EngineStats s;
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    s = stats_;
+  }
+  s.cache = cache_->Stats();
+  return s;
+}
+
+std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankRequest> batch) {
+  std::vector<absl::StatusOr<RankResult>> results(batch.size(), absl::UnknownError("not run"));
+  // Waves: the k-th request of each user goes into wave k, so a user's later request sees the
+  // cache its earlier one committed.
+  std::vector<std::vector<size_t>> waves;
+  std::unordered_map<uint64_t, size_t> seen;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (auto s = Validate(batch[i]); !s.ok()) {
+      results[i] = s;
+      continue;
+    }
+    const size_t wave = seen[batch[i].user_id]++;
+    if (waves.size() <= wave) waves.resize(wave + 1);
+    waves[wave].push_back(i);
+  }
+  for (const auto& wave : waves) {
+    std::vector<const RankRequest*> reqs;
+    std::vector<absl::StatusOr<RankResult>*> outs;
+    for (size_t i : wave) {
+      reqs.push_back(&batch[i]);
+      outs.push_back(&results[i]);
+    }
+    RankWave(reqs, outs);
+  }
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  ++stats_.batches;
+  stats_.requests += batch.size();
+  return results;
+}
+
+void Engine::RankWave(absl::Span<const RankRequest* const> wave,
+                      absl::Span<absl::StatusOr<RankResult>* const> results) {
+  const ModelConfig& c = config_;
+  const int32_t max_cand = c.max_candidates;
+  struct Live {
+    size_t idx;
+    KeptHistory kept;
+    Reservation res;
+    RankResult result;
+  };
+  std::vector<Live> live;
+  for (size_t i = 0; i < wave.size(); ++i) {
+    Live l{i, KeepHistory(*wave[i], c), {}, {}};
+    auto res = options_.enable_cache ? cache_->Acquire(wave[i]->user_id, l.kept.keys)
+                                     : cache_->AcquireTemporary(wave[i]->user_id, l.kept.length);
+    if (!res.ok()) {
+      *results[i] = res.status();
+      continue;
+    }
+    l.res = *std::move(res);
+    l.result.num_tasks = c.num_tasks;
+    l.result.reused_tokens = static_cast<uint32_t>(l.res.reused_tokens);
+    l.result.computed_tokens = static_cast<uint32_t>(l.kept.length - l.res.reused_tokens);
+    l.result.scores.resize(wave[i]->candidate_item_ids.size() * c.num_tasks);
+    if (options_.keep_hidden) l.result.hidden.resize(wave[i]->candidate_item_ids.size() * c.hidden_dim);
+    live.push_back(std::move(l));
+  }
+
+  // Pass k scores candidate chunk k of every user; pass 0 also computes the new history.
+  absl::Status failure;
+  for (int pass = 0; failure.ok(); ++pass) {
+    ForwardBatch fb;
+    std::vector<PassItem> items;
+    fb.row_offsets.push_back(0);
+    fb.page_indptr.push_back(0);
+    for (size_t u = 0; u < live.size(); ++u) {
+      const Live& l = live[u];
+      const RankRequest& r = *wave[l.idx];
+      const int32_t num_cands = static_cast<int32_t>(r.candidate_item_ids.size());
+      const int32_t first_cand = pass * max_cand;
+      if (first_cand >= num_cands) continue;
+      PassItem it{u, l.res.reused_tokens, pass == 0 ? l.kept.length - l.res.reused_tokens : 0,
+                  first_cand, std::min(max_cand, num_cands - first_cand)};
+      items.push_back(it);
+      for (int32_t j = 0; j < it.num_new; ++j) {
+        const int64_t t = l.kept.start + it.first_new + j;
+        const bool is_action = t % 2 == 1;
+        fb.token_ids.push_back(is_action ? r.history_actions[t / 2] : r.history_item_ids[t / 2]);
+        fb.token_types.push_back(is_action ? kActionToken : kItemToken);
+        fb.positions.push_back(it.first_new + j);
+      }
+      for (int32_t j = 0; j < it.num_cand; ++j) {
+        fb.token_ids.push_back(r.candidate_item_ids[it.first_cand + j]);
+        fb.token_types.push_back(kItemToken);
+        fb.positions.push_back(l.kept.length);
+      }
+      fb.row_offsets.push_back(fb.row_offsets.back() + it.num_new + it.num_cand);
+      fb.num_new.push_back(it.num_new);
+      fb.num_tokens.push_back(l.kept.length);
+      fb.page_ids.insert(fb.page_ids.end(), l.res.page_ids.begin(), l.res.page_ids.end());
+      fb.page_indptr.push_back(static_cast<int32_t>(fb.page_ids.size()));
+    }
+    if (items.empty()) break;
+    fb.num_users = static_cast<int32_t>(items.size());
+
+    ForwardOutput out;
+    const auto t0 = std::chrono::steady_clock::now();
+    failure = backend_->Forward(fb, options_.keep_hidden, &out);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      ++stats_.forward_passes;
+      stats_.compute_seconds += secs;
+    }
+    if (!failure.ok()) break;
+    int64_t cand_row = 0;
+    for (const PassItem& it : items) {
+      RankResult& res = live[it.request_idx].result;
+      std::copy_n(out.scores.begin() + cand_row * c.num_tasks, it.num_cand * c.num_tasks,
+                  res.scores.begin() + static_cast<int64_t>(it.first_cand) * c.num_tasks);
+      if (options_.keep_hidden) {
+        std::copy_n(out.hidden.begin() + cand_row * c.hidden_dim, it.num_cand * c.hidden_dim,
+                    res.hidden.begin() + static_cast<int64_t>(it.first_cand) * c.hidden_dim);
+      }
+      cand_row += it.num_cand;
+    }
+  }
+
+  for (Live& l : live) {
+    if (failure.ok()) {
+      cache_->Commit(l.res, l.kept.keys);
+      *results[l.idx] = std::move(l.result);
+    } else {
+      cache_->Release(l.res);
+      *results[l.idx] = absl::InternalError(absl::StrCat("engine forward failed: ", failure.message()));
+    }
+  }
+}
+
+}  // namespace hstu
