@@ -1,0 +1,42 @@
+// Tolerances of every comparison in the tests, per dtype, in one place (STYLE habit 9).
+#pragma once
+
+#include <cmath>
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace hstu::test {
+
+// fp32 vs fp32 computed in another order (BLAS blocking, paged vs contiguous): rounding only.
+constexpr double kF32RelL2 = 1e-5;
+constexpr double kF32Abs = 1e-5;
+// fp32 CPU engine vs an independent float64 reference (scores).
+constexpr double kReferenceScoreAbs = 1e-4;
+// bf16 GPU vs fp32 CPU (DESIGN §2.4).
+constexpr double kBf16RelL2 = 1e-2;
+constexpr double kBf16ScoreAbs = 2e-3;
+
+// ‖a − b‖ / ‖b‖; NaN when any element is not finite so that a comparison never passes on NaN.
+inline double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return NAN;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return NAN;
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+inline double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return NAN;
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return NAN;
+    m = std::max(m, std::abs(double(a[i]) - b[i]));
+  }
+  return m;
+}
+
+}  // namespace hstu::test
