@@ -1,0 +1,167 @@
+// Hash-chain reuse rules, page allocation, pinning and LRU eviction (metadata only, no memory).
+#include <random>
+
+#include "gtest/gtest.h"
+#include "kvcache/cache_manager.h"
+
+namespace hstu {
+namespace {
+
+std::vector<uint64_t> Keys(int n, int salt = 0) {
+  std::vector<uint64_t> k(n);
+  for (int i = 0; i < n; ++i) k[i] = TokenKey(i % 2 == 1, 1000 * salt + i);
+  return k;
+}
+
+Reservation AcquireCommit(CacheManager& m, uint64_t user, const std::vector<uint64_t>& keys) {
+  auto r = m.Acquire(user, keys);
+  EXPECT_TRUE(r.ok()) << r.status();
+  m.Commit(*r, keys);
+  return *r;
+}
+
+TEST(PageAllocator, AllocatesAllOrNothing) {
+  PageAllocator a(5);
+  std::vector<int32_t> got;
+  EXPECT_TRUE(a.Allocate(3, &got));
+  EXPECT_FALSE(a.Allocate(3, &got));
+  EXPECT_EQ(got.size(), 3u);
+  EXPECT_EQ(a.num_free(), 2);
+  a.Free(got.data(), 3);
+  EXPECT_EQ(a.num_free(), 5);
+  EXPECT_DEATH(a.Free(got.data(), 1), "not in use");
+}
+
+TEST(CacheManager, MissThenFullHitThenGrowth) {
+  CacheManager m(4, 64);
+  auto k = Keys(10);
+  Reservation r1 = AcquireCommit(m, 1, k);
+  EXPECT_EQ(r1.result, LookupResult::kMiss);
+  EXPECT_EQ(r1.reused_tokens, 0);
+  EXPECT_EQ(r1.page_ids.size(), 3u);
+  // Same history: everything reused.
+  Reservation r2 = AcquireCommit(m, 1, k);
+  EXPECT_EQ(r2.result, LookupResult::kHit);
+  EXPECT_EQ(r2.reused_tokens, 10);
+  // Grown history (partial last page reused too): the old prefix is reused, pages extend.
+  auto k2 = Keys(14);
+  Reservation r3 = AcquireCommit(m, 1, k2);
+  EXPECT_EQ(r3.result, LookupResult::kHit);
+  EXPECT_EQ(r3.reused_tokens, 10);
+  EXPECT_EQ(r3.total_tokens, 14);
+  EXPECT_EQ(r3.page_ids.size(), 4u);
+  EXPECT_EQ(std::vector<int32_t>(r3.page_ids.begin(), r3.page_ids.begin() + 3), r1.page_ids);
+  EXPECT_EQ(m.CachedTokens(1), 14);
+}
+
+TEST(CacheManager, EditedHistoryReusesLongestMatchingPagePrefix) {
+  for (int ps : {1, 3, 7, 17}) {
+    CacheManager m(ps, 256);
+    auto k = Keys(60);
+    AcquireCommit(m, 1, k);
+    auto edited = k;
+    edited[40] = TokenKey(false, 999999);
+    auto r = m.Acquire(1, edited);
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->reused_tokens, 40 / ps * ps) << "page size " << ps;
+    EXPECT_EQ(r->result, 40 / ps > 0 ? LookupResult::kPartial : LookupResult::kMismatch);
+    m.Commit(*r, edited);
+    EXPECT_EQ(m.Acquire(1, edited)->reused_tokens, 60);
+  }
+}
+
+TEST(CacheManager, ShortenedHistoryIsNeverServedFromStaleKv) {
+  CacheManager m(4, 64);
+  auto k = Keys(20);
+  AcquireCommit(m, 1, k);
+  std::vector<uint64_t> shorter(k.begin(), k.begin() + 10);
+  auto r = m.Acquire(1, shorter);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->reused_tokens, 8);  // two full pages match; the rest is recomputed
+  EXPECT_EQ(r->result, LookupResult::kPartial);
+  EXPECT_EQ(r->page_ids.size(), 3u);
+  m.Commit(*r, shorter);
+  EXPECT_EQ(m.Stats().pages_free, 64 - 3);
+}
+
+TEST(CacheManager, FirstTokenEditedIsAMismatch) {
+  CacheManager m(4, 64);
+  auto k = Keys(12);
+  AcquireCommit(m, 1, k);
+  auto other = Keys(12, 5);
+  auto r = m.Acquire(1, other);
+  EXPECT_EQ(r->reused_tokens, 0);
+  EXPECT_EQ(r->result, LookupResult::kMismatch);
+  m.Release(*r);
+  EXPECT_EQ(m.CachedTokens(1), 0);
+  EXPECT_EQ(m.Stats().pages_free, 64);
+  EXPECT_EQ(m.Stats().dropped_entries, 1u);
+}
+
+TEST(CacheManager, LruEvictionSkipsPinnedAndRecentUsers) {
+  CacheManager m(4, 6);  // room for three users of 8 tokens
+  AcquireCommit(m, 1, Keys(8, 1));
+  AcquireCommit(m, 2, Keys(8, 2));
+  AcquireCommit(m, 3, Keys(8, 3));
+  AcquireCommit(m, 1, Keys(8, 1));  // user 1 becomes most recent
+  auto pinned = m.Acquire(2, Keys(8, 2));  // user 2 in flight
+  ASSERT_TRUE(pinned.ok());
+  AcquireCommit(m, 4, Keys(8, 4));  // must evict user 3 (LRU, unpinned)
+  EXPECT_EQ(m.CachedTokens(3), 0);
+  EXPECT_EQ(m.CachedTokens(1), 8);
+  EXPECT_EQ(m.CachedTokens(2), 8);
+  EXPECT_EQ(m.Stats().evictions, 1u);
+  // A user that needs more than every unpinned page fails without evicting anyone.
+  auto big = m.Acquire(5, Keys(20, 5));
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(m.CachedTokens(1), 8);
+  EXPECT_EQ(m.CachedTokens(4), 8);
+  // Two requests of one user at once are refused.
+  EXPECT_EQ(m.Acquire(2, Keys(8, 2)).status().code(), absl::StatusCode::kFailedPrecondition);
+  m.Commit(*pinned, Keys(8, 2));
+  EXPECT_EQ(m.Stats().pages_pinned, 0);
+}
+
+TEST(CacheManager, TemporaryReservationsReturnTheirPages) {
+  CacheManager m(8, 10);
+  auto r = m.AcquireTemporary(1, 30);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->page_ids.size(), 4u);
+  EXPECT_EQ(m.Stats().pages_free, 6);
+  m.Commit(*r, Keys(30));
+  EXPECT_EQ(m.Stats().pages_free, 10);
+  EXPECT_EQ(m.CachedTokens(1), 0);
+}
+
+TEST(CacheManager, NoPagesLeakUnderRandomTraffic) {
+  CacheManager m(3, 40);
+  std::mt19937 rng(9);
+  std::vector<std::vector<uint64_t>> hist(12);
+  for (int step = 0; step < 2000; ++step) {
+    const int u = rng() % 12;
+    auto& h = hist[u];
+    const int op = rng() % 10;
+    if (op < 6) {
+      for (int i = 0; i < 2; ++i) h.push_back(TokenKey(i, rng() % 100));
+    } else if (op < 8 && h.size() > 4) {
+      h[rng() % h.size()] = TokenKey(false, rng());
+    } else if (h.size() > 6) {
+      h.resize(h.size() - 4);
+    }
+    if (h.size() > 60) h.erase(h.begin(), h.begin() + 30);
+    auto r = m.Acquire(u, h);
+    if (!r.ok()) continue;
+    if (rng() % 20 == 0) {
+      m.Release(*r);
+    } else {
+      m.Commit(*r, h);
+    }
+  }
+  CacheStats s = m.Stats();
+  EXPECT_EQ(s.pages_pinned, 0);
+  m.Clear();
+  EXPECT_EQ(m.Stats().pages_free, 40);
+}
+
+}  // namespace
+}  // namespace hstu

@@ -1,0 +1,255 @@
+// The engine on the CPU: incremental forward with the cache == full forward without it, edits,
+// truncation, candidate chunking, eviction pressure, validation.
+#include <random>
+
+#include "engine/engine.h"
+#include "engine/model_file.h"
+#include "gtest/gtest.h"
+#include "tests/util/tolerance.h"
+
+namespace hstu {
+namespace {
+
+ModelConfig TestConfig(bool position_encoding, int window, int max_history = 64, int max_cand = 16) {
+  ModelConfig c = *PresetConfig("tiny");
+  c.num_layers = 3;
+  c.hidden_dim = 24;
+  c.num_heads = 2;
+  c.head_dim = 8;
+  c.max_history_tokens = max_history;
+  c.max_candidates = max_cand;
+  c.attention_norm_len = max_history + max_cand;
+  c.max_attn_len = window;
+  c.position_encoding = position_encoding;
+  c.position_rows = position_encoding ? max_history : 0;
+  c.item_rows = 97;
+  c.action_rows = 5;
+  c.num_tasks = 2;
+  c.head_dims = {24, 12, 2};
+  return c;
+}
+
+std::unique_ptr<Engine> MakeEngine(const ModelConfig& c, bool cache, int page_size,
+                                   int64_t pages = 0, int64_t seed = 3) {
+  EngineOptions o;
+  o.enable_cache = cache;
+  o.page_size = page_size;
+  o.cache_pages = pages;
+  o.keep_hidden = true;
+  auto e = Engine::Create(o, RandomModel(c, seed));
+  EXPECT_TRUE(e.ok()) << e.status();
+  return *std::move(e);
+}
+
+RankResult RankOne(Engine& e, const RankRequest& r) {
+  auto res = e.Rank({&r, 1});
+  EXPECT_TRUE(res[0].ok()) << res[0].status();
+  return *std::move(res[0]);
+}
+
+struct Traffic {
+  std::mt19937 rng;
+  std::vector<RankRequest> users;
+  explicit Traffic(int n, uint64_t seed) : rng(seed), users(n) {
+    for (int u = 0; u < n; ++u) users[u].user_id = 100 + u;
+  }
+  // The next visit of user u: a few new events, sometimes an edit or a shortened history.
+  RankRequest Visit(int u, bool allow_edits) {
+    RankRequest& r = users[u];
+    const int op = rng() % 10;
+    if (allow_edits && op == 0 && !r.history_item_ids.empty()) {
+      r.history_item_ids[rng() % r.history_item_ids.size()] = rng() % 1000;
+    } else if (allow_edits && op == 1 && r.history_item_ids.size() > 3) {
+      r.history_item_ids.resize(r.history_item_ids.size() - 3);
+      r.history_actions.resize(r.history_item_ids.size());
+    } else {
+      const int add = rng() % 6;
+      for (int i = 0; i < add; ++i) {
+        r.history_item_ids.push_back(rng() % 1000);
+        r.history_actions.push_back(rng() % 5);
+      }
+    }
+    r.candidate_item_ids.clear();
+    const int nc = 1 + rng() % 5;
+    for (int i = 0; i < nc; ++i) r.candidate_item_ids.push_back(rng() % 1000);
+    return r;
+  }
+};
+
+void ExpectSame(const RankResult& a, const RankResult& b, const std::string& what) {
+  ASSERT_EQ(a.scores.size(), b.scores.size()) << what;
+  EXPECT_LE(test::MaxAbsDiff(a.scores, b.scores), test::kF32Abs) << what;
+  EXPECT_LE(test::RelL2(a.hidden, b.hidden), test::kF32RelL2) << what;
+}
+
+class CachedEqualsFull : public ::testing::TestWithParam<std::tuple<int, bool, int>> {};
+
+TEST_P(CachedEqualsFull, ScoresAndHiddenStatesMatch) {
+  const auto [page_size, pos_enc, window] = GetParam();
+  const ModelConfig c = TestConfig(pos_enc, window);
+  auto cached = MakeEngine(c, true, page_size);
+  auto full = MakeEngine(c, false, page_size);
+  Traffic t(4, page_size * 31 + window);
+  uint64_t reused = 0;
+  for (int step = 0; step < 40; ++step) {
+    const RankRequest r = t.Visit(step % 4, /*allow_edits=*/true);
+    const RankResult a = RankOne(*cached, r), b = RankOne(*full, r);
+    EXPECT_EQ(b.reused_tokens, 0u);
+    EXPECT_EQ(a.reused_tokens + a.computed_tokens, b.computed_tokens);
+    reused += a.reused_tokens;
+    ExpectSame(a, b, "step " + std::to_string(step));
+    for (float s : a.scores) ASSERT_TRUE(s > 0.f && s < 1.f);
+  }
+  EXPECT_GT(reused, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(PageSizesEncodingsWindows, CachedEqualsFull,
+                         ::testing::Combine(::testing::Values(1, 3, 7, 17, 32), ::testing::Bool(),
+                                            ::testing::Values(0, 6)));
+
+TEST(Engine, ReturningUserReusesExactlyTheUnchangedPrefix) {
+  const ModelConfig c = TestConfig(true, 0);
+  auto e = MakeEngine(c, true, 4);
+  RankRequest r{7, {1, 2, 3, 4, 5}, {0, 1, 2, 3, 4}, {9, 8}};
+  EXPECT_EQ(RankOne(*e, r).computed_tokens, 10u);
+  r.history_item_ids.push_back(6);
+  r.history_actions.push_back(0);
+  RankResult grown = RankOne(*e, r);
+  EXPECT_EQ(grown.reused_tokens, 10u);
+  EXPECT_EQ(grown.computed_tokens, 2u);
+  r.history_item_ids[3] = 77;  // token 6 edited: pages 0 (tokens 0-3) still match
+  RankResult edited = RankOne(*e, r);
+  EXPECT_EQ(edited.reused_tokens, 4u);
+  EXPECT_EQ(edited.computed_tokens, 8u);
+  auto fresh = MakeEngine(c, false, 4);
+  ExpectSame(edited, RankOne(*fresh, r), "edited history");
+}
+
+TEST(Engine, TwoRequestsOfOneUserInABatchRunInOrder) {
+  const ModelConfig c = TestConfig(false, 0);
+  auto e = MakeEngine(c, true, 4);
+  RankRequest a{5, {1, 2, 3}, {0, 1, 2}, {4}};
+  RankRequest b = a;
+  b.history_item_ids.push_back(9);
+  b.history_actions.push_back(1);
+  RankRequest other{6, {3}, {1}, {4, 5}};
+  std::vector<RankRequest> batch = {a, other, b};
+  auto res = e->Rank(batch);
+  ASSERT_TRUE(res[0].ok() && res[1].ok() && res[2].ok());
+  EXPECT_EQ(res[2]->reused_tokens, 6u);
+  EXPECT_EQ(res[2]->computed_tokens, 2u);
+  auto full = MakeEngine(c, false, 4);
+  ExpectSame(*res[2], RankOne(*full, b), "second request of the user");
+  ExpectSame(*res[1], RankOne(*full, other), "other user in the batch");
+}
+
+TEST(Engine, CandidateChunksGiveIdenticalScores) {
+  const ModelConfig c = TestConfig(true, 0, 64, /*max_cand=*/4);
+  auto e = MakeEngine(c, true, 3);
+  RankRequest r{1, {5, 6, 7, 8}, {1, 2, 3, 4}, {}};
+  for (int i = 0; i < 11; ++i) r.candidate_item_ids.push_back(10 * i + 1);
+  const RankResult all = RankOne(*e, r);
+  ASSERT_EQ(all.scores.size(), 11u * 2);
+  auto single = MakeEngine(c, false, 3);
+  for (int i = 0; i < 11; ++i) {
+    RankRequest one = r;
+    one.candidate_item_ids = {r.candidate_item_ids[i]};
+    const RankResult s = RankOne(*single, one);
+    for (int t = 0; t < 2; ++t) EXPECT_NEAR(all.scores[i * 2 + t], s.scores[t], test::kF32Abs) << i;
+  }
+}
+
+TEST(Engine, TruncationKeepsTheLatestTokensInStrides) {
+  // M = 16 history tokens, stride 4 tokens (2 events).
+  const ModelConfig c = TestConfig(true, 0, 16, 8);
+  ASSERT_EQ(c.truncation_stride(), 4);
+  auto e = MakeEngine(c, true, 4);
+  auto full = MakeEngine(c, false, 4);
+  RankRequest r{3, {}, {}, {1, 2}};
+  for (int i = 0; i < 8; ++i) {
+    r.history_item_ids.push_back(i + 1);
+    r.history_actions.push_back(i % 5);
+  }
+  RankOne(*e, r);  // 16 tokens: exactly M, nothing dropped
+  r.history_item_ids.push_back(9);
+  r.history_actions.push_back(0);
+  // 18 tokens > 16: start = ceil(2/4)*4 = 4, keeps events 2.. (7 events, 14 tokens).
+  const RankResult moved = RankOne(*e, r);
+  EXPECT_EQ(moved.reused_tokens + moved.computed_tokens, 14u);
+  EXPECT_EQ(moved.reused_tokens, 0u);  // the start moved: nothing cached is valid
+  RankRequest explicit_tail{4, {}, {}, r.candidate_item_ids};
+  explicit_tail.history_item_ids.assign(r.history_item_ids.begin() + 2, r.history_item_ids.end());
+  explicit_tail.history_actions.assign(r.history_actions.begin() + 2, r.history_actions.end());
+  ExpectSame(moved, RankOne(*full, explicit_tail), "truncated == explicit tail");
+  // One more event within the same stride: start stays 4, the cache is reused.
+  r.history_item_ids.push_back(10);
+  r.history_actions.push_back(1);
+  const RankResult next = RankOne(*e, r);
+  EXPECT_EQ(next.reused_tokens, 14u);
+  EXPECT_EQ(next.computed_tokens, 2u);
+  ExpectSame(next, RankOne(*full, r), "within the stride");
+}
+
+TEST(Engine, EvictionUnderATinyPoolKeepsScoresCorrect) {
+  const ModelConfig c = TestConfig(false, 0);
+  auto e = MakeEngine(c, true, 4, /*pages=*/20);  // ~2 users of 40 tokens
+  auto full = MakeEngine(c, false, 4);
+  Traffic t(6, 77);
+  for (int step = 0; step < 60; ++step) {
+    const RankRequest r = t.Visit(step % 6, false);
+    ExpectSame(RankOne(*e, r), RankOne(*full, r), "step " + std::to_string(step));
+  }
+  const EngineStats s = e->Stats();
+  EXPECT_GT(s.cache.evictions, 0u);
+  EXPECT_EQ(s.cache.pages_pinned, 0);
+  EXPECT_LE(s.cache.pages_total - s.cache.pages_free, 20);
+}
+
+TEST(Engine, UserLargerThanThePoolFailsAloneWithResourceExhausted) {
+  const ModelConfig c = TestConfig(false, 0);
+  auto e = MakeEngine(c, true, 4, /*pages=*/3);
+  RankRequest big{1, std::vector<int64_t>(20, 1), std::vector<int32_t>(20, 1), {1}};
+  RankRequest small{2, {1}, {1}, {1}};
+  auto res = e->Rank(std::vector<RankRequest>{big, small});
+  EXPECT_EQ(res[0].status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(res[1].ok());
+}
+
+TEST(Engine, ValidationNamesTheField) {
+  const ModelConfig c = TestConfig(false, 0);
+  auto e = MakeEngine(c, true, 4);
+  auto msg = [&](const RankRequest& r) {
+    auto res = e->Rank({&r, 1});
+    EXPECT_EQ(res[0].status().code(), absl::StatusCode::kInvalidArgument);
+    return std::string(res[0].status().message());
+  };
+  EXPECT_NE(msg({1, {1, 2}, {1}, {3}}).find("history_actions has 1 entries"), std::string::npos);
+  EXPECT_NE(msg({1, {1, -2}, {1, 1}, {3}}).find("history_item_ids[1] = -2"), std::string::npos);
+  EXPECT_NE(msg({1, {1}, {5}, {3}}).find("history_actions[0] = 5 is out of range [0, 5)"), std::string::npos);
+  EXPECT_NE(msg({1, {1}, {1}, {}}).find("candidate_item_ids is empty"), std::string::npos);
+  EXPECT_NE(msg({1, {1}, {1}, {3, -1}}).find("candidate_item_ids[1] = -1"), std::string::npos);
+  RankRequest many{1, {}, {}, std::vector<int64_t>(1025, 1)};
+  EXPECT_NE(msg(many).find("more than the limit of 1024"), std::string::npos);
+}
+
+TEST(Engine, RandomTinyModelGivesUsefulScores) {
+  auto e = Engine::Create(EngineOptions{});
+  ASSERT_TRUE(e.ok());
+  RankRequest r{1, {}, {}, {}};
+  for (int i = 0; i < 100; ++i) {
+    r.history_item_ids.push_back(i * 7);
+    r.history_actions.push_back(i % 16);
+  }
+  for (int i = 0; i < 64; ++i) r.candidate_item_ids.push_back(i * 13);
+  const RankResult res = RankOne(**e, r);
+  float lo = 1, hi = 0;
+  for (float s : res.scores) {
+    ASSERT_TRUE(std::isfinite(s));
+    lo = std::min(lo, s);
+    hi = std::max(hi, s);
+  }
+  EXPECT_GT(hi - lo, 0.1f) << "scores do not vanish or saturate";
+}
+
+}  // namespace
+}  // namespace hstu

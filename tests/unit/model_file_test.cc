@@ -1,0 +1,172 @@
+// Model files: round trips and every malformed-file case, each error naming what is wrong.
+#include <cstring>
+
+#include "engine/model_file.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace hstu {
+namespace {
+
+ModelConfig SmallConfig() {
+  ModelConfig c = *PresetConfig("tiny");
+  c.num_layers = 2;
+  c.hidden_dim = 8;
+  c.num_heads = 2;
+  c.head_dim = 4;
+  c.item_rows = 11;
+  c.action_rows = 3;
+  c.max_history_tokens = 16;
+  c.position_rows = 16;
+  c.head_dims = {8, 4, 3};
+  return c;
+}
+
+// Splits a file into (header JSON, data) so tests can corrupt one part.
+std::pair<nlohmann::json, std::string> Split(const std::string& bytes) {
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  return {nlohmann::json::parse(bytes.substr(8, n)), bytes.substr(8 + n)};
+}
+
+std::string Join(const nlohmann::json& header, const std::string& data) {
+  std::string h = header.dump();
+  uint64_t n = h.size();
+  std::string out(8, '\0');
+  std::memcpy(out.data(), &n, 8);
+  return out + h + data;
+}
+
+void ExpectError(const std::string& bytes, const std::string& needle) {
+  auto r = ParseModelFile(bytes, "test.safetensors");
+  ASSERT_FALSE(r.ok()) << "expected an error containing '" << needle << "'";
+  EXPECT_NE(std::string(r.status().message()).find(needle), std::string::npos)
+      << "message: " << r.status().message();
+}
+
+TEST(ModelFile, F32RoundTripIsExact) {
+  const ModelWeights w = RandomModel(SmallConfig(), 7);
+  auto r = ParseModelFile(SerializeModelFile(w, FileDType::kF32), "x");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->config.num_layers, 2);
+  EXPECT_EQ(r->config.item_rows, 11);
+  EXPECT_EQ(r->config.head_dims, (std::vector<int32_t>{8, 4, 3}));
+  EXPECT_EQ(r->item_embedding, w.item_embedding);
+  EXPECT_EQ(r->position_embedding, w.position_embedding);
+  EXPECT_EQ(r->layers[1].uvqk_w, w.layers[1].uvqk_w);
+  EXPECT_EQ(r->head[1].b, w.head[1].b);
+}
+
+TEST(ModelFile, Bf16RoundTripRoundsToBf16) {
+  const ModelWeights w = RandomModel(SmallConfig(), 8);
+  auto r = ParseModelFile(SerializeModelFile(w, FileDType::kBF16), "x");
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (size_t i = 0; i < w.layers[0].uvqk_w.size(); ++i) {
+    const float a = w.layers[0].uvqk_w[i], b = r->layers[0].uvqk_w[i];
+    EXPECT_NEAR(a, b, std::abs(a) * (1.0 / 256) + 1e-30);
+  }
+  // Written again as BF16, the values are unchanged (already representable).
+  auto r2 = ParseModelFile(SerializeModelFile(*r, FileDType::kBF16), "x");
+  ASSERT_TRUE(r2.ok());
+  EXPECT_EQ(r2->layers[0].uvqk_w, r->layers[0].uvqk_w);
+}
+
+TEST(ModelFile, RandomModelsAreDeterministic) {
+  EXPECT_EQ(RandomModel(SmallConfig(), 5).layers[0].output_w, RandomModel(SmallConfig(), 5).layers[0].output_w);
+  EXPECT_NE(RandomModel(SmallConfig(), 5).layers[0].output_w, RandomModel(SmallConfig(), 6).layers[0].output_w);
+}
+
+TEST(ModelFile, WrongMagicOrLength) {
+  ExpectError("abc", "too short");
+  std::string bytes = SerializeModelFile(RandomModel(SmallConfig(), 1));
+  std::string bad = bytes;
+  const uint64_t huge = 1ull << 40;
+  std::memcpy(bad.data(), &huge, 8);
+  ExpectError(bad, "header length");
+}
+
+TEST(ModelFile, HeaderNotJson) {
+  std::string h = "{not json!";
+  while (h.size() % 8) h += ' ';
+  uint64_t n = h.size();
+  std::string out(8, '\0');
+  std::memcpy(out.data(), &n, 8);
+  ExpectError(out + h, "not a JSON object");
+}
+
+TEST(ModelFile, MissingTensorIsNamed) {
+  auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+  h.erase("layers.1.output_norm.bias");
+  ExpectError(Join(h, data), "layers.1.output_norm.bias' is missing");
+}
+
+TEST(ModelFile, MisShapedTensorIsNamed) {
+  auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+  h["layers.0.uvqk.weight"]["shape"] = {16, 16};  // same byte count, wrong shape
+  ExpectError(Join(h, data), "'layers.0.uvqk.weight' has shape [16, 16], expected [8, 32]");
+}
+
+TEST(ModelFile, ShapeAndByteCountDisagree) {
+  auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+  h["layers.0.uvqk.bias"]["shape"] = {33};
+  ExpectError(Join(h, data), "'layers.0.uvqk.bias' holds");
+}
+
+TEST(ModelFile, DataPastTheEndIsDetected) {
+  const std::string bytes = SerializeModelFile(RandomModel(SmallConfig(), 1));
+  ExpectError(bytes.substr(0, bytes.size() - 10), "runs past the end of the file");
+}
+
+TEST(ModelFile, UnsupportedDtypeIsNamed) {
+  auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+  h["head.0.bias"]["dtype"] = "F16";
+  ExpectError(Join(h, data), "'head.0.bias' has dtype 'F16'");
+}
+
+TEST(ModelFile, InconsistentMetadata) {
+  {
+    auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+    h["__metadata__"]["hstu.num_tasks"] = "4";  // head outputs 3
+    ExpectError(Join(h, data), "hstu.num_tasks is 4");
+  }
+  {
+    auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+    h["__metadata__"].erase("hstu.head_dim");
+    ExpectError(Join(h, data), "'hstu.head_dim' is missing");
+  }
+  {
+    auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+    h["__metadata__"]["hstu.num_heads"] = "two";
+    ExpectError(Join(h, data), "'hstu.num_heads' = 'two' is not an integer");
+  }
+  {
+    auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+    h["__metadata__"]["hstu.num_layers"] = "3";  // file has 2 layers
+    ExpectError(Join(h, data), "'layers.2.input_norm.weight' is missing");
+  }
+  {
+    auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+    h["__metadata__"]["hstu.hidden_dim"] = "16";
+    ExpectError(Join(h, data), "embeddings.item.weight' has shape [11, 8], expected [rows > 0, 16]");
+  }
+}
+
+TEST(ModelFile, NanWeightsAreRejected) {
+  ModelWeights w = RandomModel(SmallConfig(), 1);
+  w.layers[0].output_w[3] = NAN;
+  ExpectError(SerializeModelFile(w), "'layers.0.output.weight' contains NaN");
+}
+
+TEST(ModelFile, PresetsAndUnknownPreset) {
+  auto base = PresetConfig("base");
+  ASSERT_TRUE(base.ok());
+  EXPECT_EQ(base->num_layers, 8);
+  EXPECT_EQ(base->hd(), 1024);
+  EXPECT_EQ(base->attention_norm_len, 4352);
+  EXPECT_TRUE(base->Validate().ok());
+  EXPECT_FALSE(PresetConfig("huge").ok());
+  EXPECT_FALSE(ReadModelFile("/nonexistent/model.safetensors").ok());
+}
+
+}  // namespace
+}  // namespace hstu
