@@ -56,4 +56,6 @@ PY
   fi
   rm -rf "$tmp"
 fi
+# numpy for the independent Python reference used by the tests.
+python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy || $SUDO apt-get install -y -qq python3-numpy
 echo "[install_deps] done"
