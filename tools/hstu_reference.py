@@ -1,0 +1,334 @@
+#!/usr/bin/env python3
+"""Independent float64 reference of the HSTU forward (DESIGN §2) with history truncation (DESIGN §4).
+
+This is the oracle that `hstu_rank` is compared against. It shares no code with the C++ engine and is
+deliberately written the "obvious" way: every request is computed from scratch (no KV cache, no pages,
+no candidate chunking), attention uses one dense [T, T] mask built from the rules in DESIGN §2.2, and
+all arithmetic is float64 so that the only error in a comparison is the engine's own fp32 rounding.
+
+Usage:
+    hstu_reference.py --model MODEL.safetensors --input REQUESTS.jsonl [--output SCORES.jsonl]
+
+Each input line {"user_id": 7, "history_item_ids": [...], "history_actions": [...],
+"candidate_item_ids": [...]} produces one output line {"user_id": 7, "scores": [[t0, t1, ...], ...]}
+(one inner list per candidate, one value per task). A line that is not a valid request produces
+{"line": N, "error": "..."} (N counts from 1) and the other lines still run.
+
+numpy and the standard library only: the model file is parsed here, not by the `safetensors` package,
+so that a format misunderstanding in our C++ writer/reader cannot be hidden by a shared library.
+"""
+
+import argparse
+import json
+import math
+import struct
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+LAYER_NORM_EPS = 1e-5
+L2_NORM_FLOOR = 1e-6
+
+
+# --------------------------------------------------------------------------------------------------
+# Model file (DESIGN §3)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Layer:
+    input_norm_w: np.ndarray  # [d]
+    input_norm_b: np.ndarray  # [d]
+    uvqk_w: np.ndarray  # [d, 4*H*D], column blocks u | v | q | k
+    uvqk_b: np.ndarray  # [4*H*D]
+    output_norm_w: np.ndarray  # [H*D]
+    output_norm_b: np.ndarray  # [H*D]
+    output_w: np.ndarray  # [H*D, d]
+
+
+@dataclass
+class Model:
+    num_layers: int
+    hidden_dim: int
+    num_heads: int
+    head_dim: int
+    attention_norm_len: int
+    max_history_tokens: int
+    max_attn_len: int
+    position_encoding: bool
+    num_tasks: int
+    max_candidates: int
+    model_name: str
+    item_emb: np.ndarray  # [item_rows, d]
+    action_emb: np.ndarray  # [action_rows, d]
+    position_emb: np.ndarray | None  # [position_rows, d] or None
+    layers: list = field(default_factory=list)
+    head: list = field(default_factory=list)  # [(weight [in, out], bias [out]), ...]
+
+    @property
+    def truncation_stride(self) -> int:
+        # DESIGN §4: M/4 rounded down to an even number (so a kept window always starts on an item
+        # token), and at least 2 so that the stride can never be 0.
+        return max(2, (self.max_history_tokens // 4) // 2 * 2)
+
+
+def _decode_tensor(raw: bytes, dtype: str, shape: list) -> np.ndarray:
+    if dtype == "F32":
+        values = np.frombuffer(raw, dtype="<f4").astype(np.float64)
+    elif dtype == "BF16":
+        # bf16 is the upper half of an IEEE float32: widen by shifting the 16 bits into place.
+        halves = np.frombuffer(raw, dtype="<u2").astype(np.uint32)
+        values = (halves << 16).view(np.float32).astype(np.float64)
+    else:
+        raise ValueError(f"unsupported dtype {dtype!r} (only F32 and BF16)")
+    return values.reshape(shape)
+
+
+def load_model(path: str) -> Model:
+    with open(path, "rb") as f:
+        blob = f.read()
+    if len(blob) < 8:
+        raise ValueError(f"{path}: too short for a safetensors header")
+    (header_len,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + header_len].decode("utf-8"))
+    data = blob[8 + header_len :]
+    meta = header.pop("__metadata__")
+
+    tensors = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        if end > len(data):
+            raise ValueError(f"{path}: tensor {name} runs past the end of the file")
+        tensors[name] = _decode_tensor(data[begin:end], info["dtype"], info["shape"])
+
+    def meta_int(key, default=None):
+        if key not in meta:
+            if default is None:
+                raise ValueError(f"{path}: metadata {key} is missing")
+            return default
+        return int(meta[key])
+
+    position_encoding = meta["hstu.position_encoding"] in ("true", "1")
+    layers = []
+    for i in range(meta_int("hstu.num_layers")):
+        p = f"layers.{i}."
+        layers.append(
+            Layer(
+                input_norm_w=tensors[p + "input_norm.weight"],
+                input_norm_b=tensors[p + "input_norm.bias"],
+                uvqk_w=tensors[p + "uvqk.weight"],
+                uvqk_b=tensors[p + "uvqk.bias"],
+                output_norm_w=tensors[p + "output_norm.weight"],
+                output_norm_b=tensors[p + "output_norm.bias"],
+                output_w=tensors[p + "output.weight"],
+            )
+        )
+    head = []
+    j = 0
+    while f"head.{j}.weight" in tensors:
+        head.append((tensors[f"head.{j}.weight"], tensors[f"head.{j}.bias"]))
+        j += 1
+    if not head:
+        raise ValueError(f"{path}: no head.0.weight")
+
+    model = Model(
+        num_layers=meta_int("hstu.num_layers"),
+        hidden_dim=meta_int("hstu.hidden_dim"),
+        num_heads=meta_int("hstu.num_heads"),
+        head_dim=meta_int("hstu.head_dim"),
+        attention_norm_len=meta_int("hstu.attention_norm_len"),
+        max_history_tokens=meta_int("hstu.max_history_tokens"),
+        max_attn_len=meta_int("hstu.max_attn_len"),
+        position_encoding=position_encoding,
+        num_tasks=meta_int("hstu.num_tasks"),
+        max_candidates=meta_int("hstu.max_candidates", 256),
+        model_name=meta.get("hstu.model_name", ""),
+        item_emb=tensors["embeddings.item.weight"],
+        action_emb=tensors["embeddings.action.weight"],
+        position_emb=tensors["embeddings.position.weight"] if position_encoding else None,
+        layers=layers,
+        head=head,
+    )
+    hd = model.num_heads * model.head_dim
+    for i, layer in enumerate(layers):
+        if layer.uvqk_w.shape != (model.hidden_dim, 4 * hd):
+            raise ValueError(f"{path}: layers.{i}.uvqk.weight has shape {layer.uvqk_w.shape}")
+    if head[-1][0].shape[1] != model.num_tasks:
+        raise ValueError(f"{path}: last head layer does not output num_tasks={model.num_tasks}")
+    return model
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward (DESIGN §2) with truncation (DESIGN §4)
+# --------------------------------------------------------------------------------------------------
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)  # population variance
+    return (x - mean) / np.sqrt(var + LAYER_NORM_EPS) * w + b
+
+
+def truncation_start(num_history_tokens: int, model: Model) -> int:
+    """First kept history token: the start moves in whole strides so consecutive visits share it."""
+    excess = num_history_tokens - model.max_history_tokens
+    if excess <= 0:
+        return 0
+    stride = model.truncation_stride
+    return -(-excess // stride) * stride  # ceil(excess / stride) * stride, in integers
+
+
+def history_tokens(item_ids: list, actions: list) -> list:
+    """Interleaves events into [item_1, action_1, ..., item_n, action_n] as ('item'|'action', id)."""
+    tokens = []
+    for item_id, action in zip(item_ids, actions):
+        tokens.append(("item", item_id))
+        tokens.append(("action", action))
+    return tokens
+
+
+def attention_mask(num_history: int, num_candidates: int, window: int) -> np.ndarray:
+    """Dense [T, T] boolean mask, True where query i may read key j (DESIGN §2.2)."""
+    total = num_history + num_candidates
+    i = np.arange(total)[:, None]  # query index, as a column
+    j = np.arange(total)[None, :]  # key index, as a row
+    i_is_history = i < num_history
+    j_is_history = j < num_history
+    # History reads history causally (itself included); a candidate reads all history and itself,
+    # never another candidate; nothing reads a candidate except the candidate itself.
+    allowed = (i_is_history & j_is_history & (j <= i)) | (~i_is_history & (j_is_history | (i == j)))
+    if window > 0:
+        # The window compares "ids": a history token's position, or the history length for every
+        # candidate (candidates all sit at the same point in time, right after the history).
+        id_i = np.minimum(i, num_history)
+        id_j = np.minimum(j, num_history)
+        allowed &= id_i - id_j <= window
+    return allowed
+
+
+def hstu_layer(x: np.ndarray, layer: Layer, model: Model, mask: np.ndarray) -> np.ndarray:
+    H, D = model.num_heads, model.head_dim
+    hd = H * D
+    normed = layer_norm(x, layer.input_norm_w, layer.input_norm_b)
+    uvqk = silu(normed @ layer.uvqk_w + layer.uvqk_b)
+    u, v, q, k = (uvqk[:, c * hd : (c + 1) * hd] for c in range(4))
+
+    alpha = 1.0 / math.sqrt(D)
+    attn = np.zeros_like(u)
+    for h in range(H):
+        cols = slice(h * D, (h + 1) * D)
+        scores = alpha * (q[:, cols] @ k[:, cols].T)  # [T, T]
+        # No softmax: SiLU of the score divided by a constant of the model, masked pairs exactly 0.
+        p = np.where(mask, silu(scores) / model.attention_norm_len, 0.0)
+        attn[:, cols] = p @ v[:, cols]
+
+    y = layer_norm(attn, layer.output_norm_w, layer.output_norm_b) * u
+    return y @ layer.output_w + x
+
+
+def score_request(model: Model, item_ids: list, actions: list, candidates: list) -> np.ndarray:
+    """Scores one request from scratch: returns [num_candidates, num_tasks] in (0, 1)."""
+    tokens = history_tokens(item_ids, actions)
+    start = truncation_start(len(tokens), model)
+    tokens = tokens[start:]
+    num_history = len(tokens)
+    tokens = tokens + [("item", c) for c in candidates]
+
+    d = model.hidden_dim
+    x = np.zeros((len(tokens), d))
+    for t, (kind, token_id) in enumerate(tokens):
+        if kind == "item":
+            x[t] = model.item_emb[token_id % model.item_emb.shape[0]]
+        else:
+            x[t] = model.action_emb[token_id]
+        if model.position_encoding:
+            # Positions count from the first kept token; every candidate sits at the history length.
+            pos = min(t, num_history)
+            row = min(pos, model.position_emb.shape[0] - 1)
+            x[t] = x[t] * math.sqrt(d) + model.position_emb[row]
+
+    mask = attention_mask(num_history, len(candidates), model.max_attn_len)
+    for layer in model.layers:
+        x = hstu_layer(x, layer, model, mask)
+
+    cand = x[num_history:]
+    norms = np.sqrt((cand**2).sum(axis=1, keepdims=True))
+    h = cand / np.maximum(norms, L2_NORM_FLOOR)
+    for j, (w, b) in enumerate(model.head):
+        h = h @ w + b
+        if j + 1 < len(model.head):
+            h = np.maximum(h, 0.0)
+    return 1.0 / (1.0 + np.exp(-h))
+
+
+# --------------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_request(obj, model: Model):
+    """Returns (user_id, items, actions, candidates) or raises ValueError naming the field."""
+    if not isinstance(obj, dict):
+        raise ValueError("request is not a JSON object")
+
+    def int_list(key):
+        value = obj.get(key, [])
+        if not isinstance(value, list) or any(
+            isinstance(v, bool) or not isinstance(v, int) for v in value
+        ):
+            raise ValueError(f"{key} must be a list of integers")
+        return value
+
+    user_id = obj.get("user_id")
+    if isinstance(user_id, bool) or not isinstance(user_id, int) or user_id < 0:
+        raise ValueError("user_id must be a non-negative integer")
+    items = int_list("history_item_ids")
+    actions = int_list("history_actions")
+    candidates = int_list("candidate_item_ids")
+    if len(items) != len(actions):
+        raise ValueError(
+            f"history_actions has {len(actions)} entries but history_item_ids has {len(items)}"
+        )
+    if any(i < 0 for i in items):
+        raise ValueError("history_item_ids contains a negative id")
+    if any(c < 0 for c in candidates):
+        raise ValueError("candidate_item_ids contains a negative id")
+    action_rows = model.action_emb.shape[0]
+    if any(a < 0 or a >= action_rows for a in actions):
+        raise ValueError(f"history_actions contains an id outside [0, {action_rows})")
+    return user_id, items, actions, candidates
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="safetensors model file")
+    parser.add_argument("--input", required=True, help="JSONL requests")
+    parser.add_argument("--output", help="write JSONL scores here instead of stdout")
+    args = parser.parse_args(argv)
+
+    model = load_model(args.model)
+    out = open(args.output, "w") if args.output else sys.stdout
+    with open(args.input) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                user_id, items, actions, candidates = parse_request(json.loads(line), model)
+            except (ValueError, json.JSONDecodeError) as e:
+                out.write(json.dumps({"line": line_no, "error": str(e)}) + "\n")
+                continue
+            scores = score_request(model, items, actions, candidates)
+            # repr-exact floats: the comparison tolerance is the test's business, not ours.
+            out.write(json.dumps({"user_id": user_id, "scores": scores.tolist()}) + "\n")
+    if out is not sys.stdout:
+        out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
