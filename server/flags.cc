@@ -1,0 +1,89 @@
+#include "server/flags.h"
+
+#include <cstdint>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
+          "gRPC listen address HOST:PORT (port 0 picks a free port).");
+ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
+          "Prometheus exposer address HOST:PORT serving /metrics; empty disables it.");
+ABSL_FLAG(std::string, model, "random:tiny",
+          "Model: a safetensors file, or random:PRESET (tiny, base) for a seeded random model.");
+ABSL_FLAG(uint64_t, seed, 1, "Seed of random:PRESET models.");
+ABSL_FLAG(std::string, device, "auto",
+          "Device: auto (cuda:0 when a GPU is present, else cpu), cpu, or cuda:N.");
+ABSL_FLAG(int32_t, max_batch_size, 8, "Most requests (users) in one engine batch.");
+ABSL_FLAG(int64_t, max_batch_tokens, 65536,
+          "Most estimated tokens (kept history tokens + candidates) in one engine batch; a larger "
+          "single request still runs, alone.");
+ABSL_FLAG(int64_t, batch_timeout_us, 0,
+          "How long a partly filled batch may wait for more requests, counted from its oldest "
+          "request's arrival. 0: an idle engine takes whatever is queued at once.");
+ABSL_FLAG(int32_t, max_queue, 1024,
+          "Most requests waiting for the engine; beyond it Rank answers RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, max_candidates, 1024,
+          "Most candidates per request (INVALID_ARGUMENT beyond). Requests with more candidates "
+          "than the model scores per forward are scored in chunks with identical results.");
+ABSL_FLAG(int64_t, max_message_bytes, 16 << 20,
+          "Largest gRPC message accepted or sent, in bytes (larger: RESOURCE_EXHAUSTED).");
+ABSL_FLAG(int32_t, page_size, 32, "KV cache page size in tokens (a power of two).");
+ABSL_FLAG(int64_t, cache_pages, 0,
+          "KV cache pool size in pages; 0 = room for 64 users of the model's maximum history.");
+ABSL_FLAG(bool, enable_cache, true,
+          "Keep users' KV between requests (--noenable_cache or --no_cache recomputes every "
+          "history).");
+ABSL_FLAG(bool, no_cache, false, "Same as --noenable_cache.");
+ABSL_FLAG(bool, warmup, true, "Run one request through the engine before reporting SERVING.");
+ABSL_FLAG(int32_t, shutdown_grace_s, 30,
+          "On SIGTERM/SIGINT, how long in-flight requests may take before they are cancelled.");
+ABSL_FLAG(std::string, log_level, "info", "spdlog level: trace, debug, info, warn, error, off.");
+
+namespace hstu::server {
+
+std::string LogLevelFlag() { return absl::GetFlag(FLAGS_log_level); }
+
+absl::StatusOr<ServerOptions> OptionsFromFlags() {
+  ServerOptions o;
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  o.engine.model = absl::GetFlag(FLAGS_model);
+  o.engine.seed = absl::GetFlag(FLAGS_seed);
+  o.engine.device = absl::GetFlag(FLAGS_device);
+#ifndef HSTU_WITH_CUDA
+  // A build without CUDA can only run on the CPU; resolving "auto" here also sizes the default KV
+  // pool for host memory rather than for a GPU.
+  if (o.engine.device == "auto") o.engine.device = "cpu";
+#endif
+  o.engine.page_size = absl::GetFlag(FLAGS_page_size);
+  o.engine.cache_pages = absl::GetFlag(FLAGS_cache_pages);
+  o.engine.enable_cache = absl::GetFlag(FLAGS_enable_cache) && !absl::GetFlag(FLAGS_no_cache);
+  o.engine.limits.max_candidates = absl::GetFlag(FLAGS_max_candidates);
+  o.scheduler.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
+  o.scheduler.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  o.scheduler.batch_timeout = std::chrono::microseconds(absl::GetFlag(FLAGS_batch_timeout_us));
+  o.scheduler.max_queue = absl::GetFlag(FLAGS_max_queue);
+  o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  o.warmup = absl::GetFlag(FLAGS_warmup);
+
+  auto bad = [](const char* flag, auto value, const char* want) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", want));
+  };
+  if (o.listen.empty()) return bad("listen", o.listen, "must be HOST:PORT");
+  if (o.scheduler.max_batch_size < 1) return bad("max_batch_size", o.scheduler.max_batch_size, "must be >= 1");
+  if (o.scheduler.max_batch_tokens < 1) return bad("max_batch_tokens", o.scheduler.max_batch_tokens, "must be >= 1");
+  if (o.scheduler.batch_timeout.count() < 0) return bad("batch_timeout_us", o.scheduler.batch_timeout.count(), "must be >= 0");
+  if (o.scheduler.max_queue < 1) return bad("max_queue", o.scheduler.max_queue, "must be >= 1");
+  if (o.engine.limits.max_candidates < 1) return bad("max_candidates", o.engine.limits.max_candidates, "must be >= 1");
+  if (o.max_message_bytes < 1024) return bad("max_message_bytes", o.max_message_bytes, "must be >= 1024");
+  const int32_t ps = o.engine.page_size;
+  if (ps < 1 || (ps & (ps - 1)) != 0) return bad("page_size", ps, "must be a power of two");
+  if (o.engine.cache_pages < 0) return bad("cache_pages", o.engine.cache_pages, "must be >= 0");
+  return o;
+}
+
+int32_t ShutdownGraceSeconds() { return absl::GetFlag(FLAGS_shutdown_grace_s); }
+
+}  // namespace hstu::server

@@ -1,0 +1,230 @@
+#include "server/metrics.h"
+
+#include <civetweb.h>
+
+#include <cstring>
+#include <mutex>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "server/scheduler.h"
+
+namespace hstu::server {
+
+std::vector<double> LatencyBucketsSeconds() {
+  return {0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
+          0.01,   0.015,   0.02,   0.03,    0.05,  0.075,  0.1,   0.15,  0.25,  0.5,    1.0};
+}
+
+namespace {
+
+std::vector<double> BatchSizeBuckets() { return {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128}; }
+
+std::vector<double> BatchTokenBuckets() {
+  std::vector<double> b;
+  for (double v = 16; v <= 262144; v *= 2) b.push_back(v);
+  return b;
+}
+
+}  // namespace
+
+ServerMetrics::ServerMetrics(const std::string& version)
+    : version_(version),
+      request_duration_(registry_.AddHistogram(
+          "hstu_request_duration_seconds",
+          "Rank RPC latency in the server, from arrival to the answer, by gRPC status code.",
+          LatencyBucketsSeconds(), {"code"})),
+      request_queue_(registry_.AddHistogram(
+          "hstu_request_queue_seconds",
+          "Time a Rank request waited in the scheduler queue before its batch started.",
+          LatencyBucketsSeconds())),
+      batch_compute_(registry_.AddHistogram("hstu_batch_compute_seconds",
+                                            "Engine time of one batch (all its forward passes).",
+                                            LatencyBucketsSeconds())),
+      kv_onload_wait_(registry_.AddHistogram(
+          "hstu_kv_onload_wait_seconds",
+          "Time compute waited for KV pages coming back from the host tier (0 observations "
+          "until the host tier exists).",
+          LatencyBucketsSeconds())),
+      batch_size_(registry_.AddHistogram("hstu_batch_size", "Requests per engine batch.",
+                                         BatchSizeBuckets())),
+      batch_tokens_(registry_.AddHistogram(
+          "hstu_batch_tokens",
+          "Estimated tokens per engine batch (history tokens plus candidates, before cache reuse).",
+          BatchTokenBuckets())),
+      requests_total_(registry_.AddCounter("hstu_requests_total",
+                                           "Finished Rank RPCs by gRPC status code.", {"code"})),
+      inflight_(registry_.AddGauge("hstu_inflight_requests",
+                                   "Rank RPCs received and not yet answered.")),
+      queue_depth_(registry_.AddGauge("hstu_queue_depth",
+                                      "Requests waiting in the scheduler queue.")),
+      kv_lookups_(registry_.AddCounter("hstu_kv_lookups_total",
+                                       "KV cache lookups by outcome.", {"result"})),
+      kv_tokens_(registry_.AddCounter(
+          "hstu_kv_tokens_total", "History tokens served from the cache (reused) or computed.",
+          {"kind"})),
+      kv_pages_(registry_.AddGauge("hstu_kv_pages", "KV cache pages by tier and state.",
+                                   {"tier", "state"})),
+      kv_transfer_bytes_(registry_.AddCounter(
+          "hstu_kv_transfer_bytes_total", "KV bytes moved between the GPU and the host tier.",
+          {"direction"})),
+      kv_evictions_(registry_.AddCounter("hstu_kv_evictions_total",
+                                         "KV cache entries evicted to make room, by tier.",
+                                         {"tier"})),
+      kv_dropped_(registry_.AddCounter(
+          "hstu_kv_dropped_entries_total",
+          "KV cache entries dropped because their request failed or they could not be kept.")),
+      cuda_graph_replays_(registry_.AddCounter("hstu_cuda_graph_replays_total",
+                                               "Forward passes replayed from captured CUDA graphs.")),
+      gpu_memory_(registry_.AddGauge("hstu_gpu_memory_bytes",
+                                     "Device memory held by the engine, by kind (0 on the CPU).",
+                                     {"kind"})),
+      engine_compute_(registry_.AddCounter(
+          "hstu_engine_compute_seconds_total",
+          "Total time inside the engine's backend forward passes.")),
+      engine_batches_(registry_.AddCounter("hstu_engine_batches_total",
+                                           "Batches the engine has run.")),
+      build_info_(registry_.AddGauge("hstu_build_info",
+                                     "Always 1; labels say the version, device and model.",
+                                     {"version", "device", "model"})) {
+  // Children that must exist before the first observation, so dashboards and alerts see zeros.
+  request_duration_.WithLabels({"OK"});
+  requests_total_.WithLabels({"OK"});
+  request_queue_.WithLabels({});
+  batch_compute_.WithLabels({});
+  kv_onload_wait_.WithLabels({});
+  batch_size_.WithLabels({});
+  batch_tokens_.WithLabels({});
+  inflight_.WithLabels({});
+  queue_depth_.WithLabels({});
+  for (int r = 0; r < static_cast<int>(LookupResult::kNumResults); ++r) {
+    kv_lookups_.WithLabels({LookupResultName(static_cast<LookupResult>(r))});
+  }
+  kv_lookups_.WithLabels({"host_hit"});
+  kv_tokens_.WithLabels({"reused"});
+  kv_tokens_.WithLabels({"computed"});
+  for (const char* tier : {"gpu", "host"}) {
+    for (const char* state : {"used", "free", "pinned"}) kv_pages_.WithLabels({tier, state});
+    kv_evictions_.WithLabels({tier});
+  }
+  kv_transfer_bytes_.WithLabels({"offload"});
+  kv_transfer_bytes_.WithLabels({"onload"});
+  kv_dropped_.WithLabels({});
+  cuda_graph_replays_.WithLabels({});
+  for (const char* kind : {"total", "kv_pool", "weights"}) gpu_memory_.WithLabels({kind});
+  engine_compute_.WithLabels({});
+  engine_batches_.WithLabels({});
+  registry_.AddCollectHook([this] { Collect(); });
+}
+
+void ServerMetrics::SetEngineStatsSource(std::function<EngineStats()> stats,
+                                         const std::string& device, const std::string& model) {
+  std::lock_guard<std::mutex> lock(mu_);
+  engine_stats_ = std::move(stats);
+  build_info_.WithLabels({version_, device, model}).Set(1);
+}
+
+void ServerMetrics::SetQueueDepthSource(std::function<int64_t()> depth) {
+  std::lock_guard<std::mutex> lock(mu_);
+  queue_depth_source_ = std::move(depth);
+}
+
+void ServerMetrics::ObserveRequest(const std::string& code, double seconds) {
+  request_duration_.WithLabels({code}).Observe(seconds);
+  requests_total_.WithLabels({code}).Increment();
+}
+
+void ServerMetrics::ObserveQueue(double seconds) { request_queue_.WithLabels({}).Observe(seconds); }
+
+void ServerMetrics::ObserveBatch(const BatchInfo& info) {
+  batch_compute_.WithLabels({}).Observe(info.compute_seconds);
+  batch_size_.WithLabels({}).Observe(info.num_requests);
+  batch_tokens_.WithLabels({}).Observe(static_cast<double>(info.num_tokens));
+}
+
+void ServerMetrics::AddInflight(int delta) { inflight_.WithLabels({}).Add(delta); }
+
+void ServerMetrics::Collect() {
+  std::function<EngineStats()> stats_fn;
+  std::function<int64_t()> depth_fn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_fn = engine_stats_;
+    depth_fn = queue_depth_source_;
+  }
+  if (depth_fn) queue_depth_.WithLabels({}).Set(static_cast<double>(depth_fn()));
+  if (!stats_fn) return;
+  const EngineStats s = stats_fn();
+  const CacheStats& c = s.cache;
+  for (int r = 0; r < static_cast<int>(LookupResult::kNumResults); ++r) {
+    kv_lookups_.WithLabels({LookupResultName(static_cast<LookupResult>(r))})
+        .Set(static_cast<double>(c.lookups[r]));
+  }
+  kv_tokens_.WithLabels({"reused"}).Set(static_cast<double>(c.tokens_reused));
+  kv_tokens_.WithLabels({"computed"}).Set(static_cast<double>(c.tokens_computed));
+  kv_pages_.WithLabels({"gpu", "used"}).Set(static_cast<double>(c.pages_total - c.pages_free));
+  kv_pages_.WithLabels({"gpu", "free"}).Set(static_cast<double>(c.pages_free));
+  kv_pages_.WithLabels({"gpu", "pinned"}).Set(static_cast<double>(c.pages_pinned));
+  kv_evictions_.WithLabels({"gpu"}).Set(static_cast<double>(c.evictions));
+  kv_dropped_.WithLabels({}).Set(static_cast<double>(c.dropped_entries));
+  // On the CPU backend the "gpu" tier is the engine's primary KV pool in host memory, and the
+  // device memory is 0: the labels keep their meaning when the CUDA backend lands.
+  gpu_memory_.WithLabels({"total"}).Set(static_cast<double>(s.device_memory_bytes));
+  const bool on_device = s.device_memory_bytes > 0;
+  gpu_memory_.WithLabels({"kv_pool"}).Set(on_device ? static_cast<double>(s.kv_pool_bytes) : 0);
+  gpu_memory_.WithLabels({"weights"}).Set(on_device ? static_cast<double>(s.weight_bytes) : 0);
+  engine_compute_.WithLabels({}).Set(s.compute_seconds);
+  engine_batches_.WithLabels({}).Set(static_cast<double>(s.batches));
+}
+
+// ---- HTTP ------------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
+    const std::string& listen, const ServerMetrics* metrics) {
+  static std::once_flag init_once;
+  std::call_once(init_once, [] { mg_init_library(0); });
+  std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
+  server->metrics_ = metrics;
+  // civetweb wants "HOST:PORT" for IPv4 binds; a leading "0.0.0.0:" means every interface.
+  const char* options[] = {"listening_ports", listen.c_str(), "num_threads", "2",
+                           "request_timeout_ms", "10000", nullptr};
+  mg_callbacks callbacks;
+  std::memset(&callbacks, 0, sizeof(callbacks));
+  mg_init_data init;
+  init.callbacks = &callbacks;
+  init.user_data = server.get();
+  init.configuration_options = options;
+  char error_text[256] = {0};
+  unsigned error_code = 0;
+  mg_error_data error;
+  error.code = &error_code;
+  error.text = error_text;
+  error.text_buffer_size = sizeof(error_text);
+  server->ctx_ = mg_start2(&init, &error);
+  if (server->ctx_ == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", listen, ": ", error_text));
+  }
+  mg_set_request_handler(server->ctx_, "/metrics", &MetricsHttpServer::HandleMetrics, server.get());
+  mg_server_port ports[4];
+  const int n = mg_get_server_ports(server->ctx_, 4, ports);
+  if (n > 0) server->port_ = ports[0].port;
+  return server;
+}
+
+MetricsHttpServer::~MetricsHttpServer() {
+  if (ctx_ != nullptr) mg_stop(ctx_);
+}
+
+int MetricsHttpServer::HandleMetrics(mg_connection* conn, void* self) {
+  const auto* server = static_cast<const MetricsHttpServer*>(self);
+  const std::string body = server->metrics_->Serialize();
+  mg_printf(conn,
+            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+            "Content-Length: %zu\r\nConnection: close\r\n\r\n",
+            body.size());
+  mg_write(conn, body.data(), body.size());
+  return 200;
+}
+
+}  // namespace hstu::server

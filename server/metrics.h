@@ -1,0 +1,98 @@
+// The server's Prometheus families (DESIGN §9), built once here, and the HTTP exposer that serves
+// them on /metrics. The engine and the cache fill plain stats structs; this file alone maps them to
+// metric families (mirrored at scrape time). Labels are low-cardinality enums only.
+//
+// Thread-safety: every method is thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "engine/engine.h"
+#include "server/prom_registry.h"
+
+struct mg_context;
+struct mg_connection;
+
+namespace hstu::server {
+
+struct BatchInfo;
+
+// Latency buckets from 0.1 ms to 1 s (sub-millisecond CPU work up to slow GPU batches).
+std::vector<double> LatencyBucketsSeconds();
+
+class ServerMetrics {
+ public:
+  // `stats` is polled at each scrape (Engine::Stats(), thread-safe); may be null until the engine
+  // exists, then set with SetEngineStatsSource().
+  explicit ServerMetrics(const std::string& version);
+  ServerMetrics(const ServerMetrics&) = delete;
+  ServerMetrics& operator=(const ServerMetrics&) = delete;
+
+  void SetEngineStatsSource(std::function<EngineStats()> stats, const std::string& device,
+                            const std::string& model);
+  // One finished RPC of Rank: `code` is the gRPC code name ("OK", "INVALID_ARGUMENT", ...).
+  void ObserveRequest(const std::string& code, double seconds);
+  void ObserveQueue(double seconds);
+  void ObserveBatch(const BatchInfo& info);
+  void AddInflight(int delta);
+  void SetQueueDepthSource(std::function<int64_t()> depth);
+
+  std::string Serialize() const { return registry_.Serialize(); }
+  Registry& registry() { return registry_; }
+
+ private:
+  void Collect();
+
+  Registry registry_;
+  const std::string version_;
+  Family<Histogram>& request_duration_;
+  Family<Histogram>& request_queue_;
+  Family<Histogram>& batch_compute_;
+  Family<Histogram>& kv_onload_wait_;
+  Family<Histogram>& batch_size_;
+  Family<Histogram>& batch_tokens_;
+  Family<Counter>& requests_total_;
+  Family<Gauge>& inflight_;
+  Family<Gauge>& queue_depth_;
+  Family<Counter>& kv_lookups_;
+  Family<Counter>& kv_tokens_;
+  Family<Gauge>& kv_pages_;
+  Family<Counter>& kv_transfer_bytes_;
+  Family<Counter>& kv_evictions_;
+  Family<Counter>& kv_dropped_;
+  Family<Counter>& cuda_graph_replays_;
+  Family<Gauge>& gpu_memory_;
+  Family<Counter>& engine_compute_;
+  Family<Counter>& engine_batches_;
+  Family<Gauge>& build_info_;
+
+  std::mutex mu_;  // guards the sources below
+  std::function<EngineStats()> engine_stats_;
+  std::function<int64_t()> queue_depth_source_;
+};
+
+// Serves `GET /metrics` (and `/` with a pointer to it) with civetweb on its own port.
+class MetricsHttpServer {
+ public:
+  // `listen` is HOST:PORT; port 0 picks a free one (see port()).
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& listen,
+                                                                  const ServerMetrics* metrics);
+  ~MetricsHttpServer();
+  MetricsHttpServer(const MetricsHttpServer&) = delete;
+  MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
+  int port() const { return port_; }
+
+ private:
+  MetricsHttpServer() = default;
+  static int HandleMetrics(mg_connection* conn, void* self);
+
+  const ServerMetrics* metrics_ = nullptr;
+  mg_context* ctx_ = nullptr;
+  int port_ = 0;
+};
+
+}  // namespace hstu::server

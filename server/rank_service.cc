@@ -1,0 +1,105 @@
+#include "server/rank_service.h"
+
+#include <chrono>
+#include <string>
+#include <utility>
+
+#include "server/validation.h"
+
+namespace hstu::server {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  // absl::StatusCode and grpc::StatusCode share their numbering (both follow google.rpc.Code).
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+const char* GrpcCodeName(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kOk: return "OK";
+    case absl::StatusCode::kCancelled: return "CANCELLED";
+    case absl::StatusCode::kUnknown: return "UNKNOWN";
+    case absl::StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
+    case absl::StatusCode::kDeadlineExceeded: return "DEADLINE_EXCEEDED";
+    case absl::StatusCode::kNotFound: return "NOT_FOUND";
+    case absl::StatusCode::kAlreadyExists: return "ALREADY_EXISTS";
+    case absl::StatusCode::kPermissionDenied: return "PERMISSION_DENIED";
+    case absl::StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
+    case absl::StatusCode::kFailedPrecondition: return "FAILED_PRECONDITION";
+    case absl::StatusCode::kAborted: return "ABORTED";
+    case absl::StatusCode::kOutOfRange: return "OUT_OF_RANGE";
+    case absl::StatusCode::kUnimplemented: return "UNIMPLEMENTED";
+    case absl::StatusCode::kInternal: return "INTERNAL";
+    case absl::StatusCode::kUnavailable: return "UNAVAILABLE";
+    case absl::StatusCode::kDataLoss: return "DATA_LOSS";
+    case absl::StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
+    default: return "UNKNOWN";
+  }
+}
+
+void RankService::Attach(const Engine* engine, Scheduler* scheduler) {
+  attached_holder_ = std::make_unique<Attached>(Attached{engine, scheduler, MakeModelInfo(*engine)});
+  attached_.store(attached_holder_.get(), std::memory_order_release);
+}
+
+grpc::ServerUnaryReactor* RankService::GetModelInfo(grpc::CallbackServerContext* context,
+                                                    const hstu::v1::GetModelInfoRequest* request,
+                                                    hstu::v1::ModelInfo* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const Attached* a = attached_.load(std::memory_order_acquire);
+  if (a == nullptr) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "model is loading"));
+  } else {
+    *response = a->info;
+    reactor->Finish(grpc::Status::OK);
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context,
+                                            const hstu::v1::RankRequest* request,
+                                            hstu::v1::RankResponse* response) {
+  const Clock::time_point arrived = Clock::now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  metrics_->AddInflight(1);
+  ServerMetrics* metrics = metrics_;
+  // Answers the RPC exactly once, from whichever thread finishes it.
+  auto finish = [reactor, metrics, arrived](const absl::Status& status) {
+    metrics->ObserveRequest(GrpcCodeName(status.code()),
+                            std::chrono::duration<double>(Clock::now() - arrived).count());
+    metrics->AddInflight(-1);
+    reactor->Finish(ToGrpcStatus(status));
+  };
+
+  const Attached* a = attached_.load(std::memory_order_acquire);
+  if (a == nullptr) {
+    finish(absl::UnavailableError("model is loading"));
+    return reactor;
+  }
+  RankRequest rank_request = FromProto(*request);
+  if (absl::Status s = ValidateForEngine(rank_request, *a->engine); !s.ok()) {
+    finish(s);
+    return reactor;
+  }
+
+  PendingRank pending;
+  pending.request = std::move(rank_request);
+  const auto deadline = context->deadline();
+  if (deadline != std::chrono::system_clock::time_point::max()) {
+    // gRPC deadlines are wall-clock; the scheduler uses the monotonic clock.
+    pending.deadline = arrived + std::chrono::duration_cast<Clock::duration>(
+                                     deadline - std::chrono::system_clock::now());
+  }
+  pending.is_cancelled = [context] { return context->IsCancelled(); };
+  std::string request_id = request->request_id();
+  pending.done = [finish, response, metrics, request_id = std::move(request_id)](
+                     absl::StatusOr<RankResult> result, const RequestTiming& timing) {
+    metrics->ObserveQueue(timing.queue_seconds);
+    if (result.ok()) ToProto(*result, request_id, response);
+    finish(result.status());
+  };
+  if (absl::Status s = a->scheduler->Submit(std::move(pending)); !s.ok()) finish(s);
+  return reactor;
+}
+
+}  // namespace hstu::server

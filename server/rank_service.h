@@ -1,0 +1,48 @@
+// The hstu.v1.Ranker front end (gRPC callback API) over the Scheduler. Until Attach() the model is
+// still loading and both RPCs answer UNAVAILABLE.
+//
+// Thread-safety: RPC handlers run on gRPC threads; Attach() may be called once from any thread.
+#pragma once
+
+#include <atomic>
+#include <memory>
+
+#include <grpcpp/grpcpp.h>
+
+#include "engine/engine.h"
+#include "hstu/v1/ranking.grpc.pb.h"
+#include "server/metrics.h"
+#include "server/scheduler.h"
+
+namespace hstu::server {
+
+class RankService final : public hstu::v1::Ranker::CallbackService {
+ public:
+  explicit RankService(ServerMetrics* metrics) : metrics_(metrics) {}
+
+  // `engine` and `scheduler` must outlive every RPC (the server shuts down before they go).
+  void Attach(const Engine* engine, Scheduler* scheduler);
+
+  grpc::ServerUnaryReactor* Rank(grpc::CallbackServerContext* context,
+                                 const hstu::v1::RankRequest* request,
+                                 hstu::v1::RankResponse* response) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const hstu::v1::GetModelInfoRequest* request,
+                                         hstu::v1::ModelInfo* response) override;
+
+ private:
+  struct Attached {
+    const Engine* engine;
+    Scheduler* scheduler;
+    hstu::v1::ModelInfo info;
+  };
+  ServerMetrics* const metrics_;
+  std::unique_ptr<Attached> attached_holder_;
+  std::atomic<const Attached*> attached_{nullptr};
+};
+
+grpc::Status ToGrpcStatus(const absl::Status& status);
+// "OK", "INVALID_ARGUMENT", ... (the gRPC code names, used as the metrics' code label).
+const char* GrpcCodeName(absl::StatusCode code);
+
+}  // namespace hstu::server

@@ -1,0 +1,162 @@
+#include "server/ranking_server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
+
+namespace hstu::server {
+
+const char* ServerVersion() { return "0.1.0"; }
+
+namespace {
+
+// A small request through every layer, so the first real request does not pay for first-touch
+// page faults or lazy initialisation. Its user id is the largest, which no client is expected to
+// use; it leaves one small cache entry behind.
+RankRequest WarmupRequest() {
+  RankRequest r;
+  r.user_id = ~uint64_t{0};
+  r.history_item_ids = {1, 2, 3, 4};
+  r.history_actions = {0, 0, 0, 0};
+  r.candidate_item_ids = {5, 6};
+  return r;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const ServerOptions& options) {
+  std::unique_ptr<RankingServer> s(new RankingServer());
+  s->options_ = options;
+  s->metrics_ = std::make_unique<ServerMetrics>(ServerVersion());
+
+  if (!options.metrics_listen.empty()) {
+    auto http = MetricsHttpServer::Start(options.metrics_listen, s->metrics_.get());
+    if (!http.ok()) return http.status();
+    s->http_ = std::move(*http);
+    spdlog::info("metrics: serving Prometheus text format on http://{}/metrics (port {})",
+                 options.metrics_listen, s->http_->port());
+  } else {
+    spdlog::warn("metrics: exposer disabled (--metrics_listen is empty)");
+  }
+
+  // The gRPC server starts before the model loads so that health checks see NOT_SERVING (rather
+  // than a refused connection) while a large model loads and warms up.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  s->service_ = std::make_unique<RankService>(s->metrics_.get());
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &s->port_);
+  builder.RegisterService(s->service_.get());
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
+  builder.SetMaxSendMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
+  s->grpc_server_ = builder.BuildAndStart();
+  if (s->grpc_server_ == nullptr || s->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", options.listen));
+  }
+  s->SetServing(false);
+  spdlog::info("grpc: listening on {} (port {}), max message {} bytes; health NOT_SERVING until "
+               "the model is warm",
+               options.listen, s->port_, options.max_message_bytes);
+
+  spdlog::info("engine: loading model '{}' on device '{}' (page size {}, cache pages {}, cache {})",
+               options.engine.model, options.engine.device, options.engine.page_size,
+               options.engine.cache_pages == 0 ? std::string("auto")
+                                               : std::to_string(options.engine.cache_pages),
+               options.engine.enable_cache ? "on" : "off");
+  auto engine = Engine::Create(options.engine);
+  if (!engine.ok()) {
+    s->Shutdown(absl::ZeroDuration());
+    return absl::Status(engine.status().code(),
+                        absl::StrCat("engine: ", engine.status().message()));
+  }
+  s->engine_ = std::move(*engine);
+  const ModelConfig& c = s->engine_->config();
+  spdlog::info("engine: model '{}': {} layers, hidden {}, {} heads x {}, {} tasks, max history {} "
+               "tokens, {} candidates per forward; device {}",
+               c.model_name, c.num_layers, c.hidden_dim, c.num_heads, c.head_dim, c.num_tasks,
+               c.max_history_tokens, c.max_candidates, s->engine_->device_name());
+  if (s->engine_->device_name().rfind("cpu", 0) == 0) {
+    spdlog::warn("engine: running on the CPU reference backend (fp32), not on a GPU");
+  }
+  spdlog::warn("engine: host KV tier not available yet; evicted users are recomputed");
+
+  if (options.warmup) {
+    const auto warm = s->engine_->Rank(std::vector<RankRequest>{WarmupRequest()});
+    if (warm.size() != 1 || !warm[0].ok()) {
+      s->Shutdown(absl::ZeroDuration());
+      return absl::InternalError(absl::StrCat(
+          "engine: warm-up request failed: ",
+          warm.empty() ? "no result" : std::string(warm[0].status().message())));
+    }
+    spdlog::info("engine: warm-up request done");
+  }
+
+  SchedulerOptions sched = options.scheduler;
+  if (!sched.token_cost) {
+    const int64_t max_history = c.max_history_tokens;
+    sched.token_cost = [max_history](const RankRequest& r) {
+      return std::min<int64_t>(2 * static_cast<int64_t>(r.history_item_ids.size()), max_history) +
+             static_cast<int64_t>(r.candidate_item_ids.size());
+    };
+  }
+  Engine* engine_ptr = s->engine_.get();
+  Scheduler::RunBatchFn run = [engine_ptr](absl::Span<const RankRequest> batch) {
+    return engine_ptr->Rank(batch);
+  };
+  if (options.batch_interceptor) {
+    run = [interceptor = options.batch_interceptor, inner = run](
+              absl::Span<const RankRequest> batch) { return interceptor(batch, inner); };
+  }
+  ServerMetrics* metrics = s->metrics_.get();
+  auto scheduler = Scheduler::Create(sched, std::move(run),
+                                     [metrics](const BatchInfo& info) { metrics->ObserveBatch(info); });
+  if (!scheduler.ok()) {
+    s->Shutdown(absl::ZeroDuration());
+    return absl::Status(scheduler.status().code(),
+                        absl::StrCat("scheduler: ", scheduler.status().message()));
+  }
+  s->scheduler_ = std::move(*scheduler);
+  spdlog::info("scheduler: max batch {} requests / {} tokens, batch timeout {} us, queue {}",
+               sched.max_batch_size, sched.max_batch_tokens, sched.batch_timeout.count(),
+               sched.max_queue);
+  Scheduler* sched_ptr = s->scheduler_.get();
+  metrics->SetQueueDepthSource([sched_ptr] { return sched_ptr->QueueDepth(); });
+  metrics->SetEngineStatsSource([engine_ptr] { return engine_ptr->Stats(); },
+                                s->engine_->device_name(), c.model_name);
+
+  s->service_->Attach(s->engine_.get(), s->scheduler_.get());
+  s->SetServing(true);
+  spdlog::info("ready: health SERVING on port {}", s->port_);
+  return s;
+}
+
+void RankingServer::SetServing(bool serving) {
+  if (grpc_server_ == nullptr) return;
+  grpc::HealthCheckServiceInterface* health = grpc_server_->GetHealthCheckService();
+  if (health == nullptr) return;
+  health->SetServingStatus(serving);                     // the whole server ("")
+  health->SetServingStatus("hstu.v1.Ranker", serving);  // and the service by name
+}
+
+void RankingServer::Shutdown(absl::Duration grace) {
+  std::lock_guard<std::mutex> lock(shutdown_mu_);
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (grpc_server_ != nullptr) {
+    SetServing(false);
+    // Refuses new calls at once and waits for in-flight ones, which the scheduler keeps serving.
+    grpc_server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoSeconds(grace));
+    grpc_server_->Wait();
+  }
+  if (scheduler_ != nullptr) scheduler_->Drain();
+  http_.reset();
+}
+
+RankingServer::~RankingServer() { Shutdown(absl::ZeroDuration()); }
+
+}  // namespace hstu::server

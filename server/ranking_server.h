@@ -1,0 +1,74 @@
+// Assembles the server: metrics exposer, gRPC server (Ranker, health, reflection), engine and
+// scheduler, in the order that keeps health honest (NOT_SERVING until the engine is warm, SERVING,
+// NOT_SERVING while draining). main.cc and the integration tests both run it.
+//
+// Thread-safety: Shutdown() may be called from any thread, once or more.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "engine/engine.h"
+#include "server/metrics.h"
+#include "server/rank_service.h"
+#include "server/scheduler.h"
+
+namespace hstu::server {
+
+struct ServerOptions {
+  std::string listen = "0.0.0.0:50051";         // port 0 picks a free one (see port())
+  std::string metrics_listen = "0.0.0.0:9464";  // "" disables the exposer
+  EngineOptions engine;
+  SchedulerOptions scheduler;
+  int64_t max_message_bytes = 16 << 20;  // gRPC receive/send limit
+  bool warmup = true;                    // one request through the engine before SERVING
+  // Tests only: runs each batch instead of the engine, with the engine's run as `run`.
+  std::function<std::vector<absl::StatusOr<RankResult>>(absl::Span<const RankRequest>,
+                                                        const Scheduler::RunBatchFn& run)>
+      batch_interceptor;
+};
+
+class RankingServer {
+ public:
+  // Returns once the server is SERVING; errors name the step that failed.
+  static absl::StatusOr<std::unique_ptr<RankingServer>> Start(const ServerOptions& options);
+  ~RankingServer();  // Shutdown()s
+  RankingServer(const RankingServer&) = delete;
+  RankingServer& operator=(const RankingServer&) = delete;
+
+  // Graceful drain: health NOT_SERVING, no new calls, in-flight calls finish (cancelled after
+  // `grace`), the scheduler drains, the exposer stops.
+  void Shutdown(absl::Duration grace = absl::Seconds(30));
+
+  int port() const { return port_; }
+  int metrics_port() const { return http_ ? http_->port() : 0; }
+  const Engine& engine() const { return *engine_; }
+  ServerMetrics& metrics() { return *metrics_; }
+  Scheduler& scheduler() { return *scheduler_; }
+
+ private:
+  RankingServer() = default;
+  void SetServing(bool serving);
+
+  ServerOptions options_;
+  std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<MetricsHttpServer> http_;
+  std::unique_ptr<RankService> service_;
+  std::unique_ptr<grpc::Server> grpc_server_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<Scheduler> scheduler_;
+  int port_ = 0;
+  std::mutex shutdown_mu_;
+  bool shut_down_ = false;
+};
+
+// The version reported in hstu_build_info and the start-up log.
+const char* ServerVersion();
+
+}  // namespace hstu::server

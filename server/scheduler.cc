@@ -1,0 +1,194 @@
+#include "server/scheduler.h"
+
+#include <algorithm>
+#include <unordered_set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace hstu::server {
+namespace {
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+}  // namespace
+
+int64_t DefaultTokenCost(const RankRequest& request) {
+  return 2 * static_cast<int64_t>(request.history_item_ids.size()) +
+         static_cast<int64_t>(request.candidate_item_ids.size());
+}
+
+absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(const SchedulerOptions& options,
+                                                             RunBatchFn run_batch,
+                                                             BatchObserver observer) {
+  if (options.max_batch_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_batch_size must be >= 1, got ", options.max_batch_size));
+  }
+  if (options.max_batch_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_batch_tokens must be >= 1, got ", options.max_batch_tokens));
+  }
+  if (options.max_queue < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_queue must be >= 1, got ", options.max_queue));
+  }
+  if (options.batch_timeout.count() < 0) {
+    return absl::InvalidArgumentError("batch_timeout must be >= 0");
+  }
+  if (!run_batch) return absl::InvalidArgumentError("run_batch must be set");
+  return std::unique_ptr<Scheduler>(
+      new Scheduler(options, std::move(run_batch), std::move(observer)));
+}
+
+Scheduler::Scheduler(const SchedulerOptions& options, RunBatchFn run_batch, BatchObserver observer)
+    : options_(options), run_batch_(std::move(run_batch)), observer_(std::move(observer)) {
+  worker_ = std::thread([this] { WorkerLoop(); });
+}
+
+Scheduler::~Scheduler() { Drain(); }
+
+absl::Status Scheduler::Submit(PendingRank pending) {
+  Item item;
+  item.tokens = options_.token_cost ? options_.token_cost(pending.request)
+                                    : DefaultTokenCost(pending.request);
+  item.enqueued = Clock::now();
+  item.pending = std::move(pending);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (draining_) return absl::UnavailableError("server is shutting down");
+    if (static_cast<int64_t>(queue_.size()) >= options_.max_queue) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("request queue is full (", options_.max_queue, " requests)"));
+    }
+    queue_.push_back(std::move(item));
+    depth_.store(static_cast<int64_t>(queue_.size()), std::memory_order_relaxed);
+  }
+  cv_.notify_one();
+  return absl::OkStatus();
+}
+
+int64_t Scheduler::QueueDepth() const { return depth_.load(std::memory_order_relaxed); }
+
+void Scheduler::Drain() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    draining_ = true;
+  }
+  cv_.notify_all();
+  std::lock_guard<std::mutex> join_lock(join_mu_);
+  if (worker_.joinable()) worker_.join();
+}
+
+bool Scheduler::TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wake_at,
+                                std::vector<Item>* rejected) {
+  const Clock::time_point now = Clock::now();
+  std::vector<size_t> chosen;
+  std::unordered_set<uint64_t> users;
+  int64_t tokens = 0;
+  bool full = false;
+  for (size_t i = 0; i < queue_.size();) {
+    Item& item = queue_[i];
+    // An expired call is also cancelled by gRPC; DEADLINE_EXCEEDED is the more useful answer.
+    const bool expired = item.pending.deadline <= now;
+    if (expired || (item.pending.is_cancelled && item.pending.is_cancelled())) {
+      // Answered without engine work. Erasing shifts the indices after i, so `chosen` (all < i)
+      // stays valid.
+      item.rejection = expired ? absl::DeadlineExceededError("deadline expired while queued")
+                               : absl::CancelledError("call was cancelled while queued");
+      rejected->push_back(std::move(item));
+      queue_.erase(queue_.begin() + static_cast<std::ptrdiff_t>(i));
+      continue;
+    }
+    const uint64_t user = item.pending.request.user_id;
+    if (users.contains(user)) {
+      ++i;  // the user's earlier request runs first; this one keeps its place
+      continue;
+    }
+    if (!chosen.empty() && tokens + item.tokens > options_.max_batch_tokens) {
+      full = true;  // stop rather than skip, so large requests are not overtaken forever
+      break;
+    }
+    chosen.push_back(i);
+    users.insert(user);
+    tokens += item.tokens;
+    ++i;
+    if (static_cast<int32_t>(chosen.size()) >= options_.max_batch_size ||
+        tokens >= options_.max_batch_tokens) {
+      full = true;
+      break;
+    }
+  }
+  if (chosen.empty()) return false;
+  if (!full && !draining_ && options_.batch_timeout.count() > 0) {
+    const Clock::time_point ready_at = queue_[chosen.front()].enqueued + options_.batch_timeout;
+    if (ready_at > now) {
+      *wake_at = ready_at;
+      return false;
+    }
+  }
+  batch->reserve(chosen.size());
+  for (size_t idx : chosen) batch->push_back(std::move(queue_[idx]));
+  // Erase back to front so earlier indices stay valid.
+  for (auto it = chosen.rbegin(); it != chosen.rend(); ++it) {
+    queue_.erase(queue_.begin() + static_cast<std::ptrdiff_t>(*it));
+  }
+  return true;
+}
+
+void Scheduler::WorkerLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    std::vector<Item> batch, rejected;
+    Clock::time_point wake_at = Clock::time_point::max();
+    const bool got = TakeBatchLocked(&batch, &wake_at, &rejected);
+    depth_.store(static_cast<int64_t>(queue_.size()), std::memory_order_relaxed);
+    if (got || !rejected.empty()) {
+      lock.unlock();
+      const Clock::time_point now = Clock::now();
+      for (Item& item : rejected) {
+        RequestTiming timing;
+        timing.queue_seconds = Seconds(now - item.enqueued);
+        item.pending.done(std::move(item.rejection), timing);
+      }
+      if (got) RunBatch(batch);
+      lock.lock();
+      continue;
+    }
+    if (draining_ && queue_.empty()) break;
+    if (wake_at == Clock::time_point::max()) {
+      cv_.wait(lock);
+    } else {
+      cv_.wait_until(lock, wake_at);
+    }
+  }
+}
+
+void Scheduler::RunBatch(std::vector<Item>& batch) {
+  std::vector<RankRequest> requests;
+  requests.reserve(batch.size());
+  BatchInfo info;
+  info.num_requests = static_cast<int32_t>(batch.size());
+  for (Item& item : batch) {
+    info.num_tokens += item.tokens;
+    requests.push_back(std::move(item.pending.request));
+  }
+  const Clock::time_point start = Clock::now();
+  std::vector<absl::StatusOr<RankResult>> results = run_batch_(requests);
+  const Clock::time_point end = Clock::now();
+  info.compute_seconds = Seconds(end - start);
+  if (results.size() != batch.size()) {
+    // A broken engine contract fails this batch only; the server keeps serving.
+    results.assign(batch.size(), absl::InternalError(absl::StrCat(
+                                     "engine returned ", results.size(), " results for a batch of ",
+                                     batch.size())));
+  }
+  if (observer_) observer_(info);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    RequestTiming timing;
+    timing.queue_seconds = Seconds(start - batch[i].enqueued);
+    timing.compute_seconds = info.compute_seconds;
+    batch[i].pending.done(std::move(results[i]), timing);
+  }
+}
+
+}  // namespace hstu::server

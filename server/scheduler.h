@@ -1,0 +1,128 @@
+// Dynamic batching scheduler between the RPC front end and the engine (DESIGN §8). It knows nothing
+// of gRPC: requests arrive as engine RankRequests with a deadline, a cancellation probe and a
+// completion callback, and leave through that callback exactly once.
+//
+// Rules:
+//  - one worker thread owns the engine and runs one batch at a time;
+//  - a batch holds at most `max_batch_size` requests and `max_batch_tokens` estimated tokens (a
+//    single larger request still runs, alone);
+//  - a batch never holds two requests of one user: the later one stays queued, keeps its place
+//    and runs in a later batch, where it reuses the earlier one's cache;
+//  - the worker starts as soon as it is idle and work is queued; with `batch_timeout` > 0 a
+//    partly filled batch waits until its oldest request has been queued that long;
+//  - a request whose deadline passed or whose call was cancelled is answered before any engine
+//    work (DEADLINE_EXCEEDED / CANCELLED);
+//  - the queue is bounded: Submit() answers RESOURCE_EXHAUSTED when it is full;
+//  - Drain() stops admitting (UNAVAILABLE), finishes everything queued, then stops the worker;
+//  - an engine failure of one batch answers INTERNAL for that batch only.
+//
+// Thread-safety: Submit(), QueueDepth() and Drain() may be called from any thread. Callbacks run
+// on the worker thread (or inside Submit() for a rejected request) and must not block.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "engine/request.h"
+
+namespace hstu::server {
+
+using Clock = std::chrono::steady_clock;
+
+struct SchedulerOptions {
+  int32_t max_batch_size = 8;       // requests (users) per engine call
+  int64_t max_batch_tokens = 65536;  // estimated tokens per engine call
+  std::chrono::microseconds batch_timeout{0};
+  int32_t max_queue = 1024;          // queued requests beyond which Submit() rejects
+  // Estimated tokens of a request (history tokens + candidates); the scheduler cannot see the
+  // cache, so this is an upper bound of what the engine computes. Unset: 2 * events + candidates.
+  std::function<int64_t(const RankRequest&)> token_cost;
+};
+
+// Per-request timings handed to the completion callback.
+struct RequestTiming {
+  double queue_seconds = 0;    // Submit() → its batch starts
+  double compute_seconds = 0;  // its batch's engine call (0 when answered without engine work)
+};
+
+using RankDone = std::function<void(absl::StatusOr<RankResult>, const RequestTiming&)>;
+
+struct PendingRank {
+  RankRequest request;
+  Clock::time_point deadline = Clock::time_point::max();
+  std::function<bool()> is_cancelled;  // optional; polled right before the request joins a batch
+  RankDone done;
+};
+
+// What one batch looked like, for metrics.
+struct BatchInfo {
+  int32_t num_requests = 0;
+  int64_t num_tokens = 0;  // estimated, as counted against max_batch_tokens
+  double compute_seconds = 0;
+};
+
+class Scheduler {
+ public:
+  // Runs a batch on the engine: one result per request, in order.
+  using RunBatchFn =
+      std::function<std::vector<absl::StatusOr<RankResult>>(absl::Span<const RankRequest>)>;
+  using BatchObserver = std::function<void(const BatchInfo&)>;
+
+  static absl::StatusOr<std::unique_ptr<Scheduler>> Create(const SchedulerOptions& options,
+                                                           RunBatchFn run_batch,
+                                                           BatchObserver observer = nullptr);
+  ~Scheduler();  // Drain()s
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Queues a request. On rejection (queue full, draining) `done` has NOT been called and the
+  // returned status says why; the caller answers the RPC itself.
+  absl::Status Submit(PendingRank pending);
+  int64_t QueueDepth() const;
+  // Stops admitting, finishes queued and running work, joins the worker. Idempotent.
+  void Drain();
+
+ private:
+  struct Item {
+    PendingRank pending;
+    Clock::time_point enqueued;
+    int64_t tokens = 0;
+    absl::Status rejection;  // why it left the queue without engine work
+  };
+
+  Scheduler(const SchedulerOptions& options, RunBatchFn run_batch, BatchObserver observer);
+  void WorkerLoop();
+  // Moves the next batch out of the queue (answering expired and cancelled requests on the way).
+  // Returns false with an empty batch when it should wait (until `*wake_at`) instead.
+  bool TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wake_at,
+                       std::vector<Item>* rejected);
+  void RunBatch(std::vector<Item>& batch);
+
+  const SchedulerOptions options_;
+  const RunBatchFn run_batch_;
+  const BatchObserver observer_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Item> queue_;
+  bool draining_ = false;
+  std::atomic<int64_t> depth_{0};
+  std::mutex join_mu_;  // Drain() may race with itself (signal path and destructor)
+  std::thread worker_;
+};
+
+// The default token estimate: 2 tokens per history event plus one per candidate.
+int64_t DefaultTokenCost(const RankRequest& request);
+
+}  // namespace hstu::server
