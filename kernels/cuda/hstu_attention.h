@@ -1,0 +1,70 @@
+// Paged HSTU attention on tensor cores (DESIGN §2.2): plan on the host, run on the device.
+//
+// Work decomposition. Each user's rows (new history, then candidates) are cut into query tiles of
+// kAttnBlockM rows; each tile's key range (history tokens in the pages, bounded by the causal mask
+// and the window) is cut into chunks of whole kAttnBlockN-key blocks so that the grid fills the GPU
+// even for one user ("split-K"). A CTA computes one (work item, head): its Q tile against its key
+// chunk. Since HSTU attention has no softmax, partial results of a split tile simply add: each split
+// writes an fp32 partial, and the last CTA of the tile to finish (an atomic counter) sums the
+// partials in split order — deterministic — and writes the bf16 output. A candidate's own key (the
+// diagonal) is handled by split 0 as one extra key block read from the uvqk rows.
+//
+// The plan is plain data (no device pointers), so it can be built into static buffers for CUDA
+// graphs; the counters reset themselves, so a plan can be replayed.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/params.h"
+
+namespace hstu::cuda {
+
+inline constexpr int kAttnBlockM = 64;  // query rows per tile (4 warps × 16)
+inline constexpr int kAttnBlockN = 64;  // keys per pipeline step
+
+struct AttentionWorkItem {
+  int32_t user = 0;
+  int32_t q_row = 0;         // first jagged row of the tile
+  int32_t num_q = 0;         // rows in the tile, 1..kAttnBlockM
+  int32_t q_local = 0;       // index of the tile's first row among the user's rows
+  int32_t kv_begin = 0;      // history keys [kv_begin, kv_end) of this chunk
+  int32_t kv_end = 0;
+  int32_t split = 0;         // chunk index within the tile
+  int32_t num_splits = 1;
+  int32_t tile = -1;         // index of the split tile (its counter), -1 when num_splits == 1
+  int32_t partial_base = 0;  // first partial slot of the split tile; slot = partial_base + split
+};
+
+struct AttentionPlan {
+  std::vector<AttentionWorkItem> items;
+  int32_t num_split_tiles = 0;  // counters needed: num_split_tiles * H (int32, zero before 1st use)
+  int32_t num_partials = 0;     // partial slots: num_partials * H * kAttnBlockM * D floats
+  int32_t chunk_blocks = 0;     // chosen chunk length in key blocks (for reports)
+};
+
+// Builds the work list from the host copy of the batch plan.
+//   row_offsets: [B + 1]; num_new, num_tokens: [B] (num_tokens after the append).
+//   concurrent_ctas: CTAs the GPU runs at once (SMs × CTAs per SM, see HstuAttentionCtasPerSm).
+//   max_split: upper bound on chunks per tile (bounds the workspace); >= 1.
+AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_new,
+                                const int32_t* num_tokens, int32_t batch_size,
+                                int32_t max_attn_len, int32_t num_heads, int32_t concurrent_ctas,
+                                int32_t max_split = 64);
+
+// CTAs of the attention kernel one SM runs at once for this head dim (occupancy API).
+cudaError_t HstuAttentionCtasPerSm(int head_dim, int* ctas_per_sm);
+
+// Runs the plan. p: AttentionParams (history K/V of every user already appended to the pages);
+// items: device copy of plan.items [num_items]; partials: [plan.num_partials, H, kAttnBlockM, D]
+// fp32 scratch (nullptr when num_partials == 0); tile_counters: [plan.num_split_tiles * H] int32,
+// zero on the first launch and left zero by every launch. Head dim must be 64, 128 or 256
+// (cudaErrorInvalidValue otherwise; see kSupportedHeadDimsText in ops.h).
+cudaError_t LaunchHstuAttention(const AttentionParams<__nv_bfloat16>& p,
+                                const AttentionWorkItem* items, int32_t num_items,
+                                float* partials, int32_t* tile_counters, cudaStream_t stream);
+
+}  // namespace hstu::cuda

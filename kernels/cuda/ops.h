@@ -1,0 +1,63 @@
+// Launchers of the CUDA kernels (bf16 activations and KV, fp32 residual stream and statistics).
+//
+// Every launcher validates its arguments (cudaErrorInvalidValue for a bad one, with nothing
+// launched), enqueues work on `stream` without synchronising, and returns the launch status
+// (cudaPeekAtLastError, so it is safe inside a stream capture). Shapes are row-major.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/params.h"
+
+namespace hstu::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// Head dims the attention kernel is instantiated for; anything else is rejected with
+// cudaErrorInvalidValue (see HeadDimSupported / kSupportedHeadDimsText).
+inline constexpr int kSupportedHeadDims[] = {64, 128, 256};
+inline constexpr const char* kSupportedHeadDimsText = "64, 128, 256";
+inline bool HeadDimSupported(int d) { return d == 64 || d == 128 || d == 256; }
+
+// x[r] = E[id] (* sqrt(d) + P[min(pos, P_rows - 1)] with position encoding), as fp32.
+// p.out must be nullptr: the output is the fp32 residual stream `out` [num_rows, d].
+// Requires d % 8 == 0 and 16-byte aligned tables. Ids are assumed valid (the engine validates).
+cudaError_t LaunchEmbeddingGather(const EmbeddingParams<bf16>& p, float* out, cudaStream_t stream);
+
+// out = LayerNorm(x) * w + b (fp32 statistics), rounded to bf16.
+//   x: [rows, cols] fp32; w, b: [cols] fp32; out: [rows, cols] bf16. cols % 8 == 0.
+cudaError_t LaunchLayerNorm(const float* x, int64_t rows, int64_t cols, const float* w,
+                            const float* b, float eps, bf16* out, cudaStream_t stream);
+
+// x = SiLU(x + bias) in place. x: [rows, cols] bf16 (row stride cols); bias: [cols] fp32.
+cudaError_t LaunchBiasSilu(bf16* x, int64_t rows, int64_t cols, const float* bias,
+                           cudaStream_t stream);
+
+// Writes K and V of each user's new history rows into the pages (AppendKvParams). Bit-exact copy.
+// num_rows = row_offsets[B] (the plan is on the device; the grid needs it on the host).
+cudaError_t LaunchAppendKv(const AppendKvParams<bf16>& p, int32_t num_rows, cudaStream_t stream);
+
+// y[r] = LayerNorm(a[r]; w, b) * u[r] over hd columns (fp32 statistics).
+//   a: [rows, hd] bf16; u: [rows, u_stride] bf16 (the u block of uvqk rows); y: [rows, hd] bf16.
+cudaError_t LaunchNormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64_t rows,
+                           int64_t hd, const float* w, const float* b, float eps, bf16* y,
+                           cudaStream_t stream);
+
+// For each i < num_rows: raw[i] = x[rows[i]] (when raw != nullptr) and
+// normed[i] = x[rows[i]] / max(|x[rows[i]]|_2, 1e-6).  x: [*, cols] fp32; raw, normed: [num_rows, cols].
+cudaError_t LaunchGatherL2Normalize(const float* x, const int32_t* rows, int64_t num_rows,
+                                    int64_t cols, float* raw, float* normed, cudaStream_t stream);
+
+enum class Activation : int32_t { kNone = 0, kRelu = 1, kSigmoid = 2 };
+// x = act(x + bias) in place. x: [rows, cols] fp32; bias: [cols] fp32 or nullptr.
+cudaError_t LaunchBiasActivation(float* x, int64_t rows, int64_t cols, const float* bias,
+                                 Activation act, cudaStream_t stream);
+
+// out[i] = bf16(in[i]) and back; used for weights at load time and by tests.
+cudaError_t LaunchF32ToBf16(const float* in, int64_t count, bf16* out, cudaStream_t stream);
+cudaError_t LaunchBf16ToF32(const bf16* in, int64_t count, float* out, cudaStream_t stream);
+
+}  // namespace hstu::cuda
