@@ -1,0 +1,520 @@
+// hstu_loadgen: load generator for hstu_server (DESIGN §10).
+//
+// Closed loop (--concurrency=N or a sweep 1:64:x2 / 1,2,8): N workers each send the next request
+// when the previous one answers. Open loop (--rate=R[,R2...]): requests are sent on a schedule
+// (constant or Poisson gaps) whatever the server does, and latency is measured from the scheduled
+// send time, so a slow server cannot hide its queueing (no coordinated omission).
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "client/latency_histogram.h"
+#include "client/report.h"
+#include "client/traffic.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "hstu/v1/ranking.grpc.pb.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address HOST:PORT.");
+ABSL_FLAG(double, duration, 10, "Seconds measured per load level (after --warmup).");
+ABSL_FLAG(int64_t, requests, 0, "Requests per load level instead of --duration (0: use duration).");
+ABSL_FLAG(std::string, concurrency, "8",
+          "Closed loop: outstanding requests, or a sweep: 1:64:x2 (geometric), 1:16:+4 (linear), "
+          "or a list 1,4,16.");
+ABSL_FLAG(std::string, rate, "",
+          "Open loop: requests per second (or a list 100,200); overrides --concurrency.");
+ABSL_FLAG(std::string, arrival, "poisson", "Open loop arrivals: constant or poisson.");
+ABSL_FLAG(int64_t, users, 1000, "User population.");
+ABSL_FLAG(double, zipf, 1.0, "Zipf exponent of user popularity (0: uniform).");
+ABSL_FLAG(double, new_user_rate, 0.01, "Fraction of visits that bring a brand-new user.");
+ABSL_FLAG(int32_t, new_events, 4, "Each return visit adds uniform [1, N] events to the history.");
+ABSL_FLAG(int32_t, initial_events, 0,
+          "Largest history (events) of a new user, uniform from 1; 0: half the model's maximum.");
+ABSL_FLAG(int32_t, candidates, 0,
+          "Candidates per request; 0: the model's candidates per forward pass.");
+ABSL_FLAG(int64_t, timeout_ms, 1000, "Per-RPC deadline in milliseconds.");
+ABSL_FLAG(double, warmup, 1, "Seconds of unmeasured load before each level.");
+ABSL_FLAG(uint64_t, seed, 1, "Traffic seed.");
+ABSL_FLAG(int32_t, connections, 1, "gRPC connections (channels), used round-robin.");
+ABSL_FLAG(std::string, json, "", "Write the results as JSON to this file.");
+ABSL_FLAG(std::string, csv, "", "Write the results as CSV to this file.");
+ABSL_FLAG(double, wait_ready_s, 0,
+          "Wait up to this long for the server's health to be SERVING before starting.");
+ABSL_FLAG(bool, progress, true, "Live progress line on stderr.");
+ABSL_FLAG(int64_t, max_outstanding, 10000,
+          "Open loop: sends beyond this many unanswered requests are counted as LOADGEN_BACKLOG "
+          "errors instead of sent.");
+
+namespace hstu::loadgen {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using hstu::v1::Ranker;
+
+double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+const char* CodeName(grpc::StatusCode code) {
+  static const char* kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT",
+                                 "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+                                 "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+                                 "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
+                                 "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  const int c = static_cast<int>(code);
+  return c >= 0 && c < 17 ? kNames[c] : "UNKNOWN";
+}
+
+absl::StatusOr<std::vector<int32_t>> ParseConcurrency(const std::string& spec) {
+  std::vector<int32_t> out;
+  auto bad = [&] {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--concurrency=", spec, ": want N, A:B:xF, A:B:+S or a list A,B,C (all >= 1)"));
+  };
+  std::vector<std::string> parts = absl::StrSplit(spec, ':');
+  if (parts.size() == 3) {
+    int32_t lo, hi, step;
+    if (!absl::SimpleAtoi(parts[0], &lo) || !absl::SimpleAtoi(parts[1], &hi) || lo < 1 ||
+        hi < lo || parts[2].size() < 2 || !absl::SimpleAtoi(parts[2].substr(1), &step)) {
+      return bad();
+    }
+    if (parts[2][0] == 'x' && step >= 2) {
+      for (int64_t c = lo; c <= hi; c *= step) out.push_back(static_cast<int32_t>(c));
+    } else if (parts[2][0] == '+' && step >= 1) {
+      for (int64_t c = lo; c <= hi; c += step) out.push_back(static_cast<int32_t>(c));
+    } else {
+      return bad();
+    }
+    return out;
+  }
+  if (parts.size() != 1) return bad();
+  for (absl::string_view p : absl::StrSplit(spec, ',')) {
+    int32_t c;
+    if (!absl::SimpleAtoi(p, &c) || c < 1) return bad();
+    out.push_back(c);
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<double>> ParseRates(const std::string& spec) {
+  std::vector<double> out;
+  for (absl::string_view p : absl::StrSplit(spec, ',')) {
+    double r;
+    if (!absl::SimpleAtod(p, &r) || r <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--rate=", spec, ": want R or R1,R2 (> 0)"));
+    }
+    out.push_back(r);
+  }
+  return out;
+}
+
+// Everything one load level shares between the senders, the completions and the progress line.
+class Level {
+ public:
+  explicit Level(LevelResult* result) : result_(result) {}
+
+  void StartMeasuring() {
+    std::lock_guard<std::mutex> lock(mu_);
+    measuring_ = true;
+    window_start_ = Clock::now();
+    last_done_ = window_start_;
+  }
+  bool measuring() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return measuring_;
+  }
+  // A finished call; `measured` says whether it was sent inside the measured window.
+  void Done(bool measured, const grpc::Status& status, double latency_s,
+            const hstu::v1::RankResponse& response, bool new_user) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++total_done_;
+    if (!measured) return;
+    last_done_ = Clock::now();
+    if (status.ok()) {
+      ++result_->requests;
+      result_->latency.Record(latency_s);
+      result_->reused_tokens += response.reused_tokens();
+      result_->computed_tokens += response.computed_tokens();
+      if (new_user) ++result_->new_user_visits;
+    } else {
+      ++result_->errors[CodeName(status.error_code())];
+    }
+  }
+  void Backlog() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (measuring_) ++result_->errors["LOADGEN_BACKLOG"];
+  }
+  void Finish() {
+    std::lock_guard<std::mutex> lock(mu_);
+    result_->duration_s = std::chrono::duration<double>(last_done_ - window_start_).count();
+  }
+  std::string Progress(const std::string& label, double elapsed_s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const double rps = measuring_ && elapsed_s > 0 ? result_->requests / elapsed_s : 0;
+    return absl::StrCat("[", label, "] ", measuring_ ? "measuring" : "warming up", " ",
+                        static_cast<int>(elapsed_s), "s  ok ", result_->requests, "  ",
+                        static_cast<int64_t>(rps), " rps  p50 ",
+                        absl::StrFormat("%.3f", result_->latency.Quantile(0.5) * 1e3), " ms  p99 ",
+                        absl::StrFormat("%.3f", result_->latency.Quantile(0.99) * 1e3),
+                        " ms  errors ", result_->error_count());
+  }
+
+ private:
+  std::mutex mu_;
+  LevelResult* result_;
+  bool measuring_ = false;
+  Clock::time_point window_start_, last_done_;
+  int64_t total_done_ = 0;
+};
+
+class Driver {
+ public:
+  Driver(std::vector<std::unique_ptr<Ranker::Stub>> stubs, TrafficModel* traffic, int64_t timeout_ms)
+      : stubs_(std::move(stubs)), traffic_(traffic), timeout_ms_(timeout_ms) {}
+
+  hstu::v1::RankRequest MakeRequest(const Visit& v) {
+    hstu::v1::RankRequest req;
+    req.set_user_id(v.user_id);
+    req.mutable_history_item_ids()->Assign(v.history_item_ids.begin(), v.history_item_ids.end());
+    req.mutable_history_actions()->Assign(v.history_actions.begin(), v.history_actions.end());
+    req.mutable_candidate_item_ids()->Assign(v.candidate_item_ids.begin(),
+                                             v.candidate_item_ids.end());
+    req.set_request_id(absl::StrCat(next_id_.fetch_add(1)));
+    return req;
+  }
+  void PrepareContext(grpc::ClientContext* ctx, uint64_t user_id, Clock::time_point start) {
+    // The deadline counts from the intended send time, like the latency.
+    ctx->set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::milliseconds(timeout_ms_) -
+                      std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                          Clock::now() - start));
+    ctx->AddMetadata("x-user-id", absl::StrCat(user_id));
+  }
+  Ranker::Stub* NextStub() { return stubs_[next_stub_.fetch_add(1) % stubs_.size()].get(); }
+
+  // Closed loop: `concurrency` threads, each with one synchronous call outstanding.
+  void RunClosed(Level* level, int32_t concurrency, double warmup_s, double duration_s,
+                 int64_t num_requests) {
+    std::atomic<bool> stop{false};
+    std::atomic<int64_t> issued{0};
+    std::vector<std::thread> workers;
+    for (int32_t w = 0; w < concurrency; ++w) {
+      workers.emplace_back([&] {
+        while (!stop.load()) {
+          const bool measured = level->measuring();
+          if (measured && num_requests > 0 && issued.fetch_add(1) >= num_requests) break;
+          const Visit v = traffic_->Next();
+          const hstu::v1::RankRequest req = MakeRequest(v);
+          hstu::v1::RankResponse resp;
+          grpc::ClientContext ctx;
+          const Clock::time_point start = Clock::now();
+          PrepareContext(&ctx, v.user_id, start);
+          const grpc::Status status = NextStub()->Rank(&ctx, req, &resp);
+          level->Done(measured, status, Since(start), resp, v.new_user);
+        }
+      });
+    }
+    Sleep(warmup_s);
+    level->StartMeasuring();
+    if (num_requests > 0) {
+      // Workers stop by themselves after the count; the window closes at the last answer.
+      for (auto& t : workers) t.join();
+    } else {
+      Sleep(duration_s);
+      stop.store(true);
+      for (auto& t : workers) t.join();
+    }
+    level->Finish();
+  }
+
+  // Open loop: one sender on a schedule; answers arrive on gRPC's callback threads.
+  void RunOpen(Level* level, double rate, bool poisson, double warmup_s, double duration_s,
+               int64_t num_requests, int64_t max_outstanding, uint64_t seed) {
+    std::mt19937_64 rng(Mix64(seed + 99));
+    std::exponential_distribution<double> gap(rate);
+    std::atomic<int64_t> outstanding{0};
+    std::mutex done_mu;
+    std::condition_variable done_cv;
+    const Clock::time_point t0 = Clock::now();
+    double offset_s = 0;
+    bool measuring = false;
+    Clock::time_point measure_start;
+    int64_t sent_measured = 0;
+    while (true) {
+      offset_s += poisson ? gap(rng) : 1.0 / rate;
+      const Clock::time_point scheduled =
+          t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(offset_s));
+      if (!measuring && offset_s >= warmup_s) {
+        std::this_thread::sleep_until(scheduled);
+        level->StartMeasuring();
+        measuring = true;
+        measure_start = scheduled;
+      }
+      if (measuring) {
+        if (num_requests > 0 ? sent_measured >= num_requests
+                             : scheduled - measure_start >=
+                                   std::chrono::duration<double>(duration_s)) {
+          break;
+        }
+        ++sent_measured;
+      }
+      std::this_thread::sleep_until(scheduled);
+      if (outstanding.load() >= max_outstanding) {
+        level->Backlog();
+        continue;
+      }
+      struct Call {
+        grpc::ClientContext ctx;
+        hstu::v1::RankRequest req;
+        hstu::v1::RankResponse resp;
+        bool new_user;
+      };
+      auto* call = new Call;
+      const Visit v = traffic_->Next();
+      call->req = MakeRequest(v);
+      call->new_user = v.new_user;
+      PrepareContext(&call->ctx, v.user_id, scheduled);
+      outstanding.fetch_add(1);
+      const bool measured = measuring;
+      NextStub()->async()->Rank(
+          &call->ctx, &call->req, &call->resp,
+          [call, level, measured, scheduled, &outstanding, &done_mu, &done_cv](grpc::Status s) {
+            // Latency from the scheduled send time: queueing in a slow client or server counts.
+            const double latency = std::chrono::duration<double>(Clock::now() - scheduled).count();
+            level->Done(measured, s, latency, call->resp, call->new_user);
+            delete call;
+            std::lock_guard<std::mutex> lock(done_mu);
+            outstanding.fetch_sub(1);
+            done_cv.notify_all();
+          });
+    }
+    std::unique_lock<std::mutex> lock(done_mu);
+    done_cv.wait(lock, [&] { return outstanding.load() == 0; });
+    level->Finish();
+  }
+
+ private:
+  static void Sleep(double s) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::max(0.0, s)));
+  }
+  std::vector<std::unique_ptr<Ranker::Stub>> stubs_;
+  TrafficModel* traffic_;
+  const int64_t timeout_ms_;
+  std::atomic<uint64_t> next_stub_{0};
+  std::atomic<uint64_t> next_id_{0};
+};
+
+absl::Status WaitReady(const std::shared_ptr<grpc::Channel>& channel, double wait_s) {
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  const Clock::time_point start = Clock::now();
+  std::string last = "no answer";
+  while (true) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    grpc::health::v1::HealthCheckRequest req;
+    grpc::health::v1::HealthCheckResponse resp;
+    const grpc::Status s = health->Check(&ctx, req, &resp);
+    if (s.ok() && resp.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+      return absl::OkStatus();
+    }
+    last = s.ok() ? grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status())
+                  : absl::StrCat(CodeName(s.error_code()), ": ", s.error_message());
+    if (Since(start) >= wait_s) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return absl::UnavailableError(
+      absl::StrCat("server not SERVING after ", wait_s, " s (last: ", last, ")"));
+}
+
+int Main() {
+  const std::string target = absl::GetFlag(FLAGS_target);
+  const int32_t num_connections = absl::GetFlag(FLAGS_connections);
+  if (num_connections < 1) {
+    std::fprintf(stderr, "--connections must be >= 1\n");
+    return 2;
+  }
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int32_t i = 0; i < num_connections; ++i) {
+    grpc::ChannelArguments args;
+    // Each channel gets its own subchannel (TCP connection) instead of sharing the global pool.
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    args.SetMaxReceiveMessageSize(64 << 20);
+    channels.push_back(grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+  }
+  if (const double wait_s = absl::GetFlag(FLAGS_wait_ready_s); wait_s > 0) {
+    if (absl::Status s = WaitReady(channels[0], wait_s); !s.ok()) {
+      std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());
+      return 1;
+    }
+  }
+  hstu::v1::ModelInfo info;
+  {
+    auto stub = Ranker::NewStub(channels[0]);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    const grpc::Status s = stub->GetModelInfo(&ctx, hstu::v1::GetModelInfoRequest(), &info);
+    if (!s.ok()) {
+      std::fprintf(stderr, "hstu_loadgen: GetModelInfo on %s failed: %s: %s\n", target.c_str(),
+                   CodeName(s.error_code()), s.error_message().c_str());
+      return 1;
+    }
+  }
+
+  // Valid requests for the served model: actions below num_actions, histories around its maximum
+  // (longer ones are truncated by the server, so growth past it is exercised too).
+  const int32_t model_events = std::max<int32_t>(1, static_cast<int32_t>(info.max_history_tokens() / 2));
+  TrafficOptions t;
+  t.num_users = absl::GetFlag(FLAGS_users);
+  t.zipf_s = absl::GetFlag(FLAGS_zipf);
+  t.new_user_rate = absl::GetFlag(FLAGS_new_user_rate);
+  t.new_events_max = absl::GetFlag(FLAGS_new_events);
+  t.initial_events_max = absl::GetFlag(FLAGS_initial_events) > 0
+                             ? absl::GetFlag(FLAGS_initial_events)
+                             : std::max(1, model_events / 2);
+  t.max_events = std::max(t.initial_events_max, 2 * model_events);
+  const int32_t per_forward = info.candidates_per_forward() > 0
+                                  ? static_cast<int32_t>(info.candidates_per_forward())
+                                  : static_cast<int32_t>(info.max_candidates());
+  t.num_candidates = absl::GetFlag(FLAGS_candidates) > 0 ? absl::GetFlag(FLAGS_candidates)
+                                                         : std::max(1, per_forward);
+  t.num_actions = info.num_actions() > 0 ? static_cast<int32_t>(info.num_actions()) : 1;
+  t.seed = absl::GetFlag(FLAGS_seed);
+  auto traffic = TrafficModel::Create(t);
+  if (!traffic.ok()) {
+    std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(traffic.status().message()).c_str());
+    return 2;
+  }
+
+  std::vector<LevelResult> levels;
+  const std::string rate_spec = absl::GetFlag(FLAGS_rate);
+  const std::string arrival = absl::GetFlag(FLAGS_arrival);
+  if (arrival != "constant" && arrival != "poisson") {
+    std::fprintf(stderr, "--arrival=%s: want constant or poisson\n", arrival.c_str());
+    return 2;
+  }
+  if (!rate_spec.empty()) {
+    auto rates = ParseRates(rate_spec);
+    if (!rates.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(rates.status().message()).c_str());
+      return 2;
+    }
+    for (double r : *rates) {
+      LevelResult l;
+      l.mode = "open";
+      l.rate_rps = r;
+      l.arrival = arrival;
+      levels.push_back(l);
+    }
+  } else {
+    auto conc = ParseConcurrency(absl::GetFlag(FLAGS_concurrency));
+    if (!conc.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(conc.status().message()).c_str());
+      return 2;
+    }
+    for (int32_t c : *conc) {
+      LevelResult l;
+      l.mode = "closed";
+      l.concurrency = c;
+      levels.push_back(l);
+    }
+  }
+
+  std::vector<std::unique_ptr<Ranker::Stub>> stubs;
+  for (const auto& ch : channels) stubs.push_back(Ranker::NewStub(ch));
+  Driver driver(std::move(stubs), traffic->get(), absl::GetFlag(FLAGS_timeout_ms));
+  const double warmup_s = absl::GetFlag(FLAGS_warmup);
+  const double duration_s = absl::GetFlag(FLAGS_duration);
+  const int64_t num_requests = absl::GetFlag(FLAGS_requests);
+  const bool progress = absl::GetFlag(FLAGS_progress);
+  const bool tty = isatty(STDERR_FILENO) != 0;
+
+  for (LevelResult& l : levels) {
+    Level level(&l);
+    const std::string label =
+        l.mode == "closed" ? absl::StrCat("c=", l.concurrency) : absl::StrCat(l.rate_rps, " rps");
+    std::atomic<bool> running{true};
+    std::thread progress_thread;
+    if (progress) {
+      progress_thread = std::thread([&] {
+        const Clock::time_point start = Clock::now();
+        Clock::time_point measure_start = start;
+        bool was_measuring = false;
+        int ticks = 0;
+        while (running.load()) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(250));
+          if (!running.load()) break;
+          const bool m = level.measuring();
+          if (m && !was_measuring) measure_start = Clock::now();
+          was_measuring = m;
+          // Without a terminal, a line every 2 s instead of a line rewritten in place.
+          if (!tty && ++ticks % 8 != 0) continue;
+          const std::string line = level.Progress(label, m ? Since(measure_start) : Since(start));
+          std::fprintf(stderr, tty ? "\r%-100s" : "%s\n", line.c_str());
+        }
+        if (tty) std::fprintf(stderr, "\r%-100s\r", "");
+      });
+    }
+    if (l.mode == "closed") {
+      driver.RunClosed(&level, l.concurrency, warmup_s, duration_s, num_requests);
+    } else {
+      driver.RunOpen(&level, l.rate_rps, arrival == "poisson", warmup_s, duration_s, num_requests,
+                     absl::GetFlag(FLAGS_max_outstanding), t.seed);
+    }
+    running.store(false);
+    if (progress_thread.joinable()) progress_thread.join();
+  }
+
+  RunInfo run;
+  run.target = target;
+  run.model = info.model_name();
+  run.device = info.device();
+  run.candidates = t.num_candidates;
+  run.users = t.num_users;
+  run.zipf = t.zipf_s;
+  run.connections = num_connections;
+  std::printf("%s", FormatTable(run, levels).c_str());
+  std::fflush(stdout);
+  int rc = 0;
+  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
+    if (absl::Status s = WriteFile(path, ToJson(run, levels)); !s.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+      rc = 1;
+    }
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_csv); !path.empty()) {
+    if (absl::Status s = WriteFile(path, ToCsv(levels)); !s.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+      rc = 1;
+    }
+  }
+  return rc;
+}
+
+}  // namespace
+}  // namespace hstu::loadgen
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Load generator for hstu_server.\n"
+      "  hstu_loadgen --target=HOST:PORT [--concurrency=8 | --concurrency=1:64:x2 | "
+      "--rate=500 --arrival=poisson]\n"
+      "               [--duration=10 | --requests=N] [--users=1000 --zipf=1.0] [--json=F --csv=F]");
+  absl::ParseCommandLine(argc, argv);
+  return hstu::loadgen::Main();
+}

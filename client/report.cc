@@ -1,0 +1,140 @@
+#include "client/report.h"
+
+#include <cstdio>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+
+namespace hstu::loadgen {
+
+int64_t LevelResult::error_count() const {
+  int64_t n = 0;
+  for (const auto& [code, count] : errors) n += count;
+  return n;
+}
+
+namespace {
+
+double Ms(double s) { return s * 1e3; }
+
+double ReusePercent(const LevelResult& l) {
+  const int64_t total = l.reused_tokens + l.computed_tokens;
+  return total > 0 ? 100.0 * static_cast<double>(l.reused_tokens) / static_cast<double>(total) : 0;
+}
+
+std::string Load(const LevelResult& l) {
+  return l.mode == "closed" ? absl::StrCat("c=", l.concurrency)
+                            : absl::StrFormat("%.0f rps %s", l.rate_rps, l.arrival);
+}
+
+std::string Errors(const LevelResult& l) {
+  if (l.errors.empty()) return "0";
+  std::vector<std::string> parts;
+  for (const auto& [code, count] : l.errors) parts.push_back(absl::StrCat(code, ":", count));
+  return absl::StrJoin(parts, ",");
+}
+
+}  // namespace
+
+std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& levels) {
+  std::string out = absl::StrFormat(
+      "hstu_loadgen: target %s, model %s on %s, %d candidates, %d users (zipf %.2f), %d "
+      "connection(s)\n",
+      info.target, info.model, info.device, info.candidates, info.users, info.zipf,
+      info.connections);
+  absl::StrAppend(&out, absl::StrFormat("| %-18s | %9s | %8s | %8s | %8s | %8s | %8s | %8s | %8s | %7s | %s |\n",
+                                        "load", "requests", "rps", "p50 ms", "p90 ms", "p95 ms",
+                                        "p99 ms", "p99.9 ms", "max ms", "reuse %", "errors"));
+  absl::StrAppend(&out, "|", std::string(20, '-'), "|", std::string(11, '-'), "|",
+                  std::string(10, '-'), "|", std::string(10, '-'), "|", std::string(10, '-'), "|",
+                  std::string(10, '-'), "|", std::string(10, '-'), "|", std::string(10, '-'), "|",
+                  std::string(10, '-'), "|", std::string(9, '-'), "|", std::string(8, '-'), "|\n");
+  for (const LevelResult& l : levels) {
+    const LatencyHistogram& h = l.latency;
+    absl::StrAppend(
+        &out, absl::StrFormat("| %-18s | %9d | %8.1f | %8.3f | %8.3f | %8.3f | %8.3f | %8.3f | %8.3f | %7.1f | %s |\n",
+                              Load(l), l.requests, l.throughput_rps(), Ms(h.Quantile(0.5)),
+                              Ms(h.Quantile(0.9)), Ms(h.Quantile(0.95)), Ms(h.Quantile(0.99)),
+                              Ms(h.Quantile(0.999)), Ms(h.max_seconds()), ReusePercent(l),
+                              Errors(l)));
+  }
+  return out;
+}
+
+std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels) {
+  nlohmann::json root;
+  root["target"] = info.target;
+  root["model"] = info.model;
+  root["device"] = info.device;
+  root["candidates"] = info.candidates;
+  root["users"] = info.users;
+  root["zipf"] = info.zipf;
+  root["connections"] = info.connections;
+  nlohmann::json arr = nlohmann::json::array();
+  for (const LevelResult& l : levels) {
+    nlohmann::json j;
+    j["mode"] = l.mode;
+    if (l.mode == "closed") {
+      j["concurrency"] = l.concurrency;
+    } else {
+      j["rate_rps"] = l.rate_rps;
+      j["arrival"] = l.arrival;
+    }
+    j["duration_s"] = l.duration_s;
+    j["requests"] = l.requests;
+    j["throughput_rps"] = l.throughput_rps();
+    const LatencyHistogram& h = l.latency;
+    j["latency_ms"] = {{"p50", Ms(h.Quantile(0.5))},   {"p90", Ms(h.Quantile(0.9))},
+                       {"p95", Ms(h.Quantile(0.95))},  {"p99", Ms(h.Quantile(0.99))},
+                       {"p999", Ms(h.Quantile(0.999))}, {"mean", Ms(h.mean_seconds())},
+                       {"max", Ms(h.max_seconds())}};
+    nlohmann::json errors = nlohmann::json::object();
+    for (const auto& [code, count] : l.errors) errors[code] = count;
+    j["errors"] = errors;
+    j["error_count"] = l.error_count();
+    j["reused_tokens"] = l.reused_tokens;
+    j["computed_tokens"] = l.computed_tokens;
+    j["new_user_visits"] = l.new_user_visits;
+    arr.push_back(j);
+  }
+  root["levels"] = arr;
+  // The last level's headline numbers at the top level too, for scripts that run one level.
+  if (!arr.empty()) {
+    for (const char* k : {"throughput_rps", "latency_ms", "requests", "errors", "reused_tokens",
+                          "computed_tokens"}) {
+      root[k] = arr.back()[k];
+    }
+  }
+  return root.dump(2) + "\n";
+}
+
+std::string ToCsv(const std::vector<LevelResult>& levels) {
+  std::string out =
+      "mode,concurrency,rate_rps,arrival,duration_s,requests,throughput_rps,p50_ms,p90_ms,p95_ms,"
+      "p99_ms,p999_ms,max_ms,errors,reused_tokens,computed_tokens\n";
+  for (const LevelResult& l : levels) {
+    const LatencyHistogram& h = l.latency;
+    absl::StrAppend(&out, absl::StrFormat("%s,%d,%.3f,%s,%.3f,%d,%.3f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%d,%d,%d\n",
+                                          l.mode, l.concurrency, l.rate_rps, l.arrival,
+                                          l.duration_s, l.requests, l.throughput_rps(),
+                                          Ms(h.Quantile(0.5)), Ms(h.Quantile(0.9)),
+                                          Ms(h.Quantile(0.95)), Ms(h.Quantile(0.99)),
+                                          Ms(h.Quantile(0.999)), Ms(h.max_seconds()),
+                                          l.error_count(), l.reused_tokens, l.computed_tokens));
+  }
+  return out;
+}
+
+absl::Status WriteFile(const std::string& path, const std::string& contents) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  if (!f) return absl::UnavailableError(absl::StrCat("cannot write ", path));
+  f << contents;
+  f.close();
+  if (!f) return absl::DataLossError(absl::StrCat("error writing ", path));
+  return absl::OkStatus();
+}
+
+}  // namespace hstu::loadgen

@@ -1,0 +1,47 @@
+// hstu_loadgen results: one row per load level (concurrency or rate), printed as a table and
+// written as JSON or CSV.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "client/latency_histogram.h"
+
+namespace hstu::loadgen {
+
+struct LevelResult {
+  std::string mode;         // "closed" or "open"
+  int32_t concurrency = 0;  // closed loop
+  double rate_rps = 0;      // open loop: offered rate
+  std::string arrival;      // open loop: constant | poisson
+  double duration_s = 0;    // measured window
+  int64_t requests = 0;     // answered OK in the window
+  std::map<std::string, int64_t> errors;  // gRPC code name → count
+  LatencyHistogram latency;               // OK requests only
+  int64_t reused_tokens = 0;              // server-reported, summed over OK responses
+  int64_t computed_tokens = 0;
+  int64_t new_user_visits = 0;
+
+  double throughput_rps() const { return duration_s > 0 ? requests / duration_s : 0; }
+  int64_t error_count() const;
+};
+
+struct RunInfo {
+  std::string target;
+  std::string model;
+  std::string device;
+  int32_t candidates = 0;
+  int64_t users = 0;
+  double zipf = 0;
+  int32_t connections = 0;
+};
+
+std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& levels);
+std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels);
+std::string ToCsv(const std::vector<LevelResult>& levels);
+absl::Status WriteFile(const std::string& path, const std::string& contents);
+
+}  // namespace hstu::loadgen

@@ -1,0 +1,68 @@
+// Returning-user traffic for hstu_loadgen (DESIGN §10): a population of users with Zipf
+// popularity; each visit re-sends the user's full history grown by a few events since the last
+// visit, plus candidates; a fraction of visits bring a brand-new user who replaces the slot.
+//
+// Histories are not stored: event i of user u is a pure function of (seed, u, i), so millions of
+// users with long histories cost 16 bytes each.
+//
+// Thread-safety: Next() is thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <random>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace hstu::loadgen {
+
+struct TrafficOptions {
+  int64_t num_users = 1000;
+  double zipf_s = 1.0;           // popularity of the user at rank r is proportional to r^-s
+  double new_user_rate = 0.01;   // fraction of visits that bring a new user
+  int32_t initial_events_min = 1;
+  int32_t initial_events_max = 64;  // a new user's history length is uniform in [min, max]
+  int32_t new_events_max = 4;       // each return visit adds uniform [1, max] events
+  int32_t max_events = 512;         // a user whose history would exceed this starts over
+  int32_t num_candidates = 64;
+  int64_t item_space = 1000000;     // item ids are drawn from [0, item_space)
+  int32_t num_actions = 16;         // action ids are drawn from [0, num_actions)
+  uint64_t seed = 1;
+};
+
+struct Visit {
+  uint64_t user_id = 0;
+  std::vector<int64_t> history_item_ids;
+  std::vector<int32_t> history_actions;
+  std::vector<int64_t> candidate_item_ids;
+  bool new_user = false;
+};
+
+class TrafficModel {
+ public:
+  static absl::StatusOr<std::unique_ptr<TrafficModel>> Create(const TrafficOptions& options);
+  Visit Next();
+  // Rank (0-based) drawn from the Zipf distribution; exposed for tests.
+  int64_t SampleRank(double u) const;
+
+ private:
+  struct UserSlot {
+    uint64_t user_id = 0;
+    int32_t num_events = 0;  // 0: not visited yet
+  };
+  explicit TrafficModel(const TrafficOptions& options);
+
+  const TrafficOptions options_;
+  std::vector<double> cdf_;  // [num_users], cumulative Zipf probabilities
+  std::mutex mu_;
+  std::mt19937_64 rng_;
+  std::vector<UserSlot> slots_;
+  uint64_t next_user_id_ = 0;
+  uint64_t visit_counter_ = 0;
+};
+
+// splitmix64: the deterministic mixer behind event and candidate ids.
+uint64_t Mix64(uint64_t x);
+
+}  // namespace hstu::loadgen
