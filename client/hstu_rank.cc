@@ -20,6 +20,7 @@ ABSL_FLAG(std::string, device, "cpu", "cpu | cuda:N | auto");
 ABSL_FLAG(bool, no_cache, false, "recompute every history (no KV reuse between requests)");
 ABSL_FLAG(int32_t, page_size, 32, "tokens per KV page");
 ABSL_FLAG(int64_t, cache_pages, 0, "KV pool size in pages (0 = default for the device)");
+ABSL_FLAG(int64_t, host_cache_pages, 0, "host KV tier size in pages (0 = no host tier)");
 ABSL_FLAG(int64_t, max_candidates, 1 << 20, "reject requests with more candidates than this");
 
 namespace {
@@ -63,7 +64,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "hstu_rank: scores JSONL requests offline.\n"
       "  hstu_rank --model FILE|random:PRESET --input FILE.jsonl [--device cpu|cuda:N] [--no-cache]\n"
-      "            [--page-size N] [--cache-pages N]\n"
+      "            [--page-size N] [--cache-pages N] [--host-cache-pages N]\n"
       "Input line: {\"user_id\": 7, \"history_item_ids\": [...], \"history_actions\": [...],\n"
       "             \"candidate_item_ids\": [...]}\n"
       "Output line: {\"user_id\": 7, \"scores\": [[t0, t1, ...] per candidate], \"reused_tokens\": R,\n"
@@ -97,6 +98,7 @@ int main(int argc, char** argv) {
   opts.enable_cache = !absl::GetFlag(FLAGS_no_cache);
   opts.page_size = absl::GetFlag(FLAGS_page_size);
   opts.cache_pages = absl::GetFlag(FLAGS_cache_pages);
+  opts.host_cache_pages = absl::GetFlag(FLAGS_host_cache_pages);
   opts.limits.max_candidates = absl::GetFlag(FLAGS_max_candidates);
   auto engine = hstu::Engine::Create(opts);
   if (!engine.ok()) {

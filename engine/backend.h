@@ -35,6 +35,8 @@ struct ForwardOutput {
   std::vector<float> hidden;  // [candidate rows, d] (only when requested)
 };
 
+enum class CopyKind { kDeviceToHost, kHostToDevice };
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -48,6 +50,21 @@ class Backend {
   // ([layers, 2, num_tokens, H, D] as fp32) — tests compare caches through it.
   virtual absl::Status ReadKv(const std::vector<int32_t>& page_ids, int32_t num_tokens,
                               std::vector<float>* out) = 0;
+
+  // Host tier: a second pool of `num_pages` pages with the same layout in host memory (pinned on a
+  // GPU). Backends without one return UNIMPLEMENTED and the engine runs without the tier.
+  virtual absl::Status CreateHostPool(int64_t num_pages) {
+    return absl::UnimplementedError(name() + " backend has no host KV tier");
+  }
+  // Copies whole pages (every layer, K and V) between the tiers, src[i] → dst[i]. May run
+  // asynchronously, but is ordered before any later Forward; complete once WaitCopies() returns.
+  virtual absl::Status CopyPages(CopyKind kind, const std::vector<int32_t>& src,
+                                 const std::vector<int32_t>& dst) {
+    return absl::UnimplementedError(name() + " backend has no host KV tier");
+  }
+  virtual absl::Status WaitCopies() { return absl::OkStatus(); }
+  // Bytes of one page over all layers (K and V).
+  virtual int64_t page_bytes() const { return num_pages() > 0 ? kv_pool_bytes() / num_pages() : 0; }
 };
 
 // CPU reference backend (fp32).

@@ -33,6 +33,35 @@ class CpuBackend final : public Backend {
   absl::Status ReadKv(const std::vector<int32_t>& page_ids, int32_t num_tokens,
                       std::vector<float>* out) override;
 
+  absl::Status CreateHostPool(int64_t num_pages) override {
+    host_num_pages_ = num_pages;
+    host_pool_.reset(new float[static_cast<size_t>(page_elems_ * num_pages * w_.config.num_layers)]);
+    return absl::OkStatus();
+  }
+  // On the CPU a host copy is a memcpy per page and layer; it is complete on return.
+  absl::Status CopyPages(CopyKind kind, const std::vector<int32_t>& src,
+                         const std::vector<int32_t>& dst) override {
+    if (host_pool_ == nullptr) return absl::FailedPreconditionError("no host pool");
+    if (src.size() != dst.size()) return absl::InvalidArgumentError("CopyPages: src/dst sizes differ");
+    const bool to_host = kind == CopyKind::kDeviceToHost;
+    const int64_t src_pages = to_host ? num_pages_ : host_num_pages_;
+    const int64_t dst_pages = to_host ? host_num_pages_ : num_pages_;
+    float* from = to_host ? pool_.get() : host_pool_.get();
+    float* to = to_host ? host_pool_.get() : pool_.get();
+    for (size_t i = 0; i < src.size(); ++i) {
+      if (src[i] < 0 || src[i] >= src_pages || dst[i] < 0 || dst[i] >= dst_pages) {
+        return absl::InvalidArgumentError(absl::StrCat("CopyPages: page ", src[i], " -> ", dst[i],
+                                                       " out of range"));
+      }
+      for (int l = 0; l < w_.config.num_layers; ++l) {
+        std::memcpy(to + l * dst_pages * page_elems_ + dst[i] * page_elems_,
+                    from + l * src_pages * page_elems_ + src[i] * page_elems_,
+                    sizeof(float) * page_elems_);
+      }
+    }
+    return absl::OkStatus();
+  }
+
  private:
   PagedKvView<float> View(int layer, const ForwardBatch& batch) const {
     const ModelConfig& c = w_.config;
@@ -55,7 +84,9 @@ class CpuBackend final : public Backend {
   int64_t num_pages_;
   int64_t page_elems_ = 0;
   int64_t layer_elems_ = 0;
-  std::unique_ptr<float[]> pool_;  // [layers, num_pages, 2, page_size, H, D]
+  std::unique_ptr<float[]> pool_;       // [layers, num_pages, 2, page_size, H, D]
+  int64_t host_num_pages_ = 0;
+  std::unique_ptr<float[]> host_pool_;  // [layers, host_num_pages, 2, page_size, H, D]
 };
 
 absl::Status CpuBackend::Forward(const ForwardBatch& batch, bool keep_hidden, ForwardOutput* out) {

@@ -87,10 +87,22 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     spdlog::warn("KV pool of {} pages cannot hold one user of max history ({} pages)", num_pages,
                  pages_per_user);
   }
-  auto cache = std::make_unique<CacheManager>(options.page_size, num_pages);
+  int64_t host_pages = options.host_cache_pages;
+  if (host_pages < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("host_cache_pages must be >= 0, got ", host_pages));
+  }
+  if (host_pages > 0 && options.enable_cache) {
+    if (auto s = (*backend)->CreateHostPool(host_pages); !s.ok()) {
+      if (s.code() != absl::StatusCode::kUnimplemented) return s;
+      spdlog::warn("host KV tier disabled: {}", std::string(s.message()));
+      host_pages = 0;
+    }
+  }
+  auto cache = std::make_unique<CacheManager>(options.page_size, num_pages, host_pages);
   std::unique_ptr<Engine> engine(new Engine(options, c, *std::move(backend), std::move(cache)));
   engine->stats_.kv_pool_bytes = engine->backend_->kv_pool_bytes();
   engine->stats_.device_memory_bytes = engine->backend_->device_memory_bytes();
+  engine->stats_.kv_page_bytes = engine->backend_->page_bytes();
   return engine;
 }
 
@@ -105,6 +117,8 @@ EngineStats Engine::Stats() const {
     s = stats_;
   }
   s.cache = cache_->Stats();
+  s.kv_offload_bytes = s.cache.pages_offloaded * static_cast<uint64_t>(s.kv_page_bytes);
+  s.kv_onload_bytes = s.cache.pages_onloaded * static_cast<uint64_t>(s.kv_page_bytes);
   return s;
 }
 
@@ -156,6 +170,15 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
     if (!res.ok()) {
       *results[i] = res.status();
       continue;
+    }
+    if (!res->onload.empty()) {
+      // The forward below is ordered after this copy on the backend's streams.
+      if (auto s = backend_->CopyPages(CopyKind::kHostToDevice, res->onload.src, res->onload.dst);
+          !s.ok()) {
+        cache_->Release(*res);
+        *results[i] = absl::InternalError(absl::StrCat("KV onload failed: ", s.message()));
+        continue;
+      }
     }
     l.res = *std::move(res);
     l.result.num_tasks = c.num_tasks;
@@ -228,12 +251,23 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
 
   for (Live& l : live) {
     if (failure.ok()) {
-      cache_->Commit(l.res, l.kept.keys);
+      const PageCopies offload = cache_->Commit(l.res, l.kept.keys);
+      if (!offload.empty()) {
+        if (auto s = backend_->CopyPages(CopyKind::kDeviceToHost, offload.src, offload.dst); !s.ok()) {
+          spdlog::warn("KV offload failed, host copy dropped: {}", std::string(s.message()));
+          cache_->ForgetHostCopy(l.res.user_id);
+        }
+      }
       *results[l.idx] = std::move(l.result);
     } else {
       cache_->Release(l.res);
       *results[l.idx] = absl::InternalError(absl::StrCat("engine forward failed: ", failure.message()));
     }
+  }
+  // Every planned copy completes before the next Acquire may hand these GPU pages to someone else.
+  if (auto s = backend_->WaitCopies(); !s.ok()) {
+    spdlog::error("KV copy failed: {}; clearing the cache", std::string(s.message()));
+    cache_->Clear();
   }
 }
 

@@ -25,6 +25,7 @@ struct EngineOptions {
   std::string device = "cpu";         // cpu | cuda:N | auto
   int32_t page_size = 32;             // tokens per KV page
   int64_t cache_pages = 0;            // KV pool size in pages; 0 = room for 64 users of max history
+  int64_t host_cache_pages = 0;       // host (pinned) KV tier in pages; 0 = no host tier
   bool enable_cache = true;           // false: every request recomputes its whole history
   bool keep_hidden = false;           // fill RankResult::hidden (tests, parity checks)
   RequestLimits limits;
@@ -39,6 +40,9 @@ struct EngineStats {
   int64_t device_memory_bytes = 0;  // weights + KV pool + workspace on the device (0 on the CPU)
   int64_t kv_pool_bytes = 0;
   int64_t weight_bytes = 0;
+  int64_t kv_page_bytes = 0;        // one page over all layers
+  uint64_t kv_offload_bytes = 0;    // GPU → host
+  uint64_t kv_onload_bytes = 0;     // host → GPU
 };
 
 class Engine {

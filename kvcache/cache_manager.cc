@@ -26,6 +26,7 @@ uint64_t HashPage(uint64_t prev, const uint64_t* keys, int64_t count) {
 const char* LookupResultName(LookupResult r) {
   switch (r) {
     case LookupResult::kHit: return "gpu_hit";
+    case LookupResult::kHostHit: return "host_hit";
     case LookupResult::kPartial: return "partial";
     case LookupResult::kMiss: return "miss";
     case LookupResult::kMismatch: return "hash_mismatch";
@@ -53,8 +54,8 @@ uint64_t PrefixHash(absl::Span<const uint64_t> keys, int32_t page_size) {
   return h;
 }
 
-CacheManager::CacheManager(int32_t page_size, int64_t num_pages)
-    : page_size_(page_size), allocator_(num_pages) {
+CacheManager::CacheManager(int32_t page_size, int64_t num_pages, int64_t host_num_pages)
+    : page_size_(page_size), allocator_(num_pages), host_allocator_(host_num_pages) {
   stats_.page_size = page_size;
 }
 
@@ -67,9 +68,40 @@ void CacheManager::TouchLocked(Entry& e, uint64_t user_id) {
 void CacheManager::DropLocked(uint64_t user_id) {
   auto it = entries_.find(user_id);
   if (it == entries_.end()) return;
-  allocator_.Free(it->second.page_ids.data(), static_cast<int64_t>(it->second.page_ids.size()));
-  lru_.erase(it->second.lru_it);
+  Entry& e = it->second;
+  allocator_.Free(e.page_ids.data(), static_cast<int64_t>(e.page_ids.size()));
+  host_allocator_.Free(e.host_page_ids.data(), static_cast<int64_t>(e.host_page_ids.size()));
+  lru_.erase(e.lru_it);
   entries_.erase(it);
+}
+
+void CacheManager::TruncateLocked(Entry& e, size_t full_pages) {
+  if (e.page_ids.size() > full_pages) {
+    allocator_.Free(e.page_ids.data() + full_pages, static_cast<int64_t>(e.page_ids.size() - full_pages));
+    e.page_ids.resize(full_pages);
+  }
+  if (e.host_page_ids.size() > full_pages) {
+    host_allocator_.Free(e.host_page_ids.data() + full_pages,
+                         static_cast<int64_t>(e.host_page_ids.size() - full_pages));
+    e.host_page_ids.resize(full_pages);
+  }
+  e.page_hashes.resize(std::min(e.page_hashes.size(), full_pages));
+  e.num_tokens = static_cast<int32_t>(e.page_hashes.size()) * page_size_;
+  e.prefix_hash = e.page_hashes.empty() ? PrefixHash({}, page_size_) : e.page_hashes.back();
+}
+
+void CacheManager::EvictFromGpuLocked(uint64_t user_id) {
+  Entry& e = entries_.at(user_id);
+  ++stats_.evictions;
+  if (e.host_page_ids.empty()) {
+    DropLocked(user_id);
+    ++stats_.dropped_entries;
+    return;
+  }
+  // The host copy covers the full pages; a partial last page is recomputed on the next visit.
+  allocator_.Free(e.page_ids.data(), static_cast<int64_t>(e.page_ids.size()));
+  e.page_ids.clear();
+  TruncateLocked(e, e.host_page_ids.size());
 }
 
 bool CacheManager::AllocateLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out) {
@@ -82,12 +114,39 @@ bool CacheManager::AllocateLocked(uint64_t user_id, int64_t n, std::vector<int32
     --it;
     const uint64_t victim = *it;
     const Entry& e = entries_.at(victim);
-    if (e.pinned || victim == user_id) continue;
-    it = std::next(it);  // DropLocked erases the victim's list node
-    DropLocked(victim);
-    ++stats_.evictions;
+    if (e.pinned || victim == user_id || e.page_ids.empty()) continue;
+    const auto after = std::next(it);  // survives even if the victim's node is erased
+    EvictFromGpuLocked(victim);
+    it = after;
   }
   return allocator_.Allocate(n, out);
+}
+
+bool CacheManager::AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out) {
+  if (n <= host_allocator_.num_free()) return host_allocator_.Allocate(n, out);
+  int64_t evictable = 0;
+  for (const auto& [user, e] : entries_) {
+    if (!e.pinned && user != user_id) evictable += static_cast<int64_t>(e.host_page_ids.size());
+  }
+  if (host_allocator_.num_free() + evictable < n) return false;
+  auto it = lru_.end();
+  while (host_allocator_.num_free() < n && it != lru_.begin()) {
+    --it;
+    const uint64_t victim = *it;
+    Entry& e = entries_.at(victim);
+    if (e.pinned || victim == user_id || e.host_page_ids.empty()) continue;
+    const auto after = std::next(it);
+    ++stats_.host_evictions;
+    if (e.page_ids.empty()) {
+      DropLocked(victim);  // host-only: nothing of the entry is left
+      ++stats_.dropped_entries;
+    } else {
+      host_allocator_.Free(e.host_page_ids.data(), static_cast<int64_t>(e.host_page_ids.size()));
+      e.host_page_ids.clear();
+    }
+    it = after;
+  }
+  return host_allocator_.Allocate(n, out);
 }
 
 absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<const uint64_t> keys) {
@@ -97,6 +156,7 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   r.total_tokens = static_cast<int32_t>(keys.size());
   auto [it, inserted] = entries_.try_emplace(user_id);
   Entry& e = it->second;
+  const bool from_host = !inserted && e.page_ids.empty() && e.num_tokens > 0;
   if (inserted) {
     lru_.push_front(user_id);
     e.lru_it = lru_.begin();
@@ -108,20 +168,18 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   } else if (static_cast<size_t>(e.num_tokens) <= keys.size() &&
              PrefixHash(keys.subspan(0, e.num_tokens), page_size_) == e.prefix_hash) {
     r.reused_tokens = e.num_tokens;
-    r.result = e.num_tokens > 0 ? LookupResult::kHit : LookupResult::kMiss;
+    r.result = e.num_tokens == 0 ? LookupResult::kMiss
+               : from_host       ? LookupResult::kHostHit
+                                 : LookupResult::kHit;
   } else {
     // Longest page-aligned prefix whose chain still matches; the rest of the entry is stale.
     const size_t cmp_tokens = std::min(keys.size(), e.page_hashes.size() * page_size_);
     const std::vector<uint64_t> req = PageChainHashes(keys.subspan(0, cmp_tokens), page_size_);
     size_t k = 0;
     while (k < req.size() && req[k] == e.page_hashes[k]) ++k;
-    allocator_.Free(e.page_ids.data() + k, static_cast<int64_t>(e.page_ids.size() - k));
-    e.page_ids.resize(k);
-    e.page_hashes.resize(k);
-    e.num_tokens = static_cast<int32_t>(k) * page_size_;
-    e.prefix_hash = k > 0 ? e.page_hashes.back() : PrefixHash({}, page_size_);
+    TruncateLocked(e, k);
     r.reused_tokens = e.num_tokens;
-    r.result = k > 0 ? LookupResult::kPartial : LookupResult::kMismatch;
+    r.result = k == 0 ? LookupResult::kMismatch : from_host ? LookupResult::kHostHit : LookupResult::kPartial;
   }
   e.pinned = true;
   TouchLocked(e, user_id);
@@ -139,6 +197,13 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
         " are pinned by requests in flight"));
   }
   pinned_pages_ += std::max<int64_t>(missing, 0);
+  if (from_host) {
+    // Host-only entries hold whole pages, so the reused tokens are exactly the first pages.
+    const size_t n = static_cast<size_t>(r.reused_tokens / page_size_);
+    r.onload.src.assign(e.host_page_ids.begin(), e.host_page_ids.begin() + n);
+    r.onload.dst.assign(e.page_ids.begin(), e.page_ids.begin() + n);
+    stats_.pages_onloaded += n;
+  }
   ++stats_.lookups[static_cast<int>(r.result)];
   stats_.tokens_reused += r.reused_tokens;
   stats_.tokens_computed += keys.size() - r.reused_tokens;
@@ -166,19 +231,33 @@ absl::StatusOr<Reservation> CacheManager::AcquireTemporary(uint64_t user_id, int
   return r;
 }
 
-void CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t> keys) {
+PageCopies CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t> keys) {
   std::lock_guard<std::mutex> lock(mu_);
   pinned_pages_ -= static_cast<int64_t>(r.page_ids.size());
+  PageCopies offload;
   if (r.temporary) {
     allocator_.Free(r.page_ids.data(), static_cast<int64_t>(r.page_ids.size()));
-    return;
+    return offload;
   }
   Entry& e = entries_.at(r.user_id);
   e.num_tokens = static_cast<int32_t>(keys.size());
   e.page_hashes = PageChainHashes(keys, page_size_);
   e.prefix_hash = PrefixHash(keys, page_size_);
-  e.pinned = false;
   TouchLocked(e, r.user_id);
+  // Write-behind: new full pages get host copies (while still pinned, so eviction for host room
+  // never picks this entry).
+  const size_t full = e.page_hashes.size(), have = e.host_page_ids.size();
+  if (host_allocator_.num_pages() > 0 && full > have) {
+    std::vector<int32_t> fresh;
+    if (AllocateHostLocked(r.user_id, static_cast<int64_t>(full - have), &fresh)) {
+      offload.src.assign(e.page_ids.begin() + have, e.page_ids.begin() + full);
+      offload.dst = fresh;
+      e.host_page_ids.insert(e.host_page_ids.end(), fresh.begin(), fresh.end());
+      stats_.pages_offloaded += fresh.size();
+    }
+  }
+  e.pinned = false;
+  return offload;
 }
 
 void CacheManager::Release(const Reservation& r) {
@@ -190,6 +269,16 @@ void CacheManager::Release(const Reservation& r) {
   }
   DropLocked(r.user_id);
   ++stats_.dropped_entries;
+}
+
+void CacheManager::ForgetHostCopy(uint64_t user_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(user_id);
+  if (it == entries_.end()) return;
+  Entry& e = it->second;
+  host_allocator_.Free(e.host_page_ids.data(), static_cast<int64_t>(e.host_page_ids.size()));
+  e.host_page_ids.clear();
+  if (e.page_ids.empty()) DropLocked(user_id);
 }
 
 void CacheManager::Clear() {
@@ -207,6 +296,8 @@ CacheStats CacheManager::Stats() const {
   s.pages_total = allocator_.num_pages();
   s.pages_free = allocator_.num_free();
   s.pages_pinned = pinned_pages_;
+  s.host_pages_total = host_allocator_.num_pages();
+  s.host_pages_free = host_allocator_.num_free();
   s.entries = static_cast<int64_t>(entries_.size());
   return s;
 }

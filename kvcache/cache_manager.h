@@ -4,6 +4,13 @@
 // A token is identified by a 64-bit key (kind and id, see TokenKey). Each full page has a chain hash
 // covering its keys and the previous page's hash; the entry also keeps the hash of its whole prefix.
 //
+// Host tier (host_num_pages > 0): after a commit, the entry's new full pages get host copies
+// (write-behind, PageCopies returned by Commit). An entry evicted from the GPU keeps its host copy
+// (its full pages; a partial last page is recomputed) and is onloaded by its next Acquire. When the
+// host tier is full, the least recently used unpinned entries lose their host copies.
+// The caller must finish every returned copy before its next Acquire, so a GPU page is never reused
+// before its host copy is complete.
+//
 // Thread-safe: every method takes the manager's lock.
 #pragma once
 
@@ -19,18 +26,24 @@
 
 namespace hstu {
 
-enum class LookupResult : int { kHit = 0, kPartial, kMiss, kMismatch, kDisabled, kNumResults };
-const char* LookupResultName(LookupResult r);  // "gpu_hit", "partial", "miss", "hash_mismatch", "disabled"
+enum class LookupResult : int { kHit = 0, kHostHit, kPartial, kMiss, kMismatch, kDisabled, kNumResults };
+// "gpu_hit", "host_hit", "partial", "miss", "hash_mismatch", "disabled"
+const char* LookupResultName(LookupResult r);
 
 struct CacheStats {
   uint64_t lookups[static_cast<int>(LookupResult::kNumResults)] = {};
   uint64_t tokens_reused = 0;
   uint64_t tokens_computed = 0;
-  uint64_t evictions = 0;        // entries evicted to make room
-  uint64_t dropped_entries = 0;  // entries dropped because they failed or could not be kept
+  uint64_t evictions = 0;        // entries whose GPU pages were evicted to make room
+  uint64_t host_evictions = 0;   // entries whose host copies were evicted to make room
+  uint64_t dropped_entries = 0;  // entries gone entirely (failed, or evicted with no copy left)
+  uint64_t pages_offloaded = 0;  // GPU → host page copies planned
+  uint64_t pages_onloaded = 0;   // host → GPU page copies planned
   int64_t pages_total = 0;
   int64_t pages_free = 0;
   int64_t pages_pinned = 0;
+  int64_t host_pages_total = 0;  // 0 when the host tier is disabled
+  int64_t host_pages_free = 0;
   int64_t entries = 0;
   int32_t page_size = 0;
 };
@@ -40,19 +53,27 @@ inline uint64_t TokenKey(bool is_action, int64_t id) {
   return (static_cast<uint64_t>(id) << 1) | (is_action ? 1u : 0u);
 }
 
+// Page copies between the tiers that the caller must carry out (same index in src and dst).
+struct PageCopies {
+  std::vector<int32_t> src;
+  std::vector<int32_t> dst;
+  bool empty() const { return src.empty(); }
+};
+
 // One request's hold on its user's pages, between Acquire and Commit/Release.
 struct Reservation {
   uint64_t user_id = 0;
   bool temporary = false;        // cache disabled: pages are freed at release
   int32_t reused_tokens = 0;     // tokens valid in the pages before this request
   int32_t total_tokens = 0;      // tokens valid after this request's append
-  std::vector<int32_t> page_ids; // covers total_tokens
+  std::vector<int32_t> page_ids; // GPU pages, cover total_tokens
   LookupResult result = LookupResult::kMiss;
+  PageCopies onload;             // host → GPU copies to finish before the forward reads the pages
 };
 
 class CacheManager {
  public:
-  CacheManager(int32_t page_size, int64_t num_pages);
+  CacheManager(int32_t page_size, int64_t num_pages, int64_t host_num_pages = 0);
   CacheManager(const CacheManager&) = delete;
   CacheManager& operator=(const CacheManager&) = delete;
 
@@ -66,10 +87,13 @@ class CacheManager {
   // Pages for `num_tokens` tokens that belong to no entry (cache disabled); freed by Release.
   absl::StatusOr<Reservation> AcquireTemporary(uint64_t user_id, int32_t num_tokens);
   // The request's pages now hold K/V for all of `keys`: record the hashes, unpin, mark recent.
-  void Commit(const Reservation& r, absl::Span<const uint64_t> keys);
+  // Returns the GPU → host copies of the entry's new full pages (empty without a host tier).
+  PageCopies Commit(const Reservation& r, absl::Span<const uint64_t> keys);
   // The request failed: unpin and drop what it added (and the entry, whose pages may be partial).
   void Release(const Reservation& r);
 
+  // A planned offload failed: the user's host copies are not valid, forget them.
+  void ForgetHostCopy(uint64_t user_id);
   void Clear();  // drops every unpinned entry
   CacheStats Stats() const;
   // Number of cached tokens of a user (0 when absent); for tests and tools.
@@ -78,7 +102,8 @@ class CacheManager {
  private:
   struct Entry {
     int32_t num_tokens = 0;
-    std::vector<int32_t> page_ids;
+    std::vector<int32_t> page_ids;      // GPU pages; empty when the entry lives on the host only
+    std::vector<int32_t> host_page_ids; // host copies of full pages [0, size)
     std::vector<uint64_t> page_hashes;  // one per full page
     uint64_t prefix_hash = 0;           // over all num_tokens keys
     bool pinned = false;
@@ -86,12 +111,16 @@ class CacheManager {
   };
 
   bool AllocateLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out);
+  bool AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out);
+  void EvictFromGpuLocked(uint64_t user_id);
   void DropLocked(uint64_t user_id);
+  void TruncateLocked(Entry& e, size_t full_pages);
   void TouchLocked(Entry& e, uint64_t user_id);
 
   mutable std::mutex mu_;
   int32_t page_size_;
   PageAllocator allocator_;
+  PageAllocator host_allocator_;
   std::unordered_map<uint64_t, Entry> entries_;
   std::list<uint64_t> lru_;  // front = most recently used
   CacheStats stats_;
