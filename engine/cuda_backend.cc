@@ -131,6 +131,12 @@ class CudaBackendImpl final : public CudaBackend {
                                           int reps) override;
   int attention_items() const override { return static_cast<int>(plan_.items.size()); }
   int attention_chunk_blocks() const override { return plan_.chunk_blocks; }
+  absl::Status SetDebugPoison(bool on) override {
+    HSTU_CUDA_RETURN(cudaSetDevice(device_));
+    poison_ = on;
+    if (on) HSTU_CUDA_RETURN(cudaMemset(pool_.get(), 0xFF, pool_.bytes()));
+    return absl::OkStatus();
+  }
 
  private:
   PagedKvView<bf16> View(int layer) const;
@@ -161,6 +167,7 @@ class CudaBackendImpl final : public CudaBackend {
   cuda::AttentionPlan plan_;
   int32_t num_users_ = 0, num_rows_ = 0, num_cand_ = 0;
   bool staged_ = false;
+  bool poison_ = false;
 };
 
 absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
@@ -316,6 +323,12 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
   HSTU_CUDA_RETURN(cand_norm_.Reserve(C * d * sizeof(float)));
   HSTU_CUDA_RETURN(head_a_.Reserve(C * widest * sizeof(float)));
   HSTU_CUDA_RETURN(head_b_.Reserve(C * widest * sizeof(float)));
+  if (poison_) {
+    for (DeviceBuffer* buf : {&x_, &n_, &uvqk_, &a_, &y_, &partials_, &cand_raw_, &cand_norm_,
+                              &head_a_, &head_b_}) {
+      HSTU_CUDA_RETURN(cudaMemsetAsync(buf->get(), 0xFF, buf->bytes(), stream_.get()));
+    }
+  }
   num_users_ = B;
   num_rows_ = rows;
   num_cand_ = static_cast<int32_t>(cand_rows.size());

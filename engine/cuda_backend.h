@@ -34,6 +34,9 @@ class CudaBackend : public Backend {
   virtual int attention_items() const = 0;
   virtual int attention_chunk_blocks() const = 0;
   virtual std::string gpu_name() const = 0;
+  // Tests: fill every activation buffer with NaN before each batch (and the KV pool now), so a
+  // row or page that is read before it is written shows up as NaN.
+  virtual absl::Status SetDebugPoison(bool on) = 0;
 };
 
 // UNAVAILABLE when no CUDA device is present (or `device_index` does not exist), INVALID_ARGUMENT

@@ -16,6 +16,8 @@ constexpr double kReferenceScoreAbs = 1e-4;
 // bf16 GPU vs fp32 CPU (DESIGN §2.4).
 constexpr double kBf16RelL2 = 1e-2;
 constexpr double kBf16ScoreAbs = 2e-3;
+// One rounding of an fp32 result to bf16 (8 significant bits: ≤ 2^-9 relative per element).
+constexpr double kBf16RoundRelL2 = 4e-3;
 
 // ‖a − b‖ / ‖b‖; NaN when any element is not finite so that a comparison never passes on NaN.
 inline double RelL2(const std::vector<float>& a, const std::vector<float>& b) {

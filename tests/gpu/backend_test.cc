@@ -1,0 +1,199 @@
+// The CUDA backend against the CPU backend on the same ForwardBatch (final hidden rows and scores),
+// a cached step against a full recompute on the GPU, and the KV pages read back from both.
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "engine/backend.h"
+#include "engine/cuda_backend.h"
+#include "engine/model_file.h"
+#include "kernels/params.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/util/tolerance.h"
+
+namespace hstu {
+namespace {
+
+ModelConfig GpuTestConfig(int head_dim, int window, bool position_encoding) {
+  ModelConfig c = *PresetConfig("tiny");
+  c.num_layers = 2;
+  c.hidden_dim = 256;
+  c.num_heads = 2;
+  c.head_dim = head_dim;
+  c.max_history_tokens = 512;
+  c.max_candidates = 64;
+  c.attention_norm_len = 512 + 64;
+  c.max_attn_len = window;
+  c.position_encoding = position_encoding;
+  c.position_rows = position_encoding ? 512 : 0;
+  c.item_rows = 1000;
+  c.action_rows = 8;
+  c.num_tasks = 3;
+  c.head_dims = {256, 64, 3};
+  return c;
+}
+
+// Builds batches of users whose histories grow between steps; pages are handed out from a shuffled
+// free list so every user's pages are scattered.
+class BatchBuilder {
+ public:
+  BatchBuilder(int page_size, int num_pages, uint64_t seed) : page_size_(page_size), rng_(seed) {
+    free_.resize(num_pages);
+    std::iota(free_.begin(), free_.end(), 0);
+    std::shuffle(free_.begin(), free_.end(), rng_);
+  }
+  struct User {
+    std::vector<int64_t> tokens;  // history token ids (item, action alternating)
+    int cached = 0;               // tokens already in its pages
+    std::vector<int32_t> pages;
+  };
+  // One forward: each user grows by new_tokens[b] history tokens and sends cand[b] candidates.
+  // cached=false drops the user's cache first (a full recompute into fresh pages).
+  std::vector<std::vector<int64_t>> Candidates(const std::vector<int>& counts) {
+    std::vector<std::vector<int64_t>> c(counts.size());
+    for (size_t b = 0; b < counts.size(); ++b)
+      for (int i = 0; i < counts[b]; ++i) c[b].push_back(rng_() % 1000);
+    return c;
+  }
+  ForwardBatch Step(std::vector<User>* users, const std::vector<int>& new_tokens,
+                    const std::vector<std::vector<int64_t>>& cand, bool cached) {
+    ForwardBatch fb;
+    fb.num_users = static_cast<int32_t>(users->size());
+    fb.row_offsets = {0};
+    fb.page_indptr = {0};
+    for (size_t b = 0; b < users->size(); ++b) {
+      User& u = (*users)[b];
+      if (!cached) {
+        u.cached = 0;
+        u.pages.clear();
+      }
+      for (int i = 0; i < new_tokens[b]; ++i) u.tokens.push_back(rng_() % 1000);
+      const int hist = static_cast<int>(u.tokens.size());
+      while (static_cast<int>(u.pages.size()) * page_size_ < hist) {
+        u.pages.push_back(free_.back());
+        free_.pop_back();
+      }
+      const int nnew = hist - u.cached;
+      for (int t = u.cached; t < hist; ++t) {
+        const bool action = t % 2 == 1;
+        fb.token_ids.push_back(action ? u.tokens[t] % 8 : u.tokens[t]);
+        fb.token_types.push_back(action ? kActionToken : kItemToken);
+        fb.positions.push_back(t);
+      }
+      for (int64_t id : cand[b]) {
+        fb.token_ids.push_back(id);
+        fb.token_types.push_back(kItemToken);
+        fb.positions.push_back(hist);
+      }
+      fb.num_new.push_back(nnew);
+      fb.num_tokens.push_back(hist);
+      fb.row_offsets.push_back(fb.row_offsets.back() + nnew + static_cast<int32_t>(cand[b].size()));
+      fb.page_ids.insert(fb.page_ids.end(), u.pages.begin(), u.pages.end());
+      fb.page_indptr.push_back(static_cast<int32_t>(fb.page_ids.size()));
+      u.cached = hist;
+    }
+    return fb;
+  }
+
+ private:
+  int page_size_;
+  std::mt19937 rng_;
+  std::vector<int32_t> free_;
+};
+
+void ExpectClose(const ForwardOutput& gpu, const ForwardOutput& cpu, const std::string& what) {
+  ASSERT_EQ(gpu.scores.size(), cpu.scores.size()) << what;
+  ASSERT_TRUE(test::AllFinite(gpu.scores)) << what;
+  ASSERT_TRUE(test::AllFinite(gpu.hidden)) << what;
+  EXPECT_LT(test::MaxAbsDiff(gpu.scores, cpu.scores), test::kBf16ScoreAbs) << what;
+  EXPECT_LT(test::RelL2(gpu.hidden, cpu.hidden), test::kBf16RelL2) << what;
+}
+
+struct BackendCase {
+  int head_dim, window, page_size;
+  bool pe;
+};
+
+class CudaBackendParity : public ::testing::TestWithParam<BackendCase> {};
+
+TEST_P(CudaBackendParity, MatchesCpuBackendCachedAndUncached) {
+  HSTU_SKIP_WITHOUT_GPU();
+  const BackendCase p = GetParam();
+  const ModelConfig config = GpuTestConfig(p.head_dim, p.window, p.pe);
+  const ModelWeights weights = RandomModel(config, 11);
+  const int num_pages = 600;
+  auto cpu = CreateCpuBackend(weights, p.page_size, num_pages);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto gpu = CreateCudaBackendExt(weights, p.page_size, num_pages, 0);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  ASSERT_TRUE((*gpu)->SetDebugPoison(true).ok());
+
+  // Users: long, empty history (candidates only), one candidate, many candidates, ...
+  const int B = 6;
+  std::vector<BatchBuilder::User> users(B);
+  BatchBuilder builder(p.page_size, num_pages, 5);
+  const std::vector<int> first_new = {300, 0, 37, 1, 130, 64};
+  const std::vector<int> first_cand = {20, 3, 1, 64, 7, 1};
+  ForwardBatch fb = builder.Step(&users, first_new, builder.Candidates(first_cand), true);
+  ForwardOutput c1, g1;
+  ASSERT_TRUE((*cpu)->Forward(fb, true, &c1).ok());
+  auto st = (*gpu)->Forward(fb, true, &g1);
+  ASSERT_TRUE(st.ok()) << st;
+  ExpectClose(g1, c1, "step 1 (no cache)");
+
+  // Step 2: every user returns with a few more events; the cached prefix is reused.
+  const std::vector<int> more = {12, 40, 0, 2, 66, 9};
+  const std::vector<int> cand2 = {5, 1, 9, 1, 30, 2};
+  const auto cand2_ids = builder.Candidates(cand2);
+  ForwardBatch fb2 = builder.Step(&users, more, cand2_ids, /*cached=*/true);
+  ForwardOutput c2, g2;
+  ASSERT_TRUE((*cpu)->Forward(fb2, true, &c2).ok());
+  st = (*gpu)->Forward(fb2, true, &g2);
+  ASSERT_TRUE(st.ok()) << st;
+  ExpectClose(g2, c2, "step 2 (cached)");
+
+  // KV pages of user 0 as stored by both backends.
+  std::vector<float> kv_cpu, kv_gpu;
+  ASSERT_TRUE((*cpu)->ReadKv(users[0].pages, users[0].cached, &kv_cpu).ok());
+  ASSERT_TRUE((*gpu)->ReadKv(users[0].pages, users[0].cached, &kv_gpu).ok());
+  ASSERT_TRUE(test::AllFinite(kv_gpu));
+  EXPECT_LT(test::RelL2(kv_gpu, kv_cpu), test::kBf16RelL2);
+
+  // The same step recomputed from scratch on the GPU (fresh pages, nothing cached) must give
+  // the cached step's scores.
+  std::vector<BatchBuilder::User> fresh = users;
+  for (auto& u : fresh) u.pages.clear();
+  const ForwardBatch full = builder.Step(&fresh, std::vector<int>(B, 0), cand2_ids, /*cached=*/false);
+  ForwardOutput g_full, c_full;
+  st = (*gpu)->Forward(full, true, &g_full);
+  ASSERT_TRUE(st.ok()) << st;
+  ASSERT_TRUE((*cpu)->Forward(full, true, &c_full).ok());
+  EXPECT_LT(test::MaxAbsDiff(c_full.scores, c2.scores), test::kF32Abs * 10) << "CPU cached != full";
+  EXPECT_LT(test::MaxAbsDiff(g_full.scores, g2.scores), test::kBf16ScoreAbs) << "GPU cached != full";
+  EXPECT_LT(test::RelL2(g_full.hidden, g2.hidden), test::kBf16RelL2) << "GPU cached != full";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackendParity,
+                         ::testing::Values(BackendCase{128, 0, 16, true},
+                                           BackendCase{64, 0, 32, false},
+                                           BackendCase{256, 48, 64, true},
+                                           BackendCase{128, 0, 17, false}));
+
+TEST(CudaBackend, RejectsUnsupportedHeadDim) {
+  HSTU_SKIP_WITHOUT_GPU();
+  ModelConfig c = GpuTestConfig(128, 0, false);
+  c.head_dim = 32;
+  auto gpu = CreateCudaBackend(RandomModel(c, 1), 16, 8, 0);
+  ASSERT_FALSE(gpu.ok());
+  EXPECT_NE(gpu.status().message().find("64, 128, 256"), std::string::npos) << gpu.status();
+}
+
+TEST(CudaBackend, UnavailableWithoutGpu) {
+  if (test::HasGpu()) GTEST_SKIP() << "a GPU is present; this checks the no-GPU error";
+  auto gpu = CreateCudaBackend(RandomModel(GpuTestConfig(128, 0, false), 1), 16, 8, 0);
+  ASSERT_FALSE(gpu.ok());
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace hstu

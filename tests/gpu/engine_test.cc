@@ -1,0 +1,88 @@
+// The engine on the GPU (EngineOptions.device = "cuda:0") against the engine on the CPU, and the
+// GPU engine with its KV cache against the GPU engine without one, over returning users.
+#include <random>
+
+#include "engine/engine.h"
+#include "engine/model_file.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/util/tolerance.h"
+
+namespace hstu {
+namespace {
+
+ModelConfig EngineGpuConfig() {
+  ModelConfig c = *PresetConfig("tiny");
+  c.num_layers = 3;
+  c.hidden_dim = 128;
+  c.num_heads = 2;
+  c.head_dim = 64;
+  c.max_history_tokens = 256;
+  c.max_candidates = 32;
+  c.attention_norm_len = 256 + 32;
+  c.position_encoding = true;
+  c.position_rows = 256;
+  c.item_rows = 500;
+  c.action_rows = 6;
+  c.num_tasks = 2;
+  c.head_dims = {128, 32, 2};
+  return c;
+}
+
+std::unique_ptr<Engine> MakeEngine(const std::string& device, bool cache, const ModelWeights& w) {
+  EngineOptions o;
+  o.device = device;
+  o.enable_cache = cache;
+  o.page_size = 16;
+  o.keep_hidden = true;
+  auto e = Engine::Create(o, w);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return e.ok() ? *std::move(e) : nullptr;
+}
+
+TEST(CudaEngine, MatchesCpuEngineAndCacheMatchesNoCache) {
+  HSTU_SKIP_WITHOUT_GPU();
+  const ModelWeights w = RandomModel(EngineGpuConfig(), 21);
+  auto cpu = MakeEngine("cpu", true, w);
+  auto gpu = MakeEngine("cuda:0", true, w);
+  auto gpu_nocache = MakeEngine("cuda:0", false, w);
+  ASSERT_TRUE(cpu && gpu && gpu_nocache);
+  EXPECT_NE(gpu->device_name().find("cuda:0"), std::string::npos) << gpu->device_name();
+
+  std::mt19937 rng(9);
+  std::vector<RankRequest> users(7);
+  for (size_t u = 0; u < users.size(); ++u) users[u].user_id = 1000 + u;
+  for (int visit = 0; visit < 4; ++visit) {
+    std::vector<RankRequest> batch;
+    for (size_t u = 0; u < users.size(); ++u) {
+      RankRequest& r = users[u];
+      const int add = visit == 0 ? static_cast<int>(rng() % 60) : static_cast<int>(rng() % 9);
+      for (int i = 0; i < add; ++i) {
+        r.history_item_ids.push_back(rng() % 500);
+        r.history_actions.push_back(rng() % 6);
+      }
+      r.candidate_item_ids.clear();
+      const int nc = u == 2 ? 1 : 1 + static_cast<int>(rng() % 20);
+      for (int i = 0; i < nc; ++i) r.candidate_item_ids.push_back(rng() % 500);
+      batch.push_back(r);
+    }
+    auto rc = cpu->Rank(batch);
+    auto rg = gpu->Rank(batch);
+    auto rn = gpu_nocache->Rank(batch);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      ASSERT_TRUE(rc[i].ok() && rg[i].ok() && rn[i].ok()) << rg[i].status() << rn[i].status();
+      const std::string what = "visit " + std::to_string(visit) + " user " + std::to_string(i);
+      ASSERT_TRUE(test::AllFinite(rg[i]->scores) && test::AllFinite(rg[i]->hidden)) << what;
+      EXPECT_LT(test::MaxAbsDiff(rg[i]->scores, rc[i]->scores), test::kBf16ScoreAbs) << what;
+      EXPECT_LT(test::RelL2(rg[i]->hidden, rc[i]->hidden), test::kBf16RelL2) << what;
+      EXPECT_LT(test::MaxAbsDiff(rg[i]->scores, rn[i]->scores), test::kBf16ScoreAbs) << what;
+      EXPECT_LT(test::RelL2(rg[i]->hidden, rn[i]->hidden), test::kBf16RelL2) << what;
+      if (visit > 0 && !users[i].history_item_ids.empty()) {
+        EXPECT_GT(rg[i]->reused_tokens, 0u) << what << ": the GPU engine did not reuse its cache";
+      }
+      EXPECT_EQ(rn[i]->reused_tokens, 0u) << what;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace hstu

@@ -1,0 +1,369 @@
+// Every CUDA kernel against its CPU twin (kernels/cpu/ops.h) on random inputs with odd sizes.
+// Inputs are rounded to bf16 first so both sides see the same values; outputs are poisoned (NaN)
+// before each launch and checked for NaN/Inf.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/hstu_attention.h"
+#include "kernels/cuda/ops.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/util/tolerance.h"
+
+namespace hstu {
+namespace {
+
+using test::AllFinite;
+using test::bf16;
+using test::DeviceArray;
+using test::RandomVector;
+using test::RoundBf16;
+using test::ToBf16;
+using test::ToF32;
+
+TEST(CudaKernels, EmbeddingGatherMatchesCpu) {
+  HSTU_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(1);
+  for (bool pe : {false, true}) {
+    const int d = 136, rows = 17, item_rows = 29, action_rows = 5, pos_rows = 11;
+    auto items = RoundBf16(RandomVector(rng, item_rows * d));
+    auto actions = RoundBf16(RandomVector(rng, action_rows * d));
+    auto pos = RoundBf16(RandomVector(rng, pos_rows * d));
+    std::vector<int64_t> ids(rows);
+    std::vector<int32_t> types(rows), positions(rows);
+    for (int r = 0; r < rows; ++r) {
+      types[r] = r % 3 == 1 ? kActionToken : kItemToken;
+      ids[r] = types[r] == kItemToken ? rng() % 1000 : rng() % action_rows;
+      positions[r] = rng() % 20;  // some beyond pos_rows: clamped
+    }
+    EmbeddingParams<float> cp;
+    cp.item_table = items.data();
+    cp.action_table = actions.data();
+    cp.position_table = pe ? pos.data() : nullptr;
+    cp.item_rows = item_rows;
+    cp.action_rows = action_rows;
+    cp.position_rows = pos_rows;
+    cp.hidden_dim = d;
+    cp.num_rows = rows;
+    cp.token_ids = ids.data();
+    cp.token_types = types.data();
+    cp.positions = positions.data();
+    std::vector<float> want(rows * d);
+    cp.out = want.data();
+    cpu::EmbeddingGather(cp);
+
+    DeviceArray<bf16> d_items(ToBf16(items)), d_actions(ToBf16(actions)), d_pos(ToBf16(pos));
+    DeviceArray<int64_t> d_ids(ids);
+    DeviceArray<int32_t> d_types(types), d_positions(positions);
+    DeviceArray<float> d_out(rows * d);
+    d_out.Poison();
+    EmbeddingParams<bf16> gp;
+    gp.item_table = d_items.get();
+    gp.action_table = d_actions.get();
+    gp.position_table = pe ? d_pos.get() : nullptr;
+    gp.item_rows = item_rows;
+    gp.action_rows = action_rows;
+    gp.position_rows = pos_rows;
+    gp.hidden_dim = d;
+    gp.num_rows = rows;
+    gp.token_ids = d_ids.get();
+    gp.token_types = d_types.get();
+    gp.positions = d_positions.get();
+    HSTU_ASSERT_CUDA(cuda::LaunchEmbeddingGather(gp, d_out.get(), nullptr));
+    HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+    const auto got = d_out.Download();
+    ASSERT_TRUE(AllFinite(got));
+    EXPECT_LT(test::RelL2(got, want), test::kF32RelL2) << "pe=" << pe;
+  }
+}
+
+TEST(CudaKernels, LayerNormAndNormMulUMatchCpu) {
+  HSTU_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(2);
+  for (int cols : {72, 1024}) {
+    for (int rows : {1, 13}) {
+      auto x = RandomVector(rng, rows * cols, -3.f, 5.f);
+      auto w = RandomVector(rng, cols, 0.5f, 1.5f), b = RandomVector(rng, cols);
+      std::vector<float> want(rows * cols);
+      cpu::LayerNorm(x.data(), rows, cols, w.data(), b.data(), 1e-5f, want.data());
+      DeviceArray<float> d_x(x), d_w(w), d_b(b);
+      DeviceArray<bf16> d_out(rows * cols);
+      d_out.Poison();
+      HSTU_ASSERT_CUDA(cuda::LaunchLayerNorm(d_x.get(), rows, cols, d_w.get(), d_b.get(), 1e-5f,
+                                             d_out.get(), nullptr));
+      HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+      const auto got = ToF32(d_out.Download());
+      ASSERT_TRUE(AllFinite(got));
+      EXPECT_LT(test::RelL2(got, want), test::kBf16RoundRelL2) << rows << "x" << cols;
+
+      // NormMulU: a [rows, cols] bf16, u a strided column block.
+      const int stride = cols * 3;
+      auto a = RoundBf16(RandomVector(rng, rows * cols, -2.f, 2.f));
+      auto u = RoundBf16(RandomVector(rng, rows * stride));
+      std::vector<float> want_y(rows * cols);
+      cpu::NormMulU(a.data(), u.data() + cols, stride, rows, cols, w.data(), b.data(), 1e-5f,
+                    want_y.data());
+      DeviceArray<bf16> d_a(ToBf16(a)), d_u(ToBf16(u)), d_y(rows * cols);
+      d_y.Poison();
+      HSTU_ASSERT_CUDA(cuda::LaunchNormMulU(d_a.get(), d_u.get() + cols, stride, rows, cols,
+                                            d_w.get(), d_b.get(), 1e-5f, d_y.get(), nullptr));
+      HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+      const auto got_y = ToF32(d_y.Download());
+      ASSERT_TRUE(AllFinite(got_y));
+      EXPECT_LT(test::RelL2(got_y, want_y), test::kBf16RoundRelL2) << rows << "x" << cols;
+    }
+  }
+}
+
+TEST(CudaKernels, BiasSiluHeadOpsMatchCpu) {
+  HSTU_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(3);
+  const int rows = 11, cols = 264;
+  auto x = RoundBf16(RandomVector(rng, rows * cols, -4.f, 4.f));
+  auto bias = RandomVector(rng, cols);
+  std::vector<float> want = x;
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) want[r * cols + c] += bias[c];
+  cpu::SiluInPlace(want.data(), want.size());
+  DeviceArray<bf16> d_x(ToBf16(x));
+  DeviceArray<float> d_bias(bias);
+  HSTU_ASSERT_CUDA(cuda::LaunchBiasSilu(d_x.get(), rows, cols, d_bias.get(), nullptr));
+  HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+  const auto got = ToF32(d_x.Download());
+  ASSERT_TRUE(AllFinite(got));
+  EXPECT_LT(test::RelL2(got, want), test::kBf16RoundRelL2);
+
+  // Gather + L2 normalise of candidate rows, then bias + ReLU / sigmoid (fp32).
+  const int d = 40;
+  auto h = RandomVector(rng, rows * d, -2.f, 2.f);
+  std::vector<int32_t> pick = {10, 0, 3, 7};
+  std::vector<float> want_raw, want_norm;
+  for (int r : pick) want_raw.insert(want_raw.end(), h.begin() + r * d, h.begin() + (r + 1) * d);
+  want_norm = want_raw;
+  cpu::L2NormalizeRows(want_norm.data(), pick.size(), d);
+  DeviceArray<float> d_h(h), d_raw(pick.size() * d), d_norm(pick.size() * d);
+  DeviceArray<int32_t> d_pick(pick);
+  d_raw.Poison();
+  d_norm.Poison();
+  HSTU_ASSERT_CUDA(cuda::LaunchGatherL2Normalize(d_h.get(), d_pick.get(), pick.size(), d,
+                                                 d_raw.get(), d_norm.get(), nullptr));
+  std::vector<float> act = RandomVector(rng, pick.size() * d, -3.f, 3.f);
+  auto hb = RandomVector(rng, d);
+  std::vector<float> want_relu = act, want_sig = act;
+  for (size_t i = 0; i < act.size(); ++i) {
+    want_relu[i] += hb[i % d];
+    want_sig[i] += hb[i % d];
+  }
+  cpu::ReluInPlace(want_relu.data(), want_relu.size());
+  cpu::SigmoidInPlace(want_sig.data(), want_sig.size());
+  DeviceArray<float> d_relu(act), d_sig(act), d_hb(hb);
+  HSTU_ASSERT_CUDA(cuda::LaunchBiasActivation(d_relu.get(), pick.size(), d, d_hb.get(),
+                                              cuda::Activation::kRelu, nullptr));
+  HSTU_ASSERT_CUDA(cuda::LaunchBiasActivation(d_sig.get(), pick.size(), d, d_hb.get(),
+                                              cuda::Activation::kSigmoid, nullptr));
+  HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_LT(test::RelL2(d_raw.Download(), want_raw), test::kF32RelL2);
+  EXPECT_LT(test::RelL2(d_norm.Download(), want_norm), test::kF32RelL2);
+  EXPECT_LT(test::RelL2(d_relu.Download(), want_relu), test::kF32RelL2);
+  EXPECT_LT(test::MaxAbsDiff(d_sig.Download(), want_sig), test::kF32Abs);
+}
+
+// A random paged batch: per user some cached tokens already in the pages, some new history rows,
+// some candidates; pages scattered over the pool in random order.
+struct PagedCase {
+  int B = 1, page_size = 16, H = 2, D = 64, W = 0;
+  int64_t num_pages = 0;
+  std::vector<int32_t> row_offsets, num_new, num_tokens, page_indptr, page_ids;
+  std::vector<float> pool;  // [num_pages, 2, page_size, H, D], bf16-rounded
+  std::vector<float> uvqk;  // [rows, 4 H D], bf16-rounded
+  int rows() const { return row_offsets.back(); }
+  int64_t page_elems() const { return 2LL * page_size * H * D; }
+
+  PagedKvView<float> CpuView() {
+    PagedKvView<float> v;
+    v.base = pool.data();
+    v.page_stride = page_elems();
+    v.kv_stride = page_elems() / 2;
+    v.page_size = page_size;
+    v.num_heads = H;
+    v.head_dim = D;
+    v.batch_size = B;
+    v.indptr = page_indptr.data();
+    v.page_ids = page_ids.data();
+    v.num_tokens = num_tokens.data();
+    return v;
+  }
+};
+
+PagedCase MakeCase(std::mt19937& rng, int B, int page_size, int H, int D, int W, int max_cached,
+                   int max_new, int max_cand) {
+  PagedCase c;
+  c.B = B;
+  c.page_size = page_size;
+  c.H = H;
+  c.D = D;
+  c.W = W;
+  c.row_offsets = {0};
+  c.page_indptr = {0};
+  std::vector<int32_t> pages_per_user;
+  for (int b = 0; b < B; ++b) {
+    // Edge users on purpose: no cache, no history at all, one candidate, no candidates.
+    int cached = rng() % (max_cached + 1), nnew = rng() % (max_new + 1), cand = rng() % (max_cand + 1);
+    if (b % 5 == 1) cached = 0;
+    if (b % 5 == 2) cached = nnew = 0;
+    if (b % 5 == 3) cand = 1;
+    if (b % 7 == 4) cand = 0;
+    if (nnew + cand == 0) cand = 1;
+    c.num_new.push_back(nnew);
+    c.num_tokens.push_back(cached + nnew);
+    c.row_offsets.push_back(c.row_offsets.back() + nnew + cand);
+    const int pages = (cached + nnew + page_size - 1) / page_size + static_cast<int>(rng() % 2);
+    pages_per_user.push_back(pages);
+    c.page_indptr.push_back(c.page_indptr.back() + pages);
+  }
+  c.num_pages = c.page_indptr.back() + 3;
+  std::vector<int32_t> perm(c.num_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  c.page_ids.assign(perm.begin(), perm.begin() + c.page_indptr.back());
+  c.pool = RoundBf16(RandomVector(rng, c.num_pages * c.page_elems()));
+  c.uvqk = RoundBf16(RandomVector(rng, static_cast<size_t>(c.rows()) * 4 * H * D));
+  return c;
+}
+
+// Appends on both sides (bit-exact check), then runs attention on both (bf16 tolerance).
+void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what) {
+  const int64_t hd = static_cast<int64_t>(c.H) * c.D;
+  DeviceArray<bf16> d_pool(ToBf16(c.pool)), d_uvqk(ToBf16(c.uvqk)), d_out(c.rows() * hd);
+  DeviceArray<int32_t> d_ro(c.row_offsets), d_nn(c.num_new), d_nt(c.num_tokens),
+      d_pi(c.page_indptr), d_pids(c.page_ids);
+  PagedKvView<bf16> gv;
+  gv.base = d_pool.get();
+  gv.page_stride = c.page_elems();
+  gv.kv_stride = c.page_elems() / 2;
+  gv.page_size = c.page_size;
+  gv.num_heads = c.H;
+  gv.head_dim = c.D;
+  gv.batch_size = c.B;
+  gv.indptr = d_pi.get();
+  gv.page_ids = d_pids.get();
+  gv.num_tokens = d_nt.get();
+
+  AppendKvParams<float> ca;
+  ca.uvqk = c.uvqk.data();
+  ca.uvqk_row_stride = 4 * hd;
+  ca.row_offsets = c.row_offsets.data();
+  ca.num_new = c.num_new.data();
+  ca.kv = c.CpuView();
+  cpu::AppendKv(ca);
+  AppendKvParams<bf16> ga;
+  ga.uvqk = d_uvqk.get();
+  ga.uvqk_row_stride = 4 * hd;
+  ga.row_offsets = d_ro.get();
+  ga.num_new = d_nn.get();
+  ga.kv = gv;
+  HSTU_ASSERT_CUDA(cuda::LaunchAppendKv(ga, c.rows(), nullptr));
+  HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+  const auto pool_after = ToF32(d_pool.Download());
+  ASSERT_EQ(pool_after.size(), c.pool.size());
+  EXPECT_EQ(std::memcmp(pool_after.data(), c.pool.data(), c.pool.size() * sizeof(float)), 0)
+      << what << ": append is not bit-exact";
+
+  AttentionParams<float> cp;
+  cp.uvqk = c.uvqk.data();
+  cp.uvqk_row_stride = 4 * hd;
+  std::vector<float> want(c.rows() * hd);
+  cp.out = want.data();
+  cp.num_rows = c.rows();
+  cp.row_offsets = c.row_offsets.data();
+  cp.num_new = c.num_new.data();
+  cp.kv = c.CpuView();
+  cp.alpha = 1.f / std::sqrt(static_cast<float>(c.D));
+  cp.inv_norm = 1.f / 97.f;
+  cp.max_attn_len = c.W;
+  cpu::HstuAttention(cp);
+
+  const cuda::AttentionPlan plan = cuda::PlanHstuAttention(
+      c.row_offsets.data(), c.num_new.data(), c.num_tokens.data(), c.B, c.W, c.H, concurrent_ctas);
+  std::vector<int32_t> item_words(plan.items.size() * sizeof(cuda::AttentionWorkItem) / 4);
+  std::memcpy(item_words.data(), plan.items.data(), item_words.size() * 4);
+  DeviceArray<int32_t> d_items(item_words);
+  DeviceArray<float> d_partials(std::max<size_t>(1, static_cast<size_t>(plan.num_partials) * c.H *
+                                                        cuda::kAttnBlockM * c.D));
+  DeviceArray<int32_t> d_counters(std::vector<int32_t>(std::max(1, plan.num_split_tiles * c.H), 0));
+  AttentionParams<bf16> gp;
+  gp.uvqk = d_uvqk.get();
+  gp.uvqk_row_stride = 4 * hd;
+  gp.out = d_out.get();
+  gp.num_rows = c.rows();
+  gp.row_offsets = d_ro.get();
+  gp.num_new = d_nn.get();
+  gp.kv = gv;
+  gp.alpha = cp.alpha;
+  gp.inv_norm = cp.inv_norm;
+  gp.max_attn_len = c.W;
+  std::vector<float> first;
+  for (int run = 0; run < 2; ++run) {
+    d_out.Poison();
+    HSTU_ASSERT_CUDA(cuda::LaunchHstuAttention(
+        gp, reinterpret_cast<const cuda::AttentionWorkItem*>(d_items.get()),
+        static_cast<int32_t>(plan.items.size()), d_partials.get(), d_counters.get(), nullptr));
+    HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+    const auto got = ToF32(d_out.Download());
+    ASSERT_TRUE(AllFinite(got)) << what << ": NaN/Inf or unwritten rows (items "
+                                << plan.items.size() << ")";
+    EXPECT_LT(test::RelL2(got, want), test::kBf16RelL2) << what;
+    if (run == 0) {
+      first = got;
+    } else {
+      EXPECT_EQ(std::memcmp(first.data(), got.data(), got.size() * 4), 0)
+          << what << ": attention is not deterministic";
+    }
+  }
+  const auto counters = d_counters.Download();
+  EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int32_t v) { return v == 0; }))
+      << what << ": split counters not reset";
+}
+
+TEST(CudaKernels, PagedAttentionAndAppendMatchCpu) {
+  HSTU_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(4);
+  struct Shape { int B, page_size, H, D, W, cached, nnew, cand, ctas; };
+  const Shape shapes[] = {
+      {1, 16, 2, 64, 0, 0, 1, 1, 264},       // one token, one candidate
+      {1, 32, 4, 256, 0, 700, 70, 90, 264},  // one long user: split over keys
+      {3, 64, 2, 128, 0, 300, 130, 65, 1},   // no split at all
+      {5, 16, 2, 256, 37, 200, 80, 20, 264}, // sliding window
+      {8, 32, 1, 64, 0, 150, 65, 3, 4096},   // many splits of few blocks
+      {17, 64, 2, 128, 0, 120, 40, 17, 264}, // 17 users with edge cases
+      {17, 16, 2, 64, 5, 90, 30, 5, 264},    // tiny window
+      {2, 7, 2, 128, 0, 100, 20, 10, 264},   // odd page size
+  };
+  for (const Shape& s : shapes) {
+    PagedCase c = MakeCase(rng, s.B, s.page_size, s.H, s.D, s.W, s.cached, s.nnew, s.cand);
+    RunPagedCase(c, s.ctas,
+                 ::testing::PrintToString(std::vector<int>{s.B, s.page_size, s.H, s.D, s.W, s.ctas}));
+  }
+}
+
+TEST(CudaKernels, AttentionRejectsUnsupportedHeadDim) {
+  HSTU_SKIP_WITHOUT_GPU();
+  AttentionParams<bf16> p;
+  DeviceArray<bf16> buf(4096);
+  p.uvqk = buf.get();
+  p.out = buf.get();
+  p.kv.base = buf.get();
+  p.kv.num_heads = 1;
+  p.kv.head_dim = 96;
+  p.kv.page_size = 16;
+  p.uvqk_row_stride = 4 * 96;
+  cuda::AttentionWorkItem* items = nullptr;
+  EXPECT_EQ(cuda::LaunchHstuAttention(p, items, 0, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_FALSE(cuda::HeadDimSupported(96));
+  EXPECT_TRUE(cuda::HeadDimSupported(256));
+}
+
+}  // namespace
+}  // namespace hstu
