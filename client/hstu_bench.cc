@@ -1,0 +1,419 @@
+// hstu_bench: GPU benchmarks of DESIGN §11 (eager).
+//   hstu_bench attention [--json FILE]   paged HSTU attention alone, base shapes, batch 1 and 8
+//   hstu_bench kernels   [--json FILE]   every kernel of one decode-step layer, TFLOP/s and GB/s
+//   hstu_bench block     [--json FILE]   the 8-layer stack through the CUDA backend
+// Timing: CUDA events, warm-up first, median of many reps, random (non-zero) inputs; attention
+// rotates over several KV sets so that repeated runs do not measure a warm L2.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "engine/cuda_backend.h"
+#include "engine/model_file.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/hstu_attention.h"
+#include "kernels/cuda/ops.h"
+#include "nlohmann/json.hpp"
+
+ABSL_FLAG(std::string, json, "", "write the results as JSON to this file");
+ABSL_FLAG(int32_t, reps, 50, "timed repetitions (median reported)");
+ABSL_FLAG(int32_t, page_size, 32, "tokens per KV page");
+ABSL_FLAG(std::string, batches, "1,8", "batch sizes (users)");
+
+namespace {
+
+using hstu::cuda::bf16;
+using json = nlohmann::json;
+
+#define CHECK_CUDA(expr)                                                                  \
+  do {                                                                                    \
+    const cudaError_t e_ = (expr);                                                        \
+    if (e_ != cudaSuccess) {                                                              \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+std::vector<int> ParseList(const std::string& s) {
+  std::vector<int> v;
+  size_t at = 0;
+  while (at < s.size()) {
+    size_t end = s.find(',', at);
+    if (end == std::string::npos) end = s.size();
+    v.push_back(std::stoi(s.substr(at, end - at)));
+    at = end + 1;
+  }
+  return v;
+}
+
+float Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.f : v[v.size() / 2];
+}
+
+std::string GpuName() {
+  cudaDeviceProp p{};
+  CHECK_CUDA(cudaGetDeviceProperties(&p, 0));
+  return p.name;
+}
+
+// Fills a device bf16 buffer with uniform(-1, 1) values generated on the host in slices.
+void FillRandom(bf16* dst, size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  const size_t kSlice = size_t{1} << 22;
+  std::vector<bf16> tmp(std::min(n, kSlice));
+  for (size_t off = 0; off < n; off += kSlice) {
+    const size_t m = std::min(kSlice, n - off);
+    for (size_t i = 0; i < m; ++i) tmp[i] = __float2bfloat16_rn(u(rng));
+    CHECK_CUDA(cudaMemcpy(dst + off, tmp.data(), m * sizeof(bf16), cudaMemcpyHostToDevice));
+  }
+}
+
+// Times `fn` (which enqueues `per_call` units of work on `s`) and returns ms per unit (median).
+template <typename Fn>
+float TimeMs(cudaStream_t s, int reps, int per_call, Fn fn) {
+  hstu::cuda::Event start, stop;
+  CHECK_CUDA(start.Create());
+  CHECK_CUDA(stop.Create());
+  for (int i = 0; i < 3; ++i) fn();
+  CHECK_CUDA(cudaStreamSynchronize(s));
+  std::vector<float> ms;
+  for (int r = 0; r < reps; ++r) {
+    CHECK_CUDA(cudaEventRecord(start.get(), s));
+    fn();
+    CHECK_CUDA(cudaEventRecord(stop.get(), s));
+    CHECK_CUDA(cudaEventSynchronize(stop.get()));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start.get(), stop.get()));
+    ms.push_back(t / per_call);
+  }
+  return Median(ms);
+}
+
+// The decode-step shape of the anchors: per user `cached` history tokens in the pages,
+// `num_new` new history rows and `cand` candidates; base model heads (4 × 256).
+struct AttnSetup {
+  int B = 1, H = 4, D = 256, cached = 3968, num_new = 128, cand = 256, page_size = 32, sets = 0;
+  hstu::cuda::DeviceBuffer pool, uvqk, out, meta, partials, counters;
+  std::vector<hstu::AttentionParams<bf16>> params;  // one per KV set
+  std::vector<const hstu::cuda::AttentionWorkItem*> items;
+  hstu::cuda::AttentionPlan plan;
+  double flops = 0, min_bytes = 0;
+  int rows() const { return B * (num_new + cand); }
+};
+
+void BuildAttention(AttnSetup& a, int concurrent_ctas) {
+  const int hist = a.cached + a.num_new;
+  const int pages_per_user = (hist + a.page_size - 1) / a.page_size;
+  const int64_t page_elems = 2LL * a.page_size * a.H * a.D;
+  const int64_t kv_bytes_per_set = static_cast<int64_t>(a.B) * pages_per_user * page_elems * 2;
+  // Enough sets that they do not fit in L2 together (50–60 MB on H100/H200).
+  a.sets = static_cast<int>(std::max<int64_t>(2, (256LL << 20) / std::max<int64_t>(kv_bytes_per_set, 1)));
+  a.sets = std::min(a.sets, 16);
+  const int64_t num_pages = static_cast<int64_t>(a.sets) * a.B * pages_per_user;
+  CHECK_CUDA(a.pool.Reserve(num_pages * page_elems * sizeof(bf16)));
+  FillRandom(a.pool.as<bf16>(), num_pages * page_elems, 7);
+  const int64_t hd = static_cast<int64_t>(a.H) * a.D;
+  CHECK_CUDA(a.uvqk.Reserve(static_cast<size_t>(a.rows()) * 4 * hd * sizeof(bf16)));
+  FillRandom(a.uvqk.as<bf16>(), static_cast<size_t>(a.rows()) * 4 * hd, 8);
+  CHECK_CUDA(a.out.Reserve(static_cast<size_t>(a.rows()) * hd * sizeof(bf16)));
+
+  std::vector<int32_t> row_offsets = {0}, num_new(a.B, a.num_new), num_tokens(a.B, hist), indptr = {0};
+  for (int b = 0; b < a.B; ++b) {
+    row_offsets.push_back(row_offsets.back() + a.num_new + a.cand);
+    indptr.push_back(indptr.back() + pages_per_user);
+  }
+  a.plan = hstu::cuda::PlanHstuAttention(row_offsets.data(), num_new.data(), num_tokens.data(), a.B,
+                                         0, a.H, concurrent_ctas);
+  // Meta: [row_offsets | num_new | num_tokens | indptr | items | page_ids per set].
+  std::vector<int32_t> words;
+  auto append = [&](const void* p, size_t bytes) {
+    const size_t at = words.size();
+    words.resize(at + (bytes + 3) / 4);
+    std::memcpy(words.data() + at, p, bytes);
+    return at;
+  };
+  const size_t o_ro = append(row_offsets.data(), 4 * row_offsets.size());
+  const size_t o_nn = append(num_new.data(), 4 * num_new.size());
+  const size_t o_nt = append(num_tokens.data(), 4 * num_tokens.size());
+  const size_t o_ip = append(indptr.data(), 4 * indptr.size());
+  while (words.size() % 4) words.push_back(0);
+  const size_t o_items = append(a.plan.items.data(), sizeof(hstu::cuda::AttentionWorkItem) * a.plan.items.size());
+  std::vector<size_t> o_pages;
+  std::vector<int32_t> perm(num_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937(3));
+  for (int s = 0; s < a.sets; ++s) {
+    o_pages.push_back(append(perm.data() + static_cast<int64_t>(s) * a.B * pages_per_user,
+                             4LL * a.B * pages_per_user));
+  }
+  CHECK_CUDA(a.meta.Reserve(words.size() * 4));
+  CHECK_CUDA(cudaMemcpy(a.meta.get(), words.data(), words.size() * 4, cudaMemcpyHostToDevice));
+  const int32_t* m = a.meta.as<int32_t>();
+  CHECK_CUDA(a.partials.Reserve(std::max<size_t>(1, static_cast<size_t>(a.plan.num_partials) * a.H *
+                                                        hstu::cuda::kAttnBlockM * a.D) * 4));
+  CHECK_CUDA(a.counters.Reserve(std::max(1, a.plan.num_split_tiles * a.H) * 4));
+  CHECK_CUDA(cudaMemset(a.counters.get(), 0, a.counters.bytes()));
+  for (int s = 0; s < a.sets; ++s) {
+    hstu::AttentionParams<bf16> p;
+    p.uvqk = a.uvqk.as<bf16>();
+    p.uvqk_row_stride = 4 * hd;
+    p.out = a.out.as<bf16>();
+    p.num_rows = a.rows();
+    p.row_offsets = m + o_ro;
+    p.num_new = m + o_nn;
+    p.kv.base = a.pool.as<bf16>();
+    p.kv.page_stride = page_elems;
+    p.kv.kv_stride = page_elems / 2;
+    p.kv.page_size = a.page_size;
+    p.kv.num_heads = a.H;
+    p.kv.head_dim = a.D;
+    p.kv.batch_size = a.B;
+    p.kv.indptr = m + o_ip;
+    p.kv.page_ids = m + o_pages[s];
+    p.kv.num_tokens = m + o_nt;
+    p.alpha = 1.f / std::sqrt(static_cast<float>(a.D));
+    p.inv_norm = 1.f / 4352.f;
+    a.params.push_back(p);
+  }
+  a.items.assign(1, reinterpret_cast<const hstu::cuda::AttentionWorkItem*>(m + o_items));
+  // FLOPs over allowed pairs (QKᵀ and PV: 4·D per pair and head); bytes: KV once, q/k/v rows, out.
+  double pairs = 0;
+  for (int i = 0; i < a.num_new; ++i) pairs += a.cached + i + 1;
+  pairs += static_cast<double>(a.cand) * (hist + 1);
+  a.flops = pairs * a.B * a.H * 4.0 * a.D;
+  a.min_bytes = static_cast<double>(a.B) * hist * hd * 2 * 2 + a.rows() * hd * 2 * (3 + 1);
+}
+
+void RunAttention(AttnSetup& a, cudaStream_t s) {
+  for (int k = 0; k < a.sets; ++k) {
+    CHECK_CUDA(hstu::cuda::LaunchHstuAttention(a.params[k], a.items[0],
+                                               static_cast<int32_t>(a.plan.items.size()),
+                                               a.partials.as<float>(), a.counters.as<int32_t>(), s));
+  }
+}
+
+int ConcurrentCtas(int head_dim) {
+  cudaDeviceProp p{};
+  CHECK_CUDA(cudaGetDeviceProperties(&p, 0));
+  int per_sm = 1;
+  CHECK_CUDA(hstu::cuda::HstuAttentionCtasPerSm(head_dim, &per_sm));
+  return p.multiProcessorCount * std::max(per_sm, 1);
+}
+
+json BenchAttention(int reps, int page_size, const std::vector<int>& batches) {
+  json rows = json::array();
+  std::printf("\n### attention (paged HSTU, fused; 3968 cached + 128 new + 256 candidates per user, N = 4352)\n\n");
+  std::printf("| batch | H x D | queries x keys | time (us) | TFLOP/s | GB/s (min bytes) | CTAs | chunk (keys) |\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
+  hstu::cuda::Stream stream;
+  CHECK_CUDA(stream.Create());
+  struct HD { int H, D; };
+  for (HD hd : {HD{4, 256}, HD{8, 128}, HD{16, 64}}) {
+    for (int B : batches) {
+      AttnSetup a;
+      a.B = B;
+      a.H = hd.H;
+      a.D = hd.D;
+      a.page_size = page_size;
+      BuildAttention(a, ConcurrentCtas(hd.D));
+      const float ms = TimeMs(stream.get(), reps, a.sets, [&] { RunAttention(a, stream.get()); });
+      const double us = ms * 1e3;
+      const double tflops = a.flops / (ms * 1e-3) / 1e12;
+      const double gbs = a.min_bytes / (ms * 1e-3) / 1e9;
+      const int ctas = static_cast<int>(a.plan.items.size()) * a.H;
+      std::printf("| %d | %d x %d | %d x %d | %.1f | %.1f | %.0f | %d | %d |\n", B, hd.H, hd.D,
+                  a.num_new + a.cand, a.cached + a.num_new, us, tflops, gbs, ctas,
+                  a.plan.chunk_blocks * hstu::cuda::kAttnBlockN);
+      rows.push_back({{"batch", B}, {"heads", hd.H}, {"head_dim", hd.D}, {"queries", a.num_new + a.cand},
+                      {"keys", a.cached + a.num_new}, {"time_us", us}, {"tflops", tflops},
+                      {"gbps_min_bytes", gbs}, {"ctas", ctas}, {"kv_sets_rotated", a.sets}});
+    }
+  }
+  return rows;
+}
+
+// Every kernel of one layer of the decode step (base model: d 1024, 4 x 256), batch B.
+json BenchKernels(int reps, int page_size, const std::vector<int>& batches) {
+  json rows = json::array();
+  std::printf("\n### kernels of one decode-step layer (d 1024, 4 x 256; 384 rows per user)\n\n");
+  std::printf("| batch | kernel | time (us) | TFLOP/s | GB/s |\n|---|---|---|---|---|\n");
+  hstu::cuda::Stream stream;
+  CHECK_CUDA(stream.Create());
+  cublasHandle_t h;
+  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) std::exit(1);
+  cublasSetStream(h, stream.get());
+  const int d = 1024, H = 4, D = 256, hd = H * D;
+  for (int B : batches) {
+    AttnSetup a;
+    a.B = B;
+    a.H = H;
+    a.D = D;
+    a.page_size = page_size;
+    BuildAttention(a, ConcurrentCtas(D));
+    const int64_t T = a.rows();
+    hstu::cuda::DeviceBuffer x, n, w_uvqk, w_out, y, ln_w, ln_b, bias, ln2_w, ln2_b;
+    CHECK_CUDA(x.Reserve(T * d * 4));
+    CHECK_CUDA(n.Reserve(T * d * 2));
+    CHECK_CUDA(y.Reserve(T * hd * 2));
+    CHECK_CUDA(w_uvqk.Reserve(static_cast<size_t>(d) * 4 * hd * 2));
+    CHECK_CUDA(w_out.Reserve(static_cast<size_t>(hd) * d * 2));
+    FillRandom(n.as<bf16>(), T * d, 1);
+    FillRandom(y.as<bf16>(), T * hd, 2);
+    FillRandom(w_uvqk.as<bf16>(), static_cast<size_t>(d) * 4 * hd, 3);
+    FillRandom(w_out.as<bf16>(), static_cast<size_t>(hd) * d, 4);
+    std::vector<float> ones(4 * hd, 0.5f);
+    for (auto* buf : {&ln_w, &ln_b, &bias, &ln2_w, &ln2_b}) {
+      CHECK_CUDA(buf->Reserve(4 * hd * 4));
+      CHECK_CUDA(cudaMemcpy(buf->get(), ones.data(), 4 * hd * 4, cudaMemcpyHostToDevice));
+    }
+    CHECK_CUDA(hstu::cuda::LaunchBf16ToF32(n.as<bf16>(), T * d, x.as<float>(), stream.get()));
+    hstu::AppendKvParams<bf16> ap;
+    ap.uvqk = a.uvqk.as<bf16>();
+    ap.uvqk_row_stride = 4 * hd;
+    ap.row_offsets = a.params[0].row_offsets;
+    ap.num_new = a.params[0].num_new;
+    ap.kv = a.params[0].kv;
+    struct K { const char* name; double flops, bytes; std::function<void()> fn; int per_call; };
+    std::vector<K> ks = {
+        {"LayerNorm (fp32 -> bf16)", 0, T * d * 6.0, [&] { CHECK_CUDA(hstu::cuda::LaunchLayerNorm(x.as<float>(), T, d, ln_w.as<float>(), ln_b.as<float>(), 1e-5f, n.as<bf16>(), stream.get())); }, 1},
+        {"UVQK GEMM (cuBLAS)", 2.0 * T * d * 4 * hd, (T * d + d * 4.0 * hd + T * 4.0 * hd) * 2, [&] { hstu::cuda::GemmBf16(h, n.as<bf16>(), w_uvqk.as<bf16>(), a.uvqk.get(), false, T, 4 * hd, d, 0.f); }, 1},
+        {"bias + SiLU", 0, T * 4.0 * hd * 4, [&] { CHECK_CUDA(hstu::cuda::LaunchBiasSilu(a.uvqk.as<bf16>(), T, 4 * hd, bias.as<float>(), stream.get())); }, 1},
+        {"append K/V", 0, B * 128.0 * hd * 2 * 2 * 2, [&] { CHECK_CUDA(hstu::cuda::LaunchAppendKv(ap, static_cast<int32_t>(T), stream.get())); }, 1},
+        {"paged attention", a.flops, a.min_bytes, [&] { RunAttention(a, stream.get()); }, a.sets},
+        {"LayerNorm * u", 0, T * hd * 2.0 * 3, [&] { CHECK_CUDA(hstu::cuda::LaunchNormMulU(a.out.as<bf16>(), a.uvqk.as<bf16>(), 4 * hd, T, hd, ln2_w.as<float>(), ln2_b.as<float>(), 1e-5f, y.as<bf16>(), stream.get())); }, 1},
+        {"output GEMM + residual (cuBLAS)", 2.0 * T * hd * d, T * hd * 2.0 + hd * d * 2.0 + T * d * 8.0, [&] { hstu::cuda::GemmBf16(h, y.as<bf16>(), w_out.as<bf16>(), x.get(), true, T, d, hd, 1.f); }, 1},
+    };
+    double total_us = 0;
+    for (K& k : ks) {
+      const float ms = TimeMs(stream.get(), reps, k.per_call, k.fn);
+      const double us = ms * 1e3;
+      total_us += us;
+      std::printf("| %d | %s | %.1f | %s | %.0f |\n", B, k.name, us,
+                  k.flops > 0 ? absl::StrFormat("%.1f", k.flops / (ms * 1e-3) / 1e12).c_str() : "-",
+                  k.bytes / (ms * 1e-3) / 1e9);
+      rows.push_back({{"batch", B}, {"kernel", k.name}, {"time_us", us},
+                      {"tflops", k.flops / (ms * 1e-3) / 1e12}, {"gbps", k.bytes / (ms * 1e-3) / 1e9}});
+    }
+    std::printf("| %d | **sum of one layer** | %.1f | | |\n", B, total_us);
+  }
+  cublasDestroy(h);
+  return rows;
+}
+
+json BenchBlock(int reps, int page_size, const std::vector<int>& batches) {
+  json rows = json::array();
+  auto config = hstu::PresetConfig("base");
+  if (!config.ok()) std::exit(1);
+  config->item_rows = 100000;  // the table size does not change the block's time; keeps start-up short
+  const hstu::ModelWeights weights = hstu::RandomModel(*config, 1);
+  const int hist = 4096;
+  const int max_b = *std::max_element(batches.begin(), batches.end());
+  const int pages_per_user = (hist + page_size - 1) / page_size;
+  auto backend = hstu::CreateCudaBackendExt(weights, page_size, static_cast<int64_t>(max_b) * pages_per_user, 0);
+  if (!backend.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(backend.status().message()).c_str());
+    std::exit(1);
+  }
+  hstu::CudaBackend& be = **backend;
+  std::printf("\n### block (8 layers, eager; embedding gather included, head excluded; history 4096 tokens per user)\n\n");
+  std::printf("| batch | cached | new | candidates | time (ms) | speedup vs 0 cached | attention / layer (us) |\n|---|---|---|---|---|---|---|\n");
+  std::mt19937 rng(5);
+  for (int B : batches) {
+    for (int cand : {0, 256}) {
+      double base_ms = 0;
+      for (int cached : {0, 2048, 3072, 3584, 3840, 3968}) {
+        hstu::ForwardBatch fb;
+        fb.num_users = B;
+        fb.row_offsets = {0};
+        fb.page_indptr = {0};
+        for (int b = 0; b < B; ++b) {
+          const int nnew = hist - cached;
+          for (int t = cached; t < hist; ++t) {
+            fb.token_ids.push_back(t % 2 ? rng() % 128 : rng() % 100000);
+            fb.token_types.push_back(t % 2 ? hstu::kActionToken : hstu::kItemToken);
+            fb.positions.push_back(t);
+          }
+          for (int c = 0; c < cand; ++c) {
+            fb.token_ids.push_back(rng() % 100000);
+            fb.token_types.push_back(hstu::kItemToken);
+            fb.positions.push_back(hist);
+          }
+          fb.num_new.push_back(nnew);
+          fb.num_tokens.push_back(hist);
+          fb.row_offsets.push_back(fb.row_offsets.back() + nnew + cand);
+          for (int p = 0; p < pages_per_user; ++p) fb.page_ids.push_back(b * pages_per_user + p);
+          fb.page_indptr.push_back(static_cast<int32_t>(fb.page_ids.size()));
+        }
+        auto st = be.Stage(fb);
+        if (!st.ok()) { std::fprintf(stderr, "%s\n", st.ToString().c_str()); std::exit(1); }
+        auto t = be.Time([&] { return be.EnqueueLayerStack(); }, 2, std::max(5, reps / 5));
+        if (!t.ok()) { std::fprintf(stderr, "%s\n", t.status().ToString().c_str()); std::exit(1); }
+        auto ta = be.Time([&] { return be.EnqueueAttention(0); }, 2, reps);
+        if (!ta.ok()) { std::fprintf(stderr, "%s\n", ta.status().ToString().c_str()); std::exit(1); }
+        const double ms = Median(*t), att_us = Median(*ta) * 1e3;
+        if (cached == 0) base_ms = ms;
+        std::printf("| %d | %d | %d | %d | %.3f | %.2fx | %.1f |\n", B, cached, hist - cached, cand, ms,
+                    base_ms / ms, att_us);
+        rows.push_back({{"batch", B}, {"cached", cached}, {"new", hist - cached}, {"candidates", cand},
+                        {"time_ms", ms}, {"speedup_vs_uncached", base_ms / ms},
+                        {"attention_layer0_us", att_us}, {"attention_ctas", be.attention_items() * 4}});
+      }
+    }
+  }
+  return rows;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("hstu_bench attention|kernels|block [--json FILE] [--reps N] [--batches 1,8]");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 2) {
+    std::fprintf(stderr, "usage: hstu_bench attention|kernels|block [--json FILE]\n");
+    return 2;
+  }
+  const std::string mode = args[1];
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    std::fprintf(stderr, "hstu_bench: no CUDA device present\n");
+    return 1;
+  }
+  const int reps = absl::GetFlag(FLAGS_reps), page_size = absl::GetFlag(FLAGS_page_size);
+  const std::vector<int> batches = ParseList(absl::GetFlag(FLAGS_batches));
+  int driver = 0, runtime = 0;
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  std::printf("GPU: %s | model: hstu-base (8 layers, d 1024, 4 x 256, N 4352) | bf16, eager | "
+              "page size %d | median of %d reps | CUDA runtime %d, driver %d\n",
+              GpuName().c_str(), page_size, reps, runtime, driver);
+  json j = {{"gpu", GpuName()}, {"mode", mode}, {"page_size", page_size}, {"reps", reps},
+            {"cuda_runtime", runtime}, {"cuda_driver", driver}};
+  if (mode == "attention") {
+    j["results"] = BenchAttention(reps, page_size, batches);
+  } else if (mode == "kernels") {
+    j["results"] = BenchKernels(reps, page_size, batches);
+  } else if (mode == "block") {
+    j["results"] = BenchBlock(reps, page_size, batches);
+  } else {
+    std::fprintf(stderr, "unknown mode '%s' (attention | kernels | block)\n", mode.c_str());
+    return 2;
+  }
+  const std::string path = absl::GetFlag(FLAGS_json);
+  if (!path.empty()) std::ofstream(path) << j.dump(2) << "\n";
+  return 0;
+}

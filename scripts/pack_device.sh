@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Builds the CUDA binaries here (own build dir, no server) and packs them, with the non-system shared
+# libraries they need, into pack/hstu_pack.tar.gz for the GPU machine (see docs/gpu.md).
+# CUDA runtime, cuBLAS and cuBLASLt are NOT packed (cuBLASLt alone is ~540 MB): the GPU machine has
+# the CUDA 13.0 toolkit and scripts/run_device.sh puts its lib64 on LD_LIBRARY_PATH.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$PWD"
+BUILD="${HSTU_CUDA_BUILD_DIR:-build-cuda}"
+JOBS="${HSTU_JOBS:-2}"
+if [ ! -f "$BUILD/CMakeCache.txt" ]; then
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DHSTU_ENABLE_CUDA=ON \
+    -DHSTU_BUILD_SERVER=OFF -DHSTU_CUDA_PTXAS_VERBOSE=ON
+fi
+BINS=(tests/gpu/hstu_gpu_tests client/hstu_bench)
+cmake --build "$BUILD" -j "$JOBS" --target hstu_gpu_tests hstu_bench
+
+STAGE="$(mktemp -d)"
+trap 'rm -rf "$STAGE"' EXIT
+mkdir -p "$STAGE/hstu/bin" "$STAGE/hstu/lib"
+for b in "${BINS[@]}"; do cp "$BUILD/$b" "$STAGE/hstu/bin/"; done
+# Shared libraries: everything ldd resolves except the C/C++ runtime, glibc and the CUDA toolkit.
+for b in "${BINS[@]}"; do ldd "$BUILD/$b"; done | awk '/=>/ {print $3}' | sort -u | while read -r lib; do
+  case "$(basename "$lib")" in
+    libc.so*|libm.so*|libstdc++.so*|libgcc_s.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*|\
+    libcuda.so*|libcudart.so*|libcublas.so*|libcublasLt.so*) continue ;;
+  esac
+  cp -L "$lib" "$STAGE/hstu/lib/"
+done
+cp scripts/run_device.sh "$STAGE/hstu/"
+git rev-parse --short HEAD > "$STAGE/hstu/COMMIT" 2>/dev/null || echo unknown > "$STAGE/hstu/COMMIT"
+git status --porcelain -- kernels engine tests/gpu client | grep -q . && echo "+dirty" >> "$STAGE/hstu/COMMIT" || true
+mkdir -p pack
+tar -C "$STAGE" -czf pack/hstu_pack.tar.gz hstu
+ls -la pack/hstu_pack.tar.gz
