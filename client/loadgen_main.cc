@@ -22,6 +22,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -354,6 +356,10 @@ int Main() {
     grpc::ChannelArguments args;
     // Each channel gets its own subchannel (TCP connection) instead of sharing the global pool.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    // --wait_ready_s polls a server that may not listen yet: retry fast, not after gRPC's 1 s+.
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
     args.SetMaxReceiveMessageSize(64 << 20);
     channels.push_back(grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
   }
@@ -515,6 +521,13 @@ int main(int argc, char** argv) {
       "  hstu_loadgen --target=HOST:PORT [--concurrency=8 | --concurrency=1:64:x2 | "
       "--rate=500 --arrival=poisson]\n"
       "               [--duration=10 | --requests=N] [--users=1000 --zipf=1.0] [--json=F --csv=F]");
+  absl::FlagsUsageConfig usage;
+  // --help lists this program's flags (absl's default matches files named after the binary).
+  usage.contains_help_flags = [](absl::string_view path) {
+    return absl::StrContains(path, "loadgen_main");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   return hstu::loadgen::Main();
 }

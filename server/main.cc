@@ -6,6 +6,8 @@
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/time/time.h"
 #include "server/flags.h"
 #include "server/ranking_server.h"
@@ -18,6 +20,13 @@ int main(int argc, char** argv) {
       "              [--metrics_listen=0.0.0.0:9464] [batching, cache and limit flags]\n"
       "Serves hstu.v1.Ranker (proto/hstu/v1/ranking.proto), grpc.health.v1 and reflection;\n"
       "Prometheus metrics on http://METRICS_LISTEN/metrics. See docs/server.md.");
+  absl::FlagsUsageConfig usage;
+  // --help lists the server's flags (absl's default matches files named after the binary).
+  usage.contains_help_flags = [](absl::string_view path) {
+    return absl::StrContains(path, "server/flags.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
 
   const std::string level = hstu::server::LogLevelFlag();

@@ -1,0 +1,356 @@
+// hstu_server as a real process on loopback: graceful SIGTERM under load, promtool, a real
+// Prometheus scraping it, hstu_loadgen against it, parity with hstu_rank, and the deploy/ files.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <random>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "hstu/v1/ranking.grpc.pb.h"
+#include "nlohmann/json.hpp"
+#include "tests/integration/test_util.h"
+
+namespace hstu::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// hstu_server on free loopback ports, SERVING when Start() returns true.
+class ServerProcess {
+ public:
+  explicit ServerProcess(std::vector<std::string> extra = {}) : dir_(TempDir()) {
+    port_ = FreePort();
+    metrics_port_ = FreePort();
+    std::vector<std::string> argv = {HSTU_SERVER_BIN,
+                                     absl::StrCat("--listen=127.0.0.1:", port_),
+                                     absl::StrCat("--metrics_listen=127.0.0.1:", metrics_port_),
+                                     "--device=cpu", "--model=random:tiny"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    proc_ = std::make_unique<Subprocess>(argv, dir_ + "/server.log");
+    grpc::ChannelArguments args;
+    // The server may not listen yet on the first try; retry fast instead of gRPC's 1 s backoff.
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 200);
+    channel_ = grpc::CreateCustomChannel(target(), grpc::InsecureChannelCredentials(), args);
+  }
+  bool WaitServing(std::chrono::seconds timeout = 20s) {
+    auto health = grpc::health::v1::Health::NewStub(channel_);
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < end) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + 1s);
+      grpc::health::v1::HealthCheckResponse resp;
+      if (health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok() &&
+          resp.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+        return true;
+      }
+      if (proc_->Wait(0ms) >= 0) return false;
+      std::this_thread::sleep_for(50ms);
+    }
+    return false;
+  }
+  std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
+  int metrics_port() const { return metrics_port_; }
+  Subprocess& proc() { return *proc_; }
+  std::shared_ptr<grpc::Channel> channel() { return channel_; }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
+  int port_ = 0, metrics_port_ = 0;
+  std::unique_ptr<Subprocess> proc_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+hstu::v1::RankRequest MakeRequest(uint64_t user, int events, int candidates, uint64_t seed) {
+  std::mt19937_64 rng(seed * 31 + user);
+  hstu::v1::RankRequest r;
+  r.set_user_id(user);
+  for (int i = 0; i < events; ++i) {
+    r.add_history_item_ids(static_cast<int64_t>(rng() % 100000));
+    r.add_history_actions(static_cast<int32_t>(rng() % 16));
+  }
+  for (int c = 0; c < candidates; ++c) r.add_candidate_item_ids(static_cast<int64_t>(rng() % 100000));
+  return r;
+}
+
+TEST(ProcessTest, HelpDocumentsEveryFlag) {
+  const auto [rc, out] = RunCommand(absl::StrCat(HSTU_SERVER_BIN, " --help"));
+  for (const char* flag :
+       {"listen", "metrics_listen", "model", "seed", "device", "max_batch_size", "max_batch_tokens",
+        "batch_timeout_us", "max_queue", "max_candidates", "max_message_bytes", "page_size",
+        "cache_pages", "host_cache_pages", "enable_cache", "no_cache", "log_level"}) {
+    EXPECT_NE(out.find(absl::StrCat("--", flag, " (")), std::string::npos) << flag;
+  }
+  const auto [rc2, out2] = RunCommand(absl::StrCat(HSTU_LOADGEN_BIN, " --help"));
+  for (const char* flag : {"target", "duration", "requests", "concurrency", "rate", "arrival",
+                           "users", "zipf", "candidates", "timeout_ms", "warmup", "seed",
+                           "connections", "json", "csv", "new_user_rate", "wait_ready_s"}) {
+    EXPECT_NE(out2.find(absl::StrCat("--", flag, " (")), std::string::npos) << flag;
+  }
+}
+
+TEST(ProcessTest, SigtermUnderLoadDrainsAndExitsZero) {
+  ServerProcess server;
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, unavailable{0}, other{0};
+  std::vector<std::thread> clients;
+  for (int t = 0; t < 4; ++t) {
+    clients.emplace_back([&, t] {
+      auto stub = hstu::v1::Ranker::NewStub(server.channel());
+      for (int i = 0; !stop; ++i) {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + 5s);
+        hstu::v1::RankResponse resp;
+        const grpc::Status s = stub->Rank(&ctx, MakeRequest(t * 1000 + i % 7, 60, 32, i), &resp);
+        if (s.ok()) {
+          ++ok;
+        } else if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+          ++unavailable;  // refused after the drain began: never admitted, never lost
+          std::this_thread::sleep_for(5ms);
+        } else {
+          ++other;
+          ADD_FAILURE() << "unexpected status " << s.error_code() << ": " << s.error_message();
+        }
+      }
+    });
+  }
+  std::this_thread::sleep_for(500ms);
+  const int ok_before = ok.load();
+  server.proc().Signal(SIGTERM);
+  const int rc = server.proc().Wait(15s);
+  stop = true;
+  for (auto& c : clients) c.join();
+  EXPECT_EQ(rc, 0) << server.proc().Log();
+  EXPECT_GT(ok_before, 0);
+  EXPECT_EQ(other.load(), 0);
+  const std::string log = server.proc().Log();
+  EXPECT_NE(log.find("draining"), std::string::npos) << log;
+  EXPECT_NE(log.find("stopped cleanly"), std::string::npos) << log;
+}
+
+TEST(ProcessTest, MetricsPassPromtoolAndDeployFilesUseOnlyExportedMetrics) {
+  ServerProcess server;
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  auto stub = hstu::v1::Ranker::NewStub(server.channel());
+  for (int i = 0; i < 5; ++i) {
+    grpc::ClientContext ctx;
+    hstu::v1::RankResponse resp;
+    ASSERT_TRUE(stub->Rank(&ctx, MakeRequest(1, 10 + i, 4, 1), &resp).ok());
+  }
+  auto body = HttpGet(server.metrics_port(), "/metrics");
+  ASSERT_TRUE(body.ok()) << body.status();
+  const std::string path = server.dir() + "/metrics.txt";
+  std::ofstream(path) << *body;
+  const auto [rc, out] = RunCommand(absl::StrCat("promtool check metrics < ", path));
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_EQ(out.find("problem"), std::string::npos) << out;
+
+  auto expo = ParseExposition(*body);
+  ASSERT_TRUE(expo.ok()) << expo.status();
+  // Every hstu_* name in the dashboard and the rules must be an exported family (or one of a
+  // histogram's _bucket/_sum/_count series).
+  const std::regex metric_re("hstu_[a-z0-9_]+");
+  for (const char* file : {"deploy/grafana/hstu_dashboard.json", "deploy/prometheus/rules.yml"}) {
+    const std::string text = ReadFile(absl::StrCat(HSTU_SOURCE_DIR, "/", file));
+    ASSERT_FALSE(text.empty()) << file;
+    std::set<std::string> names;
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), metric_re);
+         it != std::sregex_iterator(); ++it) {
+      names.insert(it->str());
+    }
+    EXPECT_GE(names.size(), 5u) << file;
+    for (std::string name : names) {
+      for (const char* suffix : {"_bucket", "_sum", "_count"}) {
+        const std::string s(suffix);
+        if (name.size() > s.size() && name.ends_with(s)) {
+          const std::string base = name.substr(0, name.size() - s.size());
+          if (expo->types.contains(base) && expo->types.at(base) == "histogram") name = base;
+        }
+      }
+      EXPECT_TRUE(expo->types.contains(name)) << file << " uses " << name << ", not exported";
+    }
+  }
+  const auto [rc2, out2] = RunCommand(
+      absl::StrCat("promtool check rules ", HSTU_SOURCE_DIR, "/deploy/prometheus/rules.yml"));
+  EXPECT_EQ(rc2, 0) << out2;
+  const auto [rc3, out3] = RunCommand(
+      absl::StrCat("promtool check config ", HSTU_SOURCE_DIR, "/deploy/prometheus/prometheus.yml"));
+  EXPECT_EQ(rc3, 0) << out3;
+  // The dashboard is valid JSON.
+  const auto dash = nlohmann::json::parse(
+      ReadFile(absl::StrCat(HSTU_SOURCE_DIR, "/deploy/grafana/hstu_dashboard.json")), nullptr,
+      false);
+  EXPECT_FALSE(dash.is_discarded());
+}
+
+TEST(ProcessTest, RealPrometheusScrapesTheRequestCount) {
+  ServerProcess server;
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  constexpr int kRequests = 7;
+  auto stub = hstu::v1::Ranker::NewStub(server.channel());
+  for (int i = 0; i < kRequests; ++i) {
+    grpc::ClientContext ctx;
+    hstu::v1::RankResponse resp;
+    ASSERT_TRUE(stub->Rank(&ctx, MakeRequest(i, 8, 4, 2), &resp).ok());
+  }
+  const std::string dir = TempDir();
+  const int prom_port = FreePort();
+  std::ofstream(dir + "/prometheus.yml")
+      << "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: hstu\n"
+         "    static_configs:\n      - targets: ['127.0.0.1:"
+      << server.metrics_port() << "']\n";
+  Subprocess prom({"/usr/bin/prometheus", "--config.file=" + dir + "/prometheus.yml",
+                   "--storage.tsdb.path=" + dir + "/data",
+                   absl::StrCat("--web.listen-address=127.0.0.1:", prom_port), "--log.level=warn"},
+                  dir + "/prometheus.log");
+  ASSERT_TRUE(prom.started());
+  // sum(hstu_requests_total{job="hstu",code="OK"}), URL-encoded.
+  const std::string query =
+      "/api/v1/query?query=sum(hstu_requests_total%7Bjob%3D%22hstu%22%2Ccode%3D%22OK%22%7D)";
+  std::string last;
+  double value = -1;
+  const auto end = std::chrono::steady_clock::now() + 45s;
+  while (std::chrono::steady_clock::now() < end && value != kRequests) {
+    std::this_thread::sleep_for(300ms);
+    auto body = HttpGet(prom_port, query);
+    if (!body.ok()) {
+      last = std::string(body.status().message());
+      continue;
+    }
+    last = *body;
+    const auto j = nlohmann::json::parse(*body, nullptr, false);
+    if (j.is_discarded() || j.value("status", "") != "success") continue;
+    const auto& result = j["data"]["result"];
+    if (result.empty()) continue;
+    value = std::stod(result[0]["value"][1].get<std::string>());
+  }
+  EXPECT_EQ(value, kRequests) << "last answer: " << last << "\n" << prom.Log();
+  prom.Signal(SIGTERM);
+  prom.Wait(10s);
+}
+
+TEST(ProcessTest, LoadgenShortRunsReportZeroErrors) {
+  ServerProcess server;
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  const std::string dir = TempDir();
+  const auto [rc, out] = RunCommand(absl::StrCat(
+      HSTU_LOADGEN_BIN, " --target=", server.target(),
+      " --requests=300 --concurrency=1:4:x2 --warmup=0.2 --users=40 --progress=false --json=", dir,
+      "/closed.json --csv=", dir, "/closed.csv"));
+  ASSERT_EQ(rc, 0) << out;
+  const auto j = nlohmann::json::parse(ReadFile(dir + "/closed.json"), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  ASSERT_EQ(j["levels"].size(), 3u);  // 1, 2, 4
+  for (const auto& level : j["levels"]) {
+    EXPECT_EQ(level["requests"].get<int64_t>(), 300) << out;
+    EXPECT_TRUE(level["errors"].empty()) << level.dump();
+    EXPECT_GT(level["throughput_rps"].get<double>(), 0);
+    const auto& lat = level["latency_ms"];
+    EXPECT_GT(lat["p50"].get<double>(), 0);
+    EXPECT_LE(lat["p50"].get<double>(), lat["p90"].get<double>());
+    EXPECT_LE(lat["p90"].get<double>(), lat["p99"].get<double>());
+    EXPECT_LE(lat["p99"].get<double>(), lat["p999"].get<double>());
+    // Returning users: most history tokens come from the cache.
+    EXPECT_GT(level["reused_tokens"].get<int64_t>(), level["computed_tokens"].get<int64_t>());
+  }
+  for (const char* key : {"throughput_rps", "latency_ms", "requests", "errors", "reused_tokens"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  const std::string csv = ReadFile(dir + "/closed.csv");
+  EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 4) << csv;  // header + 3 levels
+
+  // Open loop at a constant 150 rps for 1 s: about 150 requests, all OK.
+  const auto [rc2, out2] = RunCommand(absl::StrCat(
+      HSTU_LOADGEN_BIN, " --target=", server.target(),
+      " --rate=150 --arrival=constant --duration=1 --warmup=0.2 --progress=false --json=", dir,
+      "/open.json"));
+  ASSERT_EQ(rc2, 0) << out2;
+  const auto o = nlohmann::json::parse(ReadFile(dir + "/open.json"), nullptr, false);
+  ASSERT_FALSE(o.is_discarded());
+  EXPECT_TRUE(o["errors"].empty()) << out2;
+  EXPECT_NEAR(o["requests"].get<int64_t>(), 150, 3) << out2;
+  // The server saw them all.
+  auto body = HttpGet(server.metrics_port(), "/metrics");
+  ASSERT_TRUE(body.ok());
+  auto expo = ParseExposition(*body);
+  ASSERT_TRUE(expo.ok());
+  EXPECT_GE(expo->Sum("hstu_requests_total", {{"code", "OK"}}), 900 + 145);
+  EXPECT_EQ(expo->Sum("hstu_requests_total") - expo->Sum("hstu_requests_total", {{"code", "OK"}}), 0);
+}
+
+TEST(ProcessTest, ScoresEqualHstuRankForTheSameRequests) {
+  // Returning users with growing and one edited history, 100 candidates (chunked by 64).
+  std::vector<hstu::v1::RankRequest> reqs;
+  const auto a = MakeRequest(11, 90, 100, 3), b = MakeRequest(12, 50, 7, 4);
+  auto prefix = [](hstu::v1::RankRequest r, int n) {
+    r.mutable_history_item_ids()->Truncate(n);
+    r.mutable_history_actions()->Truncate(n);
+    return r;
+  };
+  reqs = {prefix(a, 20), prefix(b, 50), prefix(a, 60), prefix(a, 90), prefix(b, 30), prefix(a, 90)};
+  const std::string dir = TempDir();
+  {
+    std::ofstream f(dir + "/requests.jsonl");
+    for (const auto& r : reqs) {
+      nlohmann::json j;
+      j["user_id"] = r.user_id();
+      j["history_item_ids"] = std::vector<int64_t>(r.history_item_ids().begin(), r.history_item_ids().end());
+      j["history_actions"] = std::vector<int32_t>(r.history_actions().begin(), r.history_actions().end());
+      j["candidate_item_ids"] = std::vector<int64_t>(r.candidate_item_ids().begin(), r.candidate_item_ids().end());
+      f << j.dump() << "\n";
+    }
+  }
+  const auto [rc, out] = RunCommand(absl::StrCat(HSTU_RANK_BIN, " --model=random:tiny --device=cpu --input=",
+                                                 dir, "/requests.jsonl 2>/dev/null"));
+  ASSERT_EQ(rc, 0) << out;
+  std::vector<nlohmann::json> ref;
+  for (absl::string_view line : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded() && j.contains("scores")) ref.push_back(j);
+  }
+  ASSERT_EQ(ref.size(), reqs.size()) << out;
+
+  ServerProcess server;
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  auto stub = hstu::v1::Ranker::NewStub(server.channel());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    grpc::ClientContext ctx;
+    hstu::v1::RankResponse resp;
+    ASSERT_TRUE(stub->Rank(&ctx, reqs[i], &resp).ok());
+    const auto& scores = ref[i]["scores"];
+    ASSERT_EQ(scores.size() * resp.num_tasks(), static_cast<size_t>(resp.scores_size())) << i;
+    for (size_t c = 0; c < scores.size(); ++c) {
+      for (size_t t = 0; t < resp.num_tasks(); ++t) {
+        EXPECT_FLOAT_EQ(resp.scores(static_cast<int>(c * resp.num_tasks() + t)),
+                        scores[c][t].get<float>())
+            << "request " << i << " candidate " << c << " task " << t;
+      }
+    }
+    EXPECT_EQ(resp.reused_tokens(), ref[i]["reused_tokens"].get<uint32_t>()) << i;
+    EXPECT_EQ(resp.computed_tokens(), ref[i]["computed_tokens"].get<uint32_t>()) << i;
+  }
+}
+
+}  // namespace
+}  // namespace hstu::testing

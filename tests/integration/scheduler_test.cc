@@ -1,0 +1,309 @@
+// Rules of the batching scheduler (server/scheduler.h) against a fake engine that records every
+// batch and can be held at a gate. No gRPC involved.
+#include "server/scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <mutex>
+#include <set>
+#include <thread>
+
+namespace hstu::server {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A fake engine: answers each request with scores = {user_id}, records batches, can block.
+class FakeEngine {
+ public:
+  std::vector<absl::StatusOr<RankResult>> Run(absl::Span<const RankRequest> batch) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      std::vector<uint64_t> users;
+      for (const auto& r : batch) users.push_back(r.user_id);
+      batches_.push_back(users);
+      ++entered_;
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return open_; });
+    }
+    std::vector<absl::StatusOr<RankResult>> out;
+    for (const auto& r : batch) {
+      if (r.user_id == kFailUser) {
+        out.push_back(absl::InternalError("injected failure"));
+        continue;
+      }
+      RankResult res;
+      res.num_tasks = 1;
+      res.scores = {static_cast<float>(r.user_id)};
+      out.push_back(res);
+    }
+    return out;
+  }
+  void Close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = false;
+  }
+  void Open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  void WaitEntered(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    ASSERT_TRUE(cv_.wait_for(lock, 5s, [&] { return entered_ >= n; }));
+  }
+  std::vector<std::vector<uint64_t>> batches() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return batches_;
+  }
+  static constexpr uint64_t kFailUser = 666;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = true;
+  int entered_ = 0;
+  std::vector<std::vector<uint64_t>> batches_;
+};
+
+struct Outcome {
+  std::promise<absl::StatusOr<RankResult>> promise;
+  std::future<absl::StatusOr<RankResult>> future = promise.get_future();
+};
+
+PendingRank Pending(uint64_t user, Outcome* out, int64_t events = 1,
+                    Clock::time_point deadline = Clock::time_point::max()) {
+  PendingRank p;
+  p.request.user_id = user;
+  p.request.history_item_ids.assign(events, 1);
+  p.request.history_actions.assign(events, 0);
+  p.request.candidate_item_ids = {1};
+  p.deadline = deadline;
+  p.done = [out](absl::StatusOr<RankResult> r, const RequestTiming&) {
+    out->promise.set_value(std::move(r));
+  };
+  return p;
+}
+
+std::unique_ptr<Scheduler> MakeScheduler(FakeEngine* engine, SchedulerOptions o) {
+  auto s = Scheduler::Create(o, [engine](absl::Span<const RankRequest> b) { return engine->Run(b); });
+  EXPECT_TRUE(s.ok()) << s.status();
+  return std::move(*s);
+}
+
+TEST(SchedulerTest, RejectsBadOptions) {
+  auto run = [](absl::Span<const RankRequest>) { return std::vector<absl::StatusOr<RankResult>>(); };
+  SchedulerOptions o;
+  o.max_batch_size = 0;
+  EXPECT_EQ(Scheduler::Create(o, run).status().code(), absl::StatusCode::kInvalidArgument);
+  o = SchedulerOptions();
+  o.max_queue = 0;
+  EXPECT_EQ(Scheduler::Create(o, run).status().code(), absl::StatusCode::kInvalidArgument);
+  o = SchedulerOptions();
+  EXPECT_EQ(Scheduler::Create(o, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(SchedulerTest, IdleEngineTakesFirstRequestAtOnce) {
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.batch_timeout = 0us;
+  auto s = MakeScheduler(&engine, o);
+  Outcome out;
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(s->Submit(Pending(7, &out)).ok());
+  ASSERT_EQ(out.future.wait_for(2s), std::future_status::ready);
+  auto r = out.future.get();
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->scores[0], 7.f);
+  EXPECT_LT(Clock::now() - t0, 200ms);
+}
+
+TEST(SchedulerTest, BatchesQueuedRequestsUpToMaxBatchSizeAndNeverOneUserTwice) {
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.max_batch_size = 3;
+  auto s = MakeScheduler(&engine, o);
+  engine.Close();
+  Outcome first;
+  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
+  engine.WaitEntered(1);  // the worker is busy with user 100; the rest queues up
+  // Users: 1, 1, 2, 3, 4, 1, 5 → batches {1,2,3} {1,4,5} {1}.
+  const std::vector<uint64_t> users = {1, 1, 2, 3, 4, 1, 5};
+  std::vector<Outcome> outs(users.size());
+  for (size_t i = 0; i < users.size(); ++i) ASSERT_TRUE(s->Submit(Pending(users[i], &outs[i])).ok());
+  EXPECT_EQ(s->QueueDepth(), 7);
+  engine.Open();
+  for (auto& o2 : outs) ASSERT_EQ(o2.future.wait_for(2s), std::future_status::ready);
+  const auto batches = engine.batches();
+  ASSERT_EQ(batches.size(), 4u);
+  EXPECT_EQ(batches[1], (std::vector<uint64_t>{1, 2, 3}));
+  EXPECT_EQ(batches[2], (std::vector<uint64_t>{1, 4, 5}));
+  EXPECT_EQ(batches[3], (std::vector<uint64_t>{1}));
+  for (const auto& b : batches) {
+    EXPECT_EQ(std::set<uint64_t>(b.begin(), b.end()).size(), b.size());
+  }
+}
+
+TEST(SchedulerTest, TokenBudgetSplitsBatchesButOversizeRequestRunsAlone) {
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.max_batch_size = 8;
+  o.max_batch_tokens = 100;  // cost = 2 * events + 1 candidate
+  auto s = MakeScheduler(&engine, o);
+  engine.Close();
+  Outcome first;
+  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
+  engine.WaitEntered(1);
+  // Costs 41, 41, 41 (two fit), then 201 (alone), then 3.
+  std::vector<Outcome> outs(5);
+  ASSERT_TRUE(s->Submit(Pending(1, &outs[0], 20)).ok());
+  ASSERT_TRUE(s->Submit(Pending(2, &outs[1], 20)).ok());
+  ASSERT_TRUE(s->Submit(Pending(3, &outs[2], 20)).ok());
+  ASSERT_TRUE(s->Submit(Pending(4, &outs[3], 100)).ok());
+  ASSERT_TRUE(s->Submit(Pending(5, &outs[4], 1)).ok());
+  engine.Open();
+  for (auto& x : outs) ASSERT_EQ(x.future.wait_for(2s), std::future_status::ready);
+  const auto batches = engine.batches();
+  ASSERT_EQ(batches.size(), 5u);
+  EXPECT_EQ(batches[1], (std::vector<uint64_t>{1, 2}));
+  EXPECT_EQ(batches[2], (std::vector<uint64_t>{3}));
+  EXPECT_EQ(batches[3], (std::vector<uint64_t>{4}));
+  EXPECT_EQ(batches[4], (std::vector<uint64_t>{5}));
+}
+
+TEST(SchedulerTest, BatchTimeoutWaitsForMoreRequests) {
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.max_batch_size = 4;
+  o.batch_timeout = 200ms;
+  auto s = MakeScheduler(&engine, o);
+  std::vector<Outcome> outs(2);
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(s->Submit(Pending(1, &outs[0])).ok());
+  std::this_thread::sleep_for(20ms);
+  ASSERT_TRUE(s->Submit(Pending(2, &outs[1])).ok());
+  for (auto& x : outs) ASSERT_EQ(x.future.wait_for(2s), std::future_status::ready);
+  EXPECT_GE(Clock::now() - t0, 190ms);
+  const auto batches = engine.batches();
+  ASSERT_EQ(batches.size(), 1u);
+  EXPECT_EQ(batches[0], (std::vector<uint64_t>{1, 2}));
+}
+
+TEST(SchedulerTest, FullQueueAnswersResourceExhausted) {
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.max_queue = 2;
+  auto s = MakeScheduler(&engine, o);
+  engine.Close();
+  Outcome first;
+  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
+  engine.WaitEntered(1);
+  std::vector<Outcome> outs(3);
+  EXPECT_TRUE(s->Submit(Pending(1, &outs[0])).ok());
+  EXPECT_TRUE(s->Submit(Pending(2, &outs[1])).ok());
+  const absl::Status full = s->Submit(Pending(3, &outs[2]));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(outs[2].future.wait_for(0s), std::future_status::timeout);  // done not called
+  engine.Open();
+  EXPECT_TRUE(outs[0].future.get().ok());
+  EXPECT_TRUE(outs[1].future.get().ok());
+}
+
+TEST(SchedulerTest, ExpiredAndCancelledRequestsNeverReachTheEngine) {
+  FakeEngine engine;
+  auto s = MakeScheduler(&engine, SchedulerOptions());
+  engine.Close();
+  Outcome first;
+  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
+  engine.WaitEntered(1);
+  Outcome expired, cancelled, fine;
+  ASSERT_TRUE(s->Submit(Pending(1, &expired, 1, Clock::now() + 10ms)).ok());
+  std::atomic<bool> cancel{false};
+  PendingRank p = Pending(2, &cancelled);
+  p.is_cancelled = [&cancel] { return cancel.load(); };
+  ASSERT_TRUE(s->Submit(std::move(p)).ok());
+  ASSERT_TRUE(s->Submit(Pending(3, &fine)).ok());
+  std::this_thread::sleep_for(30ms);
+  cancel.store(true);
+  engine.Open();
+  EXPECT_EQ(expired.future.get().status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(cancelled.future.get().status().code(), absl::StatusCode::kCancelled);
+  EXPECT_TRUE(fine.future.get().ok());
+  for (const auto& b : engine.batches()) {
+    for (uint64_t u : b) EXPECT_TRUE(u != 1 && u != 2) << "user " << u << " reached the engine";
+  }
+}
+
+TEST(SchedulerTest, EngineFailureFailsOnlyThatRequestAndServingContinues) {
+  FakeEngine engine;
+  auto s = MakeScheduler(&engine, SchedulerOptions());
+  Outcome bad, good;
+  ASSERT_TRUE(s->Submit(Pending(FakeEngine::kFailUser, &bad)).ok());
+  EXPECT_EQ(bad.future.get().status().code(), absl::StatusCode::kInternal);
+  ASSERT_TRUE(s->Submit(Pending(5, &good)).ok());
+  EXPECT_TRUE(good.future.get().ok());
+}
+
+TEST(SchedulerTest, WrongResultCountIsInternalForThatBatch) {
+  std::atomic<int> calls{0};
+  auto s = Scheduler::Create(SchedulerOptions(), [&](absl::Span<const RankRequest> b) {
+    ++calls;
+    return std::vector<absl::StatusOr<RankResult>>();  // broken contract
+  });
+  ASSERT_TRUE(s.ok());
+  Outcome out;
+  ASSERT_TRUE((*s)->Submit(Pending(1, &out)).ok());
+  EXPECT_EQ(out.future.get().status().code(), absl::StatusCode::kInternal);
+}
+
+TEST(SchedulerTest, DrainFinishesQueuedWorkThenRejects) {
+  FakeEngine engine;
+  auto s = MakeScheduler(&engine, SchedulerOptions());
+  engine.Close();
+  Outcome first;
+  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
+  engine.WaitEntered(1);
+  std::vector<Outcome> outs(5);
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(s->Submit(Pending(i + 1, &outs[i])).ok());
+  std::thread drainer([&] { s->Drain(); });
+  std::this_thread::sleep_for(20ms);
+  Outcome late;
+  EXPECT_EQ(s->Submit(Pending(9, &late)).code(), absl::StatusCode::kUnavailable);
+  engine.Open();
+  drainer.join();
+  EXPECT_TRUE(first.future.get().ok());
+  for (auto& o : outs) EXPECT_TRUE(o.future.get().ok());
+}
+
+TEST(SchedulerTest, ManyThreadsNoRequestLost) {
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.max_batch_size = 4;
+  o.max_queue = 100000;
+  auto s = MakeScheduler(&engine, o);
+  constexpr int kThreads = 8, kPerThread = 200;
+  std::atomic<int> ok{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kPerThread; ++i) {
+        Outcome out;
+        ASSERT_TRUE(s->Submit(Pending(static_cast<uint64_t>((t * 7 + i) % 5), &out)).ok());
+        if (out.future.get().ok()) ++ok;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), kThreads * kPerThread);
+  for (const auto& b : engine.batches()) {
+    EXPECT_EQ(std::set<uint64_t>(b.begin(), b.end()).size(), b.size());
+    EXPECT_LE(b.size(), 4u);
+  }
+}
+
+}  // namespace
+}  // namespace hstu::server

@@ -1,0 +1,542 @@
+// The real server in-process on loopback, driven by a real gRPC client: scores against a separate
+// engine (the reference), validation errors, deadlines, queue limits, cancellation, concurrency
+// with repeated users, engine failures and the /metrics exposition.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "hstu/v1/ranking.grpc.pb.h"
+#include "server/ranking_server.h"
+#include "server/validation.h"
+#include "tests/integration/test_util.h"
+
+namespace hstu::server {
+namespace {
+
+using namespace std::chrono_literals;
+using hstu::testing::ParseExposition;
+
+// Holds batches at a gate and records which users reached the engine.
+class Gate {
+ public:
+  std::vector<absl::StatusOr<RankResult>> Run(absl::Span<const RankRequest> batch,
+                                              const Scheduler::RunBatchFn& run) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      std::set<uint64_t> users;
+      for (const auto& r : batch) {
+        seen_.push_back(r.user_id);
+        if (!users.insert(r.user_id).second) duplicate_in_batch_ = true;
+      }
+      ++entered_;
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return open_; });
+    }
+    for (const auto& r : batch) {
+      if (r.user_id == kFailUser) {
+        return std::vector<absl::StatusOr<RankResult>>(batch.size(),
+                                                       absl::InternalError("injected failure"));
+      }
+    }
+    return run(batch);
+  }
+  void Close() {
+    std::lock_guard<std::mutex> l(mu_);
+    open_ = false;
+  }
+  void Open() {
+    std::lock_guard<std::mutex> l(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  bool WaitEntered(int n) {
+    std::unique_lock<std::mutex> l(mu_);
+    return cv_.wait_for(l, 5s, [&] { return entered_ >= n; });
+  }
+  bool Saw(uint64_t user) {
+    std::lock_guard<std::mutex> l(mu_);
+    return std::find(seen_.begin(), seen_.end(), user) != seen_.end();
+  }
+  bool duplicate_in_batch() {
+    std::lock_guard<std::mutex> l(mu_);
+    return duplicate_in_batch_;
+  }
+  static constexpr uint64_t kFailUser = 666;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = true;
+  int entered_ = 0;
+  bool duplicate_in_batch_ = false;
+  std::vector<uint64_t> seen_;
+};
+
+class ServerTest : public ::testing::Test {
+ protected:
+  void StartServer(ServerOptions o = ServerOptions()) {
+    o.listen = "127.0.0.1:0";
+    o.metrics_listen = "127.0.0.1:0";
+    o.engine.device = "cpu";
+    o.batch_interceptor = [this](absl::Span<const RankRequest> b, const Scheduler::RunBatchFn& run) {
+      return gate_.Run(b, run);
+    };
+    options_ = o;
+    auto s = RankingServer::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+    channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                   grpc::InsecureChannelCredentials());
+    stub_ = hstu::v1::Ranker::NewStub(channel_);
+  }
+  void TearDown() override {
+    gate_.Open();
+    if (server_) server_->Shutdown(absl::Seconds(5));
+  }
+
+  grpc::Status Rank(const hstu::v1::RankRequest& req, hstu::v1::RankResponse* resp,
+                    std::chrono::milliseconds timeout = 10s) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+    return stub_->Rank(&ctx, req, resp);
+  }
+
+  // The reference: a separate engine with the same options, fed the same requests in order.
+  std::unique_ptr<Engine> ReferenceEngine() {
+    auto e = Engine::Create(options_.engine);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return std::move(*e);
+  }
+
+  hstu::testing::Exposition Scrape() {
+    auto body = hstu::testing::HttpGet(server_->metrics_port(), "/metrics");
+    EXPECT_TRUE(body.ok()) << body.status();
+    auto e = ParseExposition(body.ok() ? *body : "");
+    EXPECT_TRUE(e.ok()) << e.status();
+    return e.ok() ? *e : hstu::testing::Exposition();
+  }
+
+  Gate gate_;
+  ServerOptions options_;
+  std::unique_ptr<RankingServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<hstu::v1::Ranker::Stub> stub_;
+};
+
+hstu::v1::RankRequest MakeRequest(uint64_t user, int events, int candidates, uint64_t seed) {
+  std::mt19937_64 rng(seed * 7919 + user);
+  hstu::v1::RankRequest r;
+  r.set_user_id(user);
+  for (int i = 0; i < events; ++i) {
+    r.add_history_item_ids(static_cast<int64_t>(rng() % 5000));
+    r.add_history_actions(static_cast<int32_t>(rng() % 16));
+  }
+  for (int c = 0; c < candidates; ++c) r.add_candidate_item_ids(static_cast<int64_t>(rng() % 5000));
+  r.set_request_id(absl::StrCat("req-", user, "-", seed));
+  return r;
+}
+
+// A prefix of `full` with its first `events` events (same candidates).
+hstu::v1::RankRequest Prefix(const hstu::v1::RankRequest& full, int events) {
+  hstu::v1::RankRequest r = full;
+  r.mutable_history_item_ids()->Truncate(events);
+  r.mutable_history_actions()->Truncate(events);
+  return r;
+}
+
+TEST_F(ServerTest, HealthIsServingAndModelInfoDescribesTheModel) {
+  StartServer();
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  for (const char* service : {"", "hstu.v1.Ranker"}) {
+    grpc::ClientContext ctx;
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    ASSERT_TRUE(health->Check(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING) << service;
+  }
+  grpc::ClientContext ctx;
+  hstu::v1::ModelInfo info;
+  ASSERT_TRUE(stub_->GetModelInfo(&ctx, hstu::v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.model_name(), "hstu-tiny");
+  EXPECT_EQ(info.num_layers(), 2u);
+  EXPECT_EQ(info.hidden_dim(), 64u);
+  EXPECT_EQ(info.num_tasks(), 3u);
+  EXPECT_EQ(info.max_history_tokens(), 256u);
+  EXPECT_EQ(info.max_candidates(), 1024u);
+  EXPECT_EQ(info.candidates_per_forward(), 64u);
+  EXPECT_EQ(info.num_actions(), 16u);
+  EXPECT_EQ(info.page_size(), 32u);
+  EXPECT_EQ(info.device(), "cpu");
+}
+
+TEST_F(ServerTest, ScoresAndReuseEqualTheEngineForTheSameRequests) {
+  StartServer();
+  auto reference = ReferenceEngine();
+  // Growing histories of three users, interleaved, one shorter (edited) history, 150 candidates
+  // (more than the 64 of one forward, so chunked), and a history past the model's maximum.
+  std::vector<hstu::v1::RankRequest> seq;
+  const auto a = MakeRequest(1, 100, 150, 1), b = MakeRequest(2, 40, 10, 2),
+             c = MakeRequest(3, 200, 5, 3);
+  seq = {Prefix(a, 30), Prefix(b, 20), Prefix(a, 45), b, Prefix(a, 100), Prefix(b, 10),
+         Prefix(c, 120), c};
+  for (size_t i = 0; i < seq.size(); ++i) {
+    hstu::v1::RankResponse resp;
+    const grpc::Status s = Rank(seq[i], &resp);
+    ASSERT_TRUE(s.ok()) << i << ": " << s.error_message();
+    const RankRequest engine_req = FromProto(seq[i]);
+    auto ref = reference->Rank({&engine_req, 1});
+    ASSERT_TRUE(ref[0].ok()) << ref[0].status();
+    EXPECT_EQ(resp.request_id(), seq[i].request_id());
+    EXPECT_EQ(resp.num_tasks(), 3u);
+    ASSERT_EQ(resp.scores_size(), static_cast<int>(ref[0]->scores.size())) << i;
+    for (int k = 0; k < resp.scores_size(); ++k) {
+      // One request per batch on both sides: the same arithmetic, so the same bits.
+      ASSERT_EQ(resp.scores(k), ref[0]->scores[k]) << "request " << i << " score " << k;
+      ASSERT_GT(resp.scores(k), 0.f);
+      ASSERT_LT(resp.scores(k), 1.f);
+    }
+    EXPECT_EQ(resp.reused_tokens(), ref[0]->reused_tokens) << i;
+    EXPECT_EQ(resp.computed_tokens(), ref[0]->computed_tokens) << i;
+  }
+}
+
+TEST_F(ServerTest, EveryValidationErrorIsInvalidArgumentNamingTheField) {
+  ServerOptions o;
+  o.engine.limits.max_candidates = 100;
+  o.max_message_bytes = 64 << 10;
+  StartServer(o);
+  const auto good = MakeRequest(9, 10, 4, 9);
+  struct Case {
+    std::string name, field;
+    hstu::v1::RankRequest req;
+  };
+  std::vector<Case> cases;
+  {
+    auto r = good;
+    r.add_history_actions(1);
+    cases.push_back({"unequal history arrays", "history_actions", r});
+  }
+  {
+    auto r = good;
+    r.set_history_item_ids(3, -5);
+    cases.push_back({"negative history item", "history_item_ids[3]", r});
+  }
+  {
+    auto r = good;
+    r.set_history_actions(2, 16);
+    cases.push_back({"action out of range", "history_actions[2]", r});
+  }
+  {
+    auto r = good;
+    r.set_history_actions(0, -1);
+    cases.push_back({"negative action", "history_actions[0]", r});
+  }
+  {
+    auto r = good;
+    r.clear_candidate_item_ids();
+    cases.push_back({"no candidates", "candidate_item_ids", r});
+  }
+  {
+    auto r = good;
+    for (int i = 0; i < 97; ++i) r.add_candidate_item_ids(i);
+    cases.push_back({"too many candidates", "candidate_item_ids", r});
+  }
+  {
+    auto r = good;
+    r.set_candidate_item_ids(1, -2);
+    cases.push_back({"negative candidate", "candidate_item_ids[1]", r});
+  }
+  for (const Case& c : cases) {
+    hstu::v1::RankResponse resp;
+    const grpc::Status s = Rank(c.req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.name;
+    EXPECT_NE(s.error_message().find(c.field), std::string::npos)
+        << c.name << ": '" << s.error_message() << "' does not name " << c.field;
+  }
+  // Oversize message: gRPC's own limit (--max_message_bytes) answers RESOURCE_EXHAUSTED.
+  auto big = good;
+  for (int i = 0; i < 40000; ++i) {
+    big.add_history_item_ids(i);
+    big.add_history_actions(1);
+  }
+  ASSERT_GT(big.ByteSizeLong(), 64u << 10);
+  hstu::v1::RankResponse resp;
+  EXPECT_EQ(Rank(big, &resp).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  // None of them reached the engine; a valid request still works.
+  EXPECT_FALSE(gate_.Saw(9));
+  EXPECT_TRUE(Rank(good, &resp).ok());
+  const auto m = Scrape();
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "INVALID_ARGUMENT"}}), 7);
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "OK"}}), 1);
+}
+
+TEST_F(ServerTest, ExpiredDeadlineAnswersDeadlineExceededWithoutEngineWork) {
+  StartServer();
+  gate_.Close();
+  // User 1 holds the engine at the gate; user 2 waits in the queue past its deadline.
+  std::thread blocker([&] {
+    hstu::v1::RankResponse r;
+    EXPECT_TRUE(Rank(MakeRequest(1, 5, 3, 1), &r).ok());
+  });
+  ASSERT_TRUE(gate_.WaitEntered(1));  // the warm-up bypasses the gate
+  hstu::v1::RankResponse resp;
+  EXPECT_EQ(Rank(MakeRequest(2, 5, 3, 2), &resp, 100ms).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  gate_.Open();
+  blocker.join();
+  EXPECT_FALSE(gate_.Saw(2));
+  // The server answers it when its turn comes; the metric says DEADLINE_EXCEEDED.
+  for (int i = 0; i < 100; ++i) {
+    if (Scrape().Sum("hstu_requests_total", {{"code", "DEADLINE_EXCEEDED"}}) == 1) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_EQ(Scrape().Sum("hstu_requests_total", {{"code", "DEADLINE_EXCEEDED"}}), 1);
+}
+
+TEST_F(ServerTest, FullQueueAnswersResourceExhausted) {
+  ServerOptions o;
+  o.scheduler.max_queue = 2;
+  StartServer(o);
+  gate_.Close();
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  auto send = [&](uint64_t user) {
+    threads.emplace_back([&, user] {
+      hstu::v1::RankResponse r;
+      if (Rank(MakeRequest(user, 5, 3, user), &r).ok()) ++ok;
+    });
+  };
+  send(1);
+  ASSERT_TRUE(gate_.WaitEntered(1));
+  send(2);
+  send(3);
+  for (int i = 0; i < 250 && server_->scheduler().QueueDepth() < 2; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_EQ(server_->scheduler().QueueDepth(), 2);
+  hstu::v1::RankResponse resp;
+  const grpc::Status full = Rank(MakeRequest(4, 5, 3, 4), &resp);
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(full.error_message().find("queue is full"), std::string::npos);
+  EXPECT_EQ(Scrape().Sum("hstu_queue_depth"), 2);
+  gate_.Open();
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), 3);
+}
+
+TEST_F(ServerTest, CancelledCallIsDroppedBeforeTheEngine) {
+  StartServer();
+  gate_.Close();
+  std::thread blocker([&] {
+    hstu::v1::RankResponse r;
+    EXPECT_TRUE(Rank(MakeRequest(1, 5, 3, 1), &r).ok());
+  });
+  ASSERT_TRUE(gate_.WaitEntered(1));
+  grpc::ClientContext ctx;
+  hstu::v1::RankResponse resp;
+  const auto req = MakeRequest(2, 5, 3, 2);
+  std::atomic<bool> finished{false};
+  grpc::Status status;
+  stub_->async()->Rank(&ctx, &req, &resp, [&](grpc::Status s) {
+    status = s;
+    finished = true;
+  });
+  for (int i = 0; i < 250 && server_->scheduler().QueueDepth() < 1; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ctx.TryCancel();
+  for (int i = 0; i < 250 && !finished; ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_TRUE(finished);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
+  // The client sees its own cancellation at once; give the RST_STREAM time to reach the server
+  // before the queued call's turn comes.
+  std::this_thread::sleep_for(300ms);
+  gate_.Open();
+  blocker.join();
+  EXPECT_FALSE(gate_.Saw(2));
+}
+
+TEST_F(ServerTest, EngineFailureAnswersInternalAndServingContinues) {
+  StartServer();
+  hstu::v1::RankResponse resp;
+  const grpc::Status s = Rank(MakeRequest(Gate::kFailUser, 5, 3, 1), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_TRUE(Rank(MakeRequest(5, 5, 3, 1), &resp).ok());
+}
+
+TEST_F(ServerTest, ConcurrentClientsWithRepeatedUsersLoseNothingAndReuseCorrectly) {
+  ServerOptions o;
+  o.scheduler.max_batch_size = 4;
+  StartServer(o);
+  auto reference = ReferenceEngine();
+  // Hot users 100..103 always send the same history: after their first request the whole
+  // history is reused. Each thread also owns a user whose history grows by 3 events per visit:
+  // exactly the previous history is reused.
+  constexpr int kThreads = 6, kIters = 25;
+  std::vector<hstu::v1::RankRequest> hot;
+  std::vector<std::vector<float>> hot_ref;
+  for (int u = 0; u < 4; ++u) {
+    hot.push_back(MakeRequest(100 + u, 30 + 5 * u, 8, 5));
+    const RankRequest e = FromProto(hot.back());
+    auto r = reference->Rank({&e, 1});
+    ASSERT_TRUE(r[0].ok());
+    hot_ref.push_back(r[0]->scores);
+  }
+  std::atomic<int> ok{0}, fully_computed_hot{0};
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      auto stub = hstu::v1::Ranker::NewStub(channel_);
+      const auto own = MakeRequest(1000 + t, 3 * kIters, 6, 7);
+      for (int i = 0; i < kIters; ++i) {
+        hstu::v1::RankResponse resp;
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + 20s);
+        const int events = 3 * (i + 1);
+        if (!stub->Rank(&ctx, Prefix(own, events), &resp).ok()) {
+          ++failures;
+          continue;
+        }
+        ++ok;
+        if (resp.reused_tokens() != static_cast<uint32_t>(2 * 3 * i) ||
+            resp.computed_tokens() != 6u) {
+          ++failures;
+        }
+        const int h = (t + i) % 4;
+        grpc::ClientContext ctx2;
+        ctx2.set_deadline(std::chrono::system_clock::now() + 20s);
+        hstu::v1::RankResponse hot_resp;
+        if (!stub->Rank(&ctx2, hot[h], &hot_resp).ok()) {
+          ++failures;
+          continue;
+        }
+        ++ok;
+        const uint32_t tokens = 2 * hot[h].history_item_ids_size();
+        if (hot_resp.reused_tokens() + hot_resp.computed_tokens() != tokens) ++failures;
+        if (hot_resp.computed_tokens() == tokens) ++fully_computed_hot;
+        for (int k = 0; k < hot_resp.scores_size(); ++k) {
+          // Batched with other users: allow float reassociation.
+          if (std::abs(hot_resp.scores(k) - hot_ref[h][k]) > 1e-5f) ++failures;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(ok.load(), 2 * kThreads * kIters);
+  // Each hot user is computed once; every later request of it reuses the whole history.
+  EXPECT_EQ(fully_computed_hot.load(), 4);
+  EXPECT_FALSE(gate_.duplicate_in_batch());
+  const auto m = Scrape();
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "OK"}}), 2 * kThreads * kIters);
+  EXPECT_EQ(m.Sum("hstu_request_duration_seconds_count", {{"code", "OK"}}), 2 * kThreads * kIters);
+  EXPECT_EQ(m.Sum("hstu_inflight_requests"), 0);
+}
+
+TEST_F(ServerTest, MetricsExposeEveryFamilyWithSaneValues) {
+  StartServer();
+  hstu::v1::RankResponse resp;
+  const auto req = MakeRequest(1, 20, 5, 1);
+  ASSERT_TRUE(Rank(req, &resp).ok());
+  ASSERT_TRUE(Rank(req, &resp).ok());
+  auto bad = req;
+  bad.clear_candidate_item_ids();
+  ASSERT_FALSE(Rank(bad, &resp).ok());
+  const auto m = Scrape();
+  const std::map<std::string, std::string> want = {
+      {"hstu_request_duration_seconds", "histogram"},
+      {"hstu_request_queue_seconds", "histogram"},
+      {"hstu_batch_compute_seconds", "histogram"},
+      {"hstu_kv_onload_wait_seconds", "histogram"},
+      {"hstu_batch_size", "histogram"},
+      {"hstu_batch_tokens", "histogram"},
+      {"hstu_requests_total", "counter"},
+      {"hstu_inflight_requests", "gauge"},
+      {"hstu_queue_depth", "gauge"},
+      {"hstu_kv_lookups_total", "counter"},
+      {"hstu_kv_tokens_total", "counter"},
+      {"hstu_kv_pages", "gauge"},
+      {"hstu_kv_transfer_bytes_total", "counter"},
+      {"hstu_kv_evictions_total", "counter"},
+      {"hstu_cuda_graph_replays_total", "counter"},
+      {"hstu_gpu_memory_bytes", "gauge"},
+      {"hstu_build_info", "gauge"},
+  };
+  for (const auto& [name, type] : want) {
+    ASSERT_TRUE(m.types.contains(name)) << name;
+    EXPECT_EQ(m.types.at(name), type) << name;
+    EXPECT_FALSE(m.helps.at(name).empty()) << name;
+    EXPECT_TRUE(m.Has(type == "histogram" ? name + "_count" : name)) << name << " has no sample";
+  }
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "OK"}}), 2);
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "INVALID_ARGUMENT"}}), 1);
+  EXPECT_EQ(m.Sum("hstu_request_queue_seconds_count"), 2);
+  EXPECT_GE(m.Sum("hstu_batch_size_count"), 2);
+  EXPECT_GT(m.Sum("hstu_batch_compute_seconds_sum"), 0);
+  // The second request reused the first's 40 history tokens (plus the warm-up's tokens).
+  EXPECT_GE(m.Sum("hstu_kv_tokens_total", {{"kind", "reused"}}), 40);
+  EXPECT_GE(m.Sum("hstu_kv_lookups_total", {{"result", "gpu_hit"}}), 1);
+  EXPECT_GT(m.Sum("hstu_kv_pages", {{"tier", "gpu"}, {"state", "free"}}), 0);
+  EXPECT_GT(m.Sum("hstu_kv_pages", {{"tier", "gpu"}, {"state", "used"}}), 0);
+  EXPECT_EQ(m.Sum("hstu_kv_pages", {{"tier", "gpu"}, {"state", "pinned"}}), 0);
+  EXPECT_EQ(m.Sum("hstu_cuda_graph_replays_total"), 0);
+  EXPECT_EQ(m.Sum("hstu_build_info", {{"device", "cpu"}, {"model", "hstu-tiny"}}), 1);
+  // Histograms: cumulative buckets never decrease and end at _count.
+  for (const std::string h : {"hstu_request_duration_seconds", "hstu_batch_compute_seconds"}) {
+    double prev = 0, last = -1;
+    for (const auto& s : m.samples) {
+      if (s.name != h + "_bucket" || (h == "hstu_request_duration_seconds" && s.labels.at("code") != "OK")) continue;
+      EXPECT_GE(s.value, prev) << h;
+      prev = s.value;
+      last = s.value;
+    }
+    const std::map<std::string, std::string> lbl =
+        h == "hstu_request_duration_seconds" ? std::map<std::string, std::string>{{"code", "OK"}}
+                                             : std::map<std::string, std::string>{};
+    EXPECT_EQ(last, m.Sum(h + "_count", lbl)) << h;
+  }
+  // No label carries a user or item id.
+  for (const auto& s : m.samples) {
+    for (const auto& [k, v] : s.labels) {
+      EXPECT_NE(k, "user_id");
+      EXPECT_NE(k, "user");
+    }
+  }
+}
+
+TEST_F(ServerTest, ShutdownDrainsInFlightRequests) {
+  StartServer();
+  gate_.Close();
+  std::atomic<int> ok{0};
+  std::vector<std::thread> threads;
+  for (int u = 0; u < 4; ++u) {
+    threads.emplace_back([&, u] {
+      hstu::v1::RankResponse r;
+      if (Rank(MakeRequest(u + 1, 10, 3, 1), &r).ok()) ++ok;
+    });
+  }
+  ASSERT_TRUE(gate_.WaitEntered(1));
+  for (int i = 0; i < 250 && server_->scheduler().QueueDepth() < 3; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  std::thread stopper([&] { server_->Shutdown(absl::Seconds(10)); });
+  std::this_thread::sleep_for(100ms);
+  gate_.Open();
+  stopper.join();
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), 4);
+}
+
+}  // namespace
+}  // namespace hstu::server
