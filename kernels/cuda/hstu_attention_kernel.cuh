@@ -20,10 +20,14 @@ template <int kD>
 struct AttnTraits {
   static constexpr int kM = kAttnBlockM;
   static constexpr int kN = kAttnBlockN;
+  static constexpr int kStages = 2;       // K/V of block j+1 load while block j computes
   static constexpr int kThreads = 128;
   static constexpr int kChunks = kD / 8;  // 16-byte chunks per row
+  static constexpr int kNT = kN / 8;      // n-tiles of S per warp
+  static constexpr int kK2 = kN / 16;     // k-steps of P·V
   static_assert(kChunks >= 8, "the swizzle needs at least 8 chunks per row");
-  static constexpr int kSmemBytes = (kM + 2 * kN) * kD * 2 + 2 * kN * 8;
+  static_assert(kM == 2 * kN, "the diagonal (self) block spans the two K/V stages");
+  static constexpr int kSmemBytes = (kM + 2 * kStages * kN) * kD * 2 + kStages * kN * 8;
 };
 
 // Element offset of 16-byte chunk `c` of row `r` in a swizzled [rows, kD] bf16 tile.
@@ -40,9 +44,9 @@ __global__ void __launch_bounds__(128, 2)
   constexpr int kM = Tr::kM, kN = Tr::kN, kChunks = Tr::kChunks;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16* s_q = reinterpret_cast<bf16*>(smem_raw);
-  bf16* s_k = s_q + kM * kD;
-  bf16* s_v = s_k + kN * kD;
-  int64_t* s_off = reinterpret_cast<int64_t*>(s_v + kN * kD);  // [2][kN] K offsets, -1 = none
+  bf16* s_k0 = s_q + kM * kD;                    // [kStages][kN, kD]
+  bf16* s_v0 = s_k0 + Tr::kStages * kN * kD;     // [kStages][kN, kD]
+  int64_t* s_off = reinterpret_cast<int64_t*>(s_v0 + Tr::kStages * kN * kD);  // [kStages][kN]
 
   const AttentionWorkItem it = items[blockIdx.x];
   const int h = blockIdx.y;
@@ -85,16 +89,16 @@ __global__ void __launch_bounds__(128, 2)
 
   const float alpha = p.alpha, inv_norm = p.inv_norm;
 
-  // S = Q·Kᵀ over the whole head dim, for this warp's 16 rows × 64 keys.
-  auto compute_s = [&](float (&s)[8][4]) {
+  // S = Q·Kᵀ over the whole head dim, for this warp's 16 rows × kN keys of stage s_k.
+  auto compute_s = [&](float (&s)[Tr::kNT][4], const bf16* s_k) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    for (int i = 0; i < Tr::kNT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       uint32_t a[4];
       LdMatrixX4(a, s_q + Swz<kD>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
 #pragma unroll
-      for (int n2 = 0; n2 < 4; ++n2) {
+      for (int n2 = 0; n2 < Tr::kNT / 2; ++n2) {
         uint32_t bk[4];
         LdMatrixX4(bk, s_k + Swz<kD>(n2 * 16 + (lane & 7) + ((lane >> 4) << 3),
                                      kk * 2 + ((lane >> 3) & 1)));
@@ -103,10 +107,10 @@ __global__ void __launch_bounds__(128, 2)
       }
     }
   };
-  // O += P·V with P as A fragments: pa[k2] covers keys 16*k2 .. 16*k2+15.
-  auto accumulate_pv = [&](const uint32_t (&pa)[4][4]) {
+  // O += P·V with P as A fragments: pa[k2] covers keys 16*k2 .. 16*k2+15 of stage s_v.
+  auto accumulate_pv = [&](const uint32_t (&pa)[Tr::kK2][4], const bf16* s_v) {
 #pragma unroll
-    for (int k2 = 0; k2 < 4; ++k2) {
+    for (int k2 = 0; k2 < Tr::kK2; ++k2) {
 #pragma unroll
       for (int d2 = 0; d2 < kD / 16; ++d2) {
         uint32_t bv[4];
@@ -118,10 +122,10 @@ __global__ void __launch_bounds__(128, 2)
     }
   };
   // P = SiLU(alpha S) / N where allowed(row i, key column j) holds, packed to bf16 A fragments.
-  auto make_p = [&](const float (&s)[8][4], uint32_t (&pa)[4][4], auto allowed) {
-    float pv[8][4];
+  auto make_p = [&](const float (&s)[Tr::kNT][4], uint32_t (&pa)[Tr::kK2][4], auto allowed) {
+    float pv[Tr::kNT][4];
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
+    for (int n = 0; n < Tr::kNT; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = n * 8 + 2 * t4 + (e & 1);
@@ -130,7 +134,7 @@ __global__ void __launch_bounds__(128, 2)
       }
     }
 #pragma unroll
-    for (int k2 = 0; k2 < 4; ++k2) {
+    for (int k2 = 0; k2 < Tr::kK2; ++k2) {
       pa[k2][0] = PackBf16x2(pv[2 * k2][0], pv[2 * k2][1]);
       pa[k2][1] = PackBf16x2(pv[2 * k2][2], pv[2 * k2][3]);
       pa[k2][2] = PackBf16x2(pv[2 * k2 + 1][0], pv[2 * k2 + 1][1]);
@@ -139,60 +143,84 @@ __global__ void __launch_bounds__(128, 2)
   };
 
   // ---- The candidates' own keys (diagonal), split 0 of a tile that has candidates ----
+  // The tile's 64 own K/V rows fill both stages (rows 0..31 in stage 0, 32..63 in stage 1).
   if (it.split == 0 && it.q_local + it.num_q > num_new) {
-    for (int idx = tid; idx < kN * kChunks; idx += Tr::kThreads) {
+    for (int idx = tid; idx < kM * kChunks; idx += Tr::kThreads) {
       const int r = idx / kChunks, c = idx % kChunks;
       const bool valid = r < it.num_q;
       const bf16* row =
           uvqk + static_cast<int64_t>(it.q_row + (valid ? r : 0)) * p.uvqk_row_stride + h * kD + c * 8;
-      CpAsync16(s_k + Swz<kD>(r, c), row + kK * hd, valid);
-      CpAsync16(s_v + Swz<kD>(r, c), row + kV * hd, valid);
+      CpAsync16(s_k0 + Swz<kD>(r, c), row + kK * hd, valid);  // r ≥ kN lands in stage 1
+      CpAsync16(s_v0 + Swz<kD>(r, c), row + kV * hd, valid);
     }
     CpAsyncCommit();
     CpAsyncWait<0>();
     __syncthreads();
-    float s[8][4];
-    compute_s(s);
-    uint32_t pa[4][4];
-    make_p(s, pa, [&](int i, int col) { return is_cand[i] && col == warp * 16 + g + 8 * i; });
-    accumulate_pv(pa);
-    __syncthreads();  // s_k / s_v are reused by the paged blocks
+#pragma unroll 1
+    for (int half = 0; half < 2; ++half) {
+      float s[Tr::kNT][4];
+      compute_s(s, s_k0 + half * kN * kD);
+      uint32_t pa[Tr::kK2][4];
+      make_p(s, pa, [&](int i, int col) {
+        return is_cand[i] && col + half * kN == warp * 16 + g + 8 * i;
+      });
+      accumulate_pv(pa, s_v0 + half * kN * kD);
+    }
+    __syncthreads();  // the stages are reused by the paged blocks
   }
 
   // ---- History keys from the pages ----
   const int kv_begin = it.kv_begin, kv_end = it.kv_end;
   const int num_blocks = (kv_end - kv_begin + kN - 1) / kN;
-  auto key_offset = [&](int t) -> int64_t {
-    return t < kv_end ? p.kv.TokenOffset(b, t, h) : int64_t{-1};
+  const int32_t* pages = p.kv.page_ids + p.kv.indptr[b];
+  const int page_size = p.kv.page_size;
+  const int64_t head_off = static_cast<int64_t>(h) * kD;
+  const int64_t slot_stride = hd;  // elements between slots of a page
+  // Offsets of the K rows of a block; the page id is loaded early and stored late (after the block's
+  // math) so that its latency hides behind the tensor-core work.
+  auto page_of = [&](int t) -> int32_t { return t < kv_end ? __ldg(pages + t / page_size) : -1; };
+  auto offset_of = [&](int t, int32_t page) -> int64_t {
+    return page < 0 ? int64_t{-1}
+                    : page * p.kv.page_stride + (t % page_size) * slot_stride + head_off;
   };
-  auto load_kv = [&](bf16* s_dst, const int64_t* offs, int64_t extra) {
+  auto load_kv = [&](int stage) {
+    const int64_t* offs = s_off + stage * kN;
+    bf16* s_k = s_k0 + stage * kN * kD;
+    bf16* s_v = s_v0 + stage * kN * kD;
+#pragma unroll 2
     for (int idx = tid; idx < kN * kChunks; idx += Tr::kThreads) {
       const int r = idx / kChunks, c = idx % kChunks;
       const int64_t off = offs[r];
-      CpAsync16(s_dst + Swz<kD>(r, c), p.kv.base + (off >= 0 ? off + extra + c * 8 : 0), off >= 0);
+      const bf16* src = p.kv.base + (off >= 0 ? off + c * 8 : 0);
+      CpAsync16(s_k + Swz<kD>(r, c), src, off >= 0);
+      CpAsync16(s_v + Swz<kD>(r, c), src + (off >= 0 ? p.kv.kv_stride : 0), off >= 0);
     }
+    CpAsyncCommit();
   };
   if (num_blocks > 0) {
-    if (tid < kN) s_off[tid] = key_offset(kv_begin + tid);
+    if (tid < kN) s_off[tid] = offset_of(kv_begin + tid, page_of(kv_begin + tid));
+    if (num_blocks > 1 && tid < kN) {
+      s_off[kN + tid] = offset_of(kv_begin + kN + tid, page_of(kv_begin + kN + tid));
+    }
     __syncthreads();
-    load_kv(s_k, s_off, 0);
-    CpAsyncCommit();
+    load_kv(0);
   }
   for (int j = 0; j < num_blocks; ++j) {
     const int kstart = kv_begin + j * kN;
-    const int64_t* offs = s_off + (j & 1) * kN;
+    const int stage = j & 1;
     CpAsyncWait<0>();
-    __syncthreads();  // K(j) (and Q) landed; every warp is done with V(j-1)
-    if (j + 1 < num_blocks && tid < kN) s_off[((j + 1) & 1) * kN + tid] = key_offset(kstart + kN + tid);
-    load_kv(s_v, offs, p.kv.kv_stride);
-    CpAsyncCommit();
+    __syncthreads();  // KV(j) (and Q) landed; every warp is done with the other stage and s_off
+    if (j + 1 < num_blocks) load_kv(stage ^ 1);
+    // Page of this thread's key row of block j + 2 (its slot in s_off is free after the barrier).
+    const int t2 = kstart + 2 * kN + tid;
+    const int32_t page2 = (j + 2 < num_blocks && tid < kN) ? page_of(t2) : -1;
 
-    float s[8][4];
-    compute_s(s);
+    float s[Tr::kNT][4];
+    compute_s(s, s_k0 + stage * kN * kD);
     const int klast = kstart + kN - 1;
     const bool full = klast < kv_end && klast <= hi[0] && klast <= hi[1] && kstart >= lo[0] &&
                       kstart >= lo[1];
-    uint32_t pa[4][4];
+    uint32_t pa[Tr::kK2][4];
     if (__all_sync(0xffffffffu, full)) {
       make_p(s, pa, [](int, int) { return true; });
     } else {
@@ -201,14 +229,8 @@ __global__ void __launch_bounds__(128, 2)
         return key < kv_end && key <= hi[i] && key >= lo[i];
       });
     }
-
-    CpAsyncWait<0>();
-    __syncthreads();  // V(j) landed; every warp is done with K(j)
-    if (j + 1 < num_blocks) {
-      load_kv(s_k, s_off + ((j + 1) & 1) * kN, 0);
-      CpAsyncCommit();
-    }
-    accumulate_pv(pa);
+    accumulate_pv(pa, s_v0 + stage * kN * kD);
+    if (j + 2 < num_blocks && tid < kN) s_off[stage * kN + tid] = offset_of(t2, page2);
   }
 
   bf16* out = p.out + h * kD;

@@ -43,7 +43,7 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   }
 
   // Chunk length (in key blocks) that minimises the estimated makespan: waves of CTAs times the
-  // blocks each runs, plus one block's worth of fixed cost per CTA (Q load, epilogue, reduction).
+  // blocks each runs, plus two blocks' worth of fixed cost per CTA (Q load, epilogue, reduction).
   int32_t max_blocks = 1;
   for (const Tile& t : tiles) max_blocks = std::max(max_blocks, CeilDiv(t.kv_end - t.kv_begin, kAttnBlockN));
   const int64_t slots = std::max(1, concurrent_ctas);
@@ -60,7 +60,7 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
     if (too_many) continue;
     ctas *= num_heads;
     const double waves = static_cast<double>((ctas + slots - 1) / slots);
-    const double cost = waves * (chunk + 1.0);
+    const double cost = waves * (chunk + 2.0);
     if (cost < best_cost - 1e-9) {
       best_cost = cost;
       best_chunk = chunk;
