@@ -25,6 +25,7 @@ struct AttnTraits {
   static constexpr int kChunks = kD / 8;  // 16-byte chunks per row
   static constexpr int kNT = kN / 8;      // n-tiles of S per warp
   static constexpr int kK2 = kN / 16;     // k-steps of P·V
+  static constexpr int kSSets = kD >= 256 ? 2 : 4;  // independent accumulator sets of S (registers)
   static_assert(kChunks >= 8, "the swizzle needs at least 8 chunks per row");
   static_assert(kM == 2 * kN, "the diagonal (self) block spans the two K/V stages");
   static constexpr int kSmemBytes = (kM + 2 * kStages * kN) * kD * 2 + kStages * kN * 8;
@@ -89,10 +90,16 @@ __global__ void __launch_bounds__(128, 2)
 
   const float alpha = p.alpha, inv_norm = p.inv_norm;
 
-  // S = Q·Kᵀ over the whole head dim, for this warp's 16 rows × kN keys of stage s_k.
+  // S = Q·Kᵀ over the whole head dim, for this warp's 16 rows × kN keys of stage s_k. The head dim
+  // is split over kSets independent accumulator sets (summed at the end): with one set every mma
+  // waits for the previous one on the same tile, and S is latency-bound.
   auto compute_s = [&](float (&s)[Tr::kNT][4], const bf16* s_k) {
+    constexpr int kSets = Tr::kSSets;
+    float acc[kSets][Tr::kNT][4];
 #pragma unroll
-    for (int i = 0; i < Tr::kNT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    for (int q = 0; q < kSets; ++q)
+#pragma unroll
+      for (int i = 0; i < Tr::kNT; ++i) acc[q][i][0] = acc[q][i][1] = acc[q][i][2] = acc[q][i][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       uint32_t a[4];
@@ -102,8 +109,18 @@ __global__ void __launch_bounds__(128, 2)
         uint32_t bk[4];
         LdMatrixX4(bk, s_k + Swz<kD>(n2 * 16 + (lane & 7) + ((lane >> 4) << 3),
                                      kk * 2 + ((lane >> 3) & 1)));
-        MmaBf16(s[2 * n2], a, bk[0], bk[1]);
-        MmaBf16(s[2 * n2 + 1], a, bk[2], bk[3]);
+        MmaBf16(acc[kk % kSets][2 * n2], a, bk[0], bk[1]);
+        MmaBf16(acc[kk % kSets][2 * n2 + 1], a, bk[2], bk[3]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < Tr::kNT; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = acc[0][i][e];
+#pragma unroll
+        for (int q = 1; q < kSets; ++q) v += acc[q][i][e];
+        s[i][e] = v;
       }
     }
   };
@@ -282,17 +299,36 @@ __global__ void __launch_bounds__(128, 2)
   __threadfence();
   const float* first = partials + (static_cast<int64_t>(it.partial_base) * num_heads + h) * kM * kD;
   const int64_t split_stride = static_cast<int64_t>(num_heads) * kM * kD;
-  for (int idx = tid; idx < it.num_q * (kD / 4); idx += Tr::kThreads) {
-    const int r = idx / (kD / 4), c = (idx % (kD / 4)) * 4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < it.num_splits; ++s) {
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(first + s * split_stride + r * kD + c));
-      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+  // Every thread owns kIters float4 of the tile and issues all of a split's loads before adding,
+  // so the reduction costs about one L2 round trip per split (a loop of dependent loads would cost
+  // one per element and split).
+  constexpr int kIters = kM * kD / 4 / Tr::kThreads;
+  float4 acc[kIters];
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s = 0; s < it.num_splits; ++s) {
+    const float4* src = reinterpret_cast<const float4*>(first + s * split_stride);
+    float4 v[kIters];
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int idx = tid + i * Tr::kThreads;
+      v[i] = idx / (kD / 4) < it.num_q ? __ldcg(src + idx) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    uint2 packed;
-    packed.x = PackBf16x2(acc.x, acc.y);
-    packed.y = PackBf16x2(acc.z, acc.w);
-    *reinterpret_cast<uint2*>(out + static_cast<int64_t>(it.q_row + r) * hd + c) = packed;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      acc[i].x += v[i].x; acc[i].y += v[i].y; acc[i].z += v[i].z; acc[i].w += v[i].w;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int idx = tid + i * Tr::kThreads;
+    const int r = idx / (kD / 4), c = (idx % (kD / 4)) * 4;
+    if (r < it.num_q) {
+      uint2 packed;
+      packed.x = PackBf16x2(acc[i].x, acc[i].y);
+      packed.y = PackBf16x2(acc[i].z, acc[i].w);
+      *reinterpret_cast<uint2*>(out + static_cast<int64_t>(it.q_row + r) * hd + c) = packed;
+    }
   }
   if (tid == 0) counters[it.tile * num_heads + h] = 0;
 }

@@ -16,6 +16,11 @@ constexpr double kReferenceScoreAbs = 1e-4;
 // bf16 GPU vs fp32 CPU (DESIGN §2.4).
 constexpr double kBf16RelL2 = 1e-2;
 constexpr double kBf16ScoreAbs = 2e-3;
+// Backend parity on small random models WITHOUT position encoding: there the final hidden rows are
+// made of layer outputs only, every bf16 activation rounding shows (measured hidden rel L2 2.4e-3 to
+// 3.7e-3), and the random MLP head turns that into score differences of 2.2e-3 to 2.7e-3 (H200,
+// 2026-11-21). kBf16ScoreAbs (2e-3) is kept for the engine-level check of DESIGN §2.4.
+constexpr double kBf16ScoreAbsNoPositionEncoding = 4e-3;
 // One rounding of an fp32 result to bf16 (8 significant bits: ≤ 2^-9 relative per element).
 constexpr double kBf16RoundRelL2 = 4e-3;
 
