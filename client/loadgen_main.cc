@@ -322,11 +322,14 @@ class Driver {
   std::atomic<uint64_t> next_id_{0};
 };
 
-absl::Status WaitReady(const std::shared_ptr<grpc::Channel>& channel, double wait_s) {
-  auto health = grpc::health::v1::Health::NewStub(channel);
+absl::Status WaitReady(const std::string& target, double wait_s) {
   const Clock::time_point start = Clock::now();
   std::string last = "no answer";
   while (true) {
+    // A fresh channel per try: one whose first connect was refused waits out gRPC's reconnect
+    // backoff (seconds) before it tries again.
+    auto health = grpc::health::v1::Health::NewStub(
+        grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
     grpc::health::v1::HealthCheckRequest req;
@@ -356,15 +359,11 @@ int Main() {
     grpc::ChannelArguments args;
     // Each channel gets its own subchannel (TCP connection) instead of sharing the global pool.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    // --wait_ready_s polls a server that may not listen yet: retry fast, not after gRPC's 1 s+.
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
     args.SetMaxReceiveMessageSize(64 << 20);
     channels.push_back(grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
   }
   if (const double wait_s = absl::GetFlag(FLAGS_wait_ready_s); wait_s > 0) {
-    if (absl::Status s = WaitReady(channels[0], wait_s); !s.ok()) {
+    if (absl::Status s = WaitReady(target, wait_s); !s.ok()) {
       std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());
       return 1;
     }

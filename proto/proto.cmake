@@ -19,7 +19,8 @@ find_program(HSTU_GRPC_CPP_PLUGIN grpc_cpp_plugin REQUIRED)
 set(_hstu_proto_out ${CMAKE_BINARY_DIR}/proto_gen)
 file(MAKE_DIRECTORY ${_hstu_proto_out})
 set(_hstu_proto_srcs)
-foreach(_p hstu/v1/ranking grpc/health/v1/health)
+set(_hstu_reflection_srcs)
+foreach(_p hstu/v1/ranking grpc/health/v1/health grpc/reflection/v1alpha/reflection_client)
   set(_in ${CMAKE_CURRENT_SOURCE_DIR}/${_p}.proto)
   set(_outs ${_hstu_proto_out}/${_p}.pb.cc ${_hstu_proto_out}/${_p}.pb.h
             ${_hstu_proto_out}/${_p}.grpc.pb.cc ${_hstu_proto_out}/${_p}.grpc.pb.h)
@@ -30,7 +31,11 @@ foreach(_p hstu/v1/ranking grpc/health/v1/health)
     DEPENDS ${_in}
     COMMENT "protoc ${_p}.proto"
     VERBATIM)
-  list(APPEND _hstu_proto_srcs ${_outs})
+  if(_p MATCHES "reflection")
+    list(APPEND _hstu_reflection_srcs ${_outs})
+  else()
+    list(APPEND _hstu_proto_srcs ${_outs})
+  endif()
 endforeach()
 
 add_library(hstu_proto STATIC ${_hstu_proto_srcs})
@@ -42,3 +47,8 @@ target_link_libraries(hstu_proto PUBLIC protobuf::libprotobuf ${HSTU_GRPCXX_LIBS
 # Imported targets are scoped to this directory; the server links reflection through this one.
 add_library(hstu_grpc_reflection INTERFACE)
 target_link_libraries(hstu_grpc_reflection INTERFACE ${HSTU_GRPCXX_REFLECTION_LIBS})
+
+# Reflection client stubs for tests only (never linked together with hstu_grpc_reflection).
+add_library(hstu_reflection_client_proto STATIC ${_hstu_reflection_srcs})
+target_compile_options(hstu_reflection_client_proto PRIVATE -w)
+target_link_libraries(hstu_reflection_client_proto PUBLIC hstu_proto)

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpc/reflection/v1alpha/reflection_client.grpc.pb.h"
 #include "hstu/v1/ranking.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/test_util.h"
@@ -45,22 +46,21 @@ class ServerProcess {
                                      "--device=cpu", "--model=random:tiny"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     proc_ = std::make_unique<Subprocess>(argv, dir_ + "/server.log");
-    grpc::ChannelArguments args;
-    // The server may not listen yet on the first try; retry fast instead of gRPC's 1 s backoff.
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 200);
-    channel_ = grpc::CreateCustomChannel(target(), grpc::InsecureChannelCredentials(), args);
+    channel_ = grpc::CreateChannel(target(), grpc::InsecureChannelCredentials());
   }
   bool WaitServing(std::chrono::seconds timeout = 20s) {
-    auto health = grpc::health::v1::Health::NewStub(channel_);
     const auto end = std::chrono::steady_clock::now() + timeout;
     while (std::chrono::steady_clock::now() < end) {
+      // A fresh channel per try: a channel whose first connect was refused waits out gRPC's
+      // reconnect backoff (seconds) before trying again.
+      auto health = grpc::health::v1::Health::NewStub(
+          grpc::CreateChannel(target(), grpc::InsecureChannelCredentials()));
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + 1s);
       grpc::health::v1::HealthCheckResponse resp;
       if (health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok() &&
           resp.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+        channel_ = grpc::CreateChannel(target(), grpc::InsecureChannelCredentials());
         return true;
       }
       if (proc_->Wait(0ms) >= 0) return false;
@@ -107,6 +107,28 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
                            "connections", "json", "csv", "new_user_rate", "wait_ready_s"}) {
     EXPECT_NE(out2.find(absl::StrCat("--", flag, " (")), std::string::npos) << flag;
   }
+}
+
+TEST(ProcessTest, ReflectionListsTheRankerAndHealthServices) {
+  ServerProcess server;
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  auto stub = grpc::reflection::v1alpha::ServerReflection::NewStub(server.channel());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 5s);
+  auto stream = stub->ServerReflectionInfo(&ctx);
+  grpc::reflection::v1alpha::ServerReflectionRequest req;
+  req.set_list_services("*");
+  ASSERT_TRUE(stream->Write(req));
+  stream->WritesDone();
+  grpc::reflection::v1alpha::ServerReflectionResponse resp;
+  ASSERT_TRUE(stream->Read(&resp));
+  std::set<std::string> services;
+  for (const auto& s : resp.list_services_response().service()) services.insert(s.name());
+  EXPECT_TRUE(services.contains("hstu.v1.Ranker"));
+  EXPECT_TRUE(services.contains("grpc.health.v1.Health"));
+  while (stream->Read(&resp)) {
+  }
+  EXPECT_TRUE(stream->Finish().ok());
 }
 
 TEST(ProcessTest, SigtermUnderLoadDrainsAndExitsZero) {
