@@ -32,6 +32,9 @@ ABSL_FLAG(int64_t, max_message_bytes, 16 << 20,
 ABSL_FLAG(int32_t, page_size, 32, "KV cache page size in tokens (a power of two).");
 ABSL_FLAG(int64_t, cache_pages, 0,
           "KV cache pool size in pages; 0 = room for 64 users of the model's maximum history.");
+ABSL_FLAG(int64_t, host_cache_pages, 0,
+          "Host (pinned memory) KV tier in pages; 0 disables the tier (evicted users are "
+          "recomputed).");
 ABSL_FLAG(bool, enable_cache, true,
           "Keep users' KV between requests (--noenable_cache or --no_cache recomputes every "
           "history).");
@@ -59,6 +62,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
 #endif
   o.engine.page_size = absl::GetFlag(FLAGS_page_size);
   o.engine.cache_pages = absl::GetFlag(FLAGS_cache_pages);
+  o.engine.host_cache_pages = absl::GetFlag(FLAGS_host_cache_pages);
   o.engine.enable_cache = absl::GetFlag(FLAGS_enable_cache) && !absl::GetFlag(FLAGS_no_cache);
   o.engine.limits.max_candidates = absl::GetFlag(FLAGS_max_candidates);
   o.scheduler.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
@@ -81,6 +85,9 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   const int32_t ps = o.engine.page_size;
   if (ps < 1 || (ps & (ps - 1)) != 0) return bad("page_size", ps, "must be a power of two");
   if (o.engine.cache_pages < 0) return bad("cache_pages", o.engine.cache_pages, "must be >= 0");
+  if (o.engine.host_cache_pages < 0) {
+    return bad("host_cache_pages", o.engine.host_cache_pages, "must be >= 0");
+  }
   return o;
 }
 

@@ -100,13 +100,14 @@ ServerMetrics::ServerMetrics(const std::string& version)
   for (int r = 0; r < static_cast<int>(LookupResult::kNumResults); ++r) {
     kv_lookups_.WithLabels({LookupResultName(static_cast<LookupResult>(r))});
   }
-  kv_lookups_.WithLabels({"host_hit"});
+  kv_lookups_.WithLabels({"host_hit"});  // named here too, in case the enum lacks it
   kv_tokens_.WithLabels({"reused"});
   kv_tokens_.WithLabels({"computed"});
   for (const char* tier : {"gpu", "host"}) {
-    for (const char* state : {"used", "free", "pinned"}) kv_pages_.WithLabels({tier, state});
+    for (const char* state : {"used", "free"}) kv_pages_.WithLabels({tier, state});
     kv_evictions_.WithLabels({tier});
   }
+  kv_pages_.WithLabels({"gpu", "pinned"});  // pinning applies to GPU pages only
   kv_transfer_bytes_.WithLabels({"offload"});
   kv_transfer_bytes_.WithLabels({"onload"});
   kv_dropped_.WithLabels({});
@@ -165,7 +166,13 @@ void ServerMetrics::Collect() {
   kv_pages_.WithLabels({"gpu", "used"}).Set(static_cast<double>(c.pages_total - c.pages_free));
   kv_pages_.WithLabels({"gpu", "free"}).Set(static_cast<double>(c.pages_free));
   kv_pages_.WithLabels({"gpu", "pinned"}).Set(static_cast<double>(c.pages_pinned));
+  kv_pages_.WithLabels({"host", "used"})
+      .Set(static_cast<double>(c.host_pages_total - c.host_pages_free));
+  kv_pages_.WithLabels({"host", "free"}).Set(static_cast<double>(c.host_pages_free));
   kv_evictions_.WithLabels({"gpu"}).Set(static_cast<double>(c.evictions));
+  kv_evictions_.WithLabels({"host"}).Set(static_cast<double>(c.host_evictions));
+  kv_transfer_bytes_.WithLabels({"offload"}).Set(static_cast<double>(s.kv_offload_bytes));
+  kv_transfer_bytes_.WithLabels({"onload"}).Set(static_cast<double>(s.kv_onload_bytes));
   kv_dropped_.WithLabels({}).Set(static_cast<double>(c.dropped_entries));
   // On the CPU backend the "gpu" tier is the engine's primary KV pool in host memory, and the
   // device memory is 0: the labels keep their meaning when the CUDA backend lands.

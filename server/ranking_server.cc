@@ -83,7 +83,12 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
   if (s->engine_->device_name().rfind("cpu", 0) == 0) {
     spdlog::warn("engine: running on the CPU reference backend (fp32), not on a GPU");
   }
-  spdlog::warn("engine: host KV tier not available yet; evicted users are recomputed");
+  if (options.engine.host_cache_pages == 0) {
+    spdlog::warn("engine: host KV tier disabled (--host_cache_pages=0); evicted users are "
+                 "recomputed");
+  } else {
+    spdlog::info("engine: host KV tier of {} pages", options.engine.host_cache_pages);
+  }
 
   if (options.warmup) {
     const auto warm = s->engine_->Rank(std::vector<RankRequest>{WarmupRequest()});
