@@ -11,6 +11,7 @@
 #include "client/cli_util.h"
 #include "engine/engine.h"
 #include "nlohmann/json.hpp"
+#include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, model, "random:tiny", "model file, or random:PRESET (tiny | base)");
@@ -72,7 +73,8 @@ int main(int argc, char** argv) {
   auto args = hstu::NormalizeFlagDashes(argc, argv);
   auto argv2 = hstu::ArgvOf(args);
   absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data());
-  spdlog::set_default_logger(spdlog::default_logger());
+  // Logs go to stderr: stdout carries only the JSON lines.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("hstu_rank"));
   spdlog::set_level(spdlog::level::warn);
 
   const std::string input = absl::GetFlag(FLAGS_input);

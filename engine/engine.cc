@@ -73,15 +73,27 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   if (options.cache_pages < 0) {
     return absl::InvalidArgumentError(absl::StrCat("cache_pages must be >= 0, got ", options.cache_pages));
   }
-  int64_t num_pages = options.cache_pages;
   const int64_t pages_per_user = (c.max_history_tokens + options.page_size - 1) / options.page_size;
-  if (num_pages == 0) {
-    const bool cpu = options.device == "cpu";
-    const int64_t page_bytes = 2LL * options.page_size * c.hd() * (cpu ? 4 : 2) * c.num_layers;
-    num_pages = std::max(pages_per_user * 2,
-                         (cpu ? kDefaultCpuPoolBytes : kDefaultGpuPoolBytes) / page_bytes);
+  // The default pool size depends on where it lives (fp32 on the CPU, bf16 on a GPU), so "auto"
+  // is resolved first: a GPU when one can be used, else the CPU.
+  int64_t num_pages = 0;
+  auto make_backend = [&](const std::string& device) {
+    num_pages = options.cache_pages;
+    if (num_pages == 0) {
+      const bool cpu = device == "cpu";
+      const int64_t page_bytes = 2LL * options.page_size * c.hd() * (cpu ? 4 : 2) * c.num_layers;
+      num_pages = std::max(pages_per_user * 2,
+                           (cpu ? kDefaultCpuPoolBytes : kDefaultGpuPoolBytes) / page_bytes);
+    }
+    return CreateBackend(device, weights, options.page_size, num_pages);
+  };
+  absl::StatusOr<std::unique_ptr<Backend>> backend =
+      make_backend(options.device == "auto" ? "cuda:0" : options.device);
+  if (!backend.ok() && options.device == "auto") {
+    spdlog::warn("no usable GPU ({}); running on the CPU reference backend",
+                 std::string(backend.status().message()));
+    backend = make_backend("cpu");
   }
-  auto backend = CreateBackend(options.device, weights, options.page_size, num_pages);
   if (!backend.ok()) return backend.status();
   if (num_pages < pages_per_user) {
     spdlog::warn("KV pool of {} pages cannot hold one user of max history ({} pages)", num_pages,
