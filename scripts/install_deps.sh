@@ -10,7 +10,6 @@ PKGS=(
   libgtest-dev libgmock-dev
   libopenblas-dev
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libcivetweb-dev
   prometheus
 )
 

@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  // Block the stop signals in every thread (gRPC's and civetweb's inherit this mask), then wait
+  // Block the stop signals in every thread (gRPC's and the metrics exposer's inherit this mask), then wait
   // for them synchronously on the main thread: no async-signal-safety concerns.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);

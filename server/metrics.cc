@@ -1,6 +1,5 @@
 #include "server/metrics.h"
 
-#include <civetweb.h>
 
 #include <cstring>
 #include <mutex>
@@ -188,50 +187,14 @@ void ServerMetrics::Collect() {
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const std::string& listen, const ServerMetrics* metrics) {
-  static std::once_flag init_once;
-  std::call_once(init_once, [] { mg_init_library(0); });
+  auto exposer = HttpExposer::Start(listen, [metrics] { return metrics->Serialize(); });
+  if (!exposer.ok()) return exposer.status();
   std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
-  server->metrics_ = metrics;
-  // civetweb wants "HOST:PORT" for IPv4 binds; a leading "0.0.0.0:" means every interface.
-  const char* options[] = {"listening_ports", listen.c_str(), "num_threads", "2",
-                           "request_timeout_ms", "10000", nullptr};
-  mg_callbacks callbacks;
-  std::memset(&callbacks, 0, sizeof(callbacks));
-  mg_init_data init;
-  init.callbacks = &callbacks;
-  init.user_data = server.get();
-  init.configuration_options = options;
-  char error_text[256] = {0};
-  unsigned error_code = 0;
-  mg_error_data error;
-  error.code = &error_code;
-  error.text = error_text;
-  error.text_buffer_size = sizeof(error_text);
-  server->ctx_ = mg_start2(&init, &error);
-  if (server->ctx_ == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on ", listen, ": ", error_text));
-  }
-  mg_set_request_handler(server->ctx_, "/metrics", &MetricsHttpServer::HandleMetrics, server.get());
-  mg_server_port ports[4];
-  const int n = mg_get_server_ports(server->ctx_, 4, ports);
-  if (n > 0) server->port_ = ports[0].port;
+  server->port_ = (*exposer)->port();
+  server->exposer_ = *std::move(exposer);
   return server;
 }
 
-MetricsHttpServer::~MetricsHttpServer() {
-  if (ctx_ != nullptr) mg_stop(ctx_);
-}
-
-int MetricsHttpServer::HandleMetrics(mg_connection* conn, void* self) {
-  const auto* server = static_cast<const MetricsHttpServer*>(self);
-  const std::string body = server->metrics_->Serialize();
-  mg_printf(conn,
-            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-            "Content-Length: %zu\r\nConnection: close\r\n\r\n",
-            body.size());
-  mg_write(conn, body.data(), body.size());
-  return 200;
-}
+MetricsHttpServer::~MetricsHttpServer() = default;
 
 }  // namespace hstu::server

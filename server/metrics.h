@@ -12,10 +12,8 @@
 
 #include "absl/status/statusor.h"
 #include "engine/engine.h"
+#include "server/http_exposer.h"
 #include "server/prom_registry.h"
-
-struct mg_context;
-struct mg_connection;
 
 namespace hstu::server {
 
@@ -75,7 +73,7 @@ class ServerMetrics {
   std::function<int64_t()> queue_depth_source_;
 };
 
-// Serves `GET /metrics` (and `/` with a pointer to it) with civetweb on its own port.
+// Serves `GET /metrics` (and `/` with a pointer to it) on its own port (server/http_exposer.h).
 class MetricsHttpServer {
  public:
   // `listen` is HOST:PORT; port 0 picks a free one (see port()).
@@ -88,10 +86,8 @@ class MetricsHttpServer {
 
  private:
   MetricsHttpServer() = default;
-  static int HandleMetrics(mg_connection* conn, void* self);
 
-  const ServerMetrics* metrics_ = nullptr;
-  mg_context* ctx_ = nullptr;
+  std::unique_ptr<HttpExposer> exposer_;
   int port_ = 0;
 };
 

@@ -1,0 +1,44 @@
+// A minimal HTTP/1.1 endpoint for Prometheus scrapes: `GET /metrics` (and `/`), one connection at a
+// time on its own thread, `Connection: close`.
+//
+// Why not a library: prometheus-cpp is not packaged in Debian 12, and civetweb (Debian's embeddable
+// server) starts its worker threads with a fixed ~100 KB stack, which is smaller than the static TLS
+// of the CUDA libraries (cuBLASLt alone has ~94 KB), so it cannot start at all in a CUDA build.
+// Scrapes are rare and small; a blocking accept loop is all this needs.
+//
+// Thread-safety: Start/destructor from one thread; `body` is called on the exposer's thread.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+
+namespace hstu::server {
+
+class HttpExposer {
+ public:
+  // `listen` is HOST:PORT (IPv4 or [IPv6]); port 0 picks a free one (see port()).
+  static absl::StatusOr<std::unique_ptr<HttpExposer>> Start(const std::string& listen,
+                                                            std::function<std::string()> body);
+  ~HttpExposer();
+  HttpExposer(const HttpExposer&) = delete;
+  HttpExposer& operator=(const HttpExposer&) = delete;
+  int port() const { return port_; }
+
+ private:
+  HttpExposer() = default;
+  void Loop();
+  void Serve(int fd);
+
+  std::function<std::string()> body_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace hstu::server
