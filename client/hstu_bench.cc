@@ -20,6 +20,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/bench_attention_layer.h"
 #include "engine/cuda_backend.h"
 #include "engine/model_file.h"
 #include "kernels/cuda/device_buffer.h"
@@ -409,6 +410,10 @@ int main(int argc, char** argv) {
     j["results"] = BenchKernels(reps, page_size, batches);
   } else if (mode == "block") {
     j["results"] = BenchBlock(reps, page_size, batches);
+  } else if (mode == "attention_sweep") {
+    j["results"] = hstu::bench::BenchAttentionSweep(reps);
+  } else if (mode == "layer") {
+    j["results"] = hstu::bench::BenchLayer(reps);
   } else {
     std::fprintf(stderr, "unknown mode '%s' (attention | kernels | block)\n", mode.c_str());
     return 2;

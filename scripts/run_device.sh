@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from pack/hstu_pack.tar.gz (scripts/pack_device.sh): GPU tests, then the
 # benchmarks; logs and JSON go to $OUT. Usage (device tool, carry ["pack"]):
-#   bash scripts/run_device.sh [tests|bench|all]
+#   bash scripts/run_device.sh [tests|bench|all] [bench modes, default "attention kernels block"]
 set -uo pipefail
 WHAT="${1:-all}"
 OUT="${OUT:-/tmp/hstu_out}"
@@ -35,7 +35,7 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   echo "gpu tests exit code: $rc"
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
-  for mode in attention kernels block; do
+  for mode in ${2:-attention kernels block}; do
     "$H/bin/hstu_bench" "$mode" --json "$OUT/bench_$mode.json" 2>&1 | tee -a "$OUT/bench.log"
   done
 fi

@@ -23,8 +23,8 @@
 
 namespace hstu::cuda {
 
-inline constexpr int kAttnBlockM = 64;  // query rows per tile (4 warps × 16)
-inline constexpr int kAttnBlockN = 32;  // keys per pipeline stage (2 stages)
+inline constexpr int kAttnBlockM = 128;  // query rows per tile (2 warpgroups × 64)
+inline constexpr int kAttnBlockN = 64;   // keys per pipeline stage (2 stages)
 
 struct AttentionWorkItem {
   int32_t user = 0;

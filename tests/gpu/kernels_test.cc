@@ -340,6 +340,8 @@ TEST(CudaKernels, PagedAttentionAndAppendMatchCpu) {
       {17, 64, 2, 128, 0, 120, 40, 17, 264}, // 17 users with edge cases
       {17, 16, 2, 64, 5, 90, 30, 5, 264},    // tiny window
       {2, 7, 2, 128, 0, 100, 20, 10, 264},   // odd page size
+      {2, 64, 4, 256, 0, 1000, 128, 256, 132},  // decode-step shape (base heads), split
+      {3, 17, 1, 256, 0, 0, 200, 129, 1},    // no cache, no split; 2nd warpgroup partly empty
   };
   for (const Shape& s : shapes) {
     PagedCase c = MakeCase(rng, s.B, s.page_size, s.H, s.D, s.W, s.cached, s.nnew, s.cand);

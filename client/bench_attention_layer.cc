@@ -1,0 +1,396 @@
+// hstu_bench attention_sweep | layer (DESIGN §11, items 3 and 4): the fused paged HSTU attention
+// against a materialised baseline (cuBLAS S = Q·Kᵀ into [T, T] per user and head, one element-wise
+// SiLU + causal-mask pass, cuBLAS P·V), alone over sequence lengths and inside one whole layer.
+// Timing: CUDA events, 3 warm-ups, median of the reps; inputs uniform(-1, 1). Peak memory is the
+// device memory each variant holds while it runs (its buffers, measured by cudaMemGetInfo around
+// their allocation, plus the inputs they share). A baseline that cannot allocate is reported as OOM.
+#include "client/bench_attention_layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/hstu_attention.h"
+#include "kernels/cuda/hstu_attention_materialized.h"
+#include "kernels/cuda/ops.h"
+
+namespace hstu::bench {
+namespace {
+
+using cuda::bf16;
+using json = nlohmann::json;
+
+#define BENCH_CHECK_CUDA(expr)                                                            \
+  do {                                                                                    \
+    const cudaError_t e_ = (expr);                                                        \
+    if (e_ != cudaSuccess) {                                                              \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+float Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.f : v[v.size() / 2];
+}
+
+void FillRandom(bf16* dst, size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  const size_t kSlice = size_t{1} << 22;
+  std::vector<bf16> tmp(std::min(n, kSlice));
+  for (size_t off = 0; off < n; off += kSlice) {
+    const size_t m = std::min(kSlice, n - off);
+    for (size_t i = 0; i < m; ++i) tmp[i] = __float2bfloat16_rn(u(rng));
+    BENCH_CHECK_CUDA(cudaMemcpy(dst + off, tmp.data(), m * sizeof(bf16), cudaMemcpyHostToDevice));
+  }
+}
+
+template <typename Fn>
+float TimeMs(cudaStream_t s, int reps, Fn fn) {
+  cuda::Event start, stop;
+  BENCH_CHECK_CUDA(start.Create());
+  BENCH_CHECK_CUDA(stop.Create());
+  for (int i = 0; i < 3; ++i) fn();
+  BENCH_CHECK_CUDA(cudaStreamSynchronize(s));
+  std::vector<float> ms;
+  for (int r = 0; r < reps; ++r) {
+    BENCH_CHECK_CUDA(cudaEventRecord(start.get(), s));
+    fn();
+    BENCH_CHECK_CUDA(cudaEventRecord(stop.get(), s));
+    BENCH_CHECK_CUDA(cudaEventSynchronize(stop.get()));
+    float t = 0;
+    BENCH_CHECK_CUDA(cudaEventElapsedTime(&t, start.get(), stop.get()));
+    ms.push_back(t);
+  }
+  return Median(ms);
+}
+
+size_t UsedBytes() {
+  size_t free_b = 0, total_b = 0;
+  BENCH_CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  return total_b - free_b;
+}
+
+std::vector<float> DownloadF32(const bf16* d, size_t n) {
+  std::vector<bf16> h(n);
+  BENCH_CHECK_CUDA(cudaMemcpy(h.data(), d, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+  std::vector<float> f(n);
+  for (size_t i = 0; i < n; ++i) f[i] = __bfloat162float(h[i]);
+  return f;
+}
+
+double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num += (a[i] - b[i]) * static_cast<double>(a[i] - b[i]);
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// B users of T new history tokens each (no cache, causal), H heads of dim D. Owns the uvqk rows,
+// the pages (filled from the rows by LaunchAppendKv, so fused and baseline see the same K/V), the
+// plan and the fused kernel's workspace.
+struct FusedAttention {
+  int B = 1, T = 0, H = 0, D = 0, page_size = 64;
+  float alpha = 0, inv_norm = 0;
+  cuda::DeviceBuffer pool, meta, partials, counters;
+  AttentionParams<bf16> p;
+  cuda::AttentionPlan plan;
+  const cuda::AttentionWorkItem* items = nullptr;
+  size_t bytes = 0;  // device memory held by this object
+
+  // uvqk: [B*T, 4*H*D]; out: [B*T, H*D].
+  void Build(const bf16* uvqk, bf16* out, int concurrent_ctas, cudaStream_t s) {
+    const size_t before = UsedBytes();
+    const int64_t hd = static_cast<int64_t>(H) * D;
+    const int pages_per_user = (T + page_size - 1) / page_size;
+    const int64_t page_elems = 2LL * page_size * hd;
+    BENCH_CHECK_CUDA(pool.Reserve(static_cast<size_t>(B) * pages_per_user * page_elems * sizeof(bf16)));
+    std::vector<int32_t> row_offsets = {0}, num_new(B, T), num_tokens(B, T), indptr = {0}, page_ids;
+    for (int b = 0; b < B; ++b) {
+      row_offsets.push_back(row_offsets.back() + T);
+      indptr.push_back(indptr.back() + pages_per_user);
+    }
+    page_ids.resize(static_cast<size_t>(B) * pages_per_user);
+    for (size_t i = 0; i < page_ids.size(); ++i) page_ids[i] = static_cast<int32_t>(i);
+    std::shuffle(page_ids.begin(), page_ids.end(), std::mt19937(3));
+    plan = cuda::PlanHstuAttention(row_offsets.data(), num_new.data(), num_tokens.data(), B, 0, H,
+                                   concurrent_ctas);
+    std::vector<int32_t> words;
+    auto append = [&](const void* src, size_t n_bytes) {
+      const size_t at = words.size();
+      words.resize(at + (n_bytes + 3) / 4);
+      std::memcpy(words.data() + at, src, n_bytes);
+      return at;
+    };
+    const size_t o_ro = append(row_offsets.data(), 4 * row_offsets.size());
+    const size_t o_nn = append(num_new.data(), 4 * num_new.size());
+    const size_t o_nt = append(num_tokens.data(), 4 * num_tokens.size());
+    const size_t o_ip = append(indptr.data(), 4 * indptr.size());
+    const size_t o_pg = append(page_ids.data(), 4 * page_ids.size());
+    while (words.size() % 4) words.push_back(0);
+    const size_t o_it = append(plan.items.data(), sizeof(cuda::AttentionWorkItem) * plan.items.size());
+    BENCH_CHECK_CUDA(meta.Reserve(words.size() * 4));
+    BENCH_CHECK_CUDA(cudaMemcpy(meta.get(), words.data(), words.size() * 4, cudaMemcpyHostToDevice));
+    const int32_t* m = meta.as<int32_t>();
+    if (plan.num_partials > 0) {
+      BENCH_CHECK_CUDA(partials.Reserve(static_cast<size_t>(plan.num_partials) * H *
+                                        cuda::kAttnBlockM * D * 4));
+    }
+    BENCH_CHECK_CUDA(counters.Reserve(std::max(1, plan.num_split_tiles * H) * 4));
+    BENCH_CHECK_CUDA(cudaMemset(counters.get(), 0, counters.bytes()));
+    p.uvqk = uvqk;
+    p.uvqk_row_stride = 4 * hd;
+    p.out = out;
+    p.num_rows = B * T;
+    p.row_offsets = m + o_ro;
+    p.num_new = m + o_nn;
+    p.kv.base = pool.as<bf16>();
+    p.kv.page_stride = page_elems;
+    p.kv.kv_stride = page_elems / 2;
+    p.kv.page_size = page_size;
+    p.kv.num_heads = H;
+    p.kv.head_dim = D;
+    p.kv.batch_size = B;
+    p.kv.indptr = m + o_ip;
+    p.kv.page_ids = m + o_pg;
+    p.kv.num_tokens = m + o_nt;
+    p.alpha = alpha;
+    p.inv_norm = inv_norm;
+    items = reinterpret_cast<const cuda::AttentionWorkItem*>(m + o_it);
+    AppendKv(s);
+    BENCH_CHECK_CUDA(cudaStreamSynchronize(s));
+    bytes = UsedBytes() - before;
+  }
+  void AppendKv(cudaStream_t s) const {
+    AppendKvParams<bf16> ap;
+    ap.uvqk = p.uvqk;
+    ap.uvqk_row_stride = p.uvqk_row_stride;
+    ap.row_offsets = p.row_offsets;
+    ap.num_new = p.num_new;
+    ap.kv = p.kv;
+    BENCH_CHECK_CUDA(cuda::LaunchAppendKv(ap, B * T, s));
+  }
+  void Run(cudaStream_t s) {
+    BENCH_CHECK_CUDA(cuda::LaunchHstuAttention(p, items, static_cast<int32_t>(plan.items.size()),
+                                               plan.num_partials > 0 ? partials.as<float>() : nullptr,
+                                               counters.as<int32_t>(), s));
+  }
+};
+
+// The baseline's workspace: S for every (user, head) and the cuBLAS pointer arrays. Reserve fails
+// (OOM) when the device cannot hold B·H·T² bf16.
+struct Materialized {
+  cuda::DeviceBuffer s, ptrs;
+  bool ready = false;
+  size_t bytes = 0;
+  bool Build(int B, int T, int H) {
+    const size_t before = UsedBytes();
+    const size_t s_bytes = static_cast<size_t>(B) * H * T * static_cast<size_t>(T) * sizeof(bf16);
+    if (s.Reserve(s_bytes) != cudaSuccess || ptrs.Reserve(6ull * B * H * sizeof(void*)) != cudaSuccess) {
+      cudaGetLastError();  // clear the allocation error
+      return false;
+    }
+    bytes = UsedBytes() - before;
+    return true;
+  }
+  void Run(cublasHandle_t h, const bf16* uvqk, bf16* out, int B, int T, int H, int D, float alpha,
+           float inv_norm, cudaStream_t stream) {
+    if (cuda::MaterializedHstuAttention(h, uvqk, out, s.as<bf16>(),
+                                        const_cast<const void**>(reinterpret_cast<void**>(ptrs.get())),
+                                        ready, B, T, H, D, alpha, inv_norm,
+                                        stream) != CUBLAS_STATUS_SUCCESS) {
+      std::fprintf(stderr, "materialised attention: cuBLAS failed\n");
+      std::exit(1);
+    }
+    ready = true;
+  }
+};
+
+int ConcurrentCtas(int head_dim) {
+  cudaDeviceProp prop{};
+  BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  int per_sm = 1;
+  BENCH_CHECK_CUDA(cuda::HstuAttentionCtasPerSm(head_dim, &per_sm));
+  return prop.multiProcessorCount * std::max(per_sm, 1);
+}
+
+double CausalPairs(int T) { return 0.5 * static_cast<double>(T) * (T + 1); }
+
+}  // namespace
+
+json BenchAttentionSweep(int reps) {
+  json rows = json::array();
+  std::printf("\n### attention sweep (one user, T new history tokens, causal; H x D = 1024; "
+              "fused paged (page size 64) vs materialised cuBLAS + SiLU/mask + cuBLAS)\n\n");
+  std::printf("| T | H x D | fused (us) | fused TFLOP/s | fused peak (MB) | baseline (us) | "
+              "baseline TFLOP/s | baseline peak (MB) | speedup | rel L2 fused vs baseline |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  cuda::Stream stream;
+  BENCH_CHECK_CUDA(stream.Create());
+  cublasHandle_t h;
+  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) std::exit(1);
+  cublasSetStream(h, stream.get());
+  struct HD { int H, D; };
+  for (HD hd : {HD{4, 256}, HD{8, 128}, HD{16, 64}}) {
+    for (int T = 128; T <= 32768; T *= 2) {
+      const int64_t hdim = static_cast<int64_t>(hd.H) * hd.D;
+      const float alpha = 1.f / std::sqrt(static_cast<float>(hd.D)), inv_norm = 1.f / T;
+      const size_t before = UsedBytes();
+      cuda::DeviceBuffer uvqk, out_f, out_b;
+      BENCH_CHECK_CUDA(uvqk.Reserve(static_cast<size_t>(T) * 4 * hdim * sizeof(bf16)));
+      BENCH_CHECK_CUDA(out_f.Reserve(static_cast<size_t>(T) * hdim * sizeof(bf16)));
+      BENCH_CHECK_CUDA(out_b.Reserve(static_cast<size_t>(T) * hdim * sizeof(bf16)));
+      FillRandom(uvqk.as<bf16>(), static_cast<size_t>(T) * 4 * hdim, T + hd.D);
+      const size_t io_bytes = UsedBytes() - before;
+      const int t_reps = T >= 8192 ? std::max(5, reps / 5) : reps;
+      const double flops = CausalPairs(T) * hd.H * 4.0 * hd.D;
+
+      FusedAttention f;
+      f.B = 1;
+      f.T = T;
+      f.H = hd.H;
+      f.D = hd.D;
+      f.alpha = alpha;
+      f.inv_norm = inv_norm;
+      f.Build(uvqk.as<bf16>(), out_f.as<bf16>(), ConcurrentCtas(hd.D), stream.get());
+      const float f_ms = TimeMs(stream.get(), t_reps, [&] { f.Run(stream.get()); });
+      const double f_peak_mb = (io_bytes + f.bytes) / 1048576.0;
+      f.pool = cuda::DeviceBuffer();  // free the pages before the baseline allocates
+
+      Materialized m;
+      json row = {{"T", T}, {"heads", hd.H}, {"head_dim", hd.D}, {"fused_us", f_ms * 1e3},
+                  {"fused_tflops", flops / (f_ms * 1e-3) / 1e12}, {"fused_peak_mb", f_peak_mb}};
+      if (!m.Build(1, T, hd.H)) {
+        std::printf("| %d | %d x %d | %.1f | %.1f | %.0f | OOM | – | OOM | – | – |\n", T, hd.H, hd.D,
+                    f_ms * 1e3, flops / (f_ms * 1e-3) / 1e12, f_peak_mb);
+        row["baseline"] = "OOM";
+      } else {
+        const float b_ms = TimeMs(stream.get(), t_reps, [&] {
+          m.Run(h, uvqk.as<bf16>(), out_b.as<bf16>(), 1, T, hd.H, hd.D, alpha, inv_norm, stream.get());
+        });
+        BENCH_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
+        const double err = RelL2(DownloadF32(out_f.as<bf16>(), T * hdim),
+                                 DownloadF32(out_b.as<bf16>(), T * hdim));
+        const double b_peak_mb = (io_bytes + m.bytes) / 1048576.0;
+        std::printf("| %d | %d x %d | %.1f | %.1f | %.0f | %.1f | %.1f | %.0f | %.2fx | %.1e |\n", T,
+                    hd.H, hd.D, f_ms * 1e3, flops / (f_ms * 1e-3) / 1e12, f_peak_mb, b_ms * 1e3,
+                    flops / (b_ms * 1e-3) / 1e12, b_peak_mb, b_ms / f_ms, err);
+        row["baseline_us"] = b_ms * 1e3;
+        row["baseline_tflops"] = flops / (b_ms * 1e-3) / 1e12;
+        row["baseline_peak_mb"] = b_peak_mb;
+        row["speedup"] = b_ms / f_ms;
+        row["rel_l2_fused_vs_baseline"] = err;
+      }
+      rows.push_back(row);
+    }
+  }
+  cublasDestroy(h);
+  return rows;
+}
+
+json BenchLayer(int reps) {
+  json rows = json::array();
+  const int B = 32, d = 1024, H = 4, D = 256;
+  const int64_t hd = H * D;
+  std::printf("\n### layer (one HSTU layer, batch %d, T new history tokens per user, no cache; "
+              "d %d, %d x %d; LayerNorm, UVQK GEMM, bias+SiLU, attention, LayerNorm*u, output "
+              "GEMM + residual)\n\n", B, d, H, D);
+  std::printf("| T | fused (ms) | fused peak (GB) | unfused (ms) | unfused peak (GB) | speedup | "
+              "attention fused (ms) | attention unfused (ms) |\n|---|---|---|---|---|---|---|---|\n");
+  cuda::Stream stream;
+  BENCH_CHECK_CUDA(stream.Create());
+  cublasHandle_t h;
+  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) std::exit(1);
+  cublasSetStream(h, stream.get());
+  const float alpha = 1.f / std::sqrt(static_cast<float>(D));
+  for (int T : {1024, 2048, 4096, 8192}) {
+    const int64_t rows_n = static_cast<int64_t>(B) * T;
+    const float inv_norm = 1.f / T;
+    const size_t before = UsedBytes();
+    cuda::DeviceBuffer x, n, uvqk, attn, y, w_uvqk, w_out, vecs;
+    BENCH_CHECK_CUDA(x.Reserve(rows_n * d * 4));
+    BENCH_CHECK_CUDA(n.Reserve(rows_n * d * 2));
+    BENCH_CHECK_CUDA(uvqk.Reserve(rows_n * 4 * hd * 2));
+    BENCH_CHECK_CUDA(attn.Reserve(rows_n * hd * 2));
+    BENCH_CHECK_CUDA(y.Reserve(rows_n * hd * 2));
+    BENCH_CHECK_CUDA(w_uvqk.Reserve(static_cast<size_t>(d) * 4 * hd * 2));
+    BENCH_CHECK_CUDA(w_out.Reserve(static_cast<size_t>(hd) * d * 2));
+    BENCH_CHECK_CUDA(vecs.Reserve(4 * 4 * hd * 4));
+    FillRandom(n.as<bf16>(), rows_n * d, 1);
+    FillRandom(w_uvqk.as<bf16>(), static_cast<size_t>(d) * 4 * hd, 3);
+    FillRandom(w_out.as<bf16>(), static_cast<size_t>(hd) * d, 4);
+    std::vector<float> v(4 * 4 * hd);
+    std::mt19937 rng(9);
+    std::uniform_real_distribution<float> u(0.5f, 1.5f);
+    for (float& e : v) e = u(rng);
+    BENCH_CHECK_CUDA(cudaMemcpy(vecs.get(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+    const float* ln_w = vecs.as<float>();
+    const float* ln_b = ln_w + 4 * hd;
+    const float* bias = ln_b + 4 * hd;
+    const float* ln2_w = bias + 4 * hd;
+    const float* ln2_b = ln2_w + hd;
+    BENCH_CHECK_CUDA(cuda::LaunchBf16ToF32(n.as<bf16>(), rows_n * d, x.as<float>(), stream.get()));
+    const size_t common_bytes = UsedBytes() - before;
+
+    auto pre = [&] {
+      BENCH_CHECK_CUDA(cuda::LaunchLayerNorm(x.as<float>(), rows_n, d, ln_w, ln_b, 1e-5f, n.as<bf16>(), stream.get()));
+      cuda::GemmBf16(h, n.as<bf16>(), w_uvqk.as<bf16>(), uvqk.get(), false, rows_n, 4 * hd, d, 0.f);
+      BENCH_CHECK_CUDA(cuda::LaunchBiasSilu(uvqk.as<bf16>(), rows_n, 4 * hd, bias, stream.get()));
+    };
+    auto post = [&] {
+      BENCH_CHECK_CUDA(cuda::LaunchNormMulU(attn.as<bf16>(), uvqk.as<bf16>(), 4 * hd, rows_n, hd, ln2_w, ln2_b, 1e-5f, y.as<bf16>(), stream.get()));
+      cuda::GemmBf16(h, y.as<bf16>(), w_out.as<bf16>(), x.get(), true, rows_n, d, hd, 1.f);
+    };
+    pre();
+    FusedAttention f;
+    f.B = B;
+    f.T = T;
+    f.H = H;
+    f.D = D;
+    f.alpha = alpha;
+    f.inv_norm = inv_norm;
+    f.Build(uvqk.as<bf16>(), attn.as<bf16>(), ConcurrentCtas(D), stream.get());
+    const int t_reps = std::max(5, reps / 5);
+    // The fused layer appends the new K/V rows into their pages, as the engine does.
+    const float f_ms = TimeMs(stream.get(), t_reps, [&] { pre(); f.AppendKv(stream.get()); f.Run(stream.get()); post(); });
+    const float fa_ms = TimeMs(stream.get(), t_reps, [&] { f.Run(stream.get()); });
+    const double f_peak = (common_bytes + f.bytes) / 1e9;
+    f.pool = cuda::DeviceBuffer();
+    f.partials = cuda::DeviceBuffer();
+    json row = {{"T", T}, {"batch", B}, {"fused_ms", f_ms}, {"fused_peak_gb", f_peak},
+                {"attention_fused_ms", fa_ms}};
+    Materialized m;
+    if (!m.Build(B, T, H)) {
+      std::printf("| %d | %.3f | %.2f | OOM | OOM | – | %.3f | OOM |\n", T, f_ms, f_peak, fa_ms);
+      row["unfused"] = "OOM";
+    } else {
+      auto attn_b = [&] { m.Run(h, uvqk.as<bf16>(), attn.as<bf16>(), B, T, H, D, alpha, inv_norm, stream.get()); };
+      const float b_ms = TimeMs(stream.get(), t_reps, [&] { pre(); attn_b(); post(); });
+      const float ba_ms = TimeMs(stream.get(), t_reps, attn_b);
+      const double b_peak = (common_bytes + m.bytes) / 1e9;
+      std::printf("| %d | %.3f | %.2f | %.3f | %.2f | %.2fx | %.3f | %.3f |\n", T, f_ms, f_peak, b_ms,
+                  b_peak, b_ms / f_ms, fa_ms, ba_ms);
+      row["unfused_ms"] = b_ms;
+      row["unfused_peak_gb"] = b_peak;
+      row["speedup"] = b_ms / f_ms;
+      row["attention_unfused_ms"] = ba_ms;
+    }
+    rows.push_back(row);
+  }
+  cublasDestroy(h);
+  return rows;
+}
+
+}  // namespace hstu::bench
