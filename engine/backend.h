@@ -37,6 +37,17 @@ struct ForwardOutput {
 
 enum class CopyKind { kDeviceToHost, kHostToDevice };
 
+// CUDA graphs of the decode step (DESIGN §7): one graph per bucket, used for a batch of at most
+// max_users users and max_rows rows (new history tokens + candidates over all users).
+struct GraphBucket {
+  int32_t max_users = 0;
+  int32_t max_rows = 0;
+};
+struct GraphOptions {
+  bool enable = false;               // backends without graphs ignore it
+  std::vector<GraphBucket> buckets;  // empty: the backend's defaults
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -63,6 +74,8 @@ class Backend {
     return absl::UnimplementedError(name() + " backend has no host KV tier");
   }
   virtual absl::Status WaitCopies() { return absl::OkStatus(); }
+  // Forward passes run by replaying a CUDA graph (0 on backends without graphs). Thread-safe.
+  virtual uint64_t graph_replays() const { return 0; }
   // Bytes of one page over all layers (K and V).
   virtual int64_t page_bytes() const { return num_pages() > 0 ? kv_pool_bytes() / num_pages() : 0; }
 };
@@ -73,6 +86,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const ModelWeights& we
 // "cpu", "cuda:N" or "auto" (cuda:0 when a GPU is present, else cpu).
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device,
                                                        const ModelWeights& weights,
-                                                       int32_t page_size, int64_t num_pages);
+                                                       int32_t page_size, int64_t num_pages,
+                                                       const GraphOptions& graphs = GraphOptions());
 
 }  // namespace hstu

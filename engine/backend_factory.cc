@@ -10,7 +10,8 @@ namespace hstu {
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device,
                                                        const ModelWeights& weights,
-                                                       int32_t page_size, int64_t num_pages) {
+                                                       int32_t page_size, int64_t num_pages,
+                                                       const GraphOptions& graphs) {
   if (device == "cpu") return CreateCpuBackend(weights, page_size, num_pages);
   int index = 0;
   const bool is_auto = device == "auto";
@@ -21,7 +22,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device
     }
   }
 #if defined(HSTU_WITH_CUDA)
-  auto cuda = CreateCudaBackend(weights, page_size, num_pages, index);
+  auto cuda = CreateCudaBackend(weights, page_size, num_pages, index, graphs);
   if (cuda.ok() || !is_auto) return cuda;
 #else
   if (!is_auto) {

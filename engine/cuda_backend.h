@@ -1,8 +1,22 @@
 // The CUDA backend (DESIGN §2.4): bf16 weights, activations and KV pages, fp32 residual stream,
 // statistics and accumulation; cuBLAS GEMMs and the kernels of kernels/cuda.
 //
-// Threading: a backend is used by one thread at a time (the engine worker); it owns one device, one
-// stream and one cuBLAS handle. Every CUDA or cuBLAS error becomes an absl::Status here.
+// Threading: a backend is used by one thread at a time (the engine worker), except graph_replays()
+// (thread-safe); it owns one device, a compute stream, a copy stream (host tier) and one cuBLAS
+// handle. Every CUDA or cuBLAS error becomes an absl::Status here.
+//
+// Host tier (DESIGN §6): a pinned host pool with the GPU pool's layout. Onloads (host → GPU) are
+// queued by CopyPages and issued at the start of the next Forward (or WaitCopies), layer by layer on
+// the copy stream with one event per layer; layer l of the forward waits for its event right before
+// its append/attention, so the copy overlaps staging and the earlier layers. Offloads (GPU → host)
+// wait for the compute stream (the forward that wrote the pages) and run on the copy stream.
+//
+// CUDA graphs (DESIGN §7): at creation, after a warm-up, the decode step (gather → layers → head)
+// is captured once per bucket into static buffers; a batch that fits a bucket is padded (padding
+// users own no rows; padding rows belong to no user and are never appended or read back), its
+// metadata is copied into the static buffers, the attention nodes get the batch's work-item count
+// as their grid, and the graph is replayed. The per-layer onload waits are external event-wait
+// nodes inside the graph. Larger batches run eagerly.
 #pragma once
 
 #include <cstdint>
@@ -37,18 +51,38 @@ class CudaBackend : public Backend {
   // Tests: fill every activation buffer with NaN before each batch (and the KV pool now), so a
   // row or page that is read before it is written shows up as NaN.
   virtual absl::Status SetDebugPoison(bool on) = 0;
+
+  // A whole decode step (gather → layers → head), staged once and enqueued repeatedly. With
+  // use_graph, a batch that fits a graph bucket is staged padded into that bucket's static buffers;
+  // returns whether it was (else it is staged for eager execution).
+  virtual absl::StatusOr<bool> StageStep(const ForwardBatch& batch, bool use_graph) = 0;
+  virtual absl::Status EnqueueStep() = 0;
+  // Tests: false runs a bucketed step eagerly on the very same padded inputs instead of replaying.
+  virtual void SetGraphReplay(bool on) = 0;
+  virtual int num_graphs() const = 0;
+  // Batches that fit a bucket's size but not its static capacity (attention plan) and ran eagerly.
+  virtual uint64_t graph_fallbacks() const = 0;
+  // How page runs go to the copy engines (benchmarks compare them); kBatch is the default.
+  enum class CopyMethod { kPerRun, kBatch };
+  virtual void SetCopyMethod(CopyMethod method) = 0;
 };
+
+// The buckets used when GraphOptions::buckets is empty: users {1, 4, 16, 64} × rows
+// {256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192}.
+std::vector<GraphBucket> DefaultGraphBuckets();
 
 // UNAVAILABLE when no CUDA device is present (or `device_index` does not exist), INVALID_ARGUMENT
 // for a model the kernels do not support (head dim not 64/128/256, widths not multiples of 8).
 absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackendExt(const ModelWeights& weights,
                                                                   int32_t page_size,
                                                                   int64_t num_pages,
-                                                                  int device_index);
+                                                                  int device_index,
+                                                                  const GraphOptions& graphs = {});
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const ModelWeights& weights,
                                                            int32_t page_size, int64_t num_pages,
-                                                           int device_index);
+                                                           int device_index,
+                                                           const GraphOptions& graphs = {});
 
 // True when at least one CUDA device is usable (tests skip otherwise).
 bool CudaDeviceAvailable();

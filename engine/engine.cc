@@ -85,7 +85,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
       num_pages = std::max(pages_per_user * 2,
                            (cpu ? kDefaultCpuPoolBytes : kDefaultGpuPoolBytes) / page_bytes);
     }
-    return CreateBackend(device, weights, options.page_size, num_pages);
+    GraphOptions graphs;
+    graphs.enable = options.use_cuda_graphs;
+    graphs.buckets = options.graph_buckets;
+    return CreateBackend(device, weights, options.page_size, num_pages, graphs);
   };
   absl::StatusOr<std::unique_ptr<Backend>> backend =
       make_backend(options.device == "auto" ? "cuda:0" : options.device);
@@ -129,6 +132,7 @@ EngineStats Engine::Stats() const {
     s = stats_;
   }
   s.cache = cache_->Stats();
+  s.graph_replays = backend_->graph_replays();
   s.kv_offload_bytes = s.cache.pages_offloaded * static_cast<uint64_t>(s.kv_page_bytes);
   s.kv_onload_bytes = s.cache.pages_onloaded * static_cast<uint64_t>(s.kv_page_bytes);
   return s;

@@ -28,6 +28,8 @@ struct EngineOptions {
   int64_t host_cache_pages = 0;       // host (pinned) KV tier in pages; 0 = no host tier
   bool enable_cache = true;           // false: every request recomputes its whole history
   bool keep_hidden = false;           // fill RankResult::hidden (tests, parity checks)
+  bool use_cuda_graphs = true;        // CUDA backend: replay the decode step from CUDA graphs
+  std::vector<GraphBucket> graph_buckets;  // their (users, rows) buckets; empty = backend defaults
   RequestLimits limits;
 };
 
@@ -43,6 +45,7 @@ struct EngineStats {
   int64_t kv_page_bytes = 0;        // one page over all layers
   uint64_t kv_offload_bytes = 0;    // GPU → host
   uint64_t kv_onload_bytes = 0;     // host → GPU
+  uint64_t graph_replays = 0;       // forward passes replayed from a CUDA graph
 };
 
 class Engine {
