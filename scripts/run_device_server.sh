@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool, carry ["pack"]): starts hstu_server on random:base / cuda:0 and
+# drives it with hstu_loadgen: a Zipf population of users several times larger than the GPU KV pool,
+# growing histories; once with the cache (GPU pool + host tier), once without. JSON and logs → $OUT.
+#   bash scripts/run_device_server.sh [duration_s]
+set -uo pipefail
+DUR="${1:-8}"
+OUT="${OUT:-/tmp/hstu_out}"
+mkdir -p "$OUT"
+DIR=/tmp/hstu_srv
+rm -rf "$DIR" && mkdir -p "$DIR"
+tar -C "$DIR" -xzf pack/hstu_server_pack.tar.gz
+H="$DIR/hstu_server"
+CUDA_LIB=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13.0/lib64; do
+  if [ -e "$d/libcublasLt.so.13" ]; then CUDA_LIB="$d"; break; fi
+done
+export LD_LIBRARY_PATH="$H/lib:$CUDA_LIB:${LD_LIBRARY_PATH:-}"
+{ echo "commit: $(cat "$H/COMMIT")"; date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } | tee "$OUT/server_device.txt"
+
+# GPU pool: 2048 pages of 32 tokens = 16 users of 4096 tokens (2 GiB bf16); host tier: 64 users.
+# The population (400 users, histories up to 2048 events = 4096 tokens) is far larger than the pool.
+run() {  # name, extra server flags...
+  local name="$1"; shift
+  "$H/bin/hstu_server" --model=random:base --device=cuda:0 --listen=127.0.0.1:50051 \
+    --metrics_listen=127.0.0.1:9464 --max_batch_size=8 "$@" > "$OUT/server_$name.log" 2>&1 &
+  local pid=$!
+  "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --wait_ready_s=240 --users=400 --zipf=1.0 \
+    --initial_events=1800 --new_events=64 --candidates=256 --timeout_ms=5000 \
+    --concurrency=1:16:x2 --duration="$DUR" --warmup=2 --progress=false \
+    --json="$OUT/loadgen_$name.json" 2>&1 | tee "$OUT/loadgen_$name.txt"
+  curl -sf http://127.0.0.1:9464/metrics > "$OUT/metrics_$name.txt" 2>/dev/null || true
+  kill -TERM "$pid"; wait "$pid"; echo "server ($name) exit code: $?"
+  grep -E '^hstu_kv_lookups_total|^hstu_kv_tokens_total|^hstu_kv_evictions_total|^hstu_batch_compute_seconds_(sum|count)' \
+    "$OUT/metrics_$name.txt" || true
+}
+run cache --cache_pages=2048 --host_cache_pages=8192
+run nocache --no_cache --cache_pages=2048
