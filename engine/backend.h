@@ -74,6 +74,8 @@ class Backend {
     return absl::UnimplementedError(name() + " backend has no host KV tier");
   }
   virtual absl::Status WaitCopies() { return absl::OkStatus(); }
+  // Non-blocking: have all copies issued so far completed? (The default waits for them.)
+  virtual bool CopiesDone() { return WaitCopies().ok(); }
   // Forward passes run by replaying a CUDA graph (0 on backends without graphs). Thread-safe.
   virtual uint64_t graph_replays() const { return 0; }
   // Bytes of one page over all layers (K and V).

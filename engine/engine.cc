@@ -113,7 +113,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
       host_pages = 0;
     }
   }
-  auto cache = std::make_unique<CacheManager>(options.page_size, num_pages, host_pages);
+  // Write-behind backlog: about 10 ms of PCIe (55 GB/s) but at least one whole user, so the copy
+  // engine never falls far behind and a burst of misses cannot pin the GPU pool.
+  const int64_t page_bytes = std::max<int64_t>(1, (*backend)->page_bytes());
+  const int64_t max_inflight = std::max<int64_t>(pages_per_user, (int64_t{512} << 20) / page_bytes);
+  auto cache = std::make_unique<CacheManager>(options.page_size, num_pages, host_pages, max_inflight);
   std::unique_ptr<Engine> engine(new Engine(options, c, *std::move(backend), std::move(cache)));
   engine->stats_.kv_pool_bytes = engine->backend_->kv_pool_bytes();
   engine->stats_.device_memory_bytes = engine->backend_->device_memory_bytes();
@@ -168,6 +172,22 @@ std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankReques
   return results;
 }
 
+void Engine::SettleOffloads(bool wait) {
+  if (!cache_->offloads_in_flight()) return;
+  if (wait) {
+    if (auto s = backend_->WaitCopies(); !s.ok()) {
+      // A failed copy leaves host pages with unknown contents: nothing cached can be trusted.
+      spdlog::error("KV copy failed: {}; clearing the cache", std::string(s.message()));
+      cache_->OffloadsComplete();
+      cache_->Clear();
+      return;
+    }
+  } else if (!backend_->CopiesDone()) {
+    return;
+  }
+  cache_->OffloadsComplete();
+}
+
 void Engine::RankWave(absl::Span<const RankRequest* const> wave,
                       absl::Span<absl::StatusOr<RankResult>* const> results) {
   const ModelConfig& c = config_;
@@ -179,10 +199,21 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
     RankResult result;
   };
   std::vector<Live> live;
+  SettleOffloads(/*wait=*/false);
   for (size_t i = 0; i < wave.size(); ++i) {
     Live l{i, KeepHistory(*wave[i], c), {}, {}};
-    auto res = options_.enable_cache ? cache_->Acquire(wave[i]->user_id, l.kept.keys)
-                                     : cache_->AcquireTemporary(wave[i]->user_id, l.kept.length);
+    auto acquire = [&] {
+      return options_.enable_cache ? cache_->Acquire(wave[i]->user_id, l.kept.keys)
+                                   : cache_->AcquireTemporary(wave[i]->user_id, l.kept.length);
+    };
+    auto res = acquire();
+    if (!res.ok() && cache_->offloads_in_flight() &&
+        (absl::IsUnavailable(res.status()) || absl::IsResourceExhausted(res.status()))) {
+      // The user's own write-behind is still in flight, or the pages we need are held by
+      // in-flight offloads: wait for the copy engine, then try once more.
+      SettleOffloads(/*wait=*/true);
+      res = acquire();
+    }
     if (!res.ok()) {
       *results[i] = res.status();
       continue;
@@ -280,11 +311,8 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
       *results[l.idx] = absl::InternalError(absl::StrCat("engine forward failed: ", failure.message()));
     }
   }
-  // Every planned copy completes before the next Acquire may hand these GPU pages to someone else.
-  if (auto s = backend_->WaitCopies(); !s.ok()) {
-    spdlog::error("KV copy failed: {}; clearing the cache", std::string(s.message()));
-    cache_->Clear();
-  }
+  // Offloads stay in flight behind the next waves' compute; the cache keeps their pages until
+  // SettleOffloads sees them done.
 }
 
 }  // namespace hstu

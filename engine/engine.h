@@ -71,6 +71,8 @@ class Engine {
  private:
   Engine(const EngineOptions& options, ModelConfig config, std::unique_ptr<Backend> backend,
          std::unique_ptr<CacheManager> cache);
+  // Marks finished write-behind offloads complete; with `wait`, waits for all of them first.
+  void SettleOffloads(bool wait);
   // Runs one wave of requests in which each user appears at most once.
   void RankWave(absl::Span<const RankRequest* const> wave,
                 absl::Span<absl::StatusOr<RankResult>* const> results);

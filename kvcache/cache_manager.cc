@@ -54,8 +54,10 @@ uint64_t PrefixHash(absl::Span<const uint64_t> keys, int32_t page_size) {
   return h;
 }
 
-CacheManager::CacheManager(int32_t page_size, int64_t num_pages, int64_t host_num_pages)
-    : page_size_(page_size), allocator_(num_pages), host_allocator_(host_num_pages) {
+CacheManager::CacheManager(int32_t page_size, int64_t num_pages, int64_t host_num_pages,
+                           int64_t max_inflight_pages)
+    : page_size_(page_size), allocator_(num_pages), host_allocator_(host_num_pages),
+      max_inflight_pages_(max_inflight_pages > 0 ? max_inflight_pages : host_num_pages) {
   stats_.page_size = page_size;
 }
 
@@ -107,14 +109,15 @@ void CacheManager::EvictFromGpuLocked(uint64_t user_id) {
 bool CacheManager::AllocateLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out) {
   if (n <= allocator_.num_free()) return allocator_.Allocate(n, out);
   // Evict only when eviction can succeed, so a request that cannot fit costs nobody their cache.
-  const int64_t evictable = allocator_.num_pages() - allocator_.num_free() - pinned_pages_;
+  const int64_t evictable =
+      allocator_.num_pages() - allocator_.num_free() - pinned_pages_ - inflight_gpu_pages_;
   if (allocator_.num_free() + evictable < n) return false;
   auto it = lru_.end();
   while (allocator_.num_free() < n && it != lru_.begin()) {
     --it;
     const uint64_t victim = *it;
     const Entry& e = entries_.at(victim);
-    if (e.pinned || victim == user_id || e.page_ids.empty()) continue;
+    if (e.pinned || victim == user_id || e.page_ids.empty() || e.inflight_pages > 0) continue;
     const auto after = std::next(it);  // survives even if the victim's node is erased
     EvictFromGpuLocked(victim);
     it = after;
@@ -126,7 +129,9 @@ bool CacheManager::AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<i
   if (n <= host_allocator_.num_free()) return host_allocator_.Allocate(n, out);
   int64_t evictable = 0;
   for (const auto& [user, e] : entries_) {
-    if (!e.pinned && user != user_id) evictable += static_cast<int64_t>(e.host_page_ids.size());
+    if (!e.pinned && user != user_id && e.inflight_pages == 0) {
+      evictable += static_cast<int64_t>(e.host_page_ids.size());
+    }
   }
   if (host_allocator_.num_free() + evictable < n) return false;
   auto it = lru_.end();
@@ -134,7 +139,7 @@ bool CacheManager::AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<i
     --it;
     const uint64_t victim = *it;
     Entry& e = entries_.at(victim);
-    if (e.pinned || victim == user_id || e.host_page_ids.empty()) continue;
+    if (e.pinned || victim == user_id || e.host_page_ids.empty() || e.inflight_pages > 0) continue;
     const auto after = std::next(it);
     ++stats_.host_evictions;
     if (e.page_ids.empty()) {
@@ -165,6 +170,9 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   } else if (e.pinned) {
     return absl::FailedPreconditionError(
         absl::StrCat("user ", user_id, " already has a request in flight"));
+  } else if (e.inflight_pages > 0) {
+    return absl::UnavailableError(
+        absl::StrCat("user ", user_id, " has an offload in flight; retry after OffloadsComplete()"));
   } else if (static_cast<size_t>(e.num_tokens) <= keys.size() &&
              PrefixHash(keys.subspan(0, e.num_tokens), page_size_) == e.prefix_hash) {
     r.reused_tokens = e.num_tokens;
@@ -247,12 +255,19 @@ PageCopies CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t>
   // Write-behind: new full pages get host copies (while still pinned, so eviction for host room
   // never picks this entry).
   const size_t full = e.page_hashes.size(), have = e.host_page_ids.size();
-  if (host_allocator_.num_pages() > 0 && full > have) {
+  const int64_t want = static_cast<int64_t>(full) - static_cast<int64_t>(have);
+  if (host_allocator_.num_pages() > 0 && want > 0) {
     std::vector<int32_t> fresh;
-    if (AllocateHostLocked(r.user_id, static_cast<int64_t>(full - have), &fresh)) {
+    if (inflight_pages_ + want > max_inflight_pages_) {
+      stats_.offloads_skipped += static_cast<uint64_t>(want);  // a later commit picks them up
+    } else if (AllocateHostLocked(r.user_id, want, &fresh)) {
       offload.src.assign(e.page_ids.begin() + have, e.page_ids.begin() + full);
       offload.dst = fresh;
       e.host_page_ids.insert(e.host_page_ids.end(), fresh.begin(), fresh.end());
+      e.inflight_pages = static_cast<int32_t>(want);
+      inflight_pages_ += want;
+      inflight_gpu_pages_ += static_cast<int64_t>(e.page_ids.size());
+      inflight_users_.push_back(r.user_id);
       stats_.pages_offloaded += fresh.size();
     }
   }
@@ -276,16 +291,37 @@ void CacheManager::ForgetHostCopy(uint64_t user_id) {
   auto it = entries_.find(user_id);
   if (it == entries_.end()) return;
   Entry& e = it->second;
+  if (e.inflight_pages > 0) {
+    inflight_pages_ -= e.inflight_pages;
+    inflight_gpu_pages_ -= static_cast<int64_t>(e.page_ids.size());
+    e.inflight_pages = 0;
+  }
   host_allocator_.Free(e.host_page_ids.data(), static_cast<int64_t>(e.host_page_ids.size()));
   e.host_page_ids.clear();
   if (e.page_ids.empty()) DropLocked(user_id);
+}
+
+void CacheManager::OffloadsComplete() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (uint64_t user : inflight_users_) {
+    auto it = entries_.find(user);
+    if (it != entries_.end()) it->second.inflight_pages = 0;
+  }
+  inflight_users_.clear();
+  inflight_pages_ = 0;
+  inflight_gpu_pages_ = 0;
+}
+
+bool CacheManager::offloads_in_flight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !inflight_users_.empty();
 }
 
 void CacheManager::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<uint64_t> victims;
   for (const auto& [user, e] : entries_) {
-    if (!e.pinned) victims.push_back(user);
+    if (!e.pinned && e.inflight_pages == 0) victims.push_back(user);
   }
   for (uint64_t u : victims) DropLocked(u);
 }

@@ -8,8 +8,10 @@
 // (write-behind, PageCopies returned by Commit). An entry evicted from the GPU keeps its host copy
 // (its full pages; a partial last page is recomputed) and is onloaded by its next Acquire. When the
 // host tier is full, the least recently used unpinned entries lose their host copies.
-// The caller must finish every returned copy before its next Acquire, so a GPU page is never reused
-// before its host copy is complete.
+// Offloads run behind compute: an entry whose offload is in flight keeps its GPU pages (no eviction,
+// no truncation) until the caller reports OffloadsComplete(); Acquire of such an entry answers
+// UNAVAILABLE so the caller can wait for its copies and retry. At most `max_inflight_pages` pages are
+// in flight; beyond that, new full pages stay GPU-only until a later commit of their user.
 //
 // Thread-safe: every method takes the manager's lock.
 #pragma once
@@ -39,6 +41,7 @@ struct CacheStats {
   uint64_t dropped_entries = 0;  // entries gone entirely (failed, or evicted with no copy left)
   uint64_t pages_offloaded = 0;  // GPU → host page copies planned
   uint64_t pages_onloaded = 0;   // host → GPU page copies planned
+  uint64_t offloads_skipped = 0; // full pages not offloaded at commit (copy backlog at its bound)
   int64_t pages_total = 0;
   int64_t pages_free = 0;
   int64_t pages_pinned = 0;
@@ -73,7 +76,8 @@ struct Reservation {
 
 class CacheManager {
  public:
-  CacheManager(int32_t page_size, int64_t num_pages, int64_t host_num_pages = 0);
+  CacheManager(int32_t page_size, int64_t num_pages, int64_t host_num_pages = 0,
+               int64_t max_inflight_pages = 0 /* 0 = no bound below the host tier's size */);
   CacheManager(const CacheManager&) = delete;
   CacheManager& operator=(const CacheManager&) = delete;
 
@@ -94,6 +98,9 @@ class CacheManager {
 
   // A planned offload failed: the user's host copies are not valid, forget them.
   void ForgetHostCopy(uint64_t user_id);
+  // Every offload returned by Commit so far has completed.
+  void OffloadsComplete();
+  bool offloads_in_flight() const;
   void Clear();  // drops every unpinned entry
   CacheStats Stats() const;
   // Number of cached tokens of a user (0 when absent); for tests and tools.
@@ -107,6 +114,7 @@ class CacheManager {
     std::vector<uint64_t> page_hashes;  // one per full page
     uint64_t prefix_hash = 0;           // over all num_tokens keys
     bool pinned = false;
+    int32_t inflight_pages = 0;         // pages of this entry in an offload not yet complete
     std::list<uint64_t>::iterator lru_it;
   };
 
@@ -125,6 +133,10 @@ class CacheManager {
   std::list<uint64_t> lru_;  // front = most recently used
   CacheStats stats_;
   int64_t pinned_pages_ = 0;
+  int64_t max_inflight_pages_ = 0;
+  int64_t inflight_pages_ = 0;            // offload pages in flight (host side)
+  int64_t inflight_gpu_pages_ = 0;        // GPU pages held by entries with an offload in flight
+  std::vector<uint64_t> inflight_users_;
 };
 
 // Chain hash of keys [0, n) in pages of `page_size`: hashes[i] covers full page i and hashes[i-1].

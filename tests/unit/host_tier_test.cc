@@ -20,10 +20,12 @@ TEST(HostTier, CommitOffloadsNewFullPagesOnly) {
   CacheManager m(4, 16, 16);
   auto r = m.Acquire(1, Keys(10, 1));
   PageCopies c = m.Commit(*r, Keys(10, 1));
+  m.OffloadsComplete();
   ASSERT_EQ(c.src.size(), 2u);  // tokens 0-7; the partial page (8, 9) stays GPU-only
   EXPECT_EQ(c.src, std::vector<int32_t>(r->page_ids.begin(), r->page_ids.begin() + 2));
   auto r2 = m.Acquire(1, Keys(13, 1));
   PageCopies c2 = m.Commit(*r2, Keys(13, 1));
+  m.OffloadsComplete();
   ASSERT_EQ(c2.src.size(), 1u);  // only page 2 is new and full
   EXPECT_EQ(c2.src[0], r2->page_ids[2]);
   EXPECT_EQ(m.Stats().pages_offloaded, 3u);
@@ -35,9 +37,11 @@ TEST(HostTier, GpuEvictionKeepsHostCopyAndNextVisitOnloads) {
   for (int u = 1; u <= 2; ++u) {
     auto r = m.Acquire(u, Keys(8, u));
     m.Commit(*r, Keys(8, u));
+    m.OffloadsComplete();
   }
   auto r3 = m.Acquire(3, Keys(8, 3));  // evicts user 1 from the GPU (LRU)
   m.Commit(*r3, Keys(8, 3));
+  m.OffloadsComplete();
   EXPECT_EQ(m.Stats().evictions, 1u);
   EXPECT_EQ(m.Stats().dropped_entries, 0u);
   EXPECT_EQ(m.CachedTokens(1), 8);  // still cached, on the host
@@ -48,6 +52,7 @@ TEST(HostTier, GpuEvictionKeepsHostCopyAndNextVisitOnloads) {
   ASSERT_EQ(back->onload.src.size(), 2u);
   EXPECT_EQ(back->onload.dst, std::vector<int32_t>(back->page_ids.begin(), back->page_ids.begin() + 2));
   m.Commit(*back, Keys(10, 1));
+  m.OffloadsComplete();
   EXPECT_EQ(m.Stats().pages_onloaded, 2u);
 }
 
@@ -55,8 +60,10 @@ TEST(HostTier, PartialLastPageIsRecomputedAfterEviction) {
   CacheManager m(4, 3, 16);
   auto r = m.Acquire(1, Keys(10, 1));  // 3 pages, 2 full
   m.Commit(*r, Keys(10, 1));
+  m.OffloadsComplete();
   auto r2 = m.Acquire(2, Keys(4, 2));  // evicts user 1
   m.Commit(*r2, Keys(4, 2));
+  m.OffloadsComplete();
   auto back = m.Acquire(1, Keys(10, 1));
   EXPECT_EQ(back->result, LookupResult::kHostHit);
   EXPECT_EQ(back->reused_tokens, 8);
@@ -66,8 +73,10 @@ TEST(HostTier, HashMismatchAfterEvictionIsDetected) {
   CacheManager m(4, 4, 16);
   auto r = m.Acquire(1, Keys(8, 1));
   m.Commit(*r, Keys(8, 1));
+  m.OffloadsComplete();
   auto r2 = m.Acquire(2, Keys(16, 2));  // evicts user 1 to the host
   m.Commit(*r2, Keys(16, 2));
+  m.OffloadsComplete();
   auto edited = Keys(8, 1);
   edited[5] = TokenKey(true, 4242);
   auto back = m.Acquire(1, edited);
@@ -85,6 +94,7 @@ TEST(HostTier, FullHostTierDropsLeastRecentlyUsedUnpinnedCopies) {
   for (int u = 1; u <= 3; ++u) {
     auto r = m.Acquire(u, Keys(8, u));
     m.Commit(*r, Keys(8, u));
+    m.OffloadsComplete();
   }
   // User 1: host only, oldest. User 2: host only. User 3: GPU, its host copy evicted user 1's.
   const CacheStats s = m.Stats();
@@ -99,12 +109,44 @@ TEST(HostTier, PinnedEntriesKeepTheirHostCopies) {
   CacheManager m(4, 8, 2);  // host holds one user of 8
   auto r = m.Acquire(1, Keys(8, 1));
   m.Commit(*r, Keys(8, 1));
+  m.OffloadsComplete();
   auto pinned = m.Acquire(1, Keys(8, 1));
   auto r2 = m.Acquire(2, Keys(8, 2));
   PageCopies c2 = m.Commit(*r2, Keys(8, 2));
   EXPECT_TRUE(c2.empty());  // no room: user 1's copy is pinned, user 2 stays GPU-only
   m.Commit(*pinned, Keys(8, 1));
+  m.OffloadsComplete();
   EXPECT_EQ(m.Stats().host_evictions, 0u);
+}
+
+TEST(HostTier, InFlightOffloadsHoldTheirPagesUntilComplete) {
+  CacheManager m(4, 4, 16);
+  auto r = m.Acquire(1, Keys(8, 1));
+  ASSERT_EQ(m.Commit(*r, Keys(8, 1)).src.size(), 2u);
+  EXPECT_TRUE(m.offloads_in_flight());
+  // Its own next visit must wait: the copy still reads its GPU pages.
+  EXPECT_EQ(m.Acquire(1, Keys(10, 1)).status().code(), absl::StatusCode::kUnavailable);
+  // Nobody may evict it either: user 2 needs all four pages.
+  EXPECT_EQ(m.Acquire(2, Keys(16, 2)).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(m.CachedTokens(1), 8);
+  m.OffloadsComplete();
+  EXPECT_FALSE(m.offloads_in_flight());
+  auto r2 = m.Acquire(2, Keys(16, 2));  // now user 1 moves to the host
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  EXPECT_EQ(m.Stats().evictions, 1u);
+  EXPECT_EQ(m.CachedTokens(1), 8);
+}
+
+TEST(HostTier, OffloadBacklogIsBounded) {
+  CacheManager m(4, 64, 64, /*max_inflight_pages=*/3);
+  auto r = m.Acquire(1, Keys(8, 1));
+  EXPECT_EQ(m.Commit(*r, Keys(8, 1)).src.size(), 2u);
+  auto r2 = m.Acquire(2, Keys(8, 2));
+  EXPECT_TRUE(m.Commit(*r2, Keys(8, 2)).empty());  // 2 + 2 > 3: stays GPU-only for now
+  EXPECT_EQ(m.Stats().offloads_skipped, 2u);
+  m.OffloadsComplete();
+  auto r3 = m.Acquire(2, Keys(10, 2));
+  EXPECT_EQ(m.Commit(*r3, Keys(10, 2)).src.size(), 2u);  // picked up by the next commit
 }
 
 ModelConfig SmallConfig() {
