@@ -2,9 +2,13 @@
 //   hstu_bench attention [--json FILE]   paged HSTU attention alone, base shapes, batch 1 and 8
 //   hstu_bench kernels   [--json FILE]   every kernel of one decode-step layer, TFLOP/s and GB/s
 //   hstu_bench block     [--json FILE]   the 8-layer stack through the CUDA backend
+//   hstu_bench block_graphs              the decode step eager vs CUDA-graph replay
+//   hstu_bench e2e                       Engine::Rank over growing histories: baseline/cache/graphs
+//   hstu_bench offload                   host tier onload/offload time and GB/s, onload overlap
 // Timing: CUDA events, warm-up first, median of many reps, random (non-zero) inputs; attention
 // rotates over several KV sets so that repeated runs do not measure a warm L2.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -22,6 +26,7 @@
 #include "absl/strings/str_format.h"
 #include "client/bench_attention_layer.h"
 #include "engine/cuda_backend.h"
+#include "engine/engine.h"
 #include "engine/model_file.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
@@ -379,13 +384,318 @@ json BenchBlock(int reps, int page_size, const std::vector<int>& batches) {
   return rows;
 }
 
+// ---- Decode step with CUDA graphs, e2e through the Engine, host-tier transfers (issue 5) ----
+
+hstu::ModelWeights BaseWeights() {
+  auto config = hstu::PresetConfig("base");
+  if (!config.ok()) std::exit(1);
+  config->item_rows = 100000;  // the table size does not change the step's time; keeps start-up short
+  return hstu::RandomModel(*config, 1);
+}
+
+template <typename T>
+T OrDie(absl::StatusOr<T> v) {
+  if (!v.ok()) {
+    std::fprintf(stderr, "%s\n", v.status().ToString().c_str());
+    std::exit(1);
+  }
+  return *std::move(v);
+}
+void OrDie(const absl::Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+double WallMs(const std::function<void()>& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double MedianD(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// B users with `hist` history tokens of which the first `cached` are in their pages (user b owns
+// pages [b·ppu, (b+1)·ppu)), plus `cand` candidates each.
+hstu::ForwardBatch DecodeBatch(int B, int hist, int cached, int cand, int pages_per_user,
+                               std::mt19937* rng) {
+  hstu::ForwardBatch fb;
+  fb.num_users = B;
+  fb.row_offsets = {0};
+  fb.page_indptr = {0};
+  for (int b = 0; b < B; ++b) {
+    for (int t = cached; t < hist; ++t) {
+      fb.token_ids.push_back(t % 2 ? (*rng)() % 128 : (*rng)() % 100000);
+      fb.token_types.push_back(t % 2 ? hstu::kActionToken : hstu::kItemToken);
+      fb.positions.push_back(t);
+    }
+    for (int c = 0; c < cand; ++c) {
+      fb.token_ids.push_back((*rng)() % 100000);
+      fb.token_types.push_back(hstu::kItemToken);
+      fb.positions.push_back(hist);
+    }
+    fb.num_new.push_back(hist - cached);
+    fb.num_tokens.push_back(hist);
+    fb.row_offsets.push_back(fb.row_offsets.back() + hist - cached + cand);
+    for (int p = 0; p < pages_per_user; ++p) fb.page_ids.push_back(b * pages_per_user + p);
+    fb.page_indptr.push_back(static_cast<int32_t>(fb.page_ids.size()));
+  }
+  return fb;
+}
+
+// The decode step (gather → 8 layers → head) of 3968 cached + 128 new tokens + 256 candidates,
+// eager vs replayed from a CUDA graph; GPU time between CUDA events, and the wall time of a whole
+// Forward (staging, metadata upload, step, score read-back).
+json BenchStepGraphs(int reps, int page_size, const std::vector<int>& batches) {
+  json rows = json::array();
+  const hstu::ModelWeights weights = BaseWeights();
+  const int hist = 4096, cached = 3968, cand = 256;
+  const int max_b = *std::max_element(batches.begin(), batches.end());
+  const int ppu = (hist + page_size - 1) / page_size;
+  hstu::GraphOptions go;
+  go.enable = true;  // default buckets
+  auto be_ptr = OrDie(hstu::CreateCudaBackendExt(weights, page_size, int64_t{max_b} * ppu, 0, go));
+  hstu::CudaBackend& be = *be_ptr;
+  std::printf("\n### decode step with CUDA graphs (3968 cached + 128 new + 256 candidates per user; "
+              "gather, 8 layers and head; default buckets, %d graphs)\n\n", be.num_graphs());
+  std::printf("| batch | rows | eager GPU (ms) | graph GPU (ms) | speedup | eager Forward wall (ms) | "
+              "graph Forward wall (ms) |\n|---|---|---|---|---|---|---|\n");
+  std::mt19937 rng(11);
+  hstu::ForwardOutput out;
+  // Prefix: every user's first 3968 tokens computed once (untimed), so the pages hold real K/V.
+  OrDie(be.Forward(DecodeBatch(max_b, cached, 0, 0, ppu, &rng), false, &out));
+  for (int B : batches) {
+    const hstu::ForwardBatch fb = DecodeBatch(B, hist, cached, cand, ppu, &rng);
+    double gpu_ms[2], wall_ms[2];
+    for (int graph = 0; graph < 2; ++graph) {
+      const bool staged_graph = OrDie(be.StageStep(fb, graph == 1));
+      if (graph == 1 && !staged_graph) std::fprintf(stderr, "batch %d fits no graph bucket\n", B);
+      const auto t = OrDie(be.Time([&] { return be.EnqueueStep(); }, 5, reps));
+      gpu_ms[graph] = Median(t);
+      be.SetGraphReplay(true);
+      std::vector<double> wall;
+      // Forward replays whenever a bucket fits; for the eager row, graphs are bypassed by staging
+      // eagerly (StageStep(..., false)) and enqueuing exactly what Forward would.
+      for (int i = 0; i < reps; ++i) {
+        if (graph == 1) {
+          wall.push_back(WallMs([&] { OrDie(be.Forward(fb, false, &out)); }));
+        } else {
+          wall.push_back(WallMs([&] {
+            OrDie(be.StageStep(fb, false).status());
+            OrDie(be.EnqueueStep());
+            OrDie(be.Time([] { return absl::OkStatus(); }, 0, 1).status());  // waits for the stream
+          }));
+        }
+      }
+      wall_ms[graph] = MedianD(wall);
+    }
+    std::printf("| %d | %d | %.3f | %.3f | %.2fx | %.3f | %.3f |\n", B, fb.num_rows(), gpu_ms[0],
+                gpu_ms[1], gpu_ms[0] / gpu_ms[1], wall_ms[0], wall_ms[1]);
+    rows.push_back({{"batch", B}, {"rows", fb.num_rows()}, {"eager_gpu_ms", gpu_ms[0]},
+                    {"graph_gpu_ms", gpu_ms[1]}, {"eager_wall_ms", wall_ms[0]},
+                    {"graph_wall_ms", wall_ms[1]}});
+  }
+  std::printf("\ngraph replays %llu, fallbacks %llu\n",
+              static_cast<unsigned long long>(be.graph_replays()),
+              static_cast<unsigned long long>(be.graph_fallbacks()));
+  return rows;
+}
+
+// DESIGN §11 e2e: U users; step s (1..16) sends each a history of 256·s tokens (128·s items) and
+// 256 candidates, through Engine::Rank (embedding, layers, head, cache, planning, read-back).
+json BenchE2e(int reps, int page_size) {
+  json rows = json::array();
+  const hstu::ModelWeights weights = BaseWeights();
+  struct Mode { const char* name; bool cache, graphs; };
+  const Mode modes[] = {{"baseline (no cache, no graphs)", false, false},
+                        {"cache", true, false},
+                        {"cache + graphs", true, true}};
+  std::vector<std::unique_ptr<hstu::Engine>> engines;
+  for (const Mode& m : modes) {
+    hstu::EngineOptions o;
+    o.device = "cuda:0";
+    o.page_size = page_size;
+    o.enable_cache = m.cache;
+    o.use_cuda_graphs = m.graphs;
+    engines.push_back(OrDie(hstu::Engine::Create(o, weights)));
+  }
+  const int steps = 16, cand = 256;
+  std::printf("\n### e2e (Engine::Rank; %d steps, history 256 -> 4096 tokens + %d candidates per "
+              "user; median of %d sequences)\n\n", steps, cand, reps);
+  std::printf("| users | mode | total (ms) | per step (ms) | speedup |\n|---|---|---|---|---|\n");
+  std::mt19937 rng(21);
+  uint64_t next_user = 1;
+  for (int U : {1, 2, 4, 8}) {
+    double base_ms = 0;
+    for (size_t mi = 0; mi < engines.size(); ++mi) {
+      hstu::Engine& e = *engines[mi];
+      std::vector<double> totals;
+      for (int rep = -1; rep < reps; ++rep) {  // rep -1: warm-up
+        std::vector<hstu::RankRequest> users(U);
+        for (auto& r : users) r.user_id = next_user++;
+        double total = 0;
+        for (int s = 1; s <= steps; ++s) {
+          for (auto& r : users) {
+            for (int i = 0; i < 128; ++i) {
+              r.history_item_ids.push_back(rng() % 100000);
+              r.history_actions.push_back(rng() % 128);
+            }
+            r.candidate_item_ids.resize(cand);
+            for (auto& id : r.candidate_item_ids) id = rng() % 100000;
+          }
+          total += WallMs([&] {
+            for (auto& res : e.Rank(users)) OrDie(res.status());
+          });
+        }
+        if (rep >= 0) totals.push_back(total);
+      }
+      const double ms = MedianD(totals);
+      if (mi == 0) base_ms = ms;
+      std::printf("| %d | %s | %.2f | %.3f | %.2fx |\n", U, modes[mi].name, ms, ms / steps, base_ms / ms);
+      rows.push_back({{"users", U}, {"mode", modes[mi].name}, {"total_ms", ms},
+                      {"per_step_ms", ms / steps}, {"speedup", base_ms / ms}});
+    }
+  }
+  std::printf("\ngraph replays (cache + graphs engine): %llu\n",
+              static_cast<unsigned long long>(engines[2]->Stats().graph_replays));
+  return rows;
+}
+
+// Host tier transfers: one user's pages of 1K..4K tokens (1 MiB per 32 tokens on the base model),
+// scattered page ids on both sides (as the allocators hand them out) or one contiguous run; time
+// of CopyPages + WaitCopies (wall clock, median), per copy method. Then the onload overlap: a
+// decode step whose 3968-token prefix must first come back from the host.
+json BenchOffload(int reps, int page_size) {
+  json rows = json::array();
+  const hstu::ModelWeights weights = BaseWeights();
+  const int max_tokens = 4096, ppu = max_tokens / page_size;
+  const int64_t pool = 4LL * ppu;
+  auto be_ptr = OrDie(hstu::CreateCudaBackendExt(weights, page_size, pool, 0));
+  hstu::CudaBackend& be = *be_ptr;
+  OrDie(be.CreateHostPool(pool));
+  const double page_bytes = static_cast<double>(be.page_bytes());
+  std::printf("\n### offload / onload (one user; page %d tokens = %.0f KiB over 8 layers; "
+              "median of %d)\n\n", page_size, page_bytes / 1024, reps);
+  std::printf("| tokens | MiB | page ids | method | onload (ms) | onload GB/s | offload (ms) | "
+              "offload GB/s |\n|---|---|---|---|---|---|---|---|\n");
+  std::mt19937 rng(31);
+  std::vector<int32_t> gpu_ids(pool), host_ids(pool);
+  std::iota(gpu_ids.begin(), gpu_ids.end(), 0);
+  std::iota(host_ids.begin(), host_ids.end(), 0);
+  hstu::ForwardOutput out;
+  OrDie(be.Forward(DecodeBatch(1, max_tokens, 0, 0, ppu, &rng), false, &out));  // non-zero K/V
+  for (int tokens : {1024, 2048, 3072, 4096}) {
+    const int n = tokens / page_size;
+    for (int scattered = 1; scattered >= 0; --scattered) {
+      std::vector<int32_t> g(gpu_ids), h(host_ids);
+      if (scattered) {
+        std::shuffle(g.begin(), g.end(), rng);
+        std::shuffle(h.begin(), h.end(), rng);
+      }
+      g.resize(n);
+      h.resize(n);
+      for (auto method : {hstu::CudaBackend::CopyMethod::kPerRun, hstu::CudaBackend::CopyMethod::kBatch}) {
+        be.SetCopyMethod(method);
+        std::vector<double> on, off;
+        for (int i = -2; i < reps; ++i) {
+          const double t_off = WallMs([&] {
+            OrDie(be.CopyPages(hstu::CopyKind::kDeviceToHost, g, h));
+            OrDie(be.WaitCopies());
+          });
+          const double t_on = WallMs([&] {
+            OrDie(be.CopyPages(hstu::CopyKind::kHostToDevice, h, g));
+            OrDie(be.WaitCopies());
+          });
+          if (i >= 0) {
+            on.push_back(t_on);
+            off.push_back(t_off);
+          }
+        }
+        const double bytes = n * page_bytes, ms_on = MedianD(on), ms_off = MedianD(off);
+        const char* mname = method == hstu::CudaBackend::CopyMethod::kBatch ? "batch" : "per run";
+        std::printf("| %d | %.0f | %s | %s | %.3f | %.1f | %.3f | %.1f |\n", tokens, bytes / (1 << 20),
+                    scattered ? "scattered" : "contiguous", mname, ms_on, bytes / ms_on / 1e6, ms_off,
+                    bytes / ms_off / 1e6);
+        rows.push_back({{"tokens", tokens}, {"bytes", bytes}, {"scattered", scattered != 0},
+                        {"method", mname}, {"onload_ms", ms_on}, {"onload_gbps", bytes / ms_on / 1e6},
+                        {"offload_ms", ms_off}, {"offload_gbps", bytes / ms_off / 1e6}});
+      }
+    }
+  }
+  be.SetCopyMethod(hstu::CudaBackend::CopyMethod::kBatch);
+
+  // Onload overlap: user 1's 3968-token prefix lives in GPU pages [ppu, 2·ppu) after an onload
+  // from the host; the step (128 new + 256 candidates) is issued right after CopyPages.
+  const int cached = 3968, prefix_pages = cached / page_size;
+  std::vector<int32_t> src_gpu(prefix_pages), host(prefix_pages), dst_gpu(prefix_pages);
+  for (int p = 0; p < prefix_pages; ++p) {
+    src_gpu[p] = p;
+    host[p] = 2 * p % static_cast<int>(pool);
+    dst_gpu[p] = ppu + p;
+  }
+  OrDie(be.CopyPages(hstu::CopyKind::kDeviceToHost, src_gpu, host));
+  OrDie(be.WaitCopies());
+  hstu::ForwardBatch step = DecodeBatch(2, max_tokens, cached, 256, ppu, &rng);
+  // Only user 1 (pages [ppu, 2·ppu)).
+  hstu::ForwardBatch one;
+  one.num_users = 1;
+  one.row_offsets = {0, step.row_offsets[2] - step.row_offsets[1]};
+  one.num_new = {step.num_new[1]};
+  one.num_tokens = {step.num_tokens[1]};
+  one.page_indptr = {0, ppu};
+  one.page_ids.assign(step.page_ids.begin() + ppu, step.page_ids.end());
+  one.token_ids.assign(step.token_ids.begin() + step.row_offsets[1], step.token_ids.end());
+  one.token_types.assign(step.token_types.begin() + step.row_offsets[1], step.token_types.end());
+  one.positions.assign(step.positions.begin() + step.row_offsets[1], step.positions.end());
+  std::vector<double> alone, copy_only, serial, overlapped;
+  for (int i = -2; i < reps; ++i) {
+    const double a = WallMs([&] { OrDie(be.Forward(one, false, &out)); });
+    const double c = WallMs([&] {
+      OrDie(be.CopyPages(hstu::CopyKind::kHostToDevice, host, dst_gpu));
+      OrDie(be.WaitCopies());
+    });
+    const double s = WallMs([&] {
+      OrDie(be.CopyPages(hstu::CopyKind::kHostToDevice, host, dst_gpu));
+      OrDie(be.WaitCopies());
+      OrDie(be.Forward(one, false, &out));
+    });
+    const double o = WallMs([&] {
+      OrDie(be.CopyPages(hstu::CopyKind::kHostToDevice, host, dst_gpu));
+      OrDie(be.Forward(one, false, &out));
+      OrDie(be.WaitCopies());
+    });
+    if (i >= 0) {
+      alone.push_back(a);
+      copy_only.push_back(c);
+      serial.push_back(s);
+      overlapped.push_back(o);
+    }
+  }
+  const double a = MedianD(alone), c = MedianD(copy_only), s = MedianD(serial), o = MedianD(overlapped);
+  std::printf("\n### onload overlap (batch 1: 3968-token prefix onloaded, then 128 new + 256 "
+              "candidates; wall ms, median of %d; graphs %s)\n\n", reps,
+              be.num_graphs() > 0 ? "on" : "off");
+  std::printf("| step alone | onload alone | onload, wait, step | onload + step with per-layer waits | "
+              "step time not hidden by the onload |\n|---|---|---|---|---|\n");
+  std::printf("| %.3f | %.3f | %.3f | %.3f | %.3f (%.0f%% of the step) |\n", a, c, s, o, o - c,
+              100.0 * (o - c) / a);
+  rows.push_back({{"overlap", true}, {"step_ms", a}, {"onload_ms", c}, {"serial_ms", s},
+                  {"overlapped_ms", o}});
+  return rows;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("hstu_bench attention|kernels|block [--json FILE] [--reps N] [--batches 1,8]");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
-    std::fprintf(stderr, "usage: hstu_bench attention|kernels|block [--json FILE]\n");
+    std::fprintf(stderr, "usage: hstu_bench attention|kernels|block|attention_sweep|layer|block_graphs|"
+                         "e2e|offload [--json FILE]\n");
     return 2;
   }
   const std::string mode = args[1];
@@ -414,8 +724,15 @@ int main(int argc, char** argv) {
     j["results"] = hstu::bench::BenchAttentionSweep(reps);
   } else if (mode == "layer") {
     j["results"] = hstu::bench::BenchLayer(reps);
+  } else if (mode == "block_graphs") {
+    j["results"] = BenchStepGraphs(reps, page_size, batches);
+  } else if (mode == "e2e") {
+    j["results"] = BenchE2e(std::max(1, reps / 10), page_size);
+  } else if (mode == "offload") {
+    j["results"] = BenchOffload(reps, page_size);
   } else {
-    std::fprintf(stderr, "unknown mode '%s' (attention | kernels | block)\n", mode.c_str());
+    std::fprintf(stderr, "unknown mode '%s' (attention | kernels | block | attention_sweep | layer | "
+                         "block_graphs | e2e | offload)\n", mode.c_str());
     return 2;
   }
   const std::string path = absl::GetFlag(FLAGS_json);

@@ -166,7 +166,8 @@ class CudaBackendImpl final : public CudaBackend {
         graph_options_(graphs) {}
   ~CudaBackendImpl() override {
     cudaSetDevice(device_);
-    cudaStreamSynchronize(copy_stream_.get());
+    cudaStreamSynchronize(onload_stream_.get());
+    cudaStreamSynchronize(offload_stream_.get());
     cudaStreamSynchronize(stream_.get());
     for (GraphSlot& g : slots_) {
       if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
@@ -195,6 +196,7 @@ class CudaBackendImpl final : public CudaBackend {
   absl::Status CopyPages(CopyKind kind, const std::vector<int32_t>& src,
                          const std::vector<int32_t>& dst) override;
   absl::Status WaitCopies() override;
+  bool CopiesDone() override;
 
   absl::Status Forward(const ForwardBatch& batch, bool keep_hidden, ForwardOutput* out) override;
   absl::Status ReadKv(const std::vector<int32_t>& page_ids, int32_t num_tokens,
@@ -239,6 +241,7 @@ class CudaBackendImpl final : public CudaBackend {
   // Issues the queued onloads, layer-major, on the copy stream; records layer_ready_[l].
   absl::Status FlushOnloads();
   absl::Status WaitForLayer(int layer);
+  absl::Status LastCapturedNode(cudaGraphNode_t* node);
   cuda::PagePoolRef GpuPoolRef() const {
     return {pool_.as<uint8_t>(), num_pages_, page_elems_ * static_cast<int64_t>(sizeof(bf16))};
   }
@@ -282,7 +285,9 @@ class CudaBackendImpl final : public CudaBackend {
   uint64_t graph_fallbacks_ = 0;
 
   // Host tier.
-  cuda::Stream copy_stream_;
+  cuda::Stream onload_stream_;   // host → GPU
+  cuda::Stream offload_stream_;  // GPU → host: its own copy engine, so onloads never queue behind
+                                 // the write-behind backlog
   uint8_t* host_pool_ = nullptr;  // pinned bf16 [layers, host_num_pages_, 2, page_size, H, D]
   int64_t host_num_pages_ = 0;
   std::vector<cudaEvent_t> layer_ready_;  // [layers] last onload copy of the layer, copy stream
@@ -341,11 +346,12 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
   // allocations and gives eager and captured GEMMs the same algorithms.
   HSTU_CUDA_RETURN(cublas_ws_.Reserve(32u << 20));
   HSTU_CUBLAS_RETURN(cublasSetWorkspace(cublas_, cublas_ws_.get(), cublas_ws_.bytes()));
-  HSTU_CUDA_RETURN(copy_stream_.Create());
+  HSTU_CUDA_RETURN(onload_stream_.Create());
+  HSTU_CUDA_RETURN(offload_stream_.Create());
   layer_ready_.assign(config_.num_layers, nullptr);
   for (cudaEvent_t& e : layer_ready_) {
     HSTU_CUDA_RETURN(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    HSTU_CUDA_RETURN(cudaEventRecord(e, copy_stream_.get()));
+    HSTU_CUDA_RETURN(cudaEventRecord(e, onload_stream_.get()));
   }
   HSTU_CUDA_RETURN(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
   if (graph_options_.enable) HSTU_RETURN_IF_ERROR(CaptureGraphs());
@@ -680,18 +686,36 @@ absl::Status CudaBackendImpl::CaptureGraphs() {
     g.graph = graph;
     HSTU_CUDA_RETURN(cudaGraphInstantiate(&g.exec, g.graph, 0));
     g.attention_nodes = captured_attention_;
-    if (static_cast<int>(g.attention_nodes.size()) != config_.num_layers) {
+    if (static_cast<int>(g.attention_nodes.size()) < config_.num_layers) {
       return absl::InternalError("graph capture: attention nodes not found");
     }
     for (cudaGraphNode_t n : g.attention_nodes) {
+      cudaGraphNodeType type;
+      HSTU_CUDA_RETURN(cudaGraphNodeGetType(n, &type));
       cudaKernelNodeParams p{};
-      HSTU_CUDA_RETURN(cudaGraphKernelNodeGetParams(n, &p));
+      if (type == cudaGraphNodeTypeKernel) HSTU_CUDA_RETURN(cudaGraphKernelNodeGetParams(n, &p));
+      if (type != cudaGraphNodeTypeKernel || p.gridDim.x != static_cast<unsigned>(step_.num_items)) {
+        return absl::InternalError(
+            "graph capture: an attention launch node is not a kernel with one block column per "
+            "work item; CUDA graphs cannot resize it (disable graphs or update the backend)");
+      }
       g.attention_params.push_back(p);
     }
     g.grid_items = step_.num_items;
   }
   staged_ = false;
   HSTU_CUDA_RETURN(cudaStreamSynchronize(stream_.get()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackendImpl::LastCapturedNode(cudaGraphNode_t* node) {
+  cudaStreamCaptureStatus status;
+  const cudaGraphNode_t* deps = nullptr;
+  size_t num_deps = 0;
+  HSTU_CUDA_RETURN(cudaStreamGetCaptureInfo(stream_.get(), &status, nullptr, nullptr, &deps,
+                                            nullptr, &num_deps));
+  if (num_deps > 1) return absl::InternalError("graph capture: the stream is not a chain");
+  *node = num_deps == 1 ? deps[0] : nullptr;
   return absl::OkStatus();
 }
 
@@ -710,20 +734,26 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
   att.alpha = 1.f / std::sqrt(static_cast<float>(config_.head_dim));
   att.inv_norm = 1.f / static_cast<float>(config_.attention_norm_len);
   att.max_attn_len = config_.max_attn_len;
+  // While capturing, the nodes this launch adds (the attention kernel and, as of now, its split
+  // reduction) get the batch's work-item count as gridDim.x before each replay: every kernel of
+  // LaunchHstuAttention has one block column per work item (checked after the capture).
+  cudaGraphNode_t before = nullptr;
+  if (capturing_) HSTU_RETURN_IF_ERROR(LastCapturedNode(&before));
   HSTU_CUDA_RETURN(cuda::LaunchHstuAttention(
       att, reinterpret_cast<const cuda::AttentionWorkItem*>(m + step_.layout.items),
       step_.num_items, step_.ws->partials.as<float>(), step_.ws->counters.as<int32_t>(),
       stream_.get()));
   if (capturing_) {
-    // The node just captured is the attention kernel: its grid is set to the batch's item count
-    // before each replay.
-    cudaStreamCaptureStatus status;
-    const cudaGraphNode_t* deps = nullptr;
-    size_t num_deps = 0;
-    HSTU_CUDA_RETURN(cudaStreamGetCaptureInfo(stream_.get(), &status, nullptr, nullptr, &deps,
-                                              nullptr, &num_deps));
-    if (num_deps != 1) return absl::InternalError("graph capture: attention node not unique");
-    captured_attention_.push_back(deps[0]);
+    cudaGraphNode_t node = nullptr;
+    HSTU_RETURN_IF_ERROR(LastCapturedNode(&node));
+    // Walk the (linear) chain back to the node before the launch.
+    while (node != nullptr && node != before) {
+      captured_attention_.push_back(node);
+      size_t n = 0;
+      HSTU_CUDA_RETURN(cudaGraphNodeGetDependencies(node, nullptr, nullptr, &n));
+      if (n != 1) return absl::InternalError("graph capture: the attention launch is not a chain");
+      HSTU_CUDA_RETURN(cudaGraphNodeGetDependencies(node, &node, nullptr, &n));
+    }
   }
   return absl::OkStatus();
 }
@@ -883,11 +913,11 @@ absl::Status CudaBackendImpl::CopyPages(CopyKind kind, const std::vector<int32_t
   // Write-behind: the copies start once the compute stream's work so far (the forward that wrote
   // these pages) is done, and never hold up later compute.
   HSTU_CUDA_RETURN(cudaEventRecord(compute_done_, stream_.get()));
-  HSTU_CUDA_RETURN(cudaStreamWaitEvent(copy_stream_.get(), compute_done_, 0));
+  HSTU_CUDA_RETURN(cudaStreamWaitEvent(offload_stream_.get(), compute_done_, 0));
   const std::vector<cuda::PageRun> runs = cuda::MergePageRuns(src.data(), dst.data(), src.size());
   for (int l = 0; l < config_.num_layers; ++l) {
     HSTU_CUDA_RETURN(cuda::EnqueuePageRuns(runs, GpuPoolRef(), HostPoolRef(), l, copy_method_,
-                                           copy_stream_.get(), &copy_scratch_));
+                                           offload_stream_.get(), &copy_scratch_));
   }
   return absl::OkStatus();
 }
@@ -897,15 +927,15 @@ absl::Status CudaBackendImpl::FlushOnloads() {
   HSTU_CUDA_RETURN(cudaSetDevice(device_));
   // The destination pages may have been read by work still queued on the compute stream.
   HSTU_CUDA_RETURN(cudaEventRecord(compute_done_, stream_.get()));
-  HSTU_CUDA_RETURN(cudaStreamWaitEvent(copy_stream_.get(), compute_done_, 0));
+  HSTU_CUDA_RETURN(cudaStreamWaitEvent(onload_stream_.get(), compute_done_, 0));
   const std::vector<cuda::PageRun> runs =
       cuda::MergePageRuns(pending_src_.data(), pending_dst_.data(), pending_src_.size());
   pending_src_.clear();
   pending_dst_.clear();
   for (int l = 0; l < config_.num_layers; ++l) {
     HSTU_CUDA_RETURN(cuda::EnqueuePageRuns(runs, HostPoolRef(), GpuPoolRef(), l, copy_method_,
-                                           copy_stream_.get(), &copy_scratch_));
-    HSTU_CUDA_RETURN(cudaEventRecord(layer_ready_[l], copy_stream_.get()));
+                                           onload_stream_.get(), &copy_scratch_));
+    HSTU_CUDA_RETURN(cudaEventRecord(layer_ready_[l], onload_stream_.get()));
   }
   onload_waits_ = true;
   return absl::OkStatus();
@@ -914,8 +944,16 @@ absl::Status CudaBackendImpl::FlushOnloads() {
 absl::Status CudaBackendImpl::WaitCopies() {
   HSTU_RETURN_IF_ERROR(FlushOnloads());
   HSTU_CUDA_RETURN(cudaSetDevice(device_));
-  HSTU_CUDA_RETURN(cudaStreamSynchronize(copy_stream_.get()));
+  HSTU_CUDA_RETURN(cudaStreamSynchronize(onload_stream_.get()));
+  HSTU_CUDA_RETURN(cudaStreamSynchronize(offload_stream_.get()));
   return absl::OkStatus();
+}
+
+bool CudaBackendImpl::CopiesDone() {
+  if (!FlushOnloads().ok() || cudaSetDevice(device_) != cudaSuccess) return false;
+  // cudaErrorNotReady means still running; any other error is reported by the next WaitCopies.
+  return cudaStreamQuery(onload_stream_.get()) == cudaSuccess &&
+         cudaStreamQuery(offload_stream_.get()) == cudaSuccess;
 }
 
 absl::Status CudaBackendImpl::ReadKv(const std::vector<int32_t>& page_ids, int32_t num_tokens,

@@ -2,14 +2,16 @@
 // statistics and accumulation; cuBLAS GEMMs and the kernels of kernels/cuda.
 //
 // Threading: a backend is used by one thread at a time (the engine worker), except graph_replays()
-// (thread-safe); it owns one device, a compute stream, a copy stream (host tier) and one cuBLAS
-// handle. Every CUDA or cuBLAS error becomes an absl::Status here.
+// (thread-safe); it owns one device, a compute stream, two copy streams (host tier: onload and
+// offload, one copy engine each) and one cuBLAS handle. Every CUDA or cuBLAS error becomes an
+// absl::Status here.
 //
 // Host tier (DESIGN §6): a pinned host pool with the GPU pool's layout. Onloads (host → GPU) are
 // queued by CopyPages and issued at the start of the next Forward (or WaitCopies), layer by layer on
-// the copy stream with one event per layer; layer l of the forward waits for its event right before
-// its append/attention, so the copy overlaps staging and the earlier layers. Offloads (GPU → host)
-// wait for the compute stream (the forward that wrote the pages) and run on the copy stream.
+// the onload stream with one event per layer; layer l of the forward waits for its event right
+// before its append/attention, so the copy overlaps staging and the earlier layers. Offloads
+// (GPU → host) wait for the compute stream (the forward that wrote the pages) and run on the
+// offload stream; CopiesDone() polls both streams, WaitCopies() blocks on them.
 //
 // CUDA graphs (DESIGN §7): at creation, after a warm-up, the decode step (gather → layers → head)
 // is captured once per bucket into static buffers; a batch that fits a bucket is padded (padding
