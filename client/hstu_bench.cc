@@ -574,7 +574,10 @@ json BenchOffload(int reps, int page_size) {
   const hstu::ModelWeights weights = BaseWeights();
   const int max_tokens = 4096, ppu = max_tokens / page_size;
   const int64_t pool = 4LL * ppu;
-  auto be_ptr = OrDie(hstu::CreateCudaBackendExt(weights, page_size, pool, 0));
+  hstu::GraphOptions go;  // the overlap step below replays a graph, as the engine's would
+  go.enable = true;
+  go.buckets = {{1, 384}};
+  auto be_ptr = OrDie(hstu::CreateCudaBackendExt(weights, page_size, pool, 0, go));
   hstu::CudaBackend& be = *be_ptr;
   OrDie(be.CreateHostPool(pool));
   const double page_bytes = static_cast<double>(be.page_bytes());

@@ -1,0 +1,299 @@
+// Internals of the CUDA backend shared by engine/cuda_backend.cc (forward, host tier) and
+// engine/graph_runner.cc (CUDA-graph capture and replay). Not part of any public interface.
+#pragma once
+
+#include "engine/cuda_backend.h"
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/copy_pages.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/hstu_attention.h"
+#include "kernels/cuda/ops.h"
+
+namespace hstu::cuda_backend_internal {
+
+using cuda::bf16;
+using cuda::DeviceBuffer;
+
+inline constexpr float kLayerNormEps = 1e-5f;
+
+inline absl::Status CudaStatus(cudaError_t err, const char* what) {
+  return absl::InternalError(
+      absl::StrCat("CUDA error in ", what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+}
+inline absl::Status CublasStatus(cublasStatus_t st, const char* what) {
+  return absl::InternalError(absl::StrCat("cuBLAS error in ", what, ": ", cublasGetStatusName(st),
+                                          " (", cublasGetStatusString(st), ")"));
+}
+
+#define HSTU_CUDA_RETURN(expr)                                    \
+  do {                                                            \
+    const cudaError_t hstu_err_ = (expr);                         \
+    if (hstu_err_ != cudaSuccess) return CudaStatus(hstu_err_, #expr); \
+  } while (0)
+#define HSTU_CUBLAS_RETURN(expr)                                           \
+  do {                                                                     \
+    const cublasStatus_t hstu_st_ = (expr);                                \
+    if (hstu_st_ != CUBLAS_STATUS_SUCCESS) return CublasStatus(hstu_st_, #expr); \
+  } while (0)
+#define HSTU_RETURN_IF_ERROR(expr)        \
+  do {                                    \
+    const absl::Status hstu_s_ = (expr);  \
+    if (!hstu_s_.ok()) return hstu_s_;    \
+  } while (0)
+
+// Converts on the host in slices (the item table of the base model is 1 GiB in bf16).
+inline absl::Status UploadBf16(const std::vector<float>& src, DeviceBuffer* dst, int64_t* total_bytes) {
+  HSTU_CUDA_RETURN(dst->Reserve(std::max<size_t>(src.size(), 1) * sizeof(bf16)));
+  *total_bytes += static_cast<int64_t>(dst->bytes());
+  constexpr size_t kSlice = size_t{1} << 24;
+  std::vector<bf16> tmp(std::min(src.size(), kSlice));
+  for (size_t off = 0; off < src.size(); off += kSlice) {
+    const size_t n = std::min(kSlice, src.size() - off);
+    for (size_t i = 0; i < n; ++i) tmp[i] = __float2bfloat16_rn(src[off + i]);
+    HSTU_CUDA_RETURN(cudaMemcpy(dst->as<bf16>() + off, tmp.data(), n * sizeof(bf16),
+                                cudaMemcpyHostToDevice));
+  }
+  return absl::OkStatus();
+}
+
+inline absl::Status UploadF32(const std::vector<float>& src, DeviceBuffer* dst, int64_t* total_bytes) {
+  HSTU_CUDA_RETURN(dst->Reserve(std::max<size_t>(src.size(), 1) * sizeof(float)));
+  *total_bytes += static_cast<int64_t>(dst->bytes());
+  HSTU_CUDA_RETURN(cudaMemcpy(dst->get(), src.data(), src.size() * sizeof(float),
+                              cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+struct LayerBuffers {
+  DeviceBuffer in_w, in_b;    // [d] fp32
+  DeviceBuffer uvqk_w;        // [d, 4·H·D] bf16
+  DeviceBuffer uvqk_b;        // [4·H·D] fp32
+  DeviceBuffer out_norm_w, out_norm_b;  // [H·D] fp32
+  DeviceBuffer out_w;         // [H·D, d] bf16
+};
+struct HeadBuffers {
+  int32_t in = 0, out = 0;
+  DeviceBuffer w, b;  // fp32 [in, out], [out]
+};
+
+// Byte layout of the per-batch metadata, uploaded with one copy.
+struct MetaLayout {
+  size_t row_offsets, num_new, num_tokens, page_indptr, page_ids, token_types, positions,
+      cand_rows, items, token_ids, total;
+};
+
+inline size_t Align(size_t x) { return (x + 255) & ~size_t{255}; }
+
+// Places the metadata arrays for B users, `rows` rows, `pages` page ids, `cands` candidate slots
+// and `items` attention work items.
+inline MetaLayout PlaceMeta(size_t B, size_t rows, size_t pages, size_t cands, size_t items) {
+  MetaLayout L{};
+  size_t off = 0;
+  auto place = [&](size_t bytes) { const size_t at = off; off = Align(off + bytes); return at; };
+  L.row_offsets = place(4 * (B + 1));
+  L.num_new = place(4 * B);
+  L.num_tokens = place(4 * B);
+  L.page_indptr = place(4 * (B + 1));
+  L.page_ids = place(4 * pages);
+  L.token_types = place(4 * rows);
+  L.positions = place(4 * rows);
+  L.cand_rows = place(4 * cands);
+  L.items = place(sizeof(cuda::AttentionWorkItem) * items);
+  L.token_ids = place(8 * rows);
+  L.total = off;
+  return L;
+}
+
+// Per-batch device buffers (grown, never shrunk). The eager path and the graphs have one each: the
+// graphs' buffers are sized once at creation, so the pointers baked into the graphs stay valid.
+struct Workspace {
+  DeviceBuffer x, n, uvqk, a, y, meta, partials, counters, cand_raw, cand_norm, head_a, head_b;
+  size_t counters_ready = 0;  // bytes of counters known to be zero
+  size_t bytes() const {
+    return x.bytes() + n.bytes() + uvqk.bytes() + a.bytes() + y.bytes() + meta.bytes() +
+           partials.bytes() + counters.bytes() + cand_raw.bytes() + cand_norm.bytes() +
+           head_a.bytes() + head_b.bytes();
+  }
+  std::vector<DeviceBuffer*> activations() {
+    return {&x, &n, &uvqk, &a, &y, &partials, &cand_raw, &cand_norm, &head_a, &head_b};
+  }
+};
+
+// The shapes the kernels of the staged step are launched with.
+struct Step {
+  Workspace* ws = nullptr;
+  MetaLayout layout{};
+  int32_t num_users = 0;  // users in the metadata (real + padding): the page-table batch size
+  int32_t num_rows = 0;   // rows the row-wise kernels and GEMMs run on (real + padding)
+  int32_t num_cand = 0;   // candidate slots the head runs on (real + padding)
+  int32_t real_cand = 0;  // real candidate rows: the first real_cand slots
+  int32_t num_items = 0;  // attention work items
+  int slot = -1;          // graph bucket, -1 = eager
+  bool keep_hidden = false;
+};
+
+// One captured bucket.
+struct GraphSlot {
+  GraphBucket bucket;
+  int32_t page_cap = 0, item_cap = 0, partial_cap = 0, tile_cap = 0;
+  MetaLayout layout{};
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  std::vector<cudaGraphNode_t> attention_nodes;
+  std::vector<cudaKernelNodeParams> attention_params;
+  int32_t grid_items = 0;  // gridDim.x of the attention nodes in `exec` now
+};
+
+class CudaBackendImpl final : public CudaBackend {
+ public:
+  CudaBackendImpl(const ModelWeights& w, int32_t page_size, int64_t num_pages, int device,
+                  const GraphOptions& graphs)
+      : config_(w.config), page_size_(page_size), num_pages_(num_pages), device_(device),
+        graph_options_(graphs) {}
+  ~CudaBackendImpl() override {
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(onload_stream_.get());
+    cudaStreamSynchronize(offload_stream_.get());
+    cudaStreamSynchronize(stream_.get());
+    for (GraphSlot& g : slots_) {
+      if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
+      if (g.graph != nullptr) cudaGraphDestroy(g.graph);
+    }
+    for (cudaEvent_t e : layer_ready_) cudaEventDestroy(e);
+    if (compute_done_ != nullptr) cudaEventDestroy(compute_done_);
+    if (host_pool_ != nullptr) cudaFreeHost(host_pool_);
+    if (cublas_ != nullptr) cublasDestroy(cublas_);
+  }
+
+  absl::Status Init(const ModelWeights& w);
+
+  std::string name() const override { return absl::StrCat("cuda:", device_, " (", gpu_name_, ")"); }
+  std::string gpu_name() const override { return gpu_name_; }
+  int64_t num_pages() const override { return num_pages_; }
+  int64_t kv_pool_bytes() const override { return static_cast<int64_t>(pool_.bytes()); }
+  int64_t device_memory_bytes() const override {
+    return weight_bytes_ + static_cast<int64_t>(pool_.bytes() + eager_ws_.bytes() +
+                                                graph_ws_.bytes() + cublas_ws_.bytes());
+  }
+  int64_t page_bytes() const override { return page_elems_ * config_.num_layers * 2; }
+  uint64_t graph_replays() const override { return graph_replays_.load(std::memory_order_relaxed); }
+
+  absl::Status CreateHostPool(int64_t num_pages) override;
+  absl::Status CopyPages(CopyKind kind, const std::vector<int32_t>& src,
+                         const std::vector<int32_t>& dst) override;
+  absl::Status WaitCopies() override;
+  bool CopiesDone() override;
+
+  absl::Status Forward(const ForwardBatch& batch, bool keep_hidden, ForwardOutput* out) override;
+  absl::Status ReadKv(const std::vector<int32_t>& page_ids, int32_t num_tokens,
+                      std::vector<float>* out) override;
+
+  absl::Status Stage(const ForwardBatch& batch) override;
+  absl::Status EnqueueLayerStack() override;
+  absl::Status EnqueueAttention(int layer) override;
+  absl::StatusOr<std::vector<float>> Time(const std::function<absl::Status()>& fn, int warmup,
+                                          int reps) override;
+  int attention_items() const override { return static_cast<int>(plan_.items.size()); }
+  int attention_chunk_blocks() const override { return plan_.chunk_blocks; }
+  absl::Status SetDebugPoison(bool on) override {
+    HSTU_CUDA_RETURN(cudaSetDevice(device_));
+    poison_ = on;
+    if (on) HSTU_CUDA_RETURN(cudaMemset(pool_.get(), 0xFF, pool_.bytes()));
+    return absl::OkStatus();
+  }
+  absl::StatusOr<bool> StageStep(const ForwardBatch& batch, bool use_graph) override;
+  absl::Status EnqueueStep() override;
+  void SetGraphReplay(bool on) override { replay_ = on; }
+  int num_graphs() const override { return static_cast<int>(slots_.size()); }
+  uint64_t graph_fallbacks() const override { return graph_fallbacks_; }
+  void SetCopyMethod(CopyMethod m) override {
+    copy_method_ = m == CopyMethod::kBatch ? cuda::PageCopyMethod::kMemcpyBatch
+                                           : cuda::PageCopyMethod::kMemcpyPerRun;
+  }
+
+ private:
+  PagedKvView<bf16> View(int layer) const;
+  absl::Status EnqueueHead(bool keep_hidden);
+  // Checks the batch and lists its candidate rows.
+  absl::Status Validate(const ForwardBatch& batch, std::vector<int32_t>* cand_rows) const;
+  // Writes the metadata of `batch` into the host staging buffer at `L`, padded to `users` users,
+  // `rows` rows and `cands` candidate slots, and uploads it to ws->meta on the compute stream.
+  absl::Status UploadMeta(const ForwardBatch& batch, const std::vector<int32_t>& cand_rows,
+                          const MetaLayout& L, int32_t users, int32_t rows, int32_t cands,
+                          Workspace* ws);
+  absl::Status StageGraph(const ForwardBatch& batch, int slot, std::vector<int32_t> cand_rows);
+  absl::Status SizeGraphWorkspace();
+  absl::Status CaptureGraphs();
+  // Issues the queued onloads, layer-major, on the copy stream; records layer_ready_[l].
+  absl::Status FlushOnloads();
+  absl::Status WaitForLayer(int layer);
+  absl::Status LastCapturedNode(cudaGraphNode_t* node);
+  cuda::PagePoolRef GpuPoolRef() const {
+    return {pool_.as<uint8_t>(), num_pages_, page_elems_ * static_cast<int64_t>(sizeof(bf16))};
+  }
+  cuda::PagePoolRef HostPoolRef() const {
+    return {host_pool_, host_num_pages_, page_elems_ * static_cast<int64_t>(sizeof(bf16))};
+  }
+
+  const ModelConfig config_;
+  const int32_t page_size_;
+  const int64_t num_pages_;
+  const int device_;
+  std::string gpu_name_;
+  int concurrent_ctas_ = 0;
+
+  cuda::Stream stream_;
+  cublasHandle_t cublas_ = nullptr;
+  int64_t weight_bytes_ = 0;
+  DeviceBuffer item_, action_, position_;  // bf16 tables
+  std::vector<LayerBuffers> layers_;
+  std::vector<HeadBuffers> head_;
+  DeviceBuffer pool_;  // bf16 [layers, num_pages, 2, page_size, H, D]
+  int64_t page_elems_ = 0;
+
+  DeviceBuffer cublas_ws_;  // cuBLAS workspace set explicitly, so capture never allocates
+
+  // Per-batch state.
+  Workspace eager_ws_, graph_ws_;
+  cuda::PinnedBuffer meta_host_, scores_host_, hidden_host_;
+  cuda::AttentionPlan plan_;
+  Step step_;
+  bool staged_ = false;
+  bool poison_ = false;
+
+  // CUDA graphs.
+  const GraphOptions graph_options_;
+  std::vector<GraphSlot> slots_;
+  bool capturing_ = false;
+  std::vector<cudaGraphNode_t> captured_attention_;
+  bool replay_ = true;
+  std::atomic<uint64_t> graph_replays_{0};
+  uint64_t graph_fallbacks_ = 0;
+
+  // Host tier.
+  cuda::Stream onload_stream_;   // host → GPU
+  cuda::Stream offload_stream_;  // GPU → host: its own copy engine, so onloads never queue behind
+                                 // the write-behind backlog
+  uint8_t* host_pool_ = nullptr;  // pinned bf16 [layers, host_num_pages_, 2, page_size, H, D]
+  int64_t host_num_pages_ = 0;
+  std::vector<cudaEvent_t> layer_ready_;  // [layers] last onload copy of the layer, copy stream
+  cudaEvent_t compute_done_ = nullptr;    // compute stream, before copies that touch its pages
+  std::vector<int32_t> pending_src_, pending_dst_;  // queued onloads (host page → GPU page)
+  bool onload_waits_ = false;  // an eager forward must wait for layer_ready_
+  cuda::PageCopyMethod copy_method_ = cuda::PageCopyMethod::kMemcpyBatch;
+  cuda::PageCopyScratch copy_scratch_;
+};
+
+}  // namespace hstu::cuda_backend_internal

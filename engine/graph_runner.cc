@@ -1,0 +1,231 @@
+// CUDA-graph decode steps of the CUDA backend (DESIGN §7): buckets, static buffers, capture after
+// a warm-up, padded staging and replay with the attention grid resized to the batch's work items.
+#include "engine/cuda_backend_impl.h"
+
+#include <algorithm>
+
+namespace hstu {
+
+std::vector<GraphBucket> DefaultGraphBuckets() {
+  std::vector<GraphBucket> b;
+  for (int32_t users : {1, 4, 16, 64}) {
+    for (int32_t rows : {256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192}) {
+      b.push_back({users, rows});
+    }
+  }
+  return b;
+}
+
+namespace cuda_backend_internal {
+
+absl::Status CudaBackendImpl::SizeGraphWorkspace() {
+  const int64_t d = config_.hidden_dim, hd = config_.hd();
+  const int32_t pages_per_user = (config_.max_history_tokens + page_size_ - 1) / page_size_ + 1;
+  // Split-K adds work items only until the CTAs fill a few waves of the GPU (the plan's cost
+  // model); a plan beyond these capacities runs eagerly (graph_fallbacks).
+  const int32_t ctas_per_head = (concurrent_ctas_ + config_.num_heads - 1) / config_.num_heads;
+  size_t rows = 1, meta = 1, partials = 1, tiles = 1;
+  for (GraphSlot& g : slots_) {
+    const int32_t U = g.bucket.max_users, R = g.bucket.max_rows;
+    g.tile_cap = (R + cuda::kAttnBlockM - 1) / cuda::kAttnBlockM + U;
+    g.item_cap = g.tile_cap + 8 * ctas_per_head;
+    g.partial_cap = g.item_cap;
+    g.page_cap = U * pages_per_user;
+    g.layout = PlaceMeta(U, R, g.page_cap, R, g.item_cap);
+    rows = std::max<size_t>(rows, R);
+    meta = std::max(meta, g.layout.total);
+    partials = std::max<size_t>(partials, g.partial_cap);
+    tiles = std::max<size_t>(tiles, g.tile_cap);
+  }
+  int32_t widest = 1;
+  for (const HeadBuffers& hb : head_) widest = std::max({widest, hb.in, hb.out});
+  Workspace& ws = graph_ws_;
+  HSTU_CUDA_RETURN(ws.x.Reserve(rows * d * sizeof(float)));
+  HSTU_CUDA_RETURN(ws.n.Reserve(rows * d * sizeof(bf16)));
+  HSTU_CUDA_RETURN(ws.uvqk.Reserve(rows * 4 * hd * sizeof(bf16)));
+  HSTU_CUDA_RETURN(ws.a.Reserve(rows * hd * sizeof(bf16)));
+  HSTU_CUDA_RETURN(ws.y.Reserve(rows * hd * sizeof(bf16)));
+  HSTU_CUDA_RETURN(ws.meta.Reserve(meta));
+  HSTU_CUDA_RETURN(ws.partials.Reserve(partials * config_.num_heads * cuda::kAttnBlockM *
+                                       config_.head_dim * sizeof(float)));
+  HSTU_CUDA_RETURN(ws.counters.Reserve(tiles * config_.num_heads * 4));
+  HSTU_CUDA_RETURN(cudaMemsetAsync(ws.counters.get(), 0, ws.counters.bytes(), stream_.get()));
+  ws.counters_ready = ws.counters.bytes();
+  HSTU_CUDA_RETURN(ws.cand_raw.Reserve(rows * d * sizeof(float)));
+  HSTU_CUDA_RETURN(ws.cand_norm.Reserve(rows * d * sizeof(float)));
+  HSTU_CUDA_RETURN(ws.head_a.Reserve(rows * widest * sizeof(float)));
+  HSTU_CUDA_RETURN(ws.head_b.Reserve(rows * widest * sizeof(float)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackendImpl::StageGraph(const ForwardBatch& batch, int slot,
+                                         std::vector<int32_t> cand_rows) {
+  GraphSlot& g = slots_[slot];
+  Workspace* ws = &graph_ws_;
+  HSTU_RETURN_IF_ERROR(UploadMeta(batch, cand_rows, g.layout, g.bucket.max_users,
+                                  g.bucket.max_rows, g.bucket.max_rows, ws));
+  if (poison_) {
+    for (DeviceBuffer* buf : ws->activations()) {
+      HSTU_CUDA_RETURN(cudaMemsetAsync(buf->get(), 0xFF, buf->bytes(), stream_.get()));
+    }
+  }
+  step_ = Step{};
+  step_.ws = ws;
+  step_.layout = g.layout;
+  step_.num_users = g.bucket.max_users;
+  step_.num_rows = g.bucket.max_rows;
+  step_.num_cand = g.bucket.max_rows;
+  step_.real_cand = static_cast<int32_t>(cand_rows.size());
+  step_.num_items = static_cast<int32_t>(plan_.items.size());
+  step_.slot = slot;
+  step_.keep_hidden = true;  // the graphs always gather the raw hidden rows
+  staged_ = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> CudaBackendImpl::StageStep(const ForwardBatch& batch, bool use_graph) {
+  HSTU_CUDA_RETURN(cudaSetDevice(device_));
+  int best = -1;
+  if (use_graph && !slots_.empty()) {
+    const int32_t B = batch.num_users, R = batch.num_rows();
+    for (int i = 0; i < static_cast<int>(slots_.size()); ++i) {
+      const GraphBucket& b = slots_[i].bucket;
+      if (b.max_users < B || b.max_rows < R) continue;
+      if (best < 0 || b.max_rows < slots_[best].bucket.max_rows ||
+          (b.max_rows == slots_[best].bucket.max_rows && b.max_users < slots_[best].bucket.max_users)) {
+        best = i;
+      }
+    }
+  }
+  if (best >= 0) {
+    staged_ = false;
+    std::vector<int32_t> cand_rows;
+    HSTU_RETURN_IF_ERROR(Validate(batch, &cand_rows));
+    plan_ = cuda::PlanHstuAttention(batch.row_offsets.data(), batch.num_new.data(),
+                                    batch.num_tokens.data(), batch.num_users, config_.max_attn_len,
+                                    config_.num_heads, concurrent_ctas_);
+    const GraphSlot& g = slots_[best];
+    const int32_t items = static_cast<int32_t>(plan_.items.size());
+    if (items > 0 && items <= g.item_cap && plan_.num_partials <= g.partial_cap &&
+        plan_.num_split_tiles <= g.tile_cap &&
+        static_cast<int64_t>(batch.page_ids.size()) <= g.page_cap) {
+      HSTU_RETURN_IF_ERROR(StageGraph(batch, best, std::move(cand_rows)));
+      return true;
+    }
+    ++graph_fallbacks_;
+  }
+  HSTU_RETURN_IF_ERROR(Stage(batch));
+  return false;
+}
+
+absl::Status CudaBackendImpl::EnqueueStep() {
+  if (!staged_) return absl::FailedPreconditionError("no staged batch");
+  if (step_.slot >= 0 && replay_ && !capturing_) {
+    GraphSlot& g = slots_[step_.slot];
+    if (g.grid_items != step_.num_items) {
+      for (size_t i = 0; i < g.attention_nodes.size(); ++i) {
+        cudaKernelNodeParams p = g.attention_params[i];
+        p.gridDim.x = static_cast<unsigned>(step_.num_items);
+        HSTU_CUDA_RETURN(cudaGraphExecKernelNodeSetParams(g.exec, g.attention_nodes[i], &p));
+      }
+      g.grid_items = step_.num_items;
+    }
+    HSTU_CUDA_RETURN(cudaGraphLaunch(g.exec, stream_.get()));
+    graph_replays_.fetch_add(1, std::memory_order_relaxed);
+    onload_waits_ = false;  // the graph's wait nodes covered them; later work is ordered after it
+    return absl::OkStatus();
+  }
+  HSTU_RETURN_IF_ERROR(EnqueueLayerStack());
+  return EnqueueHead(step_.keep_hidden);
+}
+
+absl::Status CudaBackendImpl::CaptureGraphs() {
+  slots_.clear();
+  for (const GraphBucket& b : graph_options_.buckets.empty() ? DefaultGraphBuckets()
+                                                             : graph_options_.buckets) {
+    if (b.max_users <= 0 || b.max_rows <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("graph bucket (", b.max_users, " users, ",
+                                                     b.max_rows, " rows) must be positive"));
+    }
+    GraphSlot g;
+    g.bucket = b;
+    slots_.push_back(std::move(g));
+  }
+  HSTU_RETURN_IF_ERROR(SizeGraphWorkspace());
+  for (int i = 0; i < static_cast<int>(slots_.size()); ++i) {
+    GraphSlot& g = slots_[i];
+    // Warm-up batch of the bucket's row count: one user with one new token (written to page 0,
+    // which no user owns yet) and max_rows - 1 candidates.
+    const int32_t R = g.bucket.max_rows;
+    ForwardBatch fb;
+    fb.num_users = 1;
+    fb.row_offsets = {0, R};
+    fb.num_new = {1};
+    fb.num_tokens = {1};
+    fb.page_indptr = {0, 1};
+    fb.page_ids = {0};
+    fb.token_ids.assign(R, 0);
+    fb.token_types.assign(R, kItemToken);
+    fb.positions.assign(R, config_.position_rows > 1 ? 1 : 0);
+    fb.positions[0] = 0;
+    std::vector<int32_t> cand_rows;
+    HSTU_RETURN_IF_ERROR(Validate(fb, &cand_rows));
+    plan_ = cuda::PlanHstuAttention(fb.row_offsets.data(), fb.num_new.data(), fb.num_tokens.data(),
+                                    1, config_.max_attn_len, config_.num_heads, concurrent_ctas_);
+    HSTU_RETURN_IF_ERROR(StageGraph(fb, i, std::move(cand_rows)));
+    // Warm-up: loads every kernel module and lets cuBLAS pick its algorithms outside the capture.
+    HSTU_RETURN_IF_ERROR(EnqueueLayerStack());
+    HSTU_RETURN_IF_ERROR(EnqueueHead(true));
+    HSTU_CUDA_RETURN(cudaStreamSynchronize(stream_.get()));
+
+    captured_attention_.clear();
+    HSTU_CUDA_RETURN(cudaStreamBeginCapture(stream_.get(), cudaStreamCaptureModeThreadLocal));
+    capturing_ = true;
+    absl::Status st = EnqueueLayerStack();
+    if (st.ok()) st = EnqueueHead(true);
+    capturing_ = false;
+    cudaGraph_t graph = nullptr;
+    const cudaError_t end = cudaStreamEndCapture(stream_.get(), &graph);
+    if (!st.ok()) {
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      return st;
+    }
+    HSTU_CUDA_RETURN(end);
+    g.graph = graph;
+    HSTU_CUDA_RETURN(cudaGraphInstantiate(&g.exec, g.graph, 0));
+    g.attention_nodes = captured_attention_;
+    if (static_cast<int>(g.attention_nodes.size()) < config_.num_layers) {
+      return absl::InternalError("graph capture: attention nodes not found");
+    }
+    for (cudaGraphNode_t n : g.attention_nodes) {
+      cudaGraphNodeType type;
+      HSTU_CUDA_RETURN(cudaGraphNodeGetType(n, &type));
+      cudaKernelNodeParams p{};
+      if (type == cudaGraphNodeTypeKernel) HSTU_CUDA_RETURN(cudaGraphKernelNodeGetParams(n, &p));
+      if (type != cudaGraphNodeTypeKernel || p.gridDim.x != static_cast<unsigned>(step_.num_items)) {
+        return absl::InternalError(
+            "graph capture: an attention launch node is not a kernel with one block column per "
+            "work item; CUDA graphs cannot resize it (disable graphs or update the backend)");
+      }
+      g.attention_params.push_back(p);
+    }
+    g.grid_items = step_.num_items;
+  }
+  staged_ = false;
+  HSTU_CUDA_RETURN(cudaStreamSynchronize(stream_.get()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackendImpl::LastCapturedNode(cudaGraphNode_t* node) {
+  cudaStreamCaptureStatus status;
+  const cudaGraphNode_t* deps = nullptr;
+  size_t num_deps = 0;
+  HSTU_CUDA_RETURN(cudaStreamGetCaptureInfo(stream_.get(), &status, nullptr, nullptr, &deps,
+                                            nullptr, &num_deps));
+  if (num_deps > 1) return absl::InternalError("graph capture: the stream is not a chain");
+  *node = num_deps == 1 ? deps[0] : nullptr;
+  return absl::OkStatus();
+}
+
+}  // namespace cuda_backend_internal
+}  // namespace hstu
