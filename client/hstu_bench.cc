@@ -458,7 +458,13 @@ json BenchStepGraphs(int reps, int page_size, const std::vector<int>& batches) {
   const int ppu = (hist + page_size - 1) / page_size;
   hstu::GraphOptions go;
   go.enable = true;  // default buckets
-  auto be_ptr = OrDie(hstu::CreateCudaBackendExt(weights, page_size, int64_t{max_b} * ppu, 0, go));
+  std::unique_ptr<hstu::CudaBackend> be_ptr;
+  const double create_ms = WallMs([&] {
+    be_ptr = OrDie(hstu::CreateCudaBackendExt(weights, page_size, int64_t{max_b} * ppu, 0, go));
+  });
+  const double create_eager_ms = WallMs([&] {
+    OrDie(hstu::CreateCudaBackendExt(weights, page_size, int64_t{max_b} * ppu, 0).status());
+  });
   hstu::CudaBackend& be = *be_ptr;
   std::printf("\n### decode step with CUDA graphs (3968 cached + 128 new + 256 candidates per user; "
               "gather, 8 layers and head; default buckets, %d graphs)\n\n", be.num_graphs());
@@ -499,9 +505,13 @@ json BenchStepGraphs(int reps, int page_size, const std::vector<int>& batches) {
                     {"graph_gpu_ms", gpu_ms[1]}, {"eager_wall_ms", wall_ms[0]},
                     {"graph_wall_ms", wall_ms[1]}});
   }
-  std::printf("\ngraph replays %llu, fallbacks %llu\n",
+  std::printf("\ngraph replays %llu, fallbacks %llu; backend creation %.0f ms with %d graphs "
+              "(warm-up + capture), %.0f ms without\n",
               static_cast<unsigned long long>(be.graph_replays()),
-              static_cast<unsigned long long>(be.graph_fallbacks()));
+              static_cast<unsigned long long>(be.graph_fallbacks()), create_ms, be.num_graphs(),
+              create_eager_ms);
+  rows.push_back({{"backend_create_ms", create_ms}, {"backend_create_no_graphs_ms", create_eager_ms},
+                  {"graphs", be.num_graphs()}});
   return rows;
 }
 
@@ -712,9 +722,11 @@ int main(int argc, char** argv) {
   int driver = 0, runtime = 0;
   cudaDriverGetVersion(&driver);
   cudaRuntimeGetVersion(&runtime);
-  std::printf("GPU: %s | model: hstu-base (8 layers, d 1024, 4 x 256, N 4352) | bf16, eager | "
+  const bool with_graphs = mode == "block_graphs" || mode == "e2e" || mode == "offload";
+  std::printf("GPU: %s | model: hstu-base (8 layers, d 1024, 4 x 256, N 4352) | bf16, %s | "
               "page size %d | median of %d reps | CUDA runtime %d, driver %d\n",
-              GpuName().c_str(), page_size, reps, runtime, driver);
+              GpuName().c_str(), with_graphs ? "eager and CUDA graphs (per table)" : "eager",
+              page_size, reps, runtime, driver);
   json j = {{"gpu", GpuName()}, {"mode", mode}, {"page_size", page_size}, {"reps", reps},
             {"cuda_runtime", runtime}, {"cuda_driver", driver}};
   if (mode == "attention") {

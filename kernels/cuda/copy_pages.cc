@@ -47,8 +47,16 @@ cudaError_t EnqueuePageRuns(const std::vector<PageRun>& runs, const PagePoolRef&
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
   size_t attr_idx = 0;
-  return cudaMemcpyBatchAsync(scratch->dsts.data(), scratch->srcs.data(), scratch->sizes.data(),
-                              runs.size(), &attr, &attr_idx, 1, stream);
+  const cudaError_t err = cudaMemcpyBatchAsync(scratch->dsts.data(), scratch->srcs.data(),
+                                               scratch->sizes.data(), runs.size(), &attr, &attr_idx,
+                                               1, stream);
+  if (err == cudaErrorNotSupported || err == cudaErrorCallRequiresNewerDriver) {
+    // Drivers before CUDA 12.8 have no batched copies: one copy per run instead (half the rate
+    // for scattered pages, docs/benchmarks.md). The error is not sticky; clear it.
+    cudaGetLastError();
+    return EnqueuePageRuns(runs, src, dst, layer, PageCopyMethod::kMemcpyPerRun, stream, scratch);
+  }
+  return err;
 }
 
 }  // namespace hstu::cuda
