@@ -25,6 +25,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device
   auto cuda = CreateCudaBackend(weights, page_size, num_pages, index, graphs);
   if (cuda.ok() || !is_auto) return cuda;
 #else
+  (void)graphs;  // CPU-only build: no backend with graphs
   if (!is_auto) {
     return absl::UnavailableError(
         absl::StrCat("device '", device, "' needs a build with HSTU_ENABLE_CUDA=ON"));
