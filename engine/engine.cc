@@ -1,5 +1,7 @@
 #include "engine/engine.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <unordered_map>
 
@@ -45,6 +47,16 @@ struct PassItem {
 };
 
 constexpr int64_t kDefaultCpuPoolBytes = 1LL << 30;
+
+// The automatic host tier: only behind a GPU pool (on the CPU backend the pool already is host
+// memory), twice its size, within a quarter of the machine's RAM and 32 GiB of pinned memory.
+int64_t AutoHostPages(const Backend& backend, int64_t gpu_pages) {
+  if (backend.device_memory_bytes() == 0) return 0;
+  const int64_t page_bytes = std::max<int64_t>(1, backend.page_bytes());
+  const int64_t ram = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  const int64_t cap_bytes = std::min<int64_t>(ram / 4, int64_t{32} << 30);
+  return std::min(2 * gpu_pages, cap_bytes / page_bytes);
+}
 constexpr int64_t kDefaultGpuPoolBytes = 16LL << 30;
 
 }  // namespace
@@ -103,9 +115,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
                  pages_per_user);
   }
   int64_t host_pages = options.host_cache_pages;
-  if (host_pages < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("host_cache_pages must be >= 0, got ", host_pages));
+  if (host_pages < -1) {
+    return absl::InvalidArgumentError(absl::StrCat("host_cache_pages must be >= -1, got ", host_pages));
   }
+  if (host_pages == -1) host_pages = AutoHostPages(**backend, num_pages);
   if (host_pages > 0 && options.enable_cache) {
     if (auto s = (*backend)->CreateHostPool(host_pages); !s.ok()) {
       if (s.code() != absl::StatusCode::kUnimplemented) return s;

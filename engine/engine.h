@@ -25,7 +25,9 @@ struct EngineOptions {
   std::string device = "cpu";         // cpu | cuda:N | auto
   int32_t page_size = 32;             // tokens per KV page
   int64_t cache_pages = 0;            // KV pool size in pages; 0 = room for 64 users of max history
-  int64_t host_cache_pages = 0;       // host (pinned) KV tier in pages; 0 = no host tier
+  int64_t host_cache_pages = 0;       // host (pinned) KV tier in pages; 0 = none; -1 = auto (on a
+                                      // GPU: 2x the GPU pool, within 1/4 of the RAM and 32 GiB;
+                                      // on the CPU: none)
   bool enable_cache = true;           // false: every request recomputes its whole history
   bool keep_hidden = false;           // fill RankResult::hidden (tests, parity checks)
   bool use_cuda_graphs = true;        // CUDA backend: replay the decode step from CUDA graphs

@@ -2,9 +2,12 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
           "gRPC listen address HOST:PORT (port 0 picks a free port).");
@@ -32,9 +35,16 @@ ABSL_FLAG(int64_t, max_message_bytes, 16 << 20,
 ABSL_FLAG(int32_t, page_size, 32, "KV cache page size in tokens (a power of two).");
 ABSL_FLAG(int64_t, cache_pages, 0,
           "KV cache pool size in pages; 0 = room for 64 users of the model's maximum history.");
-ABSL_FLAG(int64_t, host_cache_pages, 0,
+ABSL_FLAG(int64_t, host_cache_pages, -1,
           "Host (pinned memory) KV tier in pages; 0 disables the tier (evicted users are "
-          "recomputed).");
+          "recomputed); -1 = auto: on a GPU 2x the GPU pool within 1/4 of the RAM and 32 GiB, on "
+          "the CPU none.");
+ABSL_FLAG(bool, cuda_graphs, true,
+          "CUDA backend: replay the decode step from CUDA graphs captured at start-up "
+          "(--nocuda_graphs runs every step eagerly).");
+ABSL_FLAG(std::string, graph_buckets, "",
+          "CUDA graph buckets as USERSxROWS,... (e.g. 1x512,8x4096); a batch runs in the smallest "
+          "bucket that holds it, eagerly beyond all. Empty = the backend's defaults.");
 ABSL_FLAG(bool, enable_cache, true,
           "Keep users' KV between requests (--noenable_cache or --no_cache recomputes every "
           "history).");
@@ -63,6 +73,18 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.engine.page_size = absl::GetFlag(FLAGS_page_size);
   o.engine.cache_pages = absl::GetFlag(FLAGS_cache_pages);
   o.engine.host_cache_pages = absl::GetFlag(FLAGS_host_cache_pages);
+  o.engine.use_cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
+  for (absl::string_view item : absl::StrSplit(absl::GetFlag(FLAGS_graph_buckets), ',',
+                                                absl::SkipEmpty())) {
+    std::vector<std::string> parts = absl::StrSplit(item, 'x');
+    GraphBucket b;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &b.max_users) ||
+        !absl::SimpleAtoi(parts[1], &b.max_rows) || b.max_users < 1 || b.max_rows < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--graph_buckets: '", item, "' is not USERSxROWS with positive numbers (e.g. 8x4096)"));
+    }
+    o.engine.graph_buckets.push_back(b);
+  }
   o.engine.enable_cache = absl::GetFlag(FLAGS_enable_cache) && !absl::GetFlag(FLAGS_no_cache);
   o.engine.limits.max_candidates = absl::GetFlag(FLAGS_max_candidates);
   o.scheduler.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
@@ -85,8 +107,8 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   const int32_t ps = o.engine.page_size;
   if (ps < 1 || (ps & (ps - 1)) != 0) return bad("page_size", ps, "must be a power of two");
   if (o.engine.cache_pages < 0) return bad("cache_pages", o.engine.cache_pages, "must be >= 0");
-  if (o.engine.host_cache_pages < 0) {
-    return bad("host_cache_pages", o.engine.host_cache_pages, "must be >= 0");
+  if (o.engine.host_cache_pages < -1) {
+    return bad("host_cache_pages", o.engine.host_cache_pages, "must be >= 0, or -1 for auto");
   }
   return o;
 }

@@ -83,12 +83,18 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
   if (s->engine_->device_name().rfind("cpu", 0) == 0) {
     spdlog::warn("engine: running on the CPU reference backend (fp32), not on a GPU");
   }
-  if (options.engine.host_cache_pages == 0) {
-    spdlog::warn("engine: host KV tier disabled (--host_cache_pages=0); evicted users are "
-                 "recomputed");
+  const EngineStats stats = s->engine_->Stats();
+  if (stats.cache.host_pages_total == 0) {
+    spdlog::warn("engine: no host KV tier (--host_cache_pages={}); users evicted from the KV pool "
+                 "are recomputed",
+                 options.engine.host_cache_pages);
   } else {
-    spdlog::info("engine: host KV tier of {} pages", options.engine.host_cache_pages);
+    spdlog::info("engine: host KV tier of {} pages ({:.1f} GiB pinned)", stats.cache.host_pages_total,
+                 stats.cache.host_pages_total * static_cast<double>(stats.kv_page_bytes) / (1 << 30));
   }
+  spdlog::info("engine: KV pool {} pages of {} tokens; CUDA graphs {}", stats.cache.pages_total,
+               options.engine.page_size,
+               options.engine.use_cuda_graphs ? "on (where the backend has them)" : "off");
 
   if (options.warmup) {
     const auto warm = s->engine_->Rank(std::vector<RankRequest>{WarmupRequest()});
