@@ -130,8 +130,9 @@ struct FusedAttention {
     std::vector<int32_t> words;
     auto append = [&](const void* src, size_t n_bytes) {
       const size_t at = words.size();
-      words.resize(at + (n_bytes + 3) / 4);
-      std::memcpy(words.data() + at, src, n_bytes);
+      // insert() rather than resize(): GCC 12 reports a bogus -Wstringop-overflow for the latter.
+      words.insert(words.end(), (n_bytes + 3) / 4, 0);
+      if (n_bytes > 0) std::memcpy(words.data() + at, src, n_bytes);
       return at;
     };
     const size_t o_ro = append(row_offsets.data(), 4 * row_offsets.size());
