@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds hstu_server, hstu_loadgen and hstu_rank with the CUDA backend (own build dir) and packs them
+# Builds hstu_server, hstu_loadgen, hstu_rank and hstu_model with the CUDA backend (own build dir) and packs them
 # with their non-system shared libraries (gRPC, protobuf, absl, spdlog, OpenBLAS, ...) into
 # pack/hstu_server_pack.tar.gz for the GPU machine, which has no -dev packages. The CUDA runtime and
 # cuBLAS come from the GPU machine's toolkit (see scripts/run_device_server.sh).
@@ -11,14 +11,15 @@ if [ ! -f "$BUILD/CMakeCache.txt" ]; then
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DHSTU_ENABLE_CUDA=ON \
     -DHSTU_BUILD_SERVER=ON -DHSTU_BUILD_TESTS=OFF
 fi
-BINS=(server/hstu_server client/hstu_loadgen client/hstu_rank)
-cmake --build "$BUILD" -j "$JOBS" --target hstu_server hstu_loadgen hstu_rank
+BINS=(server/hstu_server client/hstu_loadgen client/hstu_rank client/hstu_model)
+cmake --build "$BUILD" -j "$JOBS" --target hstu_server hstu_loadgen hstu_rank hstu_model
 STAGE="$(mktemp -d)"
 trap 'rm -rf "$STAGE"' EXIT
 mkdir -p "$STAGE/hstu_server/bin" "$STAGE/hstu_server/lib"
 for b in "${BINS[@]}"; do cp "$BUILD/$b" "$STAGE/hstu_server/bin/"; done
 bash scripts/collect_libs.sh "$STAGE/hstu_server/lib" "${BINS[@]/#/$BUILD/}"
 git rev-parse --short HEAD > "$STAGE/hstu_server/COMMIT" 2>/dev/null || echo unknown > "$STAGE/hstu_server/COMMIT"
+cp tools/make_requests.py tools/compare_rank_outputs.py "$STAGE/hstu_server/"
 mkdir -p pack
 tar -C "$STAGE" -czf pack/hstu_server_pack.tar.gz hstu_server
 ls -la pack/hstu_server_pack.tar.gz

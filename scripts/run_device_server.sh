@@ -19,6 +19,36 @@ export LD_LIBRARY_PATH="$H/lib:$CUDA_LIB:${LD_LIBRARY_PATH:-}"
 { echo "commit: $(cat "$H/COMMIT")"; date -u +%Y-%m-%dT%H:%M:%SZ
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } | tee "$OUT/server_device.txt"
 
+# hstu_rank --device cuda:0 vs --device cpu on the same requests (issue 3: within 2e-3), for a
+# mid-size model file with position encoding and a window, and for the base preset.
+cd "$DIR"
+"$H/bin/hstu_model" init --preset base --seed 5 --layers 4 --hidden 512 --heads 2 --head-dim 128 \
+  --max-history 1024 --max-candidates 128 --items 100000 --position-encoding true --window 600 \
+  --out mid.safetensors > /dev/null
+python3 "$H/make_requests.py" --model mid.safetensors --users 12 --visits 5 --seed 3 --out mid.jsonl
+for dev in cpu cuda:0; do
+  "$H/bin/hstu_rank" --model mid.safetensors --input mid.jsonl --device "$dev" > "mid_${dev%%:*}.jsonl"
+done
+echo "parity mid model (4 layers, d 512, 2 x 128, window 600, position encoding):" | tee "$OUT/parity.txt"
+python3 "$H/compare_rank_outputs.py" mid_cpu.jsonl mid_cuda.jsonl 2>&1 | tee -a "$OUT/parity.txt"
+python3 - <<'PY' > base.jsonl
+import json, random
+r = random.Random(9)
+for v in range(2):
+    for u in range(3):
+        n = 150 + 100 * v + 20 * u  # each visit extends the user's previous history
+        ri, ra = random.Random(u), random.Random(1000 + u)
+        print(json.dumps({"user_id": u, "history_item_ids": [ri.randrange(10**6) for _ in range(n)],
+                          "history_actions": [ra.randrange(128) for _ in range(n)],
+                          "candidate_item_ids": [r.randrange(10**6) for _ in range(256)]}))
+PY
+for dev in cpu cuda:0; do
+  "$H/bin/hstu_rank" --model random:base --input base.jsonl --device "$dev" > "base_${dev%%:*}.jsonl"
+done
+echo "parity base preset (6 requests, 3 returning users, up to 290 events, 256 candidates):" | tee -a "$OUT/parity.txt"
+python3 "$H/compare_rank_outputs.py" base_cpu.jsonl base_cuda.jsonl 2>&1 | tee -a "$OUT/parity.txt"
+cd - > /dev/null
+
 # GPU pool: 2048 pages of 32 tokens = 16 users of 4096 tokens (2 GiB bf16); host tier: 64 users.
 # The population (400 users, histories up to 2048 events = 4096 tokens) is far larger than the pool.
 run() {  # name, extra server flags...
