@@ -12,24 +12,6 @@
 namespace hstu {
 namespace {
 
-ModelConfig EngineGpuConfig() {
-  ModelConfig c = *PresetConfig("tiny");
-  c.num_layers = 3;
-  c.hidden_dim = 128;
-  c.num_heads = 2;
-  c.head_dim = 64;
-  c.max_history_tokens = 256;
-  c.max_candidates = 32;
-  c.attention_norm_len = 256 + 32;
-  c.position_encoding = true;
-  c.position_rows = 256;
-  c.item_rows = 500;
-  c.action_rows = 6;
-  c.num_tasks = 2;
-  c.head_dims = {128, 32, 2};
-  return c;
-}
-
 std::unique_ptr<Engine> MakeEngine(const std::string& device, bool cache, const ModelWeights& w) {
   EngineOptions o;
   o.device = device;
@@ -43,7 +25,7 @@ std::unique_ptr<Engine> MakeEngine(const std::string& device, bool cache, const 
 
 TEST(CudaEngine, MatchesCpuEngineAndCacheMatchesNoCache) {
   HSTU_SKIP_WITHOUT_GPU();
-  const ModelWeights w = RandomModel(EngineGpuConfig(), 21);
+  const ModelWeights w = RandomModel(test::SmallGpuModelConfig(), 21);
   auto cpu = MakeEngine("cpu", true, w);
   auto gpu = MakeEngine("cuda:0", true, w);
   auto gpu_nocache = MakeEngine("cuda:0", false, w);

@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "engine/model_file.h"
 #include "gtest/gtest.h"
 
 namespace hstu::test {
@@ -88,6 +89,26 @@ inline bool AllFinite(const std::vector<float>& v) {
     if (!std::isfinite(x)) return false;
   }
   return true;
+}
+
+// A small model the CUDA kernels support (head dim 64), with position encoding: 3 layers, d 128,
+// 2 heads x 64, 256 history tokens, 32 candidates per forward, 2 tasks.
+inline ModelConfig SmallGpuModelConfig() {
+  ModelConfig c = *PresetConfig("tiny");
+  c.num_layers = 3;
+  c.hidden_dim = 128;
+  c.num_heads = 2;
+  c.head_dim = 64;
+  c.max_history_tokens = 256;
+  c.max_candidates = 32;
+  c.attention_norm_len = 256 + 32;
+  c.position_encoding = true;
+  c.position_rows = 256;
+  c.item_rows = 500;
+  c.action_rows = 6;
+  c.num_tasks = 2;
+  c.head_dims = {128, 32, 2};
+  return c;
 }
 
 }  // namespace hstu::test

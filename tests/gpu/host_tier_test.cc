@@ -18,24 +18,6 @@
 namespace hstu {
 namespace {
 
-ModelConfig TierConfig() {
-  ModelConfig c = *PresetConfig("tiny");
-  c.num_layers = 3;
-  c.hidden_dim = 128;
-  c.num_heads = 2;
-  c.head_dim = 64;
-  c.max_history_tokens = 256;
-  c.max_candidates = 32;
-  c.attention_norm_len = 256 + 32;
-  c.position_encoding = true;
-  c.position_rows = 256;
-  c.item_rows = 500;
-  c.action_rows = 6;
-  c.num_tasks = 2;
-  c.head_dims = {128, 32, 2};
-  return c;
-}
-
 // One user's whole history as new rows (plus `cand` candidates) in `pages`.
 ForwardBatch OneUser(int hist, int cached, int cand, const std::vector<int32_t>& pages,
                      std::mt19937* rng) {
@@ -65,7 +47,7 @@ bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
 
 TEST(CudaHostTier, RoundTripIsBitExact) {
   HSTU_SKIP_WITHOUT_GPU();
-  const ModelWeights w = RandomModel(TierConfig(), 3);
+  const ModelWeights w = RandomModel(test::SmallGpuModelConfig(), 3);
   for (int page_size : {7, 16}) {
     for (auto method : {CudaBackend::CopyMethod::kPerRun, CudaBackend::CopyMethod::kBatch}) {
       const std::string what = "page size " + std::to_string(page_size) +
@@ -142,7 +124,7 @@ std::unique_ptr<Engine> TierEngine(const std::string& device, const ModelWeights
 
 TEST(CudaHostTier, RestoredUsersScoreLikeCpuEngine) {
   HSTU_SKIP_WITHOUT_GPU();
-  const ModelWeights w = RandomModel(TierConfig(), 11);
+  const ModelWeights w = RandomModel(test::SmallGpuModelConfig(), 11);
   // 12 users of up to 16 pages; the GPU pool holds about three of them, the host all.
   auto gpu = TierEngine("cuda:0", w, 48, 400);
   auto cpu = TierEngine("cpu", w, 0, 0);
@@ -196,7 +178,7 @@ TEST(CudaHostTier, RestoredUsersScoreLikeCpuEngine) {
 
 TEST(CudaHostTier, NoPageLeakAfter10000RandomRequests) {
   HSTU_SKIP_WITHOUT_GPU();
-  const ModelConfig c = TierConfig();
+  const ModelConfig c = test::SmallGpuModelConfig();
   const ModelWeights w = RandomModel(c, 13);
   const int64_t gpu_pages = 48, host_pages = 160;  // 3 and 10 users of max history
   auto e = TierEngine("cuda:0", w, gpu_pages, host_pages);
