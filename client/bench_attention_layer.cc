@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "client/bench_util.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/hstu_attention.h"
@@ -28,61 +29,19 @@ namespace {
 using cuda::bf16;
 using json = nlohmann::json;
 
-#define BENCH_CHECK_CUDA(expr)                                                            \
-  do {                                                                                    \
-    const cudaError_t e_ = (expr);                                                        \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
 
-float Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.f : v[v.size() / 2];
-}
 
-void FillRandom(bf16* dst, size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  const size_t kSlice = size_t{1} << 22;
-  std::vector<bf16> tmp(std::min(n, kSlice));
-  for (size_t off = 0; off < n; off += kSlice) {
-    const size_t m = std::min(kSlice, n - off);
-    for (size_t i = 0; i < m; ++i) tmp[i] = __float2bfloat16_rn(u(rng));
-    BENCH_CHECK_CUDA(cudaMemcpy(dst + off, tmp.data(), m * sizeof(bf16), cudaMemcpyHostToDevice));
-  }
-}
 
-template <typename Fn>
-float TimeMs(cudaStream_t s, int reps, Fn fn) {
-  cuda::Event start, stop;
-  BENCH_CHECK_CUDA(start.Create());
-  BENCH_CHECK_CUDA(stop.Create());
-  for (int i = 0; i < 3; ++i) fn();
-  BENCH_CHECK_CUDA(cudaStreamSynchronize(s));
-  std::vector<float> ms;
-  for (int r = 0; r < reps; ++r) {
-    BENCH_CHECK_CUDA(cudaEventRecord(start.get(), s));
-    fn();
-    BENCH_CHECK_CUDA(cudaEventRecord(stop.get(), s));
-    BENCH_CHECK_CUDA(cudaEventSynchronize(stop.get()));
-    float t = 0;
-    BENCH_CHECK_CUDA(cudaEventElapsedTime(&t, start.get(), stop.get()));
-    ms.push_back(t);
-  }
-  return Median(ms);
-}
 
 size_t UsedBytes() {
   size_t free_b = 0, total_b = 0;
-  BENCH_CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  HSTU_BENCH_CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
   return total_b - free_b;
 }
 
 std::vector<float> DownloadF32(const bf16* d, size_t n) {
   std::vector<bf16> h(n);
-  BENCH_CHECK_CUDA(cudaMemcpy(h.data(), d, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+  HSTU_BENCH_CHECK_CUDA(cudaMemcpy(h.data(), d, n * sizeof(bf16), cudaMemcpyDeviceToHost));
   std::vector<float> f(n);
   for (size_t i = 0; i < n; ++i) f[i] = __bfloat162float(h[i]);
   return f;
@@ -116,7 +75,7 @@ struct FusedAttention {
     const int64_t hd = static_cast<int64_t>(H) * D;
     const int pages_per_user = (T + page_size - 1) / page_size;
     const int64_t page_elems = 2LL * page_size * hd;
-    BENCH_CHECK_CUDA(pool.Reserve(static_cast<size_t>(B) * pages_per_user * page_elems * sizeof(bf16)));
+    HSTU_BENCH_CHECK_CUDA(pool.Reserve(static_cast<size_t>(B) * pages_per_user * page_elems * sizeof(bf16)));
     std::vector<int32_t> row_offsets = {0}, num_new(B, T), num_tokens(B, T), indptr = {0}, page_ids;
     for (int b = 0; b < B; ++b) {
       row_offsets.push_back(row_offsets.back() + T);
@@ -142,15 +101,15 @@ struct FusedAttention {
     const size_t o_pg = append(page_ids.data(), 4 * page_ids.size());
     while (words.size() % 4) words.push_back(0);
     const size_t o_it = append(plan.items.data(), sizeof(cuda::AttentionWorkItem) * plan.items.size());
-    BENCH_CHECK_CUDA(meta.Reserve(words.size() * 4));
-    BENCH_CHECK_CUDA(cudaMemcpy(meta.get(), words.data(), words.size() * 4, cudaMemcpyHostToDevice));
+    HSTU_BENCH_CHECK_CUDA(meta.Reserve(words.size() * 4));
+    HSTU_BENCH_CHECK_CUDA(cudaMemcpy(meta.get(), words.data(), words.size() * 4, cudaMemcpyHostToDevice));
     const int32_t* m = meta.as<int32_t>();
     if (plan.num_partials > 0) {
-      BENCH_CHECK_CUDA(partials.Reserve(static_cast<size_t>(plan.num_partials) * H *
+      HSTU_BENCH_CHECK_CUDA(partials.Reserve(static_cast<size_t>(plan.num_partials) * H *
                                         cuda::kAttnBlockM * D * 4));
     }
-    BENCH_CHECK_CUDA(counters.Reserve(std::max(1, plan.num_split_tiles * H) * 4));
-    BENCH_CHECK_CUDA(cudaMemset(counters.get(), 0, counters.bytes()));
+    HSTU_BENCH_CHECK_CUDA(counters.Reserve(std::max(1, plan.num_split_tiles * H) * 4));
+    HSTU_BENCH_CHECK_CUDA(cudaMemset(counters.get(), 0, counters.bytes()));
     p.uvqk = uvqk;
     p.uvqk_row_stride = 4 * hd;
     p.out = out;
@@ -171,7 +130,7 @@ struct FusedAttention {
     p.inv_norm = inv_norm;
     items = reinterpret_cast<const cuda::AttentionWorkItem*>(m + o_it);
     AppendKv(s);
-    BENCH_CHECK_CUDA(cudaStreamSynchronize(s));
+    HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(s));
     bytes = UsedBytes() - before;
   }
   void AppendKv(cudaStream_t s) const {
@@ -181,10 +140,10 @@ struct FusedAttention {
     ap.row_offsets = p.row_offsets;
     ap.num_new = p.num_new;
     ap.kv = p.kv;
-    BENCH_CHECK_CUDA(cuda::LaunchAppendKv(ap, B * T, s));
+    HSTU_BENCH_CHECK_CUDA(cuda::LaunchAppendKv(ap, B * T, s));
   }
   void Run(cudaStream_t s) {
-    BENCH_CHECK_CUDA(cuda::LaunchHstuAttention(p, items, static_cast<int32_t>(plan.items.size()),
+    HSTU_BENCH_CHECK_CUDA(cuda::LaunchHstuAttention(p, items, static_cast<int32_t>(plan.items.size()),
                                                plan.num_partials > 0 ? partials.as<float>() : nullptr,
                                                counters.as<int32_t>(), s));
   }
@@ -221,9 +180,9 @@ struct Materialized {
 
 int ConcurrentCtas(int head_dim) {
   cudaDeviceProp prop{};
-  BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  HSTU_BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   int per_sm = 1;
-  BENCH_CHECK_CUDA(cuda::HstuAttentionCtasPerSm(head_dim, &per_sm));
+  HSTU_BENCH_CHECK_CUDA(cuda::HstuAttentionCtasPerSm(head_dim, &per_sm));
   return prop.multiProcessorCount * std::max(per_sm, 1);
 }
 
@@ -239,7 +198,7 @@ json BenchAttentionSweep(int reps) {
               "baseline TFLOP/s | baseline peak (MB) | speedup | rel L2 fused vs baseline |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   cuda::Stream stream;
-  BENCH_CHECK_CUDA(stream.Create());
+  HSTU_BENCH_CHECK_CUDA(stream.Create());
   cublasHandle_t h;
   if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) std::exit(1);
   cublasSetStream(h, stream.get());
@@ -250,9 +209,9 @@ json BenchAttentionSweep(int reps) {
       const float alpha = 1.f / std::sqrt(static_cast<float>(hd.D)), inv_norm = 1.f / T;
       const size_t before = UsedBytes();
       cuda::DeviceBuffer uvqk, out_f, out_b;
-      BENCH_CHECK_CUDA(uvqk.Reserve(static_cast<size_t>(T) * 4 * hdim * sizeof(bf16)));
-      BENCH_CHECK_CUDA(out_f.Reserve(static_cast<size_t>(T) * hdim * sizeof(bf16)));
-      BENCH_CHECK_CUDA(out_b.Reserve(static_cast<size_t>(T) * hdim * sizeof(bf16)));
+      HSTU_BENCH_CHECK_CUDA(uvqk.Reserve(static_cast<size_t>(T) * 4 * hdim * sizeof(bf16)));
+      HSTU_BENCH_CHECK_CUDA(out_f.Reserve(static_cast<size_t>(T) * hdim * sizeof(bf16)));
+      HSTU_BENCH_CHECK_CUDA(out_b.Reserve(static_cast<size_t>(T) * hdim * sizeof(bf16)));
       FillRandom(uvqk.as<bf16>(), static_cast<size_t>(T) * 4 * hdim, T + hd.D);
       const size_t io_bytes = UsedBytes() - before;
       const int t_reps = T >= 8192 ? std::max(5, reps / 5) : reps;
@@ -281,7 +240,7 @@ json BenchAttentionSweep(int reps) {
         const float b_ms = TimeMs(stream.get(), t_reps, [&] {
           m.Run(h, uvqk.as<bf16>(), out_b.as<bf16>(), 1, T, hd.H, hd.D, alpha, inv_norm, stream.get());
         });
-        BENCH_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
+        HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
         const double err = RelL2(DownloadF32(out_f.as<bf16>(), T * hdim),
                                  DownloadF32(out_b.as<bf16>(), T * hdim));
         const double b_peak_mb = (io_bytes + m.bytes) / 1048576.0;
@@ -311,7 +270,7 @@ json BenchLayer(int reps) {
   std::printf("| T | fused (ms) | fused peak (GB) | unfused (ms) | unfused peak (GB) | speedup | "
               "attention fused (ms) | attention unfused (ms) |\n|---|---|---|---|---|---|---|---|\n");
   cuda::Stream stream;
-  BENCH_CHECK_CUDA(stream.Create());
+  HSTU_BENCH_CHECK_CUDA(stream.Create());
   cublasHandle_t h;
   if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) std::exit(1);
   cublasSetStream(h, stream.get());
@@ -321,14 +280,14 @@ json BenchLayer(int reps) {
     const float inv_norm = 1.f / T;
     const size_t before = UsedBytes();
     cuda::DeviceBuffer x, n, uvqk, attn, y, w_uvqk, w_out, vecs;
-    BENCH_CHECK_CUDA(x.Reserve(rows_n * d * 4));
-    BENCH_CHECK_CUDA(n.Reserve(rows_n * d * 2));
-    BENCH_CHECK_CUDA(uvqk.Reserve(rows_n * 4 * hd * 2));
-    BENCH_CHECK_CUDA(attn.Reserve(rows_n * hd * 2));
-    BENCH_CHECK_CUDA(y.Reserve(rows_n * hd * 2));
-    BENCH_CHECK_CUDA(w_uvqk.Reserve(static_cast<size_t>(d) * 4 * hd * 2));
-    BENCH_CHECK_CUDA(w_out.Reserve(static_cast<size_t>(hd) * d * 2));
-    BENCH_CHECK_CUDA(vecs.Reserve(4 * 4 * hd * 4));
+    HSTU_BENCH_CHECK_CUDA(x.Reserve(rows_n * d * 4));
+    HSTU_BENCH_CHECK_CUDA(n.Reserve(rows_n * d * 2));
+    HSTU_BENCH_CHECK_CUDA(uvqk.Reserve(rows_n * 4 * hd * 2));
+    HSTU_BENCH_CHECK_CUDA(attn.Reserve(rows_n * hd * 2));
+    HSTU_BENCH_CHECK_CUDA(y.Reserve(rows_n * hd * 2));
+    HSTU_BENCH_CHECK_CUDA(w_uvqk.Reserve(static_cast<size_t>(d) * 4 * hd * 2));
+    HSTU_BENCH_CHECK_CUDA(w_out.Reserve(static_cast<size_t>(hd) * d * 2));
+    HSTU_BENCH_CHECK_CUDA(vecs.Reserve(4 * 4 * hd * 4));
     FillRandom(n.as<bf16>(), rows_n * d, 1);
     FillRandom(w_uvqk.as<bf16>(), static_cast<size_t>(d) * 4 * hd, 3);
     FillRandom(w_out.as<bf16>(), static_cast<size_t>(hd) * d, 4);
@@ -336,22 +295,22 @@ json BenchLayer(int reps) {
     std::mt19937 rng(9);
     std::uniform_real_distribution<float> u(0.5f, 1.5f);
     for (float& e : v) e = u(rng);
-    BENCH_CHECK_CUDA(cudaMemcpy(vecs.get(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+    HSTU_BENCH_CHECK_CUDA(cudaMemcpy(vecs.get(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
     const float* ln_w = vecs.as<float>();
     const float* ln_b = ln_w + 4 * hd;
     const float* bias = ln_b + 4 * hd;
     const float* ln2_w = bias + 4 * hd;
     const float* ln2_b = ln2_w + hd;
-    BENCH_CHECK_CUDA(cuda::LaunchBf16ToF32(n.as<bf16>(), rows_n * d, x.as<float>(), stream.get()));
+    HSTU_BENCH_CHECK_CUDA(cuda::LaunchBf16ToF32(n.as<bf16>(), rows_n * d, x.as<float>(), stream.get()));
     const size_t common_bytes = UsedBytes() - before;
 
     auto pre = [&] {
-      BENCH_CHECK_CUDA(cuda::LaunchLayerNorm(x.as<float>(), rows_n, d, ln_w, ln_b, 1e-5f, n.as<bf16>(), stream.get()));
+      HSTU_BENCH_CHECK_CUDA(cuda::LaunchLayerNorm(x.as<float>(), rows_n, d, ln_w, ln_b, 1e-5f, n.as<bf16>(), stream.get()));
       cuda::GemmBf16(h, n.as<bf16>(), w_uvqk.as<bf16>(), uvqk.get(), false, rows_n, 4 * hd, d, 0.f);
-      BENCH_CHECK_CUDA(cuda::LaunchBiasSilu(uvqk.as<bf16>(), rows_n, 4 * hd, bias, stream.get()));
+      HSTU_BENCH_CHECK_CUDA(cuda::LaunchBiasSilu(uvqk.as<bf16>(), rows_n, 4 * hd, bias, stream.get()));
     };
     auto post = [&] {
-      BENCH_CHECK_CUDA(cuda::LaunchNormMulU(attn.as<bf16>(), uvqk.as<bf16>(), 4 * hd, rows_n, hd, ln2_w, ln2_b, 1e-5f, y.as<bf16>(), stream.get()));
+      HSTU_BENCH_CHECK_CUDA(cuda::LaunchNormMulU(attn.as<bf16>(), uvqk.as<bf16>(), 4 * hd, rows_n, hd, ln2_w, ln2_b, 1e-5f, y.as<bf16>(), stream.get()));
       cuda::GemmBf16(h, y.as<bf16>(), w_out.as<bf16>(), x.get(), true, rows_n, d, hd, 1.f);
     };
     pre();

@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/bench_attention_layer.h"
+#include "client/bench_util.h"
 #include "engine/cuda_backend.h"
 #include "engine/engine.h"
 #include "engine/model_file.h"
@@ -43,15 +44,11 @@ namespace {
 
 using hstu::cuda::bf16;
 using json = nlohmann::json;
+using hstu::bench::FillRandom;
+using hstu::bench::GpuName;
+using hstu::bench::Median;
+using hstu::bench::TimeMs;
 
-#define CHECK_CUDA(expr)                                                                  \
-  do {                                                                                    \
-    const cudaError_t e_ = (expr);                                                        \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
 
 std::vector<int> ParseList(const std::string& s) {
   std::vector<int> v;
@@ -65,50 +62,9 @@ std::vector<int> ParseList(const std::string& s) {
   return v;
 }
 
-float Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.f : v[v.size() / 2];
-}
 
-std::string GpuName() {
-  cudaDeviceProp p{};
-  CHECK_CUDA(cudaGetDeviceProperties(&p, 0));
-  return p.name;
-}
 
-// Fills a device bf16 buffer with uniform(-1, 1) values generated on the host in slices.
-void FillRandom(bf16* dst, size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  const size_t kSlice = size_t{1} << 22;
-  std::vector<bf16> tmp(std::min(n, kSlice));
-  for (size_t off = 0; off < n; off += kSlice) {
-    const size_t m = std::min(kSlice, n - off);
-    for (size_t i = 0; i < m; ++i) tmp[i] = __float2bfloat16_rn(u(rng));
-    CHECK_CUDA(cudaMemcpy(dst + off, tmp.data(), m * sizeof(bf16), cudaMemcpyHostToDevice));
-  }
-}
 
-// Times `fn` (which enqueues `per_call` units of work on `s`) and returns ms per unit (median).
-template <typename Fn>
-float TimeMs(cudaStream_t s, int reps, int per_call, Fn fn) {
-  hstu::cuda::Event start, stop;
-  CHECK_CUDA(start.Create());
-  CHECK_CUDA(stop.Create());
-  for (int i = 0; i < 3; ++i) fn();
-  CHECK_CUDA(cudaStreamSynchronize(s));
-  std::vector<float> ms;
-  for (int r = 0; r < reps; ++r) {
-    CHECK_CUDA(cudaEventRecord(start.get(), s));
-    fn();
-    CHECK_CUDA(cudaEventRecord(stop.get(), s));
-    CHECK_CUDA(cudaEventSynchronize(stop.get()));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start.get(), stop.get()));
-    ms.push_back(t / per_call);
-  }
-  return Median(ms);
-}
 
 // The decode-step shape of the anchors: per user `cached` history tokens in the pages,
 // `num_new` new history rows and `cand` candidates; base model heads (4 × 256).
@@ -131,12 +87,12 @@ void BuildAttention(AttnSetup& a, int concurrent_ctas) {
   a.sets = static_cast<int>(std::max<int64_t>(2, (256LL << 20) / std::max<int64_t>(kv_bytes_per_set, 1)));
   a.sets = std::min(a.sets, 16);
   const int64_t num_pages = static_cast<int64_t>(a.sets) * a.B * pages_per_user;
-  CHECK_CUDA(a.pool.Reserve(num_pages * page_elems * sizeof(bf16)));
+  HSTU_BENCH_CHECK_CUDA(a.pool.Reserve(num_pages * page_elems * sizeof(bf16)));
   FillRandom(a.pool.as<bf16>(), num_pages * page_elems, 7);
   const int64_t hd = static_cast<int64_t>(a.H) * a.D;
-  CHECK_CUDA(a.uvqk.Reserve(static_cast<size_t>(a.rows()) * 4 * hd * sizeof(bf16)));
+  HSTU_BENCH_CHECK_CUDA(a.uvqk.Reserve(static_cast<size_t>(a.rows()) * 4 * hd * sizeof(bf16)));
   FillRandom(a.uvqk.as<bf16>(), static_cast<size_t>(a.rows()) * 4 * hd, 8);
-  CHECK_CUDA(a.out.Reserve(static_cast<size_t>(a.rows()) * hd * sizeof(bf16)));
+  HSTU_BENCH_CHECK_CUDA(a.out.Reserve(static_cast<size_t>(a.rows()) * hd * sizeof(bf16)));
 
   std::vector<int32_t> row_offsets = {0}, num_new(a.B, a.num_new), num_tokens(a.B, hist), indptr = {0};
   for (int b = 0; b < a.B; ++b) {
@@ -167,13 +123,13 @@ void BuildAttention(AttnSetup& a, int concurrent_ctas) {
     o_pages.push_back(append(perm.data() + static_cast<int64_t>(s) * a.B * pages_per_user,
                              4LL * a.B * pages_per_user));
   }
-  CHECK_CUDA(a.meta.Reserve(words.size() * 4));
-  CHECK_CUDA(cudaMemcpy(a.meta.get(), words.data(), words.size() * 4, cudaMemcpyHostToDevice));
+  HSTU_BENCH_CHECK_CUDA(a.meta.Reserve(words.size() * 4));
+  HSTU_BENCH_CHECK_CUDA(cudaMemcpy(a.meta.get(), words.data(), words.size() * 4, cudaMemcpyHostToDevice));
   const int32_t* m = a.meta.as<int32_t>();
-  CHECK_CUDA(a.partials.Reserve(std::max<size_t>(1, static_cast<size_t>(a.plan.num_partials) * a.H *
+  HSTU_BENCH_CHECK_CUDA(a.partials.Reserve(std::max<size_t>(1, static_cast<size_t>(a.plan.num_partials) * a.H *
                                                         hstu::cuda::kAttnBlockM * a.D) * 4));
-  CHECK_CUDA(a.counters.Reserve(std::max(1, a.plan.num_split_tiles * a.H) * 4));
-  CHECK_CUDA(cudaMemset(a.counters.get(), 0, a.counters.bytes()));
+  HSTU_BENCH_CHECK_CUDA(a.counters.Reserve(std::max(1, a.plan.num_split_tiles * a.H) * 4));
+  HSTU_BENCH_CHECK_CUDA(cudaMemset(a.counters.get(), 0, a.counters.bytes()));
   for (int s = 0; s < a.sets; ++s) {
     hstu::AttentionParams<bf16> p;
     p.uvqk = a.uvqk.as<bf16>();
@@ -207,7 +163,7 @@ void BuildAttention(AttnSetup& a, int concurrent_ctas) {
 
 void RunAttention(AttnSetup& a, cudaStream_t s) {
   for (int k = 0; k < a.sets; ++k) {
-    CHECK_CUDA(hstu::cuda::LaunchHstuAttention(a.params[k], a.items[0],
+    HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchHstuAttention(a.params[k], a.items[0],
                                                static_cast<int32_t>(a.plan.items.size()),
                                                a.partials.as<float>(), a.counters.as<int32_t>(), s));
   }
@@ -215,9 +171,9 @@ void RunAttention(AttnSetup& a, cudaStream_t s) {
 
 int ConcurrentCtas(int head_dim) {
   cudaDeviceProp p{};
-  CHECK_CUDA(cudaGetDeviceProperties(&p, 0));
+  HSTU_BENCH_CHECK_CUDA(cudaGetDeviceProperties(&p, 0));
   int per_sm = 1;
-  CHECK_CUDA(hstu::cuda::HstuAttentionCtasPerSm(head_dim, &per_sm));
+  HSTU_BENCH_CHECK_CUDA(hstu::cuda::HstuAttentionCtasPerSm(head_dim, &per_sm));
   return p.multiProcessorCount * std::max(per_sm, 1);
 }
 
@@ -227,7 +183,7 @@ json BenchAttention(int reps, int page_size, const std::vector<int>& batches) {
   std::printf("| batch | H x D | queries x keys | time (us) | TFLOP/s | GB/s (min bytes) | CTAs | chunk (keys) |\n");
   std::printf("|---|---|---|---|---|---|---|---|\n");
   hstu::cuda::Stream stream;
-  CHECK_CUDA(stream.Create());
+  HSTU_BENCH_CHECK_CUDA(stream.Create());
   struct HD { int H, D; };
   for (HD hd : {HD{4, 256}, HD{8, 128}, HD{16, 64}}) {
     for (int B : batches) {
@@ -259,7 +215,7 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches) {
   std::printf("\n### kernels of one decode-step layer (d 1024, 4 x 256; 384 rows per user)\n\n");
   std::printf("| batch | kernel | time (us) | TFLOP/s | GB/s |\n|---|---|---|---|---|\n");
   hstu::cuda::Stream stream;
-  CHECK_CUDA(stream.Create());
+  HSTU_BENCH_CHECK_CUDA(stream.Create());
   cublasHandle_t h;
   if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) std::exit(1);
   cublasSetStream(h, stream.get());
@@ -273,21 +229,21 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches) {
     BuildAttention(a, ConcurrentCtas(D));
     const int64_t T = a.rows();
     hstu::cuda::DeviceBuffer x, n, w_uvqk, w_out, y, ln_w, ln_b, bias, ln2_w, ln2_b;
-    CHECK_CUDA(x.Reserve(T * d * 4));
-    CHECK_CUDA(n.Reserve(T * d * 2));
-    CHECK_CUDA(y.Reserve(T * hd * 2));
-    CHECK_CUDA(w_uvqk.Reserve(static_cast<size_t>(d) * 4 * hd * 2));
-    CHECK_CUDA(w_out.Reserve(static_cast<size_t>(hd) * d * 2));
+    HSTU_BENCH_CHECK_CUDA(x.Reserve(T * d * 4));
+    HSTU_BENCH_CHECK_CUDA(n.Reserve(T * d * 2));
+    HSTU_BENCH_CHECK_CUDA(y.Reserve(T * hd * 2));
+    HSTU_BENCH_CHECK_CUDA(w_uvqk.Reserve(static_cast<size_t>(d) * 4 * hd * 2));
+    HSTU_BENCH_CHECK_CUDA(w_out.Reserve(static_cast<size_t>(hd) * d * 2));
     FillRandom(n.as<bf16>(), T * d, 1);
     FillRandom(y.as<bf16>(), T * hd, 2);
     FillRandom(w_uvqk.as<bf16>(), static_cast<size_t>(d) * 4 * hd, 3);
     FillRandom(w_out.as<bf16>(), static_cast<size_t>(hd) * d, 4);
     std::vector<float> ones(4 * hd, 0.5f);
     for (auto* buf : {&ln_w, &ln_b, &bias, &ln2_w, &ln2_b}) {
-      CHECK_CUDA(buf->Reserve(4 * hd * 4));
-      CHECK_CUDA(cudaMemcpy(buf->get(), ones.data(), 4 * hd * 4, cudaMemcpyHostToDevice));
+      HSTU_BENCH_CHECK_CUDA(buf->Reserve(4 * hd * 4));
+      HSTU_BENCH_CHECK_CUDA(cudaMemcpy(buf->get(), ones.data(), 4 * hd * 4, cudaMemcpyHostToDevice));
     }
-    CHECK_CUDA(hstu::cuda::LaunchBf16ToF32(n.as<bf16>(), T * d, x.as<float>(), stream.get()));
+    HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchBf16ToF32(n.as<bf16>(), T * d, x.as<float>(), stream.get()));
     hstu::AppendKvParams<bf16> ap;
     ap.uvqk = a.uvqk.as<bf16>();
     ap.uvqk_row_stride = 4 * hd;
@@ -296,12 +252,12 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches) {
     ap.kv = a.params[0].kv;
     struct K { const char* name; double flops, bytes; std::function<void()> fn; int per_call; };
     std::vector<K> ks = {
-        {"LayerNorm (fp32 -> bf16)", 0, T * d * 6.0, [&] { CHECK_CUDA(hstu::cuda::LaunchLayerNorm(x.as<float>(), T, d, ln_w.as<float>(), ln_b.as<float>(), 1e-5f, n.as<bf16>(), stream.get())); }, 1},
+        {"LayerNorm (fp32 -> bf16)", 0, T * d * 6.0, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchLayerNorm(x.as<float>(), T, d, ln_w.as<float>(), ln_b.as<float>(), 1e-5f, n.as<bf16>(), stream.get())); }, 1},
         {"UVQK GEMM (cuBLAS)", 2.0 * T * d * 4 * hd, (T * d + d * 4.0 * hd + T * 4.0 * hd) * 2, [&] { hstu::cuda::GemmBf16(h, n.as<bf16>(), w_uvqk.as<bf16>(), a.uvqk.get(), false, T, 4 * hd, d, 0.f); }, 1},
-        {"bias + SiLU", 0, T * 4.0 * hd * 4, [&] { CHECK_CUDA(hstu::cuda::LaunchBiasSilu(a.uvqk.as<bf16>(), T, 4 * hd, bias.as<float>(), stream.get())); }, 1},
-        {"append K/V", 0, B * 128.0 * hd * 2 * 2 * 2, [&] { CHECK_CUDA(hstu::cuda::LaunchAppendKv(ap, static_cast<int32_t>(T), stream.get())); }, 1},
+        {"bias + SiLU", 0, T * 4.0 * hd * 4, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchBiasSilu(a.uvqk.as<bf16>(), T, 4 * hd, bias.as<float>(), stream.get())); }, 1},
+        {"append K/V", 0, B * 128.0 * hd * 2 * 2 * 2, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchAppendKv(ap, static_cast<int32_t>(T), stream.get())); }, 1},
         {"paged attention", a.flops, a.min_bytes, [&] { RunAttention(a, stream.get()); }, a.sets},
-        {"LayerNorm * u", 0, T * hd * 2.0 * 3, [&] { CHECK_CUDA(hstu::cuda::LaunchNormMulU(a.out.as<bf16>(), a.uvqk.as<bf16>(), 4 * hd, T, hd, ln2_w.as<float>(), ln2_b.as<float>(), 1e-5f, y.as<bf16>(), stream.get())); }, 1},
+        {"LayerNorm * u", 0, T * hd * 2.0 * 3, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchNormMulU(a.out.as<bf16>(), a.uvqk.as<bf16>(), 4 * hd, T, hd, ln2_w.as<float>(), ln2_b.as<float>(), 1e-5f, y.as<bf16>(), stream.get())); }, 1},
         {"output GEMM + residual (cuBLAS)", 2.0 * T * hd * d, T * hd * 2.0 + hd * d * 2.0 + T * d * 8.0, [&] { hstu::cuda::GemmBf16(h, y.as<bf16>(), w_out.as<bf16>(), x.get(), true, T, d, hd, 1.f); }, 1},
     };
     double total_us = 0;
