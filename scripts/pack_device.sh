@@ -19,14 +19,7 @@ STAGE="$(mktemp -d)"
 trap 'rm -rf "$STAGE"' EXIT
 mkdir -p "$STAGE/hstu/bin" "$STAGE/hstu/lib"
 for b in "${BINS[@]}"; do cp "$BUILD/$b" "$STAGE/hstu/bin/"; done
-# Shared libraries: everything ldd resolves except the C/C++ runtime, glibc and the CUDA toolkit.
-for b in "${BINS[@]}"; do ldd "$BUILD/$b"; done | awk '/=>/ {print $3}' | sort -u | while read -r lib; do
-  case "$(basename "$lib")" in
-    libc.so*|libm.so*|libstdc++.so*|libgcc_s.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*|\
-    libcuda.so*|libcudart.so*|libcublas.so*|libcublasLt.so*) continue ;;
-  esac
-  cp -L "$lib" "$STAGE/hstu/lib/"
-done
+bash scripts/collect_libs.sh "$STAGE/hstu/lib" "${BINS[@]/#/$BUILD/}"
 cp scripts/run_device.sh "$STAGE/hstu/"
 git rev-parse --short HEAD > "$STAGE/hstu/COMMIT" 2>/dev/null || echo unknown > "$STAGE/hstu/COMMIT"
 git status --porcelain -- kernels engine tests/gpu client | grep -q . && echo "+dirty" >> "$STAGE/hstu/COMMIT" || true

@@ -7,21 +7,8 @@ set -uo pipefail
 WHAT="${1:-all}"
 OUT="${OUT:-/tmp/hstu_out}"
 mkdir -p "$OUT"
-DIR=/tmp/hstu_run
-rm -rf "$DIR" && mkdir -p "$DIR"
-tar -C "$DIR" -xzf pack/hstu_pack.tar.gz
-H="$DIR/hstu"
-CUDA_LIB=""
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13.0/lib64; do
-  if [ -e "$d/libcublasLt.so.13" ]; then CUDA_LIB="$d"; break; fi
-done
-if [ -z "$CUDA_LIB" ]; then
-  # Fall back to the pip wheels of the CUDA 13 stack that PyTorch uses.
-  CUDA_LIB="$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)"
-  RT="$(python3 -c 'import nvidia.cuda_runtime, os; print(os.path.join(list(nvidia.cuda_runtime.__path__)[0], "lib"))' 2>/dev/null || true)"
-  CUDA_LIB="$CUDA_LIB:$RT"
-fi
-export LD_LIBRARY_PATH="$H/lib:$CUDA_LIB:${LD_LIBRARY_PATH:-}"
+source "$(dirname "$0")/device_env.sh"
+unpack_and_setup pack/hstu_pack.tar.gz /tmp/hstu_run
 {
   echo "commit: $(cat "$H/COMMIT" | tr '\n' ' ')"
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"

@@ -8,14 +8,8 @@ DUR="${1:-8}"
 OUT="${OUT:-/tmp/hstu_out}"
 mkdir -p "$OUT"
 DIR=/tmp/hstu_srv
-rm -rf "$DIR" && mkdir -p "$DIR"
-tar -C "$DIR" -xzf pack/hstu_server_pack.tar.gz
-H="$DIR/hstu_server"
-CUDA_LIB=""
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13.0/lib64; do
-  if [ -e "$d/libcublasLt.so.13" ]; then CUDA_LIB="$d"; break; fi
-done
-export LD_LIBRARY_PATH="$H/lib:$CUDA_LIB:${LD_LIBRARY_PATH:-}"
+source "$(dirname "$0")/device_env.sh"
+unpack_and_setup pack/hstu_server_pack.tar.gz "$DIR"
 { echo "commit: $(cat "$H/COMMIT")"; date -u +%Y-%m-%dT%H:%M:%SZ
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } | tee "$OUT/server_device.txt"
 

@@ -1,0 +1,19 @@
+# Sourced on the GPU machine: unpacks a pack and puts its libraries and the machine's CUDA 13
+# libraries (toolkit, else PyTorch's pip wheels) on LD_LIBRARY_PATH.
+#   unpack_and_setup PACK.tar.gz DIR   → sets H=DIR/<top folder of the pack>
+unpack_and_setup() {
+  local pack="$1" dir="$2"
+  rm -rf "$dir" && mkdir -p "$dir"
+  tar -C "$dir" -xzf "$pack"
+  H="$dir/$(tar -tzf "$pack" | head -1 | cut -d/ -f1)"
+  local cuda_lib=""
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13.0/lib64; do
+    if [ -e "$d/libcublasLt.so.13" ]; then cuda_lib="$d"; break; fi
+  done
+  if [ -z "$cuda_lib" ]; then
+    cuda_lib="$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)"
+    cuda_lib="$cuda_lib:$(python3 -c 'import nvidia.cuda_runtime, os; print(os.path.join(list(nvidia.cuda_runtime.__path__)[0], "lib"))' 2>/dev/null || true)"
+  fi
+  CUDA_LIB="$cuda_lib"
+  export LD_LIBRARY_PATH="$H/lib:$cuda_lib:${LD_LIBRARY_PATH:-}"
+}
