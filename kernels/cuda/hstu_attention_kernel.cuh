@@ -6,9 +6,8 @@
 // Per key block: S = Q·Kᵀ with wgmma (Q and K from shared memory), P = SiLU(alpha·S)/N with the mask
 // in registers, rounded to bf16 (the accumulator layout of S is the register A layout of the next
 // wgmma), then O += P·V with wgmma (P from registers, V from shared memory, transposed). K/V of block
-// j+1 are gathered from the pages with cp.async (16-byte rows pieces, any page size) while block j
-// computes. Both warpgroups share the K/V tiles; while one runs its SiLU the tensor cores serve the
-// other's GEMMs. A candidate's own key (the diagonal) is added in fp32 at the end, from the uvqk rows.
+// j+1 are gathered from the pages with cp.async (16-byte row pieces, any page size; warp w copies
+// rows 8w..8w+7) while block j computes. Both warpgroups share the K/V tiles (one barrier per block). A candidate's own key (the diagonal) is added in fp32 at the end, from the uvqk rows.
 #pragma once
 
 #include <climits>
@@ -30,7 +29,15 @@ struct AttnTraits {
   static constexpr int kMinBlocks = kD >= 256 ? 1 : 2;
   static constexpr int kQBytes = kM * kD * 2;
   static constexpr int kKvBytes = kN * kD * 2;  // one K or V stage
-  static constexpr int kOffBytes = kStages * kN * 8;
+  // HSTU_ATTN_OVERLAP = 1 builds the FlashAttention-3-style loop at D = 256 (S of block j+1 issued
+  // before P·V of block j, two S/P register sets; D = 64/128 have no room for them under their 2-CTA
+  // register cap of 128). Measured 2 % slower than the plain loop on an H200 (docs/cuda_kernels.md),
+  // so it is off; kept as the starting point for warpgroup ping-pong.
+#ifndef HSTU_ATTN_OVERLAP
+#define HSTU_ATTN_OVERLAP 0
+#endif
+  static constexpr bool kOverlap = HSTU_ATTN_OVERLAP && kD == 256;
+  static constexpr int kOffBytes = 3 * kN * 8;  // row offsets of up to 3 key blocks
   // 1 KB of slack to align the tiles to the 1024-byte swizzle atoms.
   static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKvBytes + kOffBytes;
   static_assert(kD % 64 == 0, "head dim must be a multiple of 64 (128-byte swizzle slabs)");
@@ -125,61 +132,43 @@ __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
   auto offset_of = [&](int t, int32_t page) -> int64_t {
     return page < 0 ? int64_t{-1} : page * p.kv.page_stride + (t % page_size) * hd + head_off;
   };
-  auto load_kv = [&](int stage) {
-    const int64_t* offs = s_off + stage * kN;
-    unsigned char* s_k = s_k0 + stage * Tr::kKvBytes;
-    unsigned char* s_v = s_v0 + stage * Tr::kKvBytes;
-#pragma unroll 4
-    for (int idx = tid; idx < kN * kChunks; idx += Tr::kThreads) {
-      const int r = idx / kChunks, c = idx % kChunks;
-      const int64_t off = offs[r];
-      const bf16* src = p.kv.base + (off >= 0 ? off + c * 8 : 0);
-      const uint32_t dst = TileOffset<kN>(r, c);
-      CpAsync16(s_k + dst, src, off >= 0);
-      CpAsync16(s_v + dst, src + (off >= 0 ? p.kv.kv_stride : 0), off >= 0);
+  // Gather of one 64-key block into the swizzled tile: warp w copies rows 8w .. 8w+7, lane = one
+  // 16-byte chunk (D = 256: one row per instruction; D = 128/64: 2/4 rows). The 8 row offsets of a
+  // thread are read from s_off before its first copy, and the per-lane source base is fixed, so each
+  // copy costs a 64-bit add, a compare and the cp.async.
+  constexpr int kRowsPerInstr = 32 / kChunks;         // 1, 2, 4
+  constexpr int kInstr = 8 / kRowsPerInstr;           // copies per warp per tile: 8, 4, 2
+  const int g_c = lane % kChunks;
+  const int g_r0 = warp * 8 + lane / kChunks;          // first row of this thread; + kRowsPerInstr*i
+  const bf16* const g_src = p.kv.base + g_c * 8;
+  auto gather = [&](const int64_t* offs, unsigned char* tile, int64_t kv) {
+    int64_t off[kInstr];
+#pragma unroll
+    for (int i = 0; i < kInstr; ++i) off[i] = offs[g_r0 + kRowsPerInstr * i];
+#pragma unroll
+    for (int i = 0; i < kInstr; ++i) {
+      const int r = g_r0 + kRowsPerInstr * i;
+      const int64_t o = off[i];
+      CpAsync16(tile + TileOffset<kN>(r, g_c), g_src + (o >= 0 ? o + kv : 0), o >= 0);
     }
-    CpAsyncCommit();
   };
-  if (num_blocks > 0) {
-    if (tid < kN) s_off[tid] = offset_of(kv_begin + tid, page_of(kv_begin + tid));
-    if (num_blocks > 1 && tid < kN) {
-      s_off[kN + tid] = offset_of(kv_begin + kN + tid, page_of(kv_begin + kN + tid));
-    }
-    __syncthreads();
-    load_kv(0);
-  }
-
-  // Descriptors. Q and K are K-major (rows of the head dim): one wgmma covers 16 columns = 32 bytes
-  // of a 128-byte slab row, 8-row groups 1024 bytes apart. V is read transposed (MN-major): the
-  // 64-column slabs are kN*128 bytes apart (leading offset), 8-key groups 1024 bytes apart.
-  const uint32_t q_wg_addr = q_addr + wg * 64 * 128;
-  for (int j = 0; j < num_blocks; ++j) {
-    const int kstart = kv_begin + j * kN;
-    const int stage = j & 1;
-    CpAsyncWait<0>();
-    FenceProxyAsync();
-    __syncthreads();  // KV(j) (and Q) landed; every warp is done with the other stage and s_off
-    if (j + 1 < num_blocks) load_kv(stage ^ 1);
-    // Page of this thread's key row of block j + 2 (its slot in s_off is free after the barrier).
-    const int t2 = kstart + 2 * kN + tid;
-    const int32_t page2 = (j + 2 < num_blocks && tid < kN) ? page_of(t2) : -1;
-
-    float s[kN / 2];
+  auto gather_kv = [&](const int64_t* offs, unsigned char* k_tile, unsigned char* v_tile) {
+    int64_t off[kInstr];
 #pragma unroll
-    for (int e = 0; e < kN / 2; ++e) s[e] = 0.f;
-    const uint32_t ks_addr = k_addr + stage * Tr::kKvBytes;
-    FenceRegs(s);
-    WgmmaFence();
+    for (int i = 0; i < kInstr; ++i) off[i] = offs[g_r0 + kRowsPerInstr * i];
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      const uint32_t col = (kk & 3) * 32;  // byte offset of columns 16*kk.. inside the slab row
-      WgmmaSS_m64n64k16(s, MakeSmemDesc(q_wg_addr + (kk >> 2) * (kM * 128) + col, 16, 1024),
-                        MakeSmemDesc(ks_addr + (kk >> 2) * (kN * 128) + col, 16, 1024), 1);
+    for (int i = 0; i < kInstr; ++i) {
+      const int r = g_r0 + kRowsPerInstr * i;
+      const int64_t o = off[i];
+      const uint32_t dst = TileOffset<kN>(r, g_c);
+      CpAsync16(k_tile + dst, g_src + (o >= 0 ? o : 0), o >= 0);
+      CpAsync16(v_tile + dst, g_src + (o >= 0 ? o + p.kv.kv_stride : 0), o >= 0);
     }
-    WgmmaCommit();
-    WgmmaWait<0>();
-    FenceRegs(s);
+  };
 
+  // Masked P = SiLU(alpha·S)/N of the key block starting at kstart, packed to bf16 in the register-A
+  // layout of the P·V wgmma.
+  auto silu_pack = [&](const float (&s)[kN / 2], int kstart, uint32_t (&pa)[kN / 16][4]) {
     const int klast = kstart + kN - 1;
     const bool full = klast < kv_end && klast <= hi[0] && klast <= hi[1] && kstart >= lo[0] &&
                       kstart >= lo[1];
@@ -196,7 +185,6 @@ __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
         pv[e] = ok ? SiluScaled(s[e], half_alpha, inv_norm) : 0.f;
       }
     }
-    uint32_t pa[kN / 16][4];
 #pragma unroll
     for (int k2 = 0; k2 < kN / 16; ++k2) {
       pa[k2][0] = PackBf16x2(pv[8 * k2 + 0], pv[8 * k2 + 1]);
@@ -204,16 +192,143 @@ __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
       pa[k2][2] = PackBf16x2(pv[8 * k2 + 4], pv[8 * k2 + 5]);
       pa[k2][3] = PackBf16x2(pv[8 * k2 + 6], pv[8 * k2 + 7]);
     }
-    const uint32_t vs_addr = v_addr + stage * Tr::kKvBytes;
+  };
+
+  // Descriptors. Q and K are K-major (rows of the head dim): one wgmma covers 16 columns = 32 bytes
+  // of a 128-byte slab row, 8-row groups 1024 bytes apart. V is read transposed (MN-major): the
+  // 64-column slabs are kN*128 bytes apart (leading offset), 8-key groups 1024 bytes apart.
+  const uint32_t q_wg_addr = q_addr + wg * 64 * 128;
+  auto issue_s = [&](float (&s)[kN / 2], uint32_t ks_addr) {
+#pragma unroll
+    for (int e = 0; e < kN / 2; ++e) s[e] = 0.f;
+    FenceRegs(s);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      const uint32_t col = (kk & 3) * 32;  // byte offset of columns 16*kk.. inside the slab row
+      WgmmaSS_m64n64k16(s, MakeSmemDesc(q_wg_addr + (kk >> 2) * (kM * 128) + col, 16, 1024),
+                        MakeSmemDesc(ks_addr + (kk >> 2) * (kN * 128) + col, 16, 1024), 1);
+    }
+    WgmmaCommit();
+  };
+  auto issue_pv = [&](const uint32_t (&pa)[kN / 16][4], uint32_t vs_addr) {
     WgmmaFence();
 #pragma unroll
     for (int k2 = 0; k2 < kN / 16; ++k2) {
       WgmmaRS<kD>(o, pa[k2], MakeSmemDesc(vs_addr + k2 * 16 * 128, kN * 128, 1024));
     }
     WgmmaCommit();
-    WgmmaWait<0>();
-    FenceRegs(o);
-    if (j + 2 < num_blocks && tid < kN) s_off[stage * kN + tid] = offset_of(t2, page2);
+  };
+
+  if constexpr (Tr::kOverlap) {
+    // FlashAttention-3-style software pipeline inside each warpgroup: iteration j issues S(j+1) =
+    // Q·K(j+1)ᵀ and then O += P(j)·V(j) back to back, waits for S(j+1) only, and computes P(j+1) =
+    // SiLU(S(j+1)) while the tensor cores run P(j)·V(j). K and V have two slots each, loaded a
+    // block apart: during iteration j the copies bring K(j+2) into K's slot j%2 (K(j) was consumed by
+    // S(j) in iteration j-1) and V(j+1) into V's slot (j+1)%2 (V(j-1) was consumed by P·V in
+    // iteration j-1). Row offsets of block t live in slot t%3 of s_off.
+    auto offs_of = [&](int blk) { return s_off + (blk % 3) * kN; };
+    auto k_slot = [&](int blk) { return s_k0 + (blk & 1) * Tr::kKvBytes; };
+    auto v_slot = [&](int blk) { return s_v0 + (blk & 1) * Tr::kKvBytes; };
+    if (num_blocks > 0) {
+#pragma unroll
+      for (int t = 0; t < 3; ++t) {
+        if (t < num_blocks && tid < kN) {
+          const int key = kv_begin + t * kN + tid;
+          s_off[t * kN + tid] = offset_of(key, page_of(key));
+        }
+      }
+      __syncthreads();
+      gather(offs_of(0), k_slot(0), 0);
+      CpAsyncCommit();  // group: Q, K(0)
+      gather(offs_of(0), v_slot(0), p.kv.kv_stride);
+      if (num_blocks > 1) gather(offs_of(1), k_slot(1), 0);
+      CpAsyncCommit();  // group: V(0), K(1)
+      CpAsyncWait<1>();
+      FenceProxyAsync();
+      __syncthreads();
+    }
+    uint32_t pa[kN / 16][4];
+    if (num_blocks > 0) {
+      float s[kN / 2];
+      issue_s(s, SmemAddr(k_slot(0)));
+      WgmmaWait<0>();
+      FenceRegs(s);
+      silu_pack(s, kv_begin, pa);
+    }
+    for (int j = 0; j < num_blocks; ++j) {
+      CpAsyncWait<0>();
+      FenceProxyAsync();
+      __syncthreads();  // K(j+1), V(j) landed; every warpgroup is done with K(j), V(j-1), offsets(j)
+      const bool more = j + 1 < num_blocks;
+      float s[kN / 2];
+      if (more) issue_s(s, SmemAddr(k_slot(j + 1)));
+      issue_pv(pa, SmemAddr(v_slot(j)));
+      // The copies go out while the tensor cores work.
+      if (j + 2 < num_blocks) gather(offs_of(j + 2), k_slot(j + 2), 0);
+      if (more) gather(offs_of(j + 1), v_slot(j + 1), p.kv.kv_stride);
+      CpAsyncCommit();
+      const int t3 = kv_begin + (j + 3) * kN + tid;
+      const int32_t page3 = (j + 3 < num_blocks && tid < kN) ? page_of(t3) : -1;
+      if (more) {
+        WgmmaWait<1>();  // S(j+1) done; P(j)·V(j) may still run
+        FenceRegs(s);
+        uint32_t pn[kN / 16][4];
+        silu_pack(s, kv_begin + (j + 1) * kN, pn);
+        WgmmaWait<0>();
+        FenceRegs(o);
+        // pa stays live until P(j)·V(j) completes, so the compiler cannot give pn its registers
+        // (that would redefine a wgmma input in flight and make ptxas serialize the wgmmas).
+#pragma unroll
+        for (int k2 = 0; k2 < kN / 16; ++k2) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[k2][e])::"memory");
+        }
+#pragma unroll
+        for (int k2 = 0; k2 < kN / 16; ++k2) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pa[k2][e] = pn[k2][e];
+        }
+      } else {
+        WgmmaWait<0>();
+        FenceRegs(o);
+      }
+      if (j + 3 < num_blocks && tid < kN) s_off[(j % 3) * kN + tid] = offset_of(t3, page3);
+    }
+  } else {
+    auto load_kv = [&](int stage) {
+      gather_kv(s_off + stage * kN, s_k0 + stage * Tr::kKvBytes, s_v0 + stage * Tr::kKvBytes);
+      CpAsyncCommit();
+    };
+    if (num_blocks > 0) {
+      if (tid < kN) s_off[tid] = offset_of(kv_begin + tid, page_of(kv_begin + tid));
+      if (num_blocks > 1 && tid < kN) {
+        s_off[kN + tid] = offset_of(kv_begin + kN + tid, page_of(kv_begin + kN + tid));
+      }
+      __syncthreads();
+      load_kv(0);
+    }
+    for (int j = 0; j < num_blocks; ++j) {
+      const int kstart = kv_begin + j * kN;
+      const int stage = j & 1;
+      CpAsyncWait<0>();
+      FenceProxyAsync();
+      __syncthreads();  // KV(j) (and Q) landed; every warp is done with the other stage and s_off
+      if (j + 1 < num_blocks) load_kv(stage ^ 1);
+      // Page of this thread's key row of block j + 2 (its slot in s_off is free after the barrier).
+      const int t2 = kstart + 2 * kN + tid;
+      const int32_t page2 = (j + 2 < num_blocks && tid < kN) ? page_of(t2) : -1;
+      float s[kN / 2];
+      issue_s(s, k_addr + stage * Tr::kKvBytes);
+      WgmmaWait<0>();
+      FenceRegs(s);
+      uint32_t pa[kN / 16][4];
+      silu_pack(s, kstart, pa);
+      issue_pv(pa, v_addr + stage * Tr::kKvBytes);
+      WgmmaWait<0>();
+      FenceRegs(o);
+      if (j + 2 < num_blocks && tid < kN) s_off[stage * kN + tid] = offset_of(t2, page2);
+    }
   }
 
   // ---- The candidates' own keys (diagonal), split 0 of a tile that has candidates ----
