@@ -23,6 +23,7 @@ bash scripts/collect_libs.sh "$STAGE/hstu/lib" "${BINS[@]/#/$BUILD/}"
 cp scripts/run_device.sh "$STAGE/hstu/"
 git rev-parse --short HEAD > "$STAGE/hstu/COMMIT" 2>/dev/null || echo unknown > "$STAGE/hstu/COMMIT"
 git status --porcelain -- kernels engine tests/gpu client | grep -q . && echo "+dirty" >> "$STAGE/hstu/COMMIT" || true
-mkdir -p pack
-tar -C "$STAGE" -czf pack/hstu_pack.tar.gz hstu
-ls -la pack/hstu_pack.tar.gz
+PACK_FILE="${HSTU_PACK_FILE:-pack/hstu_pack.tar.gz}"
+mkdir -p "$(dirname "$PACK_FILE")"
+tar -C "$STAGE" -czf "$PACK_FILE" hstu
+ls -la "$PACK_FILE"

@@ -8,7 +8,7 @@ WHAT="${1:-all}"
 OUT="${OUT:-/tmp/hstu_out}"
 mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
-unpack_and_setup pack/hstu_pack.tar.gz /tmp/hstu_run
+unpack_and_setup "${HSTU_PACK_FILE:-pack/hstu_pack.tar.gz}" /tmp/hstu_run
 {
   echo "commit: $(cat "$H/COMMIT" | tr '\n' ' ')"
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
