@@ -116,16 +116,7 @@ struct FusedAttention {
     p.num_rows = B * T;
     p.row_offsets = m + o_ro;
     p.num_new = m + o_nn;
-    p.kv.base = pool.as<bf16>();
-    p.kv.page_stride = page_elems;
-    p.kv.kv_stride = page_elems / 2;
-    p.kv.page_size = page_size;
-    p.kv.num_heads = H;
-    p.kv.head_dim = D;
-    p.kv.batch_size = B;
-    p.kv.indptr = m + o_ip;
-    p.kv.page_ids = m + o_pg;
-    p.kv.num_tokens = m + o_nt;
+    p.kv = MakePagedKvView(pool.as<bf16>(), page_size, H, D, B, m + o_ip, m + o_pg, m + o_nt);
     p.alpha = alpha;
     p.inv_norm = inv_norm;
     items = reinterpret_cast<const cuda::AttentionWorkItem*>(m + o_it);

@@ -138,16 +138,8 @@ void BuildAttention(AttnSetup& a, int concurrent_ctas) {
     p.num_rows = a.rows();
     p.row_offsets = m + o_ro;
     p.num_new = m + o_nn;
-    p.kv.base = a.pool.as<bf16>();
-    p.kv.page_stride = page_elems;
-    p.kv.kv_stride = page_elems / 2;
-    p.kv.page_size = a.page_size;
-    p.kv.num_heads = a.H;
-    p.kv.head_dim = a.D;
-    p.kv.batch_size = a.B;
-    p.kv.indptr = m + o_ip;
-    p.kv.page_ids = m + o_pages[s];
-    p.kv.num_tokens = m + o_nt;
+    p.kv = hstu::MakePagedKvView(a.pool.as<bf16>(), a.page_size, a.H, a.D, a.B, m + o_ip,
+                                 m + o_pages[s], m + o_nt);
     p.alpha = 1.f / std::sqrt(static_cast<float>(a.D));
     p.inv_norm = 1.f / 4352.f;
     a.params.push_back(p);

@@ -65,18 +65,9 @@ class CpuBackend final : public Backend {
  private:
   PagedKvView<float> View(int layer, const ForwardBatch& batch) const {
     const ModelConfig& c = w_.config;
-    PagedKvView<float> v;
-    v.base = pool_.get() + layer * layer_elems_;
-    v.page_stride = page_elems_;
-    v.kv_stride = page_elems_ / 2;
-    v.page_size = page_size_;
-    v.num_heads = c.num_heads;
-    v.head_dim = c.head_dim;
-    v.batch_size = batch.num_users;
-    v.indptr = batch.page_indptr.data();
-    v.page_ids = batch.page_ids.data();
-    v.num_tokens = batch.num_tokens.data();
-    return v;
+    return MakePagedKvView(pool_.get() + layer * layer_elems_, page_size_, c.num_heads, c.head_dim,
+                           batch.num_users, batch.page_indptr.data(), batch.page_ids.data(),
+                           batch.num_tokens.data());
   }
 
   const ModelWeights w_;  // own copy: the engine drops its host weights after start-up

@@ -78,18 +78,11 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
 
 PagedKvView<bf16> CudaBackendImpl::View(int layer) const {
   const uint8_t* base = step_.ws->meta.as<uint8_t>();
-  PagedKvView<bf16> v;
-  v.base = pool_.as<bf16>() + static_cast<int64_t>(layer) * num_pages_ * page_elems_;
-  v.page_stride = page_elems_;
-  v.kv_stride = page_elems_ / 2;
-  v.page_size = page_size_;
-  v.num_heads = config_.num_heads;
-  v.head_dim = config_.head_dim;
-  v.batch_size = step_.num_users;
-  v.indptr = reinterpret_cast<const int32_t*>(base + step_.layout.page_indptr);
-  v.page_ids = reinterpret_cast<const int32_t*>(base + step_.layout.page_ids);
-  v.num_tokens = reinterpret_cast<const int32_t*>(base + step_.layout.num_tokens);
-  return v;
+  return MakePagedKvView(pool_.as<bf16>() + static_cast<int64_t>(layer) * num_pages_ * page_elems_,
+                         page_size_, config_.num_heads, config_.head_dim, step_.num_users,
+                         reinterpret_cast<const int32_t*>(base + step_.layout.page_indptr),
+                         reinterpret_cast<const int32_t*>(base + step_.layout.page_ids),
+                         reinterpret_cast<const int32_t*>(base + step_.layout.num_tokens));
 }
 
 absl::Status CudaBackendImpl::Validate(const ForwardBatch& batch,

@@ -44,4 +44,24 @@ struct PagedKvView {
   HSTU_HOST_DEVICE T* V(int b, int t, int h) const { return base + TokenOffset(b, t, h) + kv_stride; }
 };
 
+// The view of a pool of one layer in the standard layout [num_pages, 2, page_size, H, D] over a
+// batch's page table (every backend, test and benchmark builds its views through this).
+template <typename T>
+inline PagedKvView<T> MakePagedKvView(T* base, int32_t page_size, int32_t num_heads,
+                                      int32_t head_dim, int32_t batch_size, const int32_t* indptr,
+                                      const int32_t* page_ids, const int32_t* num_tokens) {
+  PagedKvView<T> v;
+  v.base = base;
+  v.kv_stride = static_cast<int64_t>(page_size) * num_heads * head_dim;
+  v.page_stride = 2 * v.kv_stride;
+  v.page_size = page_size;
+  v.num_heads = num_heads;
+  v.head_dim = head_dim;
+  v.batch_size = batch_size;
+  v.indptr = indptr;
+  v.page_ids = page_ids;
+  v.num_tokens = num_tokens;
+  return v;
+}
+
 }  // namespace hstu

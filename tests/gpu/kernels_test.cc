@@ -182,18 +182,8 @@ struct PagedCase {
   int64_t page_elems() const { return 2LL * page_size * H * D; }
 
   PagedKvView<float> CpuView() {
-    PagedKvView<float> v;
-    v.base = pool.data();
-    v.page_stride = page_elems();
-    v.kv_stride = page_elems() / 2;
-    v.page_size = page_size;
-    v.num_heads = H;
-    v.head_dim = D;
-    v.batch_size = B;
-    v.indptr = page_indptr.data();
-    v.page_ids = page_ids.data();
-    v.num_tokens = num_tokens.data();
-    return v;
+    return MakePagedKvView(pool.data(), page_size, H, D, B, page_indptr.data(), page_ids.data(),
+                           num_tokens.data());
   }
 };
 
@@ -239,17 +229,8 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what) {
   DeviceArray<bf16> d_pool(ToBf16(c.pool)), d_uvqk(ToBf16(c.uvqk)), d_out(c.rows() * hd);
   DeviceArray<int32_t> d_ro(c.row_offsets), d_nn(c.num_new), d_nt(c.num_tokens),
       d_pi(c.page_indptr), d_pids(c.page_ids);
-  PagedKvView<bf16> gv;
-  gv.base = d_pool.get();
-  gv.page_stride = c.page_elems();
-  gv.kv_stride = c.page_elems() / 2;
-  gv.page_size = c.page_size;
-  gv.num_heads = c.H;
-  gv.head_dim = c.D;
-  gv.batch_size = c.B;
-  gv.indptr = d_pi.get();
-  gv.page_ids = d_pids.get();
-  gv.num_tokens = d_nt.get();
+  const PagedKvView<bf16> gv = MakePagedKvView(d_pool.get(), c.page_size, c.H, c.D, c.B,
+                                                d_pi.get(), d_pids.get(), d_nt.get());
 
   AppendKvParams<float> ca;
   ca.uvqk = c.uvqk.data();

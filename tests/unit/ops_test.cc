@@ -121,18 +121,8 @@ struct PagedFixture {
     }
   }
   PagedKvView<float> View() {
-    PagedKvView<float> v;
-    v.base = pool.data();
-    v.page_stride = page_elems();
-    v.kv_stride = page_elems() / 2;
-    v.page_size = page_size;
-    v.num_heads = H;
-    v.head_dim = D;
-    v.batch_size = B;
-    v.indptr = indptr.data();
-    v.page_ids = page_ids.data();
-    v.num_tokens = num_tokens.data();
-    return v;
+    return MakePagedKvView(pool.data(), page_size, H, D, B, indptr.data(), page_ids.data(),
+                           num_tokens.data());
   }
   // Writes the cached (pre-existing) tokens into the pages directly.
   void WriteCached() {
