@@ -199,7 +199,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackendParity,
                          ::testing::Values(BackendCase{128, 0, 16, true},
                                            BackendCase{64, 0, 32, false},
                                            BackendCase{256, 48, 64, true},
-                                           BackendCase{128, 0, 17, false}));
+                                           BackendCase{128, 0, 17, false}),
+                         [](const ::testing::TestParamInfo<BackendCase>& info) {
+                           const BackendCase& c = info.param;
+                           return "D" + std::to_string(c.head_dim) + "_W" +
+                                  std::to_string(c.window) + "_page" +
+                                  std::to_string(c.page_size) + (c.pe ? "_pos" : "_nopos");
+                         });
 
 TEST(CudaBackend, RejectsUnsupportedHeadDim) {
   HSTU_SKIP_WITHOUT_GPU();
