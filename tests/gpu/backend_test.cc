@@ -5,6 +5,7 @@
 #include <numeric>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "engine/backend.h"
 #include "engine/cuda_backend.h"
 #include "engine/model_file.h"
@@ -202,9 +203,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackendParity,
                                            BackendCase{128, 0, 17, false}),
                          [](const ::testing::TestParamInfo<BackendCase>& info) {
                            const BackendCase& c = info.param;
-                           return "D" + std::to_string(c.head_dim) + "_W" +
-                                  std::to_string(c.window) + "_page" +
-                                  std::to_string(c.page_size) + (c.pe ? "_pos" : "_nopos");
+                           return absl::StrCat("D", c.head_dim, "_W", c.window, "_page",
+                                               c.page_size, c.pe ? "_pos" : "_nopos");
                          });
 
 TEST(CudaBackend, RejectsUnsupportedHeadDim) {
