@@ -153,6 +153,8 @@ class Level {
       result_->latency.Record(latency_s);
       result_->reused_tokens += response.reused_tokens();
       result_->computed_tokens += response.computed_tokens();
+      result_->by_cache_result[response.cache_result().empty() ? "unknown" : response.cache_result()]
+          .Record(latency_s);
       if (new_user) ++result_->new_user_visits;
     } else {
       ++result_->errors[CodeName(status.error_code())];

@@ -61,6 +61,24 @@ std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& lev
                               Ms(h.Quantile(0.999)), Ms(h.max_seconds()), ReusePercent(l),
                               Errors(l)));
   }
+  // Latency by how the server's KV cache served the request (RankResponse.cache_result).
+  bool any = false;
+  for (const LevelResult& l : levels) any = any || !l.by_cache_result.empty();
+  if (!any) return out;
+  absl::StrAppend(&out, "\nby cache result (server-reported):\n",
+                  absl::StrFormat("| %-18s | %-13s | %9s | %7s | %8s | %8s |\n", "load",
+                                  "cache result", "requests", "share %", "p50 ms", "p99 ms"),
+                  "|", std::string(20, '-'), "|", std::string(15, '-'), "|", std::string(11, '-'),
+                  "|", std::string(9, '-'), "|", std::string(10, '-'), "|", std::string(10, '-'),
+                  "|\n");
+  for (const LevelResult& l : levels) {
+    for (const auto& [result, hist] : l.by_cache_result) {
+      const double share = l.requests ? 100.0 * hist.count() / l.requests : 0;
+      absl::StrAppend(&out, absl::StrFormat("| %-18s | %-13s | %9d | %7.1f | %8.3f | %8.3f |\n",
+                                            Load(l), result, hist.count(), share,
+                                            Ms(hist.Quantile(0.5)), Ms(hist.Quantile(0.99))));
+    }
+  }
   return out;
 }
 
@@ -98,6 +116,15 @@ std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels) 
     j["reused_tokens"] = l.reused_tokens;
     j["computed_tokens"] = l.computed_tokens;
     j["new_user_visits"] = l.new_user_visits;
+    nlohmann::json by = nlohmann::json::object();
+    for (const auto& [result, hist] : l.by_cache_result) {
+      by[result] = {{"requests", hist.count()},
+                    {"share", l.requests ? static_cast<double>(hist.count()) / l.requests : 0.0},
+                    {"p50_ms", Ms(hist.Quantile(0.5))},
+                    {"p99_ms", Ms(hist.Quantile(0.99))},
+                    {"mean_ms", Ms(hist.mean_seconds())}};
+    }
+    j["by_cache_result"] = by;
     arr.push_back(j);
   }
   root["levels"] = arr;

@@ -24,6 +24,7 @@ struct LevelResult {
   int64_t reused_tokens = 0;              // server-reported, summed over OK responses
   int64_t computed_tokens = 0;
   int64_t new_user_visits = 0;
+  std::map<std::string, LatencyHistogram> by_cache_result;  // server-reported cache_result → latency
 
   double throughput_rps() const { return duration_s > 0 ? requests / duration_s : 0; }
   int64_t error_count() const;

@@ -244,6 +244,7 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
     l.result.num_tasks = c.num_tasks;
     l.result.reused_tokens = static_cast<uint32_t>(l.res.reused_tokens);
     l.result.computed_tokens = static_cast<uint32_t>(l.kept.length - l.res.reused_tokens);
+    l.result.cache_result = l.res.result;
     l.result.scores.resize(wave[i]->candidate_item_ids.size() * c.num_tasks);
     if (options_.keep_hidden) l.result.hidden.resize(wave[i]->candidate_item_ids.size() * c.hidden_dim);
     live.push_back(std::move(l));

@@ -6,6 +6,7 @@
 
 #include "absl/status/status.h"
 #include "engine/model.h"
+#include "kvcache/cache_manager.h"
 
 namespace hstu {
 
@@ -21,6 +22,7 @@ struct RankResult {
   std::vector<float> scores;       // [num_candidates, num_tasks], candidate-major, in (0, 1)
   uint32_t reused_tokens = 0;      // history tokens served from the cache
   uint32_t computed_tokens = 0;    // history tokens computed for this request
+  LookupResult cache_result = LookupResult::kMiss;  // how the KV cache served it
   std::vector<float> hidden;       // [num_candidates, d] final hidden rows (only with keep_hidden)
 };
 

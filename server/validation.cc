@@ -19,6 +19,7 @@ void ToProto(const RankResult& result, const std::string& request_id,
   proto->set_request_id(request_id);
   proto->set_reused_tokens(result.reused_tokens);
   proto->set_computed_tokens(result.computed_tokens);
+  proto->set_cache_result(LookupResultName(result.cache_result));
 }
 
 absl::Status ValidateForEngine(const RankRequest& request, const Engine& engine) {

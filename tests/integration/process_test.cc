@@ -295,6 +295,13 @@ TEST(ProcessTest, LoadgenShortRunsReportZeroErrors) {
     EXPECT_LE(lat["p99"].get<double>(), lat["p999"].get<double>());
     // Returning users: most history tokens come from the cache.
     EXPECT_GT(level["reused_tokens"].get<int64_t>(), level["computed_tokens"].get<int64_t>());
+    // Latency split by the server-reported cache result: shares add up to every OK request, and
+    // returning users make GPU hits the largest group.
+    int64_t split = 0;
+    for (const auto& [name, r] : level["by_cache_result"].items()) split += r["requests"].get<int64_t>();
+    EXPECT_EQ(split, 300) << level.dump();
+    ASSERT_TRUE(level["by_cache_result"].contains("gpu_hit")) << level.dump();
+    EXPECT_GT(level["by_cache_result"]["gpu_hit"]["share"].get<double>(), 0.5) << level.dump();
   }
   for (const char* key : {"throughput_rps", "latency_ms", "requests", "errors", "reused_tokens"}) {
     EXPECT_TRUE(j.contains(key)) << key;

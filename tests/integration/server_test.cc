@@ -207,6 +207,7 @@ TEST_F(ServerTest, ScoresAndReuseEqualTheEngineForTheSameRequests) {
     }
     EXPECT_EQ(resp.reused_tokens(), ref[0]->reused_tokens) << i;
     EXPECT_EQ(resp.computed_tokens(), ref[0]->computed_tokens) << i;
+    EXPECT_EQ(resp.cache_result(), LookupResultName(ref[0]->cache_result)) << i;
   }
 }
 
