@@ -9,7 +9,7 @@ OUT="${OUT:-/tmp/hstu_out}"
 mkdir -p "$OUT"
 DIR=/tmp/hstu_srv
 source "$(dirname "$0")/device_env.sh"
-unpack_and_setup pack/hstu_server_pack.tar.gz "$DIR"
+unpack_and_setup "${HSTU_SERVER_PACK_FILE:-pack/hstu_server_pack.tar.gz}" "$DIR"
 { echo "commit: $(cat "$H/COMMIT")"; date -u +%Y-%m-%dT%H:%M:%SZ
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } | tee "$OUT/server_device.txt"
 
