@@ -119,7 +119,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     return absl::InvalidArgumentError(absl::StrCat("host_cache_pages must be >= -1, got ", host_pages));
   }
   if (host_pages == -1) host_pages = AutoHostPages(**backend, num_pages);
-  if (host_pages > 0 && options.enable_cache) {
+  if (!options.enable_cache) host_pages = 0;  // nothing is kept, so nothing moves to the host
+  if (host_pages > 0) {
     if (auto s = (*backend)->CreateHostPool(host_pages); !s.ok()) {
       if (s.code() != absl::StatusCode::kUnimplemented) return s;
       spdlog::warn("host KV tier disabled: {}", std::string(s.message()));
