@@ -76,6 +76,16 @@ class Backend {
   virtual absl::Status WaitCopies() { return absl::OkStatus(); }
   // Non-blocking: have all copies issued so far completed? (The default waits for them.)
   virtual bool CopiesDone() { return WaitCopies().ok(); }
+  // Prefetch: host → GPU copies started before the batch that reads them is formed (a queued
+  // request's onload). Unlike CopyPages they hold up no Forward until MakePrefetchVisible(), which
+  // orders the next Forward after every prefetch issued so far. WaitCopies() waits for them too.
+  // The defaults treat a prefetch as an ordinary onload (the CPU backend copies synchronously).
+  virtual absl::Status PrefetchPages(const std::vector<int32_t>& src,
+                                     const std::vector<int32_t>& dst) {
+    return CopyPages(CopyKind::kHostToDevice, src, dst);
+  }
+  virtual absl::Status MakePrefetchVisible() { return absl::OkStatus(); }
+  virtual bool PrefetchesDone() { return true; }
   // Forward passes run by replaying a CUDA graph (0 on backends without graphs). Thread-safe.
   virtual uint64_t graph_replays() const { return 0; }
   // Bytes of one page over all layers (K and V).

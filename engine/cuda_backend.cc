@@ -71,6 +71,12 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
     HSTU_CUDA_RETURN(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     HSTU_CUDA_RETURN(cudaEventRecord(e, onload_stream_.get()));
   }
+  HSTU_CUDA_RETURN(prefetch_stream_.Create());
+  prefetch_ready_.assign(config_.num_layers, nullptr);
+  for (cudaEvent_t& e : prefetch_ready_) {
+    HSTU_CUDA_RETURN(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    HSTU_CUDA_RETURN(cudaEventRecord(e, prefetch_stream_.get()));
+  }
   HSTU_CUDA_RETURN(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
   if (graph_options_.enable) HSTU_RETURN_IF_ERROR(CaptureGraphs());
   return absl::OkStatus();
@@ -433,9 +439,52 @@ absl::Status CudaBackendImpl::FlushOnloads() {
   return absl::OkStatus();
 }
 
+absl::Status CudaBackendImpl::PrefetchPages(const std::vector<int32_t>& src,
+                                            const std::vector<int32_t>& dst) {
+  if (host_pool_ == nullptr) return absl::FailedPreconditionError("no host KV pool");
+  if (src.size() != dst.size()) return absl::InvalidArgumentError("PrefetchPages: src/dst sizes differ");
+  for (size_t i = 0; i < src.size(); ++i) {
+    if (src[i] < 0 || src[i] >= host_num_pages_ || dst[i] < 0 || dst[i] >= num_pages_) {
+      return absl::InvalidArgumentError(absl::StrCat("PrefetchPages: page ", src[i], " -> ", dst[i],
+                                                     " out of range"));
+    }
+  }
+  if (src.empty()) return absl::OkStatus();
+  HSTU_CUDA_RETURN(cudaSetDevice(device_));
+  // Its own stream and events: forwards of other users never wait for it. The destination pages
+  // are free pages, but work already queued on the compute stream may still read them.
+  HSTU_CUDA_RETURN(cudaEventRecord(compute_done_, stream_.get()));
+  HSTU_CUDA_RETURN(cudaStreamWaitEvent(prefetch_stream_.get(), compute_done_, 0));
+  const std::vector<cuda::PageRun> runs = cuda::MergePageRuns(src.data(), dst.data(), src.size());
+  for (int l = 0; l < config_.num_layers; ++l) {
+    HSTU_CUDA_RETURN(cuda::EnqueuePageRuns(runs, HostPoolRef(), GpuPoolRef(), l, copy_method_,
+                                           prefetch_stream_.get(), &copy_scratch_));
+    HSTU_CUDA_RETURN(cudaEventRecord(prefetch_ready_[l], prefetch_stream_.get()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackendImpl::MakePrefetchVisible() {
+  HSTU_CUDA_RETURN(cudaSetDevice(device_));
+  // layer_ready_[l] is what forwards (eager and graph wait nodes) wait for before layer l: re-record
+  // it on the onload stream behind the latest prefetch of that layer.
+  for (int l = 0; l < config_.num_layers; ++l) {
+    HSTU_CUDA_RETURN(cudaStreamWaitEvent(onload_stream_.get(), prefetch_ready_[l], 0));
+    HSTU_CUDA_RETURN(cudaEventRecord(layer_ready_[l], onload_stream_.get()));
+  }
+  onload_waits_ = true;
+  return absl::OkStatus();
+}
+
+bool CudaBackendImpl::PrefetchesDone() {
+  if (cudaSetDevice(device_) != cudaSuccess) return false;
+  return cudaStreamQuery(prefetch_stream_.get()) == cudaSuccess;
+}
+
 absl::Status CudaBackendImpl::WaitCopies() {
   HSTU_RETURN_IF_ERROR(FlushOnloads());
   HSTU_CUDA_RETURN(cudaSetDevice(device_));
+  HSTU_CUDA_RETURN(cudaStreamSynchronize(prefetch_stream_.get()));
   HSTU_CUDA_RETURN(cudaStreamSynchronize(onload_stream_.get()));
   HSTU_CUDA_RETURN(cudaStreamSynchronize(offload_stream_.get()));
   return absl::OkStatus();

@@ -165,6 +165,7 @@ class CudaBackendImpl final : public CudaBackend {
   ~CudaBackendImpl() override {
     cudaSetDevice(device_);
     cudaStreamSynchronize(onload_stream_.get());
+    cudaStreamSynchronize(prefetch_stream_.get());
     cudaStreamSynchronize(offload_stream_.get());
     cudaStreamSynchronize(stream_.get());
     for (GraphSlot& g : slots_) {
@@ -172,6 +173,7 @@ class CudaBackendImpl final : public CudaBackend {
       if (g.graph != nullptr) cudaGraphDestroy(g.graph);
     }
     for (cudaEvent_t e : layer_ready_) cudaEventDestroy(e);
+    for (cudaEvent_t e : prefetch_ready_) cudaEventDestroy(e);
     if (compute_done_ != nullptr) cudaEventDestroy(compute_done_);
     if (host_pool_ != nullptr) cudaFreeHost(host_pool_);
     if (cublas_ != nullptr) cublasDestroy(cublas_);
@@ -195,6 +197,10 @@ class CudaBackendImpl final : public CudaBackend {
                          const std::vector<int32_t>& dst) override;
   absl::Status WaitCopies() override;
   bool CopiesDone() override;
+  absl::Status PrefetchPages(const std::vector<int32_t>& src,
+                             const std::vector<int32_t>& dst) override;
+  absl::Status MakePrefetchVisible() override;
+  bool PrefetchesDone() override;
 
   absl::Status Forward(const ForwardBatch& batch, bool keep_hidden, ForwardOutput* out) override;
   absl::Status ReadKv(const std::vector<int32_t>& page_ids, int32_t num_tokens,
@@ -289,6 +295,8 @@ class CudaBackendImpl final : public CudaBackend {
   uint8_t* host_pool_ = nullptr;  // pinned bf16 [layers, host_num_pages_, 2, page_size, H, D]
   int64_t host_num_pages_ = 0;
   std::vector<cudaEvent_t> layer_ready_;  // [layers] last onload copy of the layer, copy stream
+  cuda::Stream prefetch_stream_;            // host → GPU copies of queued requests (Prefetch)
+  std::vector<cudaEvent_t> prefetch_ready_; // [layers] last prefetch copy of the layer
   cudaEvent_t compute_done_ = nullptr;    // compute stream, before copies that touch its pages
   std::vector<int32_t> pending_src_, pending_dst_;  // queued onloads (host page → GPU page)
   bool onload_waits_ = false;  // an eager forward must wait for layer_ready_

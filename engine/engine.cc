@@ -186,6 +186,27 @@ std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankReques
   return results;
 }
 
+void Engine::Prefetch(absl::Span<const RankRequest> running, absl::Span<const RankRequest> queued) {
+  if (!options_.enable_cache || cache_->Stats().host_pages_total == 0) return;
+  std::vector<uint64_t> keep;
+  for (const RankRequest& r : running) keep.push_back(r.user_id);
+  if (cache_->prefetches_pending() && backend_->PrefetchesDone()) cache_->PrefetchesComplete();
+  for (const RankRequest& r : queued) {
+    if (!Validate(r).ok()) continue;
+    const KeptHistory kept = KeepHistory(r, config_);
+    const PageCopies copies = cache_->Prefetch(r.user_id, kept.keys, keep);
+    if (copies.empty()) continue;
+    if (auto s = backend_->PrefetchPages(copies.src, copies.dst); !s.ok()) {
+      // The pages hold nothing valid: wait for what is in flight and drop the user's entry.
+      spdlog::warn("KV prefetch failed: {}", std::string(s.message()));
+      SettleOffloads(/*wait=*/true);
+      backend_->WaitCopies().IgnoreError();
+      cache_->PrefetchesComplete();
+      cache_->ForgetHostCopy(r.user_id);
+    }
+  }
+}
+
 void Engine::SettleOffloads(bool wait) {
   if (!cache_->offloads_in_flight()) return;
   if (wait) {
@@ -214,6 +235,8 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
   };
   std::vector<Live> live;
   SettleOffloads(/*wait=*/false);
+  if (cache_->prefetches_pending() && backend_->PrefetchesDone()) cache_->PrefetchesComplete();
+  bool uses_prefetch = false;
   for (size_t i = 0; i < wave.size(); ++i) {
     Live l{i, KeepHistory(*wave[i], c), {}, {}};
     auto acquire = [&] {
@@ -221,11 +244,12 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
                                    : cache_->AcquireTemporary(wave[i]->user_id, l.kept.length);
     };
     auto res = acquire();
-    if (!res.ok() && cache_->offloads_in_flight() &&
+    if (!res.ok() && (cache_->offloads_in_flight() || cache_->prefetches_pending()) &&
         (absl::IsUnavailable(res.status()) || absl::IsResourceExhausted(res.status()))) {
-      // The user's own write-behind is still in flight, or the pages we need are held by
-      // in-flight offloads: wait for the copy engine, then try once more.
+      // The user's own write-behind or prefetch is still in flight, or the pages we need are held
+      // by in-flight copies: wait for the copy engines, then try once more.
       SettleOffloads(/*wait=*/true);
+      if (backend_->WaitCopies().ok()) cache_->PrefetchesComplete();
       res = acquire();
     }
     if (!res.ok()) {
@@ -241,6 +265,7 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
         continue;
       }
     }
+    uses_prefetch = uses_prefetch || res->prefetched;
     l.res = *std::move(res);
     l.result.num_tasks = c.num_tasks;
     l.result.reused_tokens = static_cast<uint32_t>(l.res.reused_tokens);
@@ -253,6 +278,7 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
 
   // Pass k scores candidate chunk k of every user; pass 0 also computes the new history.
   absl::Status failure;
+  if (uses_prefetch) failure = backend_->MakePrefetchVisible();
   for (int pass = 0; failure.ok(); ++pass) {
     ForwardBatch fb;
     std::vector<PassItem> items;
@@ -311,6 +337,8 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
     }
   }
 
+  // A failed wave frees its pages: no copy may still be writing into them.
+  if (!failure.ok()) backend_->WaitCopies().IgnoreError();
   for (Live& l : live) {
     if (failure.ok()) {
       const PageCopies offload = cache_->Commit(l.res, l.kept.keys);

@@ -64,6 +64,12 @@ class Engine {
   // Requests of one user run one after another, the later one reusing the earlier one's cache.
   std::vector<absl::StatusOr<RankResult>> Rank(absl::Span<const RankRequest> batch);
 
+  // Starts the onload of queued requests' users whose KV lives only on the host, so the copies
+  // overlap the batches that run before theirs (DESIGN §6). Uses free GPU pages only; a no-op
+  // without a host tier. Same threading contract as Rank().
+  // `running`: the batch about to run, whose users are never evicted to make room.
+  void Prefetch(absl::Span<const RankRequest> running, absl::Span<const RankRequest> queued);
+
   absl::Status Validate(const RankRequest& request) const;
   const ModelConfig& config() const { return config_; }
   const EngineOptions& options() const { return options_; }

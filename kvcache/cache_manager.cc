@@ -1,5 +1,7 @@
 #include "kvcache/cache_manager.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace hstu {
@@ -109,15 +111,18 @@ void CacheManager::EvictFromGpuLocked(uint64_t user_id) {
 bool CacheManager::AllocateLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out) {
   if (n <= allocator_.num_free()) return allocator_.Allocate(n, out);
   // Evict only when eviction can succeed, so a request that cannot fit costs nobody their cache.
-  const int64_t evictable =
-      allocator_.num_pages() - allocator_.num_free() - pinned_pages_ - inflight_gpu_pages_;
+  const int64_t evictable = allocator_.num_pages() - allocator_.num_free() - pinned_pages_ -
+                            inflight_gpu_pages_ - prefetch_gpu_pages_;
   if (allocator_.num_free() + evictable < n) return false;
   auto it = lru_.end();
   while (allocator_.num_free() < n && it != lru_.begin()) {
     --it;
     const uint64_t victim = *it;
     const Entry& e = entries_.at(victim);
-    if (e.pinned || victim == user_id || e.page_ids.empty() || e.inflight_pages > 0) continue;
+    if (e.pinned || victim == user_id || e.page_ids.empty() || e.inflight_pages > 0 ||
+        e.prefetch_pending) {
+      continue;
+    }
     const auto after = std::next(it);  // survives even if the victim's node is erased
     EvictFromGpuLocked(victim);
     it = after;
@@ -129,7 +134,7 @@ bool CacheManager::AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<i
   if (n <= host_allocator_.num_free()) return host_allocator_.Allocate(n, out);
   int64_t evictable = 0;
   for (const auto& [user, e] : entries_) {
-    if (!e.pinned && user != user_id && e.inflight_pages == 0) {
+    if (!e.pinned && user != user_id && e.inflight_pages == 0 && !e.prefetch_pending) {
       evictable += static_cast<int64_t>(e.host_page_ids.size());
     }
   }
@@ -139,7 +144,10 @@ bool CacheManager::AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<i
     --it;
     const uint64_t victim = *it;
     Entry& e = entries_.at(victim);
-    if (e.pinned || victim == user_id || e.host_page_ids.empty() || e.inflight_pages > 0) continue;
+    if (e.pinned || victim == user_id || e.host_page_ids.empty() || e.inflight_pages > 0 ||
+        e.prefetch_pending) {
+      continue;  // a prefetch may still be reading these host pages
+    }
     const auto after = std::next(it);
     ++stats_.host_evictions;
     if (e.page_ids.empty()) {
@@ -161,7 +169,8 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   r.total_tokens = static_cast<int32_t>(keys.size());
   auto [it, inserted] = entries_.try_emplace(user_id);
   Entry& e = it->second;
-  const bool from_host = !inserted && e.page_ids.empty() && e.num_tokens > 0;
+  const bool host_only = !inserted && e.page_ids.empty() && e.num_tokens > 0;
+  const bool from_host = host_only || (!inserted && e.from_host && e.num_tokens > 0);
   if (inserted) {
     lru_.push_front(user_id);
     e.lru_it = lru_.begin();
@@ -173,6 +182,13 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   } else if (e.inflight_pages > 0) {
     return absl::UnavailableError(
         absl::StrCat("user ", user_id, " has an offload in flight; retry after OffloadsComplete()"));
+  } else if (e.prefetch_pending &&
+             !(static_cast<size_t>(e.num_tokens) <= keys.size() &&
+               PrefixHash(keys.subspan(0, e.num_tokens), page_size_) == e.prefix_hash)) {
+    // Reusing less than was prefetched would free pages that a copy may still be writing.
+    return absl::UnavailableError(
+        absl::StrCat("user ", user_id, " changed while its prefetch is in flight; retry after "
+                     "PrefetchesComplete()"));
   } else if (static_cast<size_t>(e.num_tokens) <= keys.size() &&
              PrefixHash(keys.subspan(0, e.num_tokens), page_size_) == e.prefix_hash) {
     r.reused_tokens = e.num_tokens;
@@ -189,6 +205,12 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
     r.reused_tokens = e.num_tokens;
     r.result = k == 0 ? LookupResult::kMismatch : from_host ? LookupResult::kHostHit : LookupResult::kPartial;
   }
+  if (e.prefetch_pending) {
+    r.prefetched = true;
+    e.prefetch_pending = false;
+    prefetch_gpu_pages_ -= static_cast<int64_t>(e.page_ids.size());
+  }
+  e.from_host = false;
   e.pinned = true;
   TouchLocked(e, user_id);
   const int64_t pages_needed = (static_cast<int64_t>(keys.size()) + page_size_ - 1) / page_size_;
@@ -205,7 +227,7 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
         " are pinned by requests in flight"));
   }
   pinned_pages_ += std::max<int64_t>(missing, 0);
-  if (from_host) {
+  if (host_only) {
     // Host-only entries hold whole pages, so the reused tokens are exactly the first pages.
     const size_t n = static_cast<size_t>(r.reused_tokens / page_size_);
     r.onload.src.assign(e.host_page_ids.begin(), e.host_page_ids.begin() + n);
@@ -301,6 +323,64 @@ void CacheManager::ForgetHostCopy(uint64_t user_id) {
   if (e.page_ids.empty()) DropLocked(user_id);
 }
 
+PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> keys,
+                                  absl::Span<const uint64_t> keep) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PageCopies copies;
+  auto it = entries_.find(user_id);
+  if (it == entries_.end()) return copies;
+  Entry& e = it->second;
+  if (e.pinned || !e.page_ids.empty() || e.host_page_ids.empty() || e.inflight_pages > 0) {
+    return copies;  // not host-only, or busy
+  }
+  const size_t cmp_tokens = std::min(keys.size(), e.page_hashes.size() * page_size_);
+  const std::vector<uint64_t> req = PageChainHashes(keys.subspan(0, cmp_tokens), page_size_);
+  size_t k = 0;
+  while (k < req.size() && k < e.host_page_ids.size() && req[k] == e.page_hashes[k]) ++k;
+  if (k == 0) return copies;
+  // Make room only from entries that lose nothing but a partial last page by moving to the host.
+  for (auto vit = lru_.end(); allocator_.num_free() < static_cast<int64_t>(k) && vit != lru_.begin();) {
+    --vit;
+    const uint64_t victim = *vit;
+    const Entry& v = entries_.at(victim);
+    if (victim == user_id || v.pinned || v.page_ids.empty() || v.inflight_pages > 0 ||
+        v.prefetch_pending || v.host_page_ids.size() < v.page_hashes.size() ||
+        std::find(keep.begin(), keep.end(), victim) != keep.end()) {
+      continue;
+    }
+    const auto after = std::next(vit);
+    EvictFromGpuLocked(victim);
+    vit = after;
+  }
+  if (static_cast<int64_t>(k) > allocator_.num_free()) return copies;
+  TruncateLocked(e, k);
+  allocator_.Allocate(static_cast<int64_t>(k), &e.page_ids);
+  copies.src.assign(e.host_page_ids.begin(), e.host_page_ids.begin() + k);
+  copies.dst = e.page_ids;
+  e.prefetch_pending = true;
+  e.from_host = true;
+  prefetch_gpu_pages_ += static_cast<int64_t>(k);
+  prefetch_users_.push_back(user_id);
+  stats_.pages_prefetched += k;
+  stats_.pages_onloaded += k;
+  return copies;
+}
+
+void CacheManager::PrefetchesComplete() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (uint64_t user : prefetch_users_) {
+    auto it = entries_.find(user);
+    if (it != entries_.end()) it->second.prefetch_pending = false;
+  }
+  prefetch_users_.clear();
+  prefetch_gpu_pages_ = 0;
+}
+
+bool CacheManager::prefetches_pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !prefetch_users_.empty();
+}
+
 void CacheManager::OffloadsComplete() {
   std::lock_guard<std::mutex> lock(mu_);
   for (uint64_t user : inflight_users_) {
@@ -321,7 +401,7 @@ void CacheManager::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<uint64_t> victims;
   for (const auto& [user, e] : entries_) {
-    if (!e.pinned && e.inflight_pages == 0) victims.push_back(user);
+    if (!e.pinned && e.inflight_pages == 0 && !e.prefetch_pending) victims.push_back(user);
   }
   for (uint64_t u : victims) DropLocked(u);
 }

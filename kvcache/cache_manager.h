@@ -42,6 +42,7 @@ struct CacheStats {
   uint64_t pages_offloaded = 0;  // GPU → host page copies planned
   uint64_t pages_onloaded = 0;   // host → GPU page copies planned
   uint64_t offloads_skipped = 0; // full pages not offloaded at commit (copy backlog at its bound)
+  uint64_t pages_prefetched = 0; // host → GPU page copies started early by Prefetch()
   int64_t pages_total = 0;
   int64_t pages_free = 0;
   int64_t pages_pinned = 0;
@@ -72,6 +73,7 @@ struct Reservation {
   std::vector<int32_t> page_ids; // GPU pages, cover total_tokens
   LookupResult result = LookupResult::kMiss;
   PageCopies onload;             // host → GPU copies to finish before the forward reads the pages
+  bool prefetched = false;       // its pages came from a Prefetch() whose copies may be in flight
 };
 
 class CacheManager {
@@ -96,6 +98,17 @@ class CacheManager {
   // The request failed: unpin and drop what it added (and the entry, whose pages may be partial).
   void Release(const Reservation& r);
 
+  // Starts a host-only user's onload early (a queued request, DESIGN §6): GPU pages for the host
+  // pages whose chain matches `keys`. They come from free pages, or from evicting least recently
+  // used entries whose every full page already has a host copy (nothing is lost, they come back
+  // the same way) and that are not in `keep` (the users of the batch about to run). Returns the
+  // host → GPU copies to issue, or nothing. Until PrefetchesComplete() the entry is not evicted;
+  // its next Acquire reports host_hit and marks the reservation `prefetched`.
+  PageCopies Prefetch(uint64_t user_id, absl::Span<const uint64_t> keys,
+                      absl::Span<const uint64_t> keep = {});
+  // Every copy returned by Prefetch so far has completed.
+  void PrefetchesComplete();
+  bool prefetches_pending() const;
   // A planned offload failed: the user's host copies are not valid, forget them.
   void ForgetHostCopy(uint64_t user_id);
   // Every offload returned by Commit so far has completed.
@@ -115,6 +128,8 @@ class CacheManager {
     uint64_t prefix_hash = 0;           // over all num_tokens keys
     bool pinned = false;
     int32_t inflight_pages = 0;         // pages of this entry in an offload not yet complete
+    bool prefetch_pending = false;      // GPU pages being filled by a Prefetch() copy
+    bool from_host = false;             // GPU pages came from the host; next Acquire is a host hit
     std::list<uint64_t>::iterator lru_it;
   };
 
@@ -137,6 +152,8 @@ class CacheManager {
   int64_t inflight_pages_ = 0;            // offload pages in flight (host side)
   int64_t inflight_gpu_pages_ = 0;        // GPU pages held by entries with an offload in flight
   std::vector<uint64_t> inflight_users_;
+  int64_t prefetch_gpu_pages_ = 0;        // GPU pages held by entries with a prefetch in flight
+  std::vector<uint64_t> prefetch_users_;
 };
 
 // Chain hash of keys [0, n) in pages of `page_size`: hashes[i] covers full page i and hashes[i-1].

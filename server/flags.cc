@@ -39,6 +39,9 @@ ABSL_FLAG(int64_t, host_cache_pages, -1,
           "Host (pinned memory) KV tier in pages; 0 disables the tier (evicted users are "
           "recomputed); -1 = auto: on a GPU 2x the GPU pool within 1/4 of the RAM and 32 GiB, on "
           "the CPU none.");
+ABSL_FLAG(bool, prefetch_onload, true,
+          "Start the KV onload of queued requests whose users live on the host tier before their "
+          "batch runs, so the copy overlaps the batches ahead of them.");
 ABSL_FLAG(bool, cuda_graphs, true,
           "CUDA backend: replay the decode step from CUDA graphs captured at start-up "
           "(--nocuda_graphs runs every step eagerly).");
@@ -74,6 +77,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.engine.cache_pages = absl::GetFlag(FLAGS_cache_pages);
   o.engine.host_cache_pages = absl::GetFlag(FLAGS_host_cache_pages);
   o.engine.use_cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
+  o.prefetch_onload = absl::GetFlag(FLAGS_prefetch_onload);
   for (absl::string_view item : absl::StrSplit(absl::GetFlag(FLAGS_graph_buckets), ',',
                                                 absl::SkipEmpty())) {
     std::vector<std::string> parts = absl::StrSplit(item, 'x');

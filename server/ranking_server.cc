@@ -116,6 +116,12 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
     };
   }
   Engine* engine_ptr = s->engine_.get();
+  if (options.prefetch_onload) {
+    sched.prefetch = [engine_ptr](absl::Span<const RankRequest> batch,
+                                  absl::Span<const RankRequest> queued) {
+      engine_ptr->Prefetch(batch, queued);
+    };
+  }
   Scheduler::RunBatchFn run = [engine_ptr](absl::Span<const RankRequest> batch) {
     return engine_ptr->Rank(batch);
   };

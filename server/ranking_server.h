@@ -28,6 +28,7 @@ struct ServerOptions {
   SchedulerOptions scheduler;
   int64_t max_message_bytes = 16 << 20;  // gRPC receive/send limit
   bool warmup = true;                    // one request through the engine before SERVING
+  bool prefetch_onload = true;           // start queued host hits' onloads before their batch
   // Tests only: runs each batch instead of the engine, with the engine's run as `run`.
   std::function<std::vector<absl::StatusOr<RankResult>>(absl::Span<const RankRequest>,
                                                         const Scheduler::RunBatchFn& run)>

@@ -122,8 +122,9 @@ std::unique_ptr<Engine> TierEngine(const std::string& device, const ModelWeights
   return e.ok() ? *std::move(e) : nullptr;
 }
 
-TEST(CudaHostTier, RestoredUsersScoreLikeCpuEngine) {
-  HSTU_SKIP_WITHOUT_GPU();
+// Users cycle through a GPU pool far smaller than the working set; with `prefetch`, the next
+// batch's users are prefetched (as the scheduler does) before each batch runs.
+void RestoreUsersAndCompareWithCpu(bool prefetch) {
   const ModelWeights w = RandomModel(test::SmallGpuModelConfig(), 11);
   // 12 users of up to 16 pages; the GPU pool holds about three of them, the host all.
   auto gpu = TierEngine("cuda:0", w, 48, 400);
@@ -148,6 +149,11 @@ TEST(CudaHostTier, RestoredUsersScoreLikeCpuEngine) {
           r.candidate_item_ids.push_back(rng() % 500);
         }
         batch.push_back(r);
+      }
+      if (prefetch && first + 3 < users.size()) {
+        const std::vector<RankRequest> next(users.begin() + first + 3,
+                                            users.begin() + std::min(first + 6, users.size()));
+        gpu->Prefetch(batch, next);
       }
       auto rg = gpu->Rank(batch);
       auto rc = cpu->Rank(batch);
@@ -174,6 +180,20 @@ TEST(CudaHostTier, RestoredUsersScoreLikeCpuEngine) {
   EXPECT_GT(s.cache.evictions, 0u);
   EXPECT_GT(s.cache.tokens_reused, 0u);
   EXPECT_EQ(s.kv_onload_bytes, s.cache.pages_onloaded * static_cast<uint64_t>(s.kv_page_bytes));
+  if (prefetch) {
+    std::printf("  pages prefetched %llu\n", static_cast<unsigned long long>(s.cache.pages_prefetched));
+    EXPECT_GT(s.cache.pages_prefetched, 0u);
+  }
+}
+
+TEST(CudaHostTier, RestoredUsersScoreLikeCpuEngine) {
+  HSTU_SKIP_WITHOUT_GPU();
+  RestoreUsersAndCompareWithCpu(/*prefetch=*/false);
+}
+
+TEST(CudaHostTier, PrefetchedUsersScoreLikeCpuEngine) {
+  HSTU_SKIP_WITHOUT_GPU();
+  RestoreUsersAndCompareWithCpu(/*prefetch=*/true);
 }
 
 TEST(CudaHostTier, NoPageLeakAfter10000RandomRequests) {

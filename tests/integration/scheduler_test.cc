@@ -148,6 +148,36 @@ TEST(SchedulerTest, BatchesQueuedRequestsUpToMaxBatchSizeAndNeverOneUserTwice) {
   }
 }
 
+TEST(SchedulerTest, PrefetchSeesTheRequestsQueuedBehindEachBatch) {
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.max_batch_size = 2;
+  std::mutex mu;
+  std::vector<std::vector<uint64_t>> prefetched;  // one entry per batch that had a queue behind it
+  o.prefetch = [&](absl::Span<const RankRequest> batch, absl::Span<const RankRequest> queued) {
+    EXPECT_FALSE(batch.empty());
+    std::vector<uint64_t> users;
+    for (const auto& r : queued) users.push_back(r.user_id);
+    std::lock_guard<std::mutex> lock(mu);
+    prefetched.push_back(users);
+  };
+  auto s = MakeScheduler(&engine, o);
+  engine.Close();
+  Outcome first;
+  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
+  engine.WaitEntered(1);
+  // Queue 1..5 → batches {1,2} {3,4} {5}; before {1,2} the prefetch sees {3,4} (at most
+  // max_batch_size), before {3,4} it sees {5}, before {5} nothing (and is not called).
+  std::vector<Outcome> outs(5);
+  for (uint64_t u = 1; u <= 5; ++u) ASSERT_TRUE(s->Submit(Pending(u, &outs[u - 1])).ok());
+  engine.Open();
+  for (auto& o2 : outs) ASSERT_EQ(o2.future.wait_for(2s), std::future_status::ready);
+  std::lock_guard<std::mutex> lock(mu);
+  ASSERT_EQ(prefetched.size(), 2u);
+  EXPECT_EQ(prefetched[0], (std::vector<uint64_t>{3, 4}));
+  EXPECT_EQ(prefetched[1], (std::vector<uint64_t>{5}));
+}
+
 TEST(SchedulerTest, TokenBudgetSplitsBatchesButOversizeRequestRunsAlone) {
   FakeEngine engine;
   SchedulerOptions o;

@@ -207,3 +207,107 @@ TEST(HostTierEngine, UsersRestoredFromTheHostScoreLikeAFullRecompute) {
 
 }  // namespace
 }  // namespace hstu
+
+namespace hstu {
+namespace {
+
+TEST(HostTierPrefetch, QueuedHostUserIsOnloadedEarlyAndReportedAsHostHit) {
+  CacheManager m(4, 4, 16);
+  for (int u = 1; u <= 2; ++u) {  // user 1 ends up on the host only
+    auto r = m.Acquire(u, Keys(8, u));
+    m.Commit(*r, Keys(8, u));
+    m.OffloadsComplete();
+  }
+  auto r3 = m.Acquire(3, Keys(4, 3));  // frees nothing: pool 4 = user 2 (2) + user 3 (1) + 1 free
+  m.Commit(*r3, Keys(4, 3));
+  m.OffloadsComplete();
+  ASSERT_EQ(m.CachedTokens(1), 8);
+  // Needs 2 pages, 1 is free; users 2 and 3 would make room losslessly (their pages all have
+  // host copies) but they are in the batch about to run.
+  const std::vector<uint64_t> running = {2, 3};
+  EXPECT_TRUE(m.Prefetch(1, Keys(10, 1), running).empty());
+  EXPECT_EQ(m.Stats().evictions, 1u);
+  PageCopies c = m.Prefetch(1, Keys(10, 1), std::vector<uint64_t>{3});  // user 2 moves to the host
+  ASSERT_EQ(c.src.size(), 2u);
+  EXPECT_EQ(m.Stats().evictions, 2u);
+  EXPECT_EQ(m.CachedTokens(2), 8);  // still cached, on the host
+  EXPECT_TRUE(m.prefetches_pending());
+  EXPECT_TRUE(m.Prefetch(1, Keys(10, 1)).empty());  // already on its way
+  // While in flight, nobody evicts it: user 5 needs more than the unpinned, unprefetched pages.
+  EXPECT_EQ(m.Acquire(5, Keys(16, 5)).status().code(), absl::StatusCode::kResourceExhausted);
+  auto back = m.Acquire(1, Keys(10, 1));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->result, LookupResult::kHostHit);
+  EXPECT_TRUE(back->prefetched);
+  EXPECT_TRUE(back->onload.empty());  // the copies were issued by the prefetch
+  EXPECT_EQ(back->reused_tokens, 8);
+  EXPECT_EQ(std::vector<int32_t>(back->page_ids.begin(), back->page_ids.begin() + 2), c.dst);
+  m.Commit(*back, Keys(10, 1));
+  m.OffloadsComplete();
+  m.PrefetchesComplete();
+  EXPECT_EQ(m.Stats().pages_prefetched, 2u);
+  auto again = m.Acquire(1, Keys(12, 1));
+  EXPECT_EQ(again->result, LookupResult::kHit);  // on the GPU now
+  m.Commit(*again, Keys(12, 1));
+}
+
+TEST(HostTierPrefetch, ChangedHistoryWaitsForThePrefetchBeforeFreeingItsPages) {
+  CacheManager m(4, 8, 16);
+  auto r = m.Acquire(1, Keys(8, 1));
+  m.Commit(*r, Keys(8, 1));
+  m.OffloadsComplete();
+  auto big = m.Acquire(2, Keys(32, 2));  // evicts user 1 to the host
+  m.Commit(*big, Keys(32, 2));
+  m.OffloadsComplete();
+  auto freed = m.Acquire(2, Keys(32, 2));
+  m.Release(*freed);
+  ASSERT_EQ(m.Prefetch(1, Keys(8, 1)).src.size(), 2u);
+  auto edited = Keys(8, 1);
+  edited[6] = TokenKey(false, 777);
+  EXPECT_EQ(m.Acquire(1, edited).status().code(), absl::StatusCode::kUnavailable);
+  m.PrefetchesComplete();
+  auto r2 = m.Acquire(1, edited);
+  ASSERT_TRUE(r2.ok());
+  EXPECT_EQ(r2->reused_tokens, 4);  // page 0 still matches
+  m.Commit(*r2, edited);
+}
+
+TEST(HostTierPrefetchEngine, PrefetchedUsersScoreLikeAFullRecompute) {
+  EngineOptions o;
+  o.page_size = 4;
+  o.cache_pages = 40;
+  o.host_cache_pages = 80;
+  auto cached = Engine::Create(o, RandomModel(SmallConfig(), 6));
+  ASSERT_TRUE(cached.ok()) << cached.status();
+  EngineOptions f = o;
+  f.enable_cache = false;
+  f.host_cache_pages = 0;
+  f.cache_pages = 64;
+  auto full = Engine::Create(f, RandomModel(SmallConfig(), 6));
+  ASSERT_TRUE(full.ok());
+  std::mt19937 rng(21);
+  std::vector<RankRequest> users(10);
+  for (int u = 0; u < 10; ++u) users[u].user_id = u;
+  for (int step = 0; step < 150; ++step) {
+    RankRequest& r = users[rng() % 10];
+    for (int i = 0, n = 1 + rng() % 3; i < n; ++i) {
+      r.history_item_ids.push_back(rng() % 500);
+      r.history_actions.push_back(rng() % 16);
+    }
+    r.candidate_item_ids = {static_cast<int64_t>(rng() % 500)};
+    // As the scheduler does: prefetch a few "queued" users (here: random ones, often this one).
+    std::vector<RankRequest> queued = {users[rng() % 10], users[rng() % 10], r};
+    (*cached)->Prefetch({&r, 1}, queued);
+    auto a = (*cached)->Rank({&r, 1});
+    auto b = (*full)->Rank({&r, 1});
+    ASSERT_TRUE(a[0].ok()) << a[0].status();
+    ASSERT_LE(test::MaxAbsDiff(a[0]->scores, b[0]->scores), test::kF32Abs) << "step " << step;
+  }
+  const EngineStats s = (*cached)->Stats();
+  EXPECT_GT(s.cache.pages_prefetched, 0u);
+  EXPECT_GT(s.cache.lookups[static_cast<int>(LookupResult::kHostHit)], 0u);
+  EXPECT_EQ(s.cache.pages_pinned, 0);
+}
+
+}  // namespace
+}  // namespace hstu
