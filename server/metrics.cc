@@ -73,6 +73,10 @@ ServerMetrics::ServerMetrics(const std::string& version)
       kv_dropped_(registry_.AddCounter(
           "hstu_kv_dropped_entries_total",
           "KV cache entries dropped because their request failed or they could not be kept.")),
+      kv_prefetched_(registry_.AddCounter(
+          "hstu_kv_prefetch_pages_total",
+          "KV pages whose host-to-GPU onload started before their request's batch (prefetch).",
+          {})),
       cuda_graph_replays_(registry_.AddCounter("hstu_cuda_graph_replays_total",
                                                "Forward passes replayed from captured CUDA graphs.")),
       gpu_memory_(registry_.AddGauge("hstu_gpu_memory_bytes",
@@ -110,6 +114,7 @@ ServerMetrics::ServerMetrics(const std::string& version)
   kv_transfer_bytes_.WithLabels({"offload"});
   kv_transfer_bytes_.WithLabels({"onload"});
   kv_dropped_.WithLabels({});
+  kv_prefetched_.WithLabels({});
   cuda_graph_replays_.WithLabels({});
   for (const char* kind : {"total", "kv_pool", "weights"}) gpu_memory_.WithLabels({kind});
   engine_compute_.WithLabels({});
@@ -173,6 +178,7 @@ void ServerMetrics::Collect() {
   kv_transfer_bytes_.WithLabels({"offload"}).Set(static_cast<double>(s.kv_offload_bytes));
   kv_transfer_bytes_.WithLabels({"onload"}).Set(static_cast<double>(s.kv_onload_bytes));
   kv_dropped_.WithLabels({}).Set(static_cast<double>(c.dropped_entries));
+  kv_prefetched_.WithLabels({}).Set(static_cast<double>(c.pages_prefetched));
   // On the CPU backend the "gpu" tier is the engine's primary KV pool in host memory, and the
   // device memory is 0: the labels keep their meaning when the CUDA backend lands.
   gpu_memory_.WithLabels({"total"}).Set(static_cast<double>(s.device_memory_bytes));

@@ -62,6 +62,7 @@ class ServerMetrics {
   Family<Counter>& kv_transfer_bytes_;
   Family<Counter>& kv_evictions_;
   Family<Counter>& kv_dropped_;
+  Family<Counter>& kv_prefetched_;
   Family<Counter>& cuda_graph_replays_;
   Family<Gauge>& gpu_memory_;
   Family<Counter>& engine_compute_;
