@@ -163,6 +163,14 @@ ModelConfig SmallConfig() {
   return c;
 }
 
+// The reference for the engine tests: same model and page size, no cache, every history recomputed.
+absl::StatusOr<std::unique_ptr<Engine>> RecomputingEngine(EngineOptions o, uint64_t seed) {
+  o.enable_cache = false;
+  o.host_cache_pages = 0;
+  o.cache_pages = 64;
+  return Engine::Create(o, RandomModel(SmallConfig(), seed));
+}
+
 TEST(HostTierEngine, UsersRestoredFromTheHostScoreLikeAFullRecompute) {
   EngineOptions o;
   o.page_size = 4;
@@ -171,11 +179,7 @@ TEST(HostTierEngine, UsersRestoredFromTheHostScoreLikeAFullRecompute) {
   o.keep_hidden = true;
   auto cached = Engine::Create(o, RandomModel(SmallConfig(), 5));
   ASSERT_TRUE(cached.ok()) << cached.status();
-  EngineOptions f = o;
-  f.enable_cache = false;
-  f.host_cache_pages = 0;
-  f.cache_pages = 64;
-  auto full = Engine::Create(f, RandomModel(SmallConfig(), 5));
+  auto full = RecomputingEngine(o, 5);
   ASSERT_TRUE(full.ok());
   std::mt19937 rng(11);
   std::vector<RankRequest> users(8);
@@ -204,12 +208,6 @@ TEST(HostTierEngine, UsersRestoredFromTheHostScoreLikeAFullRecompute) {
   EXPECT_EQ(s.kv_offload_bytes, s.cache.pages_offloaded * static_cast<uint64_t>(s.kv_page_bytes));
   EXPECT_EQ(s.cache.pages_pinned, 0);
 }
-
-}  // namespace
-}  // namespace hstu
-
-namespace hstu {
-namespace {
 
 TEST(HostTierPrefetch, QueuedHostUserIsOnloadedEarlyAndReportedAsHostHit) {
   CacheManager m(4, 4, 16);
@@ -279,11 +277,7 @@ TEST(HostTierPrefetchEngine, PrefetchedUsersScoreLikeAFullRecompute) {
   o.host_cache_pages = 80;
   auto cached = Engine::Create(o, RandomModel(SmallConfig(), 6));
   ASSERT_TRUE(cached.ok()) << cached.status();
-  EngineOptions f = o;
-  f.enable_cache = false;
-  f.host_cache_pages = 0;
-  f.cache_pages = 64;
-  auto full = Engine::Create(f, RandomModel(SmallConfig(), 6));
+  auto full = RecomputingEngine(o, 6);
   ASSERT_TRUE(full.ok());
   std::mt19937 rng(21);
   std::vector<RankRequest> users(10);
