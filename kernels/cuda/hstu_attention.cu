@@ -1,21 +1,147 @@
 // Launcher of the paged HSTU attention: argument checks and head-dim dispatch over an explicit list.
 #include "kernels/cuda/hstu_attention.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
 #include "kernels/cuda/hstu_attention_kernel.cuh"
+#include "kernels/cuda/hstu_attention_ws.cuh"
 #include "kernels/cuda/ops.h"
 
 namespace hstu::cuda {
 namespace {
 
+// ---- The K/V tensor map of the warp-specialised kernel (D = 256) ----
+// The pool [num_pages, 2, page_size, H, D] bf16 is viewed as the packed 4-D tensor, fastest first,
+// {64 columns, H*D/64 slabs of 128 bytes, page_size rows, 2*num_pages K|V halves}; a box
+// {64, 1, box_rows, 1} is box_rows rows of one 64-column slab of one head of one page, which the
+// 128-byte swizzle writes in exactly the layout of the kernel's tiles. The pool size is not known
+// here, so the last dimension gets a bound past any pool (the kernel only asks for pages of the page
+// table). A map is built once per (device, pool base, geometry), copied to device memory and kept
+// for the life of the process (128 bytes each; a CUDA graph may hold its address), so it is never
+// built while a stream is being captured: a capture without a cached map takes the cp.async kernel.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+bool WsEnabled() {  // HSTU_ATTN_WS=0 selects the 2-warpgroup cp.async kernel (A/B timing)
+  static const bool on = [] {
+    const char* e = std::getenv("HSTU_ATTN_WS");
+    return e == nullptr || std::strcmp(e, "0") != 0;
+  }();
+  return on;
+}
+
+EncodeTiledFn GetEncodeTiled() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<EncodeTiledFn>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// Rows of a TMA box: the largest of 64, 32, 16, 8 that divides the page size (0: none does).
+int KvBoxRows(int page_size) {
+  for (int r = 64; r >= 8; r /= 2) {
+    if (page_size % r == 0) return r;
+  }
+  return 0;
+}
+
+// The device copy of p's K/V tensor map, or nullptr when the warp-specialised kernel does not apply.
+const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stream) {
+  const auto& kv = p.kv;
+  const int64_t hd = static_cast<int64_t>(kv.num_heads) * kv.head_dim;
+  if (!WsEnabled() || p.max_attn_len > 0 || KvBoxRows(kv.page_size) == 0 ||
+      kv.page_size > (1 << 20) || kv.kv_stride != kv.page_size * hd ||
+      kv.page_stride != 2 * kv.kv_stride || reinterpret_cast<uintptr_t>(kv.base) % 16 != 0) {
+    return nullptr;
+  }
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  struct Entry {
+    int device;
+    const void* base;
+    int32_t page_size, heads, dim;
+    CUtensorMap* map;
+  };
+  static std::mutex mu;
+  static std::vector<Entry>* cache = new std::vector<Entry>();
+  std::lock_guard<std::mutex> lock(mu);
+  for (const Entry& e : *cache) {
+    if (e.device == device && e.base == kv.base && e.page_size == kv.page_size &&
+        e.heads == kv.num_heads && e.dim == kv.head_dim) {
+      return e.map;
+    }
+  }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+      capture != cudaStreamCaptureStatusNone) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  const EncodeTiledFn encode = GetEncodeTiled();
+  if (encode == nullptr) return nullptr;
+  CUtensorMap host{};
+  const cuuint64_t dims[4] = {64, static_cast<cuuint64_t>(hd / 64),
+                              static_cast<cuuint64_t>(kv.page_size), cuuint64_t{1} << 24};
+  const cuuint64_t strides[3] = {128, static_cast<cuuint64_t>(hd * 2),
+                                 static_cast<cuuint64_t>(kv.kv_stride * 2)};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(KvBoxRows(kv.page_size)), 1};
+  const cuuint32_t elem[4] = {1, 1, 1, 1};
+  if (encode(&host, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<bf16*>(kv.base), dims, strides,
+             box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+    return nullptr;
+  }
+  CUtensorMap* dev = nullptr;
+  if (cudaMalloc(&dev, sizeof(CUtensorMap)) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  if (cudaMemcpy(dev, &host, sizeof(host), cudaMemcpyHostToDevice) != cudaSuccess) {
+    cudaGetLastError();
+    cudaFree(dev);
+    return nullptr;
+  }
+  cache->push_back(Entry{device, kv.base, kv.page_size, kv.num_heads, kv.head_dim, dev});
+  return dev;
+}
+
 template <int kD>
 cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* items, int32_t num_items,
                    float* partials, cudaStream_t stream) {
-  constexpr int kSmem = AttnTraits<kD>::kSmemBytes;
-  // Not a stream operation, so it is allowed while a stream is being captured.
-  cudaError_t err = cudaFuncSetAttribute(HstuAttentionKernel<kD>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) return err;
   const dim3 grid(num_items, p.kv.num_heads);
-  HstuAttentionKernel<kD><<<grid, AttnTraits<kD>::kThreads, kSmem, stream>>>(p, items, partials);
+  cudaError_t err = cudaSuccess;
+  const CUtensorMap* kv_map = kD == 256 ? KvTensorMap(p, stream) : nullptr;
+  if (kv_map != nullptr) {
+    constexpr int kSmem = AttnWsTraits::kSmemBytes;
+    // Not a stream operation, so it is allowed while a stream is being captured.
+    err = cudaFuncSetAttribute(HstuAttentionWsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               kSmem);
+    if (err != cudaSuccess) return err;
+    HstuAttentionWsKernel<<<grid, AttnWsTraits::kThreads, kSmem, stream>>>(
+        p, items, partials, kv_map, KvBoxRows(p.kv.page_size));
+  } else {
+    constexpr int kSmem = AttnTraits<kD>::kSmemBytes;
+    err = cudaFuncSetAttribute(HstuAttentionKernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               kSmem);
+    if (err != cudaSuccess) return err;
+    HstuAttentionKernel<kD><<<grid, AttnTraits<kD>::kThreads, kSmem, stream>>>(p, items, partials);
+  }
   err = cudaPeekAtLastError();
   if (err != cudaSuccess || partials == nullptr) return err;
   const dim3 reduce_grid(num_items, p.kv.num_heads, kAttnBlockM / kReduceRows);

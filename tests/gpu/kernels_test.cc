@@ -3,6 +3,7 @@
 // before each launch and checked for NaN/Inf.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -219,6 +220,18 @@ PagedCase MakeCase(std::mt19937& rng, int B, int page_size, int H, int D, int W,
   std::shuffle(perm.begin(), perm.end(), rng);
   c.page_ids.assign(perm.begin(), perm.begin() + c.page_indptr.back());
   c.pool = RoundBf16(RandomVector(rng, c.num_pages * c.page_elems()));
+  // Slots past each user's last token hold NaN: a kernel that reads them into a result (0 · NaN)
+  // fails the finiteness check.
+  const int64_t hd = static_cast<int64_t>(H) * D;
+  for (int b = 0; b < B; ++b) {
+    for (int t = c.num_tokens[b]; t < pages_per_user[b] * page_size; ++t) {
+      const int64_t page = c.page_ids[c.page_indptr[b] + t / page_size];
+      for (int kv = 0; kv < 2; ++kv) {
+        float* row = c.pool.data() + page * c.page_elems() + (kv * page_size + t % page_size) * hd;
+        std::fill(row, row + hd, std::numeric_limits<float>::quiet_NaN());
+      }
+    }
+  }
   c.uvqk = RoundBf16(RandomVector(rng, static_cast<size_t>(c.rows()) * 4 * H * D));
   return c;
 }
@@ -323,6 +336,11 @@ TEST(CudaKernels, PagedAttentionAndAppendMatchCpu) {
       {2, 7, 2, 128, 0, 100, 20, 10, 264},   // odd page size
       {2, 64, 4, 256, 0, 1000, 128, 256, 132},  // decode-step shape (base heads), split
       {3, 17, 1, 256, 0, 0, 200, 129, 1},    // no cache, no split; 2nd warpgroup partly empty
+      // D = 256 without a window takes the warp-specialised TMA kernel: boxes of 64/32/16/8 rows.
+      {17, 32, 2, 256, 0, 300, 90, 40, 264},  // 17 users with edge cases, split
+      {4, 16, 4, 256, 0, 400, 70, 30, 1},     // 16-row boxes, no split
+      {3, 8, 1, 256, 0, 250, 60, 20, 264},    // 8-row boxes (32 per tile)
+      {2, 128, 2, 256, 0, 500, 100, 60, 264}, // pages of two 64-key blocks
   };
   for (const Shape& s : shapes) {
     PagedCase c = MakeCase(rng, s.B, s.page_size, s.H, s.D, s.W, s.cached, s.nnew, s.cand);

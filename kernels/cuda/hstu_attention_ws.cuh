@@ -1,0 +1,338 @@
+// Warp-specialised paged HSTU attention for D = 256 (sm_90a): a producer warp moves each 64-key
+// K or V tile from the pages into a ring of shared-memory slots with TMA (copy engine, no warps
+// spent on the gather); two consumer warpgroups run the same S / SiLU / P·V as HstuAttentionKernel
+// and hand each slot back as soon as their wgmma has read it. See docs/cuda_kernels.md, round 6.
+//
+// Same work items, grid (items, H), plan, partials and reduction as HstuAttentionKernel; it only
+// runs when a block never straddles a TMA box: no window (chunk starts are multiples of 64 keys),
+// page size a multiple of 8, the pool packed [pages, 2, page_size, H, D] (the launcher checks).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (a plain 64-byte-aligned struct; no driver library is linked)
+
+#include "kernels/cuda/hstu_attention_kernel.cuh"
+
+namespace hstu::cuda {
+
+// ---- mbarrier and TMA helpers ----
+__device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of parity `parity` has completed (a fresh barrier counts its phase "1" as
+// completed, so a producer's first wait on an empty slot passes at once).
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity)
+      : "memory");
+}
+// One box of the K/V tensor map (see KvTensorMap in hstu_attention.cu): dims, fastest first,
+// {64 columns, H*D/64 slabs, page_size rows, 2*num_pages K|V halves}; box {64, 1, box_rows, 1}.
+// The map lives in global memory (a plain pointer parameter).
+__device__ __forceinline__ void TmaLoad4d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
+                                          int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int kRegs>
+__device__ __forceinline__ void SetMaxNRegDec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void SetMaxNRegInc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+struct AttnWsTraits {
+  static constexpr int kD = 256;
+  static constexpr int kM = kAttnBlockM, kN = kAttnBlockN;
+  static constexpr int kThreads = 384;           // producer warpgroup + 2 consumer warpgroups
+  static constexpr int kSlabs = kD / 64;
+  static constexpr int kChunks = kD / 8;
+  static constexpr int kQBytes = kM * kD * 2;    // 64 KB
+  static constexpr int kSlotBytes = kN * kD * 2; // one K or V tile: 32 KB
+  static constexpr int kSlots = 5;               // the producer runs up to 2.5 key blocks ahead
+  static constexpr int kConsumerWarps = 8;       // arrivals that free a slot
+  static constexpr int kSmemBytes = 1024 + kQBytes + kSlots * kSlotBytes + 2 * kSlots * 8;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+};
+
+// Grid (num_items, H), 384 threads. kv_map: the pool's tensor map in global memory; box_rows: rows
+// of one TMA box (64, 32, 16 or 8, dividing the page size).
+__global__ void __launch_bounds__(384, 1)
+    HstuAttentionWsKernel(const AttentionParams<bf16> p, const AttentionWorkItem* __restrict__ items,
+                          float* __restrict__ partials, const CUtensorMap* __restrict__ kv_map,
+                          int box_rows) {
+#ifdef HSTU_WGMMA_ENABLED
+  using Tr = AttnWsTraits;
+  constexpr int kD = Tr::kD, kM = Tr::kM, kN = Tr::kN, kChunks = Tr::kChunks, kSlots = Tr::kSlots;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_addr = SmemAddr(smem_raw);
+  unsigned char* smem = smem_raw + ((1024 - (raw_addr & 1023)) & 1023);
+  unsigned char* s_q = smem;                    // [kSlabs][kM][64]
+  unsigned char* s_ring = s_q + Tr::kQBytes;    // [kSlots][kSlabs][kN][64]
+  const uint32_t q_addr = SmemAddr(s_q), ring_addr = SmemAddr(s_ring);
+  const uint32_t bar_addr = ring_addr + kSlots * Tr::kSlotBytes;
+  auto full_bar = [&](int slot) { return bar_addr + 8 * slot; };
+  auto empty_bar = [&](int slot) { return bar_addr + 8 * (kSlots + slot); };
+
+  const AttentionWorkItem it = items[blockIdx.x];
+  const int h = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int b = it.user;
+  const int kv_begin = it.kv_begin, kv_end = it.kv_end;
+  const int num_blocks = (kv_end - kv_begin + kN - 1) / kN;
+  const int num_items = 2 * num_blocks;  // ring items: K(j) = 2j, V(j) = 2j + 1
+
+  if (tid == 0) {
+    for (int s = 0; s < kSlots; ++s) {
+      MbarInit(full_bar(s), 1);
+      MbarInit(empty_bar(s), Tr::kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    // ---- Producer warpgroup: warp 0 issues every TMA box; the other three warps leave. ----
+    SetMaxNRegDec<24>();
+    if (warp != 0) return;
+    // The map was written to global memory by a host copy; order its reads by the TMA unit after it.
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(kv_map) : "memory");
+    const int32_t* pages = p.kv.page_ids + p.kv.indptr[b];
+    const int page_size = p.kv.page_size;
+    const int G = kN / box_rows;               // box groups per 64-key tile: 1, 2, 4, 8
+    const int boxes = G * Tr::kSlabs;          // per K or V tile: 4 .. 32
+    const int gi = lane % G, slab = lane / G;  // this lane's box
+    const bool box_lane = lane < boxes;
+    auto page_of_group = [&](int blk) -> int32_t {
+      const int t = kv_begin + blk * kN + gi * box_rows;
+      return (box_lane && blk < num_blocks && t < kv_end) ? __ldg(pages + t / page_size) : -1;
+    };
+    int32_t page = page_of_group(0);
+    for (int i = 0; i < num_items; ++i) {
+      const int blk = i >> 1, kv = i & 1, slot = i % kSlots;
+      const int kstart = kv_begin + blk * kN;
+      const int groups = min(G, (kv_end - kstart + box_rows - 1) / box_rows);
+      MbarWait(empty_bar(slot), ((i / kSlots) & 1) ^ 1);
+      if (lane == 0) {
+        MbarArriveExpectTx(full_bar(slot), static_cast<uint32_t>(groups * box_rows * 128 * Tr::kSlabs));
+      }
+      __syncwarp();
+      if (box_lane && gi < groups) {
+        const int row_in_page = (kstart + gi * box_rows) % page_size;
+        const uint32_t dst = ring_addr + slot * Tr::kSlotBytes + slab * (kN * 128) + gi * box_rows * 128;
+        TmaLoad4d(dst, kv_map, full_bar(slot), 0, h * Tr::kSlabs + slab, row_in_page, 2 * page + kv);
+      }
+      if (kv == 1) page = page_of_group(blk + 1);  // the next block's pages, while this one flies
+    }
+    return;
+  }
+
+  // ---- Consumer warpgroups 1 and 2: query rows 64*cw .. 64*cw + 63 of the tile. ----
+  SetMaxNRegInc<240>();
+  const int cw = (warp >> 2) - 1;                // 0 or 1
+  const int cwarp = warp - 4;                    // 0 .. 7
+  const int ctid = tid - 128;                    // 0 .. 255
+  const int wg_tid = ctid & 127;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int64_t hd = static_cast<int64_t>(p.kv.num_heads) * kD;
+  const int hist = p.kv.num_tokens[b];
+  const int num_new = p.num_new[b];
+  const int first_new = hist - num_new;
+  const bf16* uvqk = p.uvqk;
+
+  // Mask bounds of this thread's two rows (row0 and row0 + 8): allowed keys <= hi (no window here).
+  const int row0 = cwarp * 16 + g;
+  int hi[2];
+  bool is_cand[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = row0 + 8 * i;
+    const int local = it.q_local + r;
+    is_cand[i] = r < it.num_q && local >= num_new;
+    hi[i] = r < it.num_q ? (local >= num_new ? hist - 1 : first_new + local) : -1;
+  }
+
+  // This warpgroup's 64 Q rows.
+  for (int idx = wg_tid; idx < 64 * kChunks; idx += 128) {
+    const int r = 64 * cw + idx / kChunks, c = idx % kChunks;
+    const bool valid = r < it.num_q;
+    const bf16* src = uvqk + static_cast<int64_t>(it.q_row + (valid ? r : 0)) * p.uvqk_row_stride +
+                      kQ * hd + h * kD + c * 8;
+    CpAsync16(s_q + TileOffset<kM>(r, c), src, valid);
+  }
+  CpAsyncCommit();
+
+  float o[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
+  const float half_alpha = 0.5f * p.alpha, inv_norm = p.inv_norm;
+
+  CpAsyncWait<0>();
+  FenceProxyAsync();
+  NamedBarrierSync(1 + cw, 128);  // every warp's Q rows landed
+
+  const uint32_t q_wg_addr = q_addr + cw * 64 * 128;
+  for (int j = 0; j < num_blocks; ++j) {
+    const int kstart = kv_begin + j * kN;
+    const int ik = 2 * j, iv = 2 * j + 1;
+    const int slot_k = ik % kSlots, slot_v = iv % kSlots;
+    const uint32_t k_tile = ring_addr + slot_k * Tr::kSlotBytes;
+    const uint32_t v_tile = ring_addr + slot_v * Tr::kSlotBytes;
+
+    // S = Q·Kᵀ
+    MbarWait(full_bar(slot_k), (ik / kSlots) & 1);
+    float s[kN / 2];
+#pragma unroll
+    for (int e = 0; e < kN / 2; ++e) s[e] = 0.f;
+    FenceRegs(s);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      const uint32_t col = (kk & 3) * 32;
+      WgmmaSS_m64n64k16(s, MakeSmemDesc(q_wg_addr + (kk >> 2) * (kM * 128) + col, 16, 1024),
+                        MakeSmemDesc(k_tile + (kk >> 2) * (kN * 128) + col, 16, 1024), 1);
+    }
+    WgmmaCommit();
+    WgmmaWait<0>();
+    FenceRegs(s);
+    __syncwarp();
+    if (lane == 0) MbarArrive(empty_bar(slot_k));  // K(j) read: the producer may refill it
+
+    // P = SiLU(alpha·S)/N, masked (keys past the chunk end or after the row's last key).
+    const int klast = kstart + kN - 1;
+    const bool full = klast < kv_end && klast <= hi[0] && klast <= hi[1];
+    float pv[kN / 2];
+    if (__all_sync(0xffffffffu, full)) {
+#pragma unroll
+      for (int e = 0; e < kN / 2; ++e) pv[e] = SiluScaled(s[e], half_alpha, inv_norm);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kN / 2; ++e) {
+        const int i = (e >> 1) & 1;
+        const int key = kstart + (e >> 2) * 8 + 2 * t4 + (e & 1);
+        const bool ok = key < kv_end && key <= hi[i];
+        pv[e] = ok ? SiluScaled(s[e], half_alpha, inv_norm) : 0.f;
+      }
+    }
+    uint32_t pa[kN / 16][4];
+#pragma unroll
+    for (int k2 = 0; k2 < kN / 16; ++k2) {
+      pa[k2][0] = PackBf16x2(pv[8 * k2 + 0], pv[8 * k2 + 1]);
+      pa[k2][1] = PackBf16x2(pv[8 * k2 + 2], pv[8 * k2 + 3]);
+      pa[k2][2] = PackBf16x2(pv[8 * k2 + 4], pv[8 * k2 + 5]);
+      pa[k2][3] = PackBf16x2(pv[8 * k2 + 6], pv[8 * k2 + 7]);
+    }
+
+    // O += P·V
+    MbarWait(full_bar(slot_v), (iv / kSlots) & 1);
+    if (kstart + kN > kv_end) {
+      // Rows past the chunk end hold stale page rows or nothing copied; P is 0 there, but V must
+      // be finite (0 · NaN is NaN), so this warpgroup zeroes them before its wgmma reads the tile
+      // (the other warpgroup writes the same zeros).
+      const int r0 = kv_end - kstart;
+      unsigned char* vt = s_ring + slot_v * Tr::kSlotBytes;
+      for (int idx = wg_tid; idx < (kN - r0) * kChunks; idx += 128) {
+        const int r = r0 + idx / kChunks, c = idx % kChunks;
+        *reinterpret_cast<uint4*>(vt + TileOffset<kN>(r, c)) = make_uint4(0, 0, 0, 0);
+      }
+      FenceProxyAsync();
+      NamedBarrierSync(1 + cw, 128);
+    }
+    WgmmaFence();
+#pragma unroll
+    for (int k2 = 0; k2 < kN / 16; ++k2) {
+      WgmmaRS<kD>(o, pa[k2], MakeSmemDesc(v_tile + k2 * 16 * 128, kN * 128, 1024));
+    }
+    WgmmaCommit();
+    WgmmaWait<0>();
+    FenceRegs(o);
+    __syncwarp();
+    if (lane == 0) MbarArrive(empty_bar(slot_v));
+  }
+
+  // ---- The candidates' own keys (diagonal), split 0 of a tile that has candidates ----
+  if (it.split == 0 && it.q_local + it.num_q > num_new) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = min(row0 + 8 * i, it.num_q - 1);
+      const bf16* row = uvqk + static_cast<int64_t>(it.q_row + r) * p.uvqk_row_stride + h * kD;
+      float dot = 0.f;
+#pragma unroll 8
+      for (int jn = 0; jn < kD / 8; ++jn) {
+        const float2 q = __bfloat1622float2(
+            *reinterpret_cast<const __nv_bfloat162*>(row + kQ * hd + 8 * jn + 2 * t4));
+        const float2 k = __bfloat1622float2(
+            *reinterpret_cast<const __nv_bfloat162*>(row + kK * hd + 8 * jn + 2 * t4));
+        dot = fmaf(q.x, k.x, fmaf(q.y, k.y, dot));
+      }
+      dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+      dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+      const float pd = is_cand[i] ? Silu(p.alpha * dot) * inv_norm : 0.f;
+#pragma unroll
+      for (int jn = 0; jn < kD / 8; ++jn) {
+        const float2 v = __bfloat1622float2(
+            *reinterpret_cast<const __nv_bfloat162*>(row + kV * hd + 8 * jn + 2 * t4));
+        o[4 * jn + 2 * i] = fmaf(pd, v.x, o[4 * jn + 2 * i]);
+        o[4 * jn + 2 * i + 1] = fmaf(pd, v.y, o[4 * jn + 2 * i + 1]);
+      }
+    }
+  }
+
+  bf16* out = p.out + h * kD;
+  if (it.num_splits == 1) {
+    // Stage this warpgroup's bf16 rows in its half of s_q (only it reads those rows) for 16-byte
+    // stores.
+#pragma unroll
+    for (int jn = 0; jn < kD / 8; ++jn) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = row0 + 8 * i;
+        *reinterpret_cast<uint32_t*>(s_q + TileOffset<kM>(r, jn) + 4 * t4) =
+            PackBf16x2(o[4 * jn + 2 * i], o[4 * jn + 2 * i + 1]);
+      }
+    }
+    NamedBarrierSync(1 + cw, 128);
+    const int rows = min(64, it.num_q - 64 * cw);
+    for (int idx = wg_tid; idx < rows * kChunks; idx += 128) {
+      const int r = 64 * cw + idx / kChunks, c = idx % kChunks;
+      *reinterpret_cast<Bf16x8*>(out + static_cast<int64_t>(it.q_row + r) * hd + c * 8) =
+          *reinterpret_cast<const Bf16x8*>(s_q + TileOffset<kM>(r, c));
+    }
+    return;
+  }
+
+  const int num_heads = p.kv.num_heads;
+  float* part = partials + (static_cast<int64_t>(it.partial_base + it.split) * num_heads + h) * kM * kD;
+#pragma unroll
+  for (int jn = 0; jn < kD / 8; ++jn) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = row0 + 8 * i;
+      if (r < it.num_q) {
+        __stcg(reinterpret_cast<float2*>(part + r * kD + jn * 8 + 2 * t4),
+               make_float2(o[4 * jn + 2 * i], o[4 * jn + 2 * i + 1]));
+      }
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+}  // namespace hstu::cuda
