@@ -71,8 +71,10 @@ struct AttnWsTraits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
-// Grid (num_items, H), 384 threads. kv_map: the pool's tensor map in global memory; box_rows: rows
+// Grid (num_items, H), 384 threads. kPingPong: the consumer warpgroups take turns on the tensor
+// cores (below); false: each runs S, SiLU, P·V of a block in order. kv_map: the pool's tensor map in global memory; box_rows: rows
 // of one TMA box (64, 32, 16 or 8, dividing the page size).
+template <bool kPingPong>
 __global__ void __launch_bounds__(384, 1)
     HstuAttentionWsKernel(const AttentionParams<bf16> p, const AttentionWorkItem* __restrict__ items,
                           float* __restrict__ partials, const CUtensorMap* __restrict__ kv_map,
@@ -188,16 +190,15 @@ __global__ void __launch_bounds__(384, 1)
   NamedBarrierSync(1 + cw, 128);  // every warp's Q rows landed
 
   const uint32_t q_wg_addr = q_addr + cw * 64 * 128;
-  for (int j = 0; j < num_blocks; ++j) {
-    const int kstart = kv_begin + j * kN;
-    const int ik = 2 * j, iv = 2 * j + 1;
-    const int slot_k = ik % kSlots, slot_v = iv % kSlots;
-    const uint32_t k_tile = ring_addr + slot_k * Tr::kSlotBytes;
-    const uint32_t v_tile = ring_addr + slot_v * Tr::kSlotBytes;
-
-    // S = Q·Kᵀ
-    MbarWait(full_bar(slot_k), (ik / kSlots) & 1);
-    float s[kN / 2];
+  auto slot_of = [](int item) { return item % kSlots; };
+  auto parity_of = [](int item) { return static_cast<uint32_t>((item / kSlots) & 1); };
+  auto tile_of = [&](int item) { return ring_addr + slot_of(item) * Tr::kSlotBytes; };
+  auto release = [&](int item) {  // this warp's wgmma has read the slot: one arrival per warp
+    __syncwarp();
+    if (lane == 0) MbarArrive(empty_bar(slot_of(item)));
+  };
+  auto issue_s = [&](float (&s)[kN / 2], int j) {  // S = Q·K(j)ᵀ, committed as one group
+    const uint32_t k_tile = tile_of(2 * j);
 #pragma unroll
     for (int e = 0; e < kN / 2; ++e) s[e] = 0.f;
     FenceRegs(s);
@@ -209,12 +210,20 @@ __global__ void __launch_bounds__(384, 1)
                         MakeSmemDesc(k_tile + (kk >> 2) * (kN * 128) + col, 16, 1024), 1);
     }
     WgmmaCommit();
-    WgmmaWait<0>();
-    FenceRegs(s);
-    __syncwarp();
-    if (lane == 0) MbarArrive(empty_bar(slot_k));  // K(j) read: the producer may refill it
-
-    // P = SiLU(alpha·S)/N, masked (keys past the chunk end or after the row's last key).
+  };
+  auto issue_pv = [&](const uint32_t (&pa)[kN / 16][4], int j) {  // O += P(j)·V(j), one group
+    const uint32_t v_tile = tile_of(2 * j + 1);
+    WgmmaFence();
+#pragma unroll
+    for (int k2 = 0; k2 < kN / 16; ++k2) {
+      WgmmaRS<kD>(o, pa[k2], MakeSmemDesc(v_tile + k2 * 16 * 128, kN * 128, 1024));
+    }
+    WgmmaCommit();
+  };
+  // P = SiLU(alpha·S)/N, masked (keys past the chunk end or after the row's last key), as bf16 in
+  // the register-A layout of the P·V wgmma.
+  auto silu_pack = [&](const float (&s)[kN / 2], int j, uint32_t (&pa)[kN / 16][4]) {
+    const int kstart = kv_begin + j * kN;
     const int klast = kstart + kN - 1;
     const bool full = klast < kv_end && klast <= hi[0] && klast <= hi[1];
     float pv[kN / 2];
@@ -230,7 +239,6 @@ __global__ void __launch_bounds__(384, 1)
         pv[e] = ok ? SiluScaled(s[e], half_alpha, inv_norm) : 0.f;
       }
     }
-    uint32_t pa[kN / 16][4];
 #pragma unroll
     for (int k2 = 0; k2 < kN / 16; ++k2) {
       pa[k2][0] = PackBf16x2(pv[8 * k2 + 0], pv[8 * k2 + 1]);
@@ -238,15 +246,16 @@ __global__ void __launch_bounds__(384, 1)
       pa[k2][2] = PackBf16x2(pv[8 * k2 + 4], pv[8 * k2 + 5]);
       pa[k2][3] = PackBf16x2(pv[8 * k2 + 6], pv[8 * k2 + 7]);
     }
-
-    // O += P·V
-    MbarWait(full_bar(slot_v), (iv / kSlots) & 1);
+  };
+  // Waits for V(j); in a block that runs past the chunk end, zeroes the rows there before this
+  // warpgroup's wgmma reads them: they hold stale page rows or nothing copied, P is 0 there, but V
+  // must be finite (0 · NaN is NaN). The other warpgroup writes the same zeros.
+  auto wait_v = [&](int j) {
+    MbarWait(full_bar(slot_of(2 * j + 1)), parity_of(2 * j + 1));
+    const int kstart = kv_begin + j * kN;
     if (kstart + kN > kv_end) {
-      // Rows past the chunk end hold stale page rows or nothing copied; P is 0 there, but V must
-      // be finite (0 · NaN is NaN), so this warpgroup zeroes them before its wgmma reads the tile
-      // (the other warpgroup writes the same zeros).
       const int r0 = kv_end - kstart;
-      unsigned char* vt = s_ring + slot_v * Tr::kSlotBytes;
+      unsigned char* vt = s_ring + slot_of(2 * j + 1) * Tr::kSlotBytes;
       for (int idx = wg_tid; idx < (kN - r0) * kChunks; idx += 128) {
         const int r = r0 + idx / kChunks, c = idx % kChunks;
         *reinterpret_cast<uint4*>(vt + TileOffset<kN>(r, c)) = make_uint4(0, 0, 0, 0);
@@ -254,16 +263,86 @@ __global__ void __launch_bounds__(384, 1)
       FenceProxyAsync();
       NamedBarrierSync(1 + cw, 128);
     }
-    WgmmaFence();
-#pragma unroll
-    for (int k2 = 0; k2 < kN / 16; ++k2) {
-      WgmmaRS<kD>(o, pa[k2], MakeSmemDesc(v_tile + k2 * 16 * 128, kN * 128, 1024));
+  };
+
+  if constexpr (!kPingPong) {
+    for (int j = 0; j < num_blocks; ++j) {
+      MbarWait(full_bar(slot_of(2 * j)), parity_of(2 * j));
+      float s[kN / 2];
+      issue_s(s, j);
+      WgmmaWait<0>();
+      FenceRegs(s);
+      release(2 * j);  // K(j) read: the producer may refill it
+      uint32_t pa[kN / 16][4];
+      silu_pack(s, j, pa);
+      wait_v(j);
+      issue_pv(pa, j);
+      WgmmaWait<0>();
+      FenceRegs(o);
+      release(2 * j + 1);
     }
-    WgmmaCommit();
+  } else if (num_blocks > 0) {
+    // Ping-pong (FlashAttention-3): each warpgroup issues S(j) and P(j-1)·V(j-1) back to back in
+    // its turn on the tensor cores, hands the turn to the other warpgroup, and computes P(j) =
+    // SiLU(S(j)) while the other one's GEMMs run. Turns alternate through two named barriers of
+    // 256 threads (ids 3 + warpgroup): a turn starts with bar.sync on its own barrier, which the
+    // other warpgroup's bar.arrive at the end of its turn completes; warpgroup 1 pre-arrives for
+    // warpgroup 0's first turn and skips the arrival after its own last turn, so the arrivals match.
+    // Every warpgroup takes num_blocks + 1 turns.
+    const int my_bar = 3 + cw, other_bar = 4 - cw;
+    auto turn_begin = [&] { NamedBarrierSync(my_bar, 256); };
+    auto turn_end = [&](bool last) {
+      if (!(last && cw == 1)) asm volatile("bar.arrive %0, %1;\n" ::"r"(other_bar), "n"(256) : "memory");
+    };
+    if (cw == 1) asm volatile("bar.arrive %0, %1;\n" ::"r"(3), "n"(256) : "memory");
+    uint32_t pa[kN / 16][4];
+    {
+      MbarWait(full_bar(slot_of(0)), parity_of(0));
+      float s[kN / 2];
+      turn_begin();
+      issue_s(s, 0);
+      turn_end(false);
+      WgmmaWait<0>();
+      FenceRegs(s);
+      release(0);
+      silu_pack(s, 0, pa);
+    }
+    for (int j = 1; j < num_blocks; ++j) {
+      MbarWait(full_bar(slot_of(2 * j)), parity_of(2 * j));
+      wait_v(j - 1);
+      float s[kN / 2];
+      turn_begin();
+      issue_s(s, j);
+      issue_pv(pa, j - 1);
+      turn_end(false);
+      WgmmaWait<1>();  // S(j) done; P(j-1)·V(j-1) may still run
+      FenceRegs(s);
+      release(2 * j);
+      uint32_t pn[kN / 16][4];
+      silu_pack(s, j, pn);
+      WgmmaWait<0>();
+      FenceRegs(o);
+      release(2 * (j - 1) + 1);
+      // pa stays live until P(j-1)·V(j-1) completes, so the compiler cannot give pn its registers
+      // (redefining a wgmma input in flight makes ptxas serialise the wgmmas).
+#pragma unroll
+      for (int k2 = 0; k2 < kN / 16; ++k2) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[k2][e])::"memory");
+      }
+#pragma unroll
+      for (int k2 = 0; k2 < kN / 16; ++k2) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pa[k2][e] = pn[k2][e];
+      }
+    }
+    wait_v(num_blocks - 1);
+    turn_begin();
+    issue_pv(pa, num_blocks - 1);
+    turn_end(true);
     WgmmaWait<0>();
     FenceRegs(o);
-    __syncwarp();
-    if (lane == 0) MbarArrive(empty_bar(slot_v));
+    release(2 * (num_blocks - 1) + 1);
   }
 
   // ---- The candidates' own keys (diagonal), split 0 of a tile that has candidates ----
