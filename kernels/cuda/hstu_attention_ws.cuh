@@ -71,10 +71,10 @@ struct AttnWsTraits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
-// Grid (num_items, H), 384 threads. kPingPong: the consumer warpgroups take turns on the tensor
-// cores (below); false: each runs S, SiLU, P·V of a block in order. kv_map: the pool's tensor map in global memory; box_rows: rows
+// Grid (num_items, H), 384 threads. Each consumer warpgroup runs S, SiLU, P·V of a block in order;
+// the two warpgroups overlap each other. (A FlashAttention-3 ping-pong of the two, with S(j) and
+// P(j-1)·V(j-1) issued in one turn, measured 30 % slower: docs/cuda_kernels.md, round 6.) kv_map: the pool's tensor map in global memory; box_rows: rows
 // of one TMA box (64, 32, 16 or 8, dividing the page size).
-template <bool kPingPong>
 __global__ void __launch_bounds__(384, 1)
     HstuAttentionWsKernel(const AttentionParams<bf16> p, const AttentionWorkItem* __restrict__ items,
                           float* __restrict__ partials, const CUtensorMap* __restrict__ kv_map,
@@ -265,84 +265,20 @@ __global__ void __launch_bounds__(384, 1)
     }
   };
 
-  if constexpr (!kPingPong) {
-    for (int j = 0; j < num_blocks; ++j) {
-      MbarWait(full_bar(slot_of(2 * j)), parity_of(2 * j));
-      float s[kN / 2];
-      issue_s(s, j);
-      WgmmaWait<0>();
-      FenceRegs(s);
-      release(2 * j);  // K(j) read: the producer may refill it
-      uint32_t pa[kN / 16][4];
-      silu_pack(s, j, pa);
-      wait_v(j);
-      issue_pv(pa, j);
-      WgmmaWait<0>();
-      FenceRegs(o);
-      release(2 * j + 1);
-    }
-  } else if (num_blocks > 0) {
-    // Ping-pong (FlashAttention-3): each warpgroup issues S(j) and P(j-1)·V(j-1) back to back in
-    // its turn on the tensor cores, hands the turn to the other warpgroup, and computes P(j) =
-    // SiLU(S(j)) while the other one's GEMMs run. Turns alternate through two named barriers of
-    // 256 threads (ids 3 + warpgroup): a turn starts with bar.sync on its own barrier, which the
-    // other warpgroup's bar.arrive at the end of its turn completes; warpgroup 1 pre-arrives for
-    // warpgroup 0's first turn and skips the arrival after its own last turn, so the arrivals match.
-    // Every warpgroup takes num_blocks + 1 turns.
-    const int my_bar = 3 + cw, other_bar = 4 - cw;
-    auto turn_begin = [&] { NamedBarrierSync(my_bar, 256); };
-    auto turn_end = [&](bool last) {
-      if (!(last && cw == 1)) asm volatile("bar.arrive %0, %1;\n" ::"r"(other_bar), "n"(256) : "memory");
-    };
-    if (cw == 1) asm volatile("bar.arrive %0, %1;\n" ::"r"(3), "n"(256) : "memory");
+  for (int j = 0; j < num_blocks; ++j) {
+    MbarWait(full_bar(slot_of(2 * j)), parity_of(2 * j));
+    float s[kN / 2];
+    issue_s(s, j);
+    WgmmaWait<0>();
+    FenceRegs(s);
+    release(2 * j);  // K(j) read: the producer may refill it
     uint32_t pa[kN / 16][4];
-    {
-      MbarWait(full_bar(slot_of(0)), parity_of(0));
-      float s[kN / 2];
-      turn_begin();
-      issue_s(s, 0);
-      turn_end(false);
-      WgmmaWait<0>();
-      FenceRegs(s);
-      release(0);
-      silu_pack(s, 0, pa);
-    }
-    for (int j = 1; j < num_blocks; ++j) {
-      MbarWait(full_bar(slot_of(2 * j)), parity_of(2 * j));
-      wait_v(j - 1);
-      float s[kN / 2];
-      turn_begin();
-      issue_s(s, j);
-      issue_pv(pa, j - 1);
-      turn_end(false);
-      WgmmaWait<1>();  // S(j) done; P(j-1)·V(j-1) may still run
-      FenceRegs(s);
-      release(2 * j);
-      uint32_t pn[kN / 16][4];
-      silu_pack(s, j, pn);
-      WgmmaWait<0>();
-      FenceRegs(o);
-      release(2 * (j - 1) + 1);
-      // pa stays live until P(j-1)·V(j-1) completes, so the compiler cannot give pn its registers
-      // (redefining a wgmma input in flight makes ptxas serialise the wgmmas).
-#pragma unroll
-      for (int k2 = 0; k2 < kN / 16; ++k2) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[k2][e])::"memory");
-      }
-#pragma unroll
-      for (int k2 = 0; k2 < kN / 16; ++k2) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) pa[k2][e] = pn[k2][e];
-      }
-    }
-    wait_v(num_blocks - 1);
-    turn_begin();
-    issue_pv(pa, num_blocks - 1);
-    turn_end(true);
+    silu_pack(s, j, pa);
+    wait_v(j);
+    issue_pv(pa, j);
     WgmmaWait<0>();
     FenceRegs(o);
-    release(2 * (num_blocks - 1) + 1);
+    release(2 * j + 1);
   }
 
   // ---- The candidates' own keys (diagonal), split 0 of a tile that has candidates ----
