@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool, carry ["pack"]): starts hstu_server on random:base / cuda:0 and
 # drives it with hstu_loadgen: a Zipf population of users several times larger than the GPU KV pool,
-# growing histories; once with the cache (GPU pool + host tier), once without. JSON and logs → $OUT.
-#   bash scripts/run_device_server.sh [duration_s]
+# growing histories; once with the cache (GPU pool + host tier), once without; then the e2e shape
+# (every user GPU-resident, ~256 new tokens + 256 candidates per request, as `hstu_bench e2e`), to
+# compare the server's throughput with the engine's. JSON and logs → $OUT.
+#   bash scripts/run_device_server.sh [duration_s] [parts: "parity cache nocache e2e"]
 set -uo pipefail
 DUR="${1:-8}"
+PARTS="${2:-parity cache nocache e2e}"
+has() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 OUT="${OUT:-/tmp/hstu_out}"
 mkdir -p "$OUT"
 DIR=/tmp/hstu_srv
@@ -15,6 +19,7 @@ unpack_and_setup "${HSTU_SERVER_PACK_FILE:-pack/hstu_server_pack.tar.gz}" "$DIR"
 
 # hstu_rank --device cuda:0 vs --device cpu on the same requests (issue 3: within 2e-3), for a
 # mid-size model file with position encoding and a window, and for the base preset.
+if has parity; then
 cd "$DIR"
 "$H/bin/hstu_model" init --preset base --seed 5 --layers 4 --hidden 512 --heads 2 --head-dim 128 \
   --max-history 1024 --max-candidates 128 --items 100000 --position-encoding true --window 600 \
@@ -42,22 +47,28 @@ done
 echo "parity base preset (6 requests, 3 returning users, up to 290 events, 256 candidates):" | tee -a "$OUT/parity.txt"
 python3 "$H/compare_rank_outputs.py" base_cpu.jsonl base_cuda.jsonl 2>&1 | tee -a "$OUT/parity.txt"
 cd - > /dev/null
+fi
 
 # GPU pool: 2048 pages of 32 tokens = 16 users of 4096 tokens (2 GiB bf16); host tier: 64 users.
 # The population (400 users, histories up to 2048 events = 4096 tokens) is far larger than the pool.
-run() {  # name, extra server flags...
-  local name="$1"; shift
+run() {  # name, "loadgen flags", extra server flags...
+  local name="$1" lg="$2"; shift 2
   "$H/bin/hstu_server" --model=random:base --device=cuda:0 --listen=127.0.0.1:50051 \
     --metrics_listen=127.0.0.1:9464 --max_batch_size=8 "$@" > "$OUT/server_$name.log" 2>&1 &
   local pid=$!
-  "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --wait_ready_s=240 --users=400 --zipf=1.0 \
-    --initial_events=1800 --new_events=64 --candidates=256 --timeout_ms=5000 \
-    --concurrency=1:16:x2 --duration="$DUR" --warmup=2 --progress=false \
+  # shellcheck disable=SC2086
+  "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --wait_ready_s=240 $lg --candidates=256 \
+    --timeout_ms=5000 --duration="$DUR" --warmup=2 --progress=false \
     --json="$OUT/loadgen_$name.json" 2>&1 | tee "$OUT/loadgen_$name.txt"
   curl -sf http://127.0.0.1:9464/metrics > "$OUT/metrics_$name.txt" 2>/dev/null || true
   kill -TERM "$pid"; wait "$pid"; echo "server ($name) exit code: $?"
-  grep -E '^hstu_kv_lookups_total|^hstu_kv_tokens_total|^hstu_kv_evictions_total|^hstu_batch_compute_seconds_(sum|count)' \
+  grep -E '^hstu_kv_lookups_total|^hstu_kv_tokens_total|^hstu_kv_evictions_total|^hstu_kv_prefetch|^hstu_batch_compute_seconds_(sum|count)|^hstu_batch_size_(sum|count)' \
     "$OUT/metrics_$name.txt" || true
 }
-run cache --cache_pages=2048 --host_cache_pages=8192
-run nocache --no_cache --cache_pages=2048
+ZIPF="--users=400 --zipf=1.0 --initial_events=1800 --new_events=64 --concurrency=1:16:x2"
+has cache && run cache "$ZIPF" --cache_pages=2048 --host_cache_pages=8192
+has nocache && run nocache "$ZIPF" --no_cache --cache_pages=2048
+# The e2e shape: 64 returning users, all GPU-resident (8192 pages), uniform popularity, ~128 new
+# events (256 tokens) + 256 candidates per request, histories from 2048 tokens up to the 4096 cap.
+has e2e && run e2e "--users=64 --zipf=0 --new_user_rate=0 --initial_events=1024 --new_events=255 --concurrency=1:8:x2" \
+  --cache_pages=8192 --host_cache_pages=0
