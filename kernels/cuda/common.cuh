@@ -31,27 +31,49 @@ __device__ __forceinline__ Bf16x8 Pack8(const float (&f)[8]) {
   return v;
 }
 
+// 8 consecutive elements (16-byte aligned) to fp32 registers, and 8 fp32 back to memory.
+__device__ __forceinline__ void Load8(const float* p, float (&v)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0];
+  const float4 b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+  v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+__device__ __forceinline__ void Load8(const bf16* p, float (&v)[8]) {
+  Unpack8(*reinterpret_cast<const Bf16x8*>(p), v);
+}
+__device__ __forceinline__ void Store8(float* p, const float (&v)[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
 __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// 16-byte alignment, which every vectorised kernel needs of its row pointers (launchers check it).
+inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 __device__ __forceinline__ float Silu(float x) { return __fdividef(x, 1.f + __expf(-x)); }
+
+// Sum over the 32 lanes of a warp (butterfly: every lane gets the same total). Call from all lanes.
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
 
 // Sum over a block of blockDim.x threads (a multiple of 32, at most 1024). `scratch` holds 32 floats.
 // Every thread gets the total. Contains __syncthreads: call from all threads.
 __device__ __forceinline__ float BlockSum(float v, float* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  v = WarpSum(v);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   __syncthreads();  // scratch may still be read by a previous call
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   const int num_warps = blockDim.x >> 5;
   v = lane < num_warps ? scratch[lane] : 0.f;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+  return WarpSum(v);
 }
 
 // ---- Asynchronous copies (sm_80+) ------------------------------------------------------------------

@@ -1,24 +1,118 @@
 // LayerNorm (fp32 statistics) of the residual stream into the bf16 GEMM input, and the output
 // LayerNorm fused with the multiplication by u (NormMulU). Both are one read and one write per
-// element; the row is re-read from L1 for the second statistics pass instead of being held in
-// registers, so any width that is a multiple of 8 works.
-#include "kernels/cuda/common.cuh"
+// element.
+//
+// Widths up to kNormMaxCols run one warp per row with the row in registers (layer_norm.cuh): the
+// statistics come from registers and warp shuffles, with no block barrier, and a block holds
+// kNormWarps rows, so no thread idles at d = 1024 (the block-per-row kernel left half of its 256
+// threads without work there). Wider rows take the block-per-row kernels below, which re-read the
+// row from L1 for the second statistics pass.
+#include "kernels/cuda/layer_norm.cuh"
 #include "kernels/cuda/ops.h"
 
 namespace hstu::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+// ---- Warp per row (cols <= kNormMaxCols) --------------------------------------------------------
 
-__device__ __forceinline__ void Load8(const float* p, float (&v)[8]) {
-  const float4 a = reinterpret_cast<const float4*>(p)[0];
-  const float4 b = reinterpret_cast<const float4*>(p)[1];
-  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-  v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+__device__ __forceinline__ Bf16x8 ZeroBf16x8() {
+  Bf16x8 z;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) z.h[k] = __float2bfloat162_rn(0.f);
+  return z;
 }
-__device__ __forceinline__ void Load8(const bf16* p, float (&v)[8]) {
-  Unpack8(*reinterpret_cast<const Bf16x8*>(p), v);
+
+template <int kGroups>
+__global__ void __launch_bounds__(kNormWarps * 32)
+    LayerNormWarpKernel(const float* __restrict__ x, int64_t rows, int cols,
+                        const float* __restrict__ w, const float* __restrict__ b, float eps,
+                        bf16* __restrict__ out) {
+  const int lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kNormWarps + (threadIdx.x >> 5);
+  if (r >= rows) return;  // whole warps only: the shuffles below see all 32 lanes
+  const float* xr = x + r * cols;
+  float v[kGroups][8];
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j) {
+    const int c = NormGroupCol(j, lane);
+    if (c < cols) {
+      Load8(xr + c, v[j]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[j][i] = 0.f;
+    }
+  }
+  const NormAffine<kGroups> affine(w, b, cols, lane);
+  const float2 st = WarpRowStats<kGroups>(v, cols, lane, eps);
+  WarpRowNormStore<kGroups>(v, st, cols, lane, affine, out + r * cols);
 }
+
+// a is held packed (4 registers per group, not 8) and unpacked in each pass, so that u (and, up to
+// 1024 columns, w and b) can be loaded up front with it: their latency then hides behind the
+// statistics, and 4096 columns still fit in the register file (2 × 64 registers of data per lane).
+template <int kGroups>
+__global__ void __launch_bounds__(kNormWarps * 32)
+    NormMulUWarpKernel(const bf16* __restrict__ a, const bf16* __restrict__ u, int64_t u_stride,
+                       int64_t rows, int hd, const float* __restrict__ w,
+                       const float* __restrict__ b, float eps, bf16* __restrict__ y) {
+  const int lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kNormWarps + (threadIdx.x >> 5);
+  if (r >= rows) return;
+  const bf16* ar = a + r * hd;
+  const bf16* ur = u + r * u_stride;
+  Bf16x8 ap[kGroups], up[kGroups];
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j) {
+    const int c = NormGroupCol(j, lane);
+    if (c < hd) {
+      ap[j] = *reinterpret_cast<const Bf16x8*>(ar + c);
+      up[j] = *reinterpret_cast<const Bf16x8*>(ur + c);
+    } else {
+      ap[j] = ZeroBf16x8();
+      up[j] = ap[j];
+    }
+  }
+  const NormAffine<kGroups> affine(w, b, hd, lane);
+  // The same two passes as WarpRowStats, over the unpacked groups.
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j) {
+    float v[8];
+    Unpack8(ap[j], v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s += v[i];
+  }
+  const float mean = WarpSum(s) / static_cast<float>(hd);
+  float q = 0.f;
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j) {
+    if (NormGroupCol(j, lane) < hd) {
+      float v[8];
+      Unpack8(ap[j], v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) q += (v[i] - mean) * (v[i] - mean);
+    }
+  }
+  const float rstd = rsqrtf(WarpSum(q) / static_cast<float>(hd) + eps);
+  bf16* yr = y + r * hd;
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j) {
+    const int c = NormGroupCol(j, lane);
+    if (c < hd) {
+      float v[8], uv[8], wv[8], bv[8];
+      Unpack8(ap[j], v);
+      Unpack8(up[j], uv);
+      affine.Get(j, c, wv, bv);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = ((v[i] - mean) * rstd * wv[i] + bv[i]) * uv[i];
+      *reinterpret_cast<Bf16x8*>(yr + c) = Pack8(v);
+    }
+  }
+}
+
+// ---- Block per row (any cols % 8 == 0) ----------------------------------------------------------
+
+constexpr int kThreads = 256;
 
 // Mean and 1/sqrt(var + eps) of one row, two-pass (centred) in fp32.
 template <typename T>
@@ -85,30 +179,54 @@ __global__ void __launch_bounds__(kThreads) NormMulUKernel(const bf16* __restric
   }
 }
 
+unsigned NormBlocks(int64_t rows) {
+  return static_cast<unsigned>((rows + kNormWarps - 1) / kNormWarps);
+}
+
 }  // namespace
 
 cudaError_t LaunchLayerNorm(const float* x, int64_t rows, int64_t cols, const float* w,
                             const float* b, float eps, bf16* out, cudaStream_t stream) {
   if (rows < 0 || cols <= 0 || cols % 8 != 0 || x == nullptr || w == nullptr || b == nullptr ||
-      out == nullptr || rows > 0x7fffffff) {
+      out == nullptr || rows > 0x7fffffff || !Aligned16(x) || !Aligned16(w) || !Aligned16(b) ||
+      !Aligned16(out)) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0) return cudaSuccess;
-  LayerNormKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, cols, w, b, eps, out);
-  return cudaPeekAtLastError();
+  const int groups = NormLaneGroups(cols);
+  if (groups == 0) {
+    LayerNormKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, cols, w, b, eps, out);
+    return cudaPeekAtLastError();
+  }
+  const cudaError_t err = DispatchNormLaneGroups(groups, [&](auto g) {
+    LayerNormWarpKernel<decltype(g)::value><<<NormBlocks(rows), kNormWarps * 32, 0, stream>>>(
+        x, rows, static_cast<int>(cols), w, b, eps, out);
+    return cudaSuccess;
+  });
+  return err != cudaSuccess ? err : cudaPeekAtLastError();
 }
 
 cudaError_t LaunchNormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64_t rows,
                            int64_t hd, const float* w, const float* b, float eps, bf16* y,
                            cudaStream_t stream) {
   if (rows < 0 || hd <= 0 || hd % 8 != 0 || u_stride < hd || u_stride % 8 != 0 || a == nullptr ||
-      u == nullptr || w == nullptr || b == nullptr || y == nullptr || rows > 0x7fffffff) {
+      u == nullptr || w == nullptr || b == nullptr || y == nullptr || rows > 0x7fffffff ||
+      !Aligned16(a) || !Aligned16(u) || !Aligned16(w) || !Aligned16(b) || !Aligned16(y)) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0) return cudaSuccess;
-  NormMulUKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(a, u, u_stride, hd, w, b,
-                                                                        eps, y);
-  return cudaPeekAtLastError();
+  const int groups = NormLaneGroups(hd);
+  if (groups == 0) {
+    NormMulUKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(a, u, u_stride, hd, w, b,
+                                                                          eps, y);
+    return cudaPeekAtLastError();
+  }
+  const cudaError_t err = DispatchNormLaneGroups(groups, [&](auto g) {
+    NormMulUWarpKernel<decltype(g)::value><<<NormBlocks(rows), kNormWarps * 32, 0, stream>>>(
+        a, u, u_stride, rows, static_cast<int>(hd), w, b, eps, y);
+    return cudaSuccess;
+  });
+  return err != cudaSuccess ? err : cudaPeekAtLastError();
 }
 
 }  // namespace hstu::cuda

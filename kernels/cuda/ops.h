@@ -27,8 +27,9 @@ inline bool HeadDimSupported(int d) { return d == 64 || d == 128 || d == 256; }
 // Requires d % 8 == 0 and 16-byte aligned tables. Ids are assumed valid (the engine validates).
 cudaError_t LaunchEmbeddingGather(const EmbeddingParams<bf16>& p, float* out, cudaStream_t stream);
 
-// out = LayerNorm(x) * w + b (fp32 statistics), rounded to bf16.
-//   x: [rows, cols] fp32; w, b: [cols] fp32; out: [rows, cols] bf16. cols % 8 == 0.
+// out = LayerNorm(x) * w + b (fp32 two-pass statistics), rounded to bf16.
+//   x: [rows, cols] fp32; w, b: [cols] fp32; out: [rows, cols] bf16. cols % 8 == 0; 16-byte
+//   aligned pointers. One warp per row up to 4096 columns, one block per row beyond.
 cudaError_t LaunchLayerNorm(const float* x, int64_t rows, int64_t cols, const float* w,
                             const float* b, float eps, bf16* out, cudaStream_t stream);
 
@@ -42,6 +43,7 @@ cudaError_t LaunchAppendKv(const AppendKvParams<bf16>& p, int32_t num_rows, cuda
 
 // y[r] = LayerNorm(a[r]; w, b) * u[r] over hd columns (fp32 statistics).
 //   a: [rows, hd] bf16; u: [rows, u_stride] bf16 (the u block of uvqk rows); y: [rows, hd] bf16.
+//   hd % 8 == 0, u_stride % 8 == 0; 16-byte aligned pointers. Warp per row up to hd = 4096.
 cudaError_t LaunchNormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64_t rows,
                            int64_t hd, const float* w, const float* b, float eps, bf16* y,
                            cudaStream_t stream);

@@ -80,11 +80,14 @@ TEST(CudaKernels, EmbeddingGatherMatchesCpu) {
   }
 }
 
+// Widths 136 … 2048 run one warp per row (520 and 136 with a partly masked lane group), 4360 the
+// block-per-row fallback; odd row counts leave the last block of 4 rows partly empty.
 TEST(CudaKernels, LayerNormAndNormMulUMatchCpu) {
   HSTU_SKIP_WITHOUT_GPU();
   std::mt19937 rng(2);
-  for (int cols : {72, 1024}) {
-    for (int rows : {1, 13}) {
+  for (int cols : {1024, 512, 2048, 520, 136, 4360}) {
+    for (int rows = 1; rows <= 17; rows += 2) {
+      const std::string what = std::to_string(rows) + "x" + std::to_string(cols);
       auto x = RandomVector(rng, rows * cols, -3.f, 5.f);
       auto w = RandomVector(rng, cols, 0.5f, 1.5f), b = RandomVector(rng, cols);
       std::vector<float> want(rows * cols);
@@ -96,10 +99,10 @@ TEST(CudaKernels, LayerNormAndNormMulUMatchCpu) {
                                              d_out.get(), nullptr));
       HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
       const auto got = ToF32(d_out.Download());
-      ASSERT_TRUE(AllFinite(got));
-      EXPECT_LT(test::RelL2(got, want), test::kBf16RoundRelL2) << rows << "x" << cols;
+      ASSERT_TRUE(AllFinite(got)) << what;
+      EXPECT_LT(test::RelL2(got, want), test::kBf16RoundRelL2) << what;
 
-      // NormMulU: a [rows, cols] bf16, u a strided column block.
+      // NormMulU: a [rows, cols] bf16, u a strided column block (as the u block of uvqk rows).
       const int stride = cols * 3;
       auto a = RoundBf16(RandomVector(rng, rows * cols, -2.f, 2.f));
       auto u = RoundBf16(RandomVector(rng, rows * stride));
@@ -112,10 +115,21 @@ TEST(CudaKernels, LayerNormAndNormMulUMatchCpu) {
                                             d_w.get(), d_b.get(), 1e-5f, d_y.get(), nullptr));
       HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
       const auto got_y = ToF32(d_y.Download());
-      ASSERT_TRUE(AllFinite(got_y));
-      EXPECT_LT(test::RelL2(got_y, want_y), test::kBf16RoundRelL2) << rows << "x" << cols;
+      ASSERT_TRUE(AllFinite(got_y)) << what;
+      EXPECT_LT(test::RelL2(got_y, want_y), test::kBf16RoundRelL2) << what;
     }
   }
+  // Rejected with nothing launched: a width that is not a multiple of 8, a misaligned row.
+  DeviceArray<float> d_x(64), d_w(64);
+  DeviceArray<bf16> d_o(64);
+  EXPECT_EQ(cuda::LaunchLayerNorm(d_x.get(), 1, 60, d_w.get(), d_w.get(), 1e-5f, d_o.get(), nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::LaunchLayerNorm(d_x.get() + 1, 1, 8, d_w.get(), d_w.get(), 1e-5f, d_o.get(),
+                                  nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::LaunchNormMulU(d_o.get(), d_o.get() + 4, 8, 1, 8, d_w.get(), d_w.get(), 1e-5f,
+                                 d_o.get(), nullptr),
+            cudaErrorInvalidValue);
 }
 
 TEST(CudaKernels, BiasSiluHeadOpsMatchCpu) {
