@@ -57,20 +57,22 @@ double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
   return std::sqrt(num / std::max(den, 1e-30));
 }
 
-// B users of T new history tokens each (no cache, causal), H heads of dim D. Owns the uvqk rows,
-// the pages (filled from the rows by LaunchAppendKv, so fused and baseline see the same K/V), the
-// plan and the fused kernel's workspace.
+// B users of T new history tokens each (no cache, causal), H heads of dim D. Owns the pages (filled
+// from the uvqk rows by LaunchBiasSiluAppendKv, as in the engine, so fused and baseline see the
+// same K/V), the plan and the fused kernel's workspace.
 struct FusedAttention {
   int B = 1, T = 0, H = 0, D = 0, page_size = 64;
   float alpha = 0, inv_norm = 0;
-  cuda::DeviceBuffer pool, meta, partials, counters;
+  cuda::DeviceBuffer pool, meta, partials, counters, zero_bias;
+  bf16* rows = nullptr;  // p.uvqk, writable: bias + SiLU runs on it in place
   AttentionParams<bf16> p;
   cuda::AttentionPlan plan;
   const cuda::AttentionWorkItem* items = nullptr;
   size_t bytes = 0;  // device memory held by this object
 
-  // uvqk: [B*T, 4*H*D]; out: [B*T, H*D].
-  void Build(const bf16* uvqk, bf16* out, int concurrent_ctas, cudaStream_t s) {
+  // uvqk: [B*T, 4*H*D], taken as the UVQK GEMM's output: Build applies SiLU (bias 0) to it in
+  // place while it fills the pages. out: [B*T, H*D].
+  void Build(bf16* uvqk, bf16* out, int concurrent_ctas, cudaStream_t s) {
     const size_t before = UsedBytes();
     const int64_t hd = static_cast<int64_t>(H) * D;
     const int pages_per_user = (T + page_size - 1) / page_size;
@@ -120,18 +122,23 @@ struct FusedAttention {
     p.alpha = alpha;
     p.inv_norm = inv_norm;
     items = reinterpret_cast<const cuda::AttentionWorkItem*>(m + o_it);
-    AppendKv(s);
+    rows = uvqk;
+    HSTU_BENCH_CHECK_CUDA(zero_bias.Reserve(4 * hd * sizeof(float)));
+    HSTU_BENCH_CHECK_CUDA(cudaMemset(zero_bias.get(), 0, zero_bias.bytes()));
+    BiasSiluAppendKv(zero_bias.as<float>(), s);
     HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(s));
     bytes = UsedBytes() - before;
   }
-  void AppendKv(cudaStream_t s) const {
+  // The engine's step after the UVQK GEMM: rows = SiLU(rows + bias), K/V of every row into the pages.
+  void BiasSiluAppendKv(const float* bias, cudaStream_t s) const {
     AppendKvParams<bf16> ap;
-    ap.uvqk = p.uvqk;
+    ap.uvqk = rows;
     ap.uvqk_row_stride = p.uvqk_row_stride;
     ap.row_offsets = p.row_offsets;
     ap.num_new = p.num_new;
     ap.kv = p.kv;
-    HSTU_BENCH_CHECK_CUDA(cuda::LaunchAppendKv(ap, B * T, s));
+    HSTU_BENCH_CHECK_CUDA(cuda::LaunchBiasSiluAppendKv(rows, static_cast<int64_t>(B) * T,
+                                                       p.uvqk_row_stride, bias, ap, s));
   }
   void Run(cudaStream_t s) {
     HSTU_BENCH_CHECK_CUDA(cuda::LaunchHstuAttention(p, items, static_cast<int32_t>(plan.items.size()),
@@ -295,9 +302,13 @@ json BenchLayer(int reps) {
     HSTU_BENCH_CHECK_CUDA(cuda::LaunchBf16ToF32(n.as<bf16>(), rows_n * d, x.as<float>(), stream.get()));
     const size_t common_bytes = UsedBytes() - before;
 
+    // LayerNorm and the UVQK GEMM; bias + SiLU follows, fused with the append for the paged
+    // attention, alone for the baseline (which has no pages).
     auto pre = [&] {
       HSTU_BENCH_CHECK_CUDA(cuda::LaunchLayerNorm(x.as<float>(), rows_n, d, ln_w, ln_b, 1e-5f, n.as<bf16>(), stream.get()));
       cuda::GemmBf16(h, n.as<bf16>(), w_uvqk.as<bf16>(), uvqk.get(), false, rows_n, 4 * hd, d, 0.f);
+    };
+    auto bias_silu = [&] {
       HSTU_BENCH_CHECK_CUDA(cuda::LaunchBiasSilu(uvqk.as<bf16>(), rows_n, 4 * hd, bias, stream.get()));
     };
     auto post = [&] {
@@ -315,7 +326,7 @@ json BenchLayer(int reps) {
     f.Build(uvqk.as<bf16>(), attn.as<bf16>(), ConcurrentCtas(D), stream.get());
     const int t_reps = std::max(5, reps / 5);
     // The fused layer appends the new K/V rows into their pages, as the engine does.
-    const float f_ms = TimeMs(stream.get(), t_reps, [&] { pre(); f.AppendKv(stream.get()); f.Run(stream.get()); post(); });
+    const float f_ms = TimeMs(stream.get(), t_reps, [&] { pre(); f.BiasSiluAppendKv(bias, stream.get()); f.Run(stream.get()); post(); });
     const float fa_ms = TimeMs(stream.get(), t_reps, [&] { f.Run(stream.get()); });
     const double f_peak = (common_bytes + f.bytes) / 1e9;
     f.pool = cuda::DeviceBuffer();
@@ -328,7 +339,7 @@ json BenchLayer(int reps) {
       row["unfused"] = "OOM";
     } else {
       auto attn_b = [&] { m.Run(h, uvqk.as<bf16>(), attn.as<bf16>(), B, T, H, D, alpha, inv_norm, stream.get()); };
-      const float b_ms = TimeMs(stream.get(), t_reps, [&] { pre(); attn_b(); post(); });
+      const float b_ms = TimeMs(stream.get(), t_reps, [&] { pre(); bias_silu(); attn_b(); post(); });
       const float ba_ms = TimeMs(stream.get(), t_reps, attn_b);
       const double b_peak = (common_bytes + m.bytes) / 1e9;
       std::printf("| %d | %.3f | %.2f | %.3f | %.2f | %.2fx | %.3f | %.3f |\n", T, f_ms, f_peak, b_ms,

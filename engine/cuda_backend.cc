@@ -1,10 +1,10 @@
 // CUDA backend: the forward of DESIGN §2.2–2.3 on the GPU (see engine/cuda_backend.h).
 //
-// Per layer: LayerNorm (fp32 x → bf16) → UVQK GEMM (cuBLAS, bf16 out) → bias + SiLU → append the new
-// history K/V into the pages → paged HSTU attention → LayerNorm · u → output GEMM added to the fp32
-// residual stream (beta = 1). Then for candidate rows: gather + L2-normalise → MLP head in fp32
-// (tiny; keeps the scores well inside 2e-3) → sigmoid. Host-tier copies are here too; the
-// CUDA-graph capture and replay are in engine/graph_runner.cc.
+// Per layer: LayerNorm (fp32 x → bf16) → UVQK GEMM (cuBLAS, bf16 out) → bias + SiLU fused with the
+// append of the new history K/V into the pages → paged HSTU attention → LayerNorm · u → output GEMM
+// added to the fp32 residual stream (beta = 1). Then for candidate rows: gather + L2-normalise → MLP
+// head in fp32 (tiny; keeps the scores well inside 2e-3) → sigmoid. Host-tier copies are here too;
+// the CUDA-graph capture and replay are in engine/graph_runner.cc.
 #include "engine/cuda_backend.h"
 
 #include "engine/cuda_backend_impl.h"
@@ -294,8 +294,7 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
                                            w.in_b.as<float>(), kLayerNormEps, ws.n.as<bf16>(), s));
     HSTU_CUBLAS_RETURN(cuda::GemmBf16(cublas_, ws.n.as<bf16>(), w.uvqk_w.as<bf16>(), ws.uvqk.get(),
                                       /*c_is_f32=*/false, rows, 4 * hd, d, 0.f));
-    HSTU_CUDA_RETURN(cuda::LaunchBiasSilu(ws.uvqk.as<bf16>(), rows, 4 * hd, w.uvqk_b.as<float>(), s));
-    // Layer l's onloaded pages are needed from here on (append, then attention).
+    // Layer l's onloaded pages are needed from here on (the append below, then attention).
     HSTU_RETURN_IF_ERROR(WaitForLayer(l));
     AppendKvParams<bf16> ap;
     ap.uvqk = ws.uvqk.as<bf16>();
@@ -303,7 +302,8 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
     ap.row_offsets = reinterpret_cast<const int32_t*>(m + step_.layout.row_offsets);
     ap.num_new = reinterpret_cast<const int32_t*>(m + step_.layout.num_new);
     ap.kv = View(l);
-    HSTU_CUDA_RETURN(cuda::LaunchAppendKv(ap, step_.num_rows, s));
+    HSTU_CUDA_RETURN(cuda::LaunchBiasSiluAppendKv(ws.uvqk.as<bf16>(), rows, 4 * hd,
+                                                  w.uvqk_b.as<float>(), ap, s));
     HSTU_RETURN_IF_ERROR(EnqueueAttention(l));
     HSTU_CUDA_RETURN(cuda::LaunchNormMulU(ws.a.as<bf16>(), ws.uvqk.as<bf16>() + kU * hd, 4 * hd, rows, hd,
                                           w.out_norm_w.as<float>(), w.out_norm_b.as<float>(),

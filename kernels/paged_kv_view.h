@@ -36,7 +36,10 @@ struct PagedKvView {
 
   // Element offset of (page slot of token `t` of user `b`, head `h`) in the K block; V is + kv_stride.
   HSTU_HOST_DEVICE int64_t TokenOffset(int b, int t, int h) const {
-    const int32_t page = page_ids[indptr[b] + t / page_size];
+    return SlotOffset(page_ids[indptr[b] + t / page_size], t, h);
+  }
+  // The same from the page id already looked up (page_ids[indptr[b] + t / page_size]).
+  HSTU_HOST_DEVICE int64_t SlotOffset(int32_t page, int t, int h) const {
     const int32_t slot = t % page_size;
     return page * page_stride + (static_cast<int64_t>(slot) * num_heads + h) * head_dim;
   }

@@ -1,5 +1,5 @@
-// Element-wise passes: bias + SiLU after the UVQK GEMM, bias + activation in the MLP head, the
-// gather + L2 normalisation of candidate rows, and dtype conversions.
+// Element-wise passes of the MLP head (bias + activation, the gather + L2 normalisation of candidate
+// rows) and dtype conversions. Bias + SiLU after the UVQK GEMM is in bias_silu_append_kv.cu.
 #include <cmath>
 
 #include "kernels/cuda/common.cuh"
@@ -7,24 +7,6 @@
 
 namespace hstu::cuda {
 namespace {
-
-// Grid-stride over 8-element groups of a [rows, cols] matrix with cols % 8 == 0.
-__global__ void BiasSiluKernel(bf16* __restrict__ x, int64_t num_groups, int64_t groups_per_row,
-                               const float* __restrict__ bias) {
-  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < num_groups;
-       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t c = (g % groups_per_row) * 8;
-    Bf16x8* p = reinterpret_cast<Bf16x8*>(x) + g;
-    float v[8];
-    Unpack8(*p, v);
-    const float4 b0 = reinterpret_cast<const float4*>(bias + c)[0];
-    const float4 b1 = reinterpret_cast<const float4*>(bias + c)[1];
-    const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = Silu(v[i] + bv[i]);
-    *p = Pack8(v);
-  }
-}
 
 __global__ void BiasActivationKernel(float* __restrict__ x, int64_t count, int64_t cols,
                                      const float* __restrict__ bias, Activation act) {
@@ -74,17 +56,6 @@ unsigned GridFor(int64_t items, int threads) {
 }
 
 }  // namespace
-
-cudaError_t LaunchBiasSilu(bf16* x, int64_t rows, int64_t cols, const float* bias,
-                           cudaStream_t stream) {
-  if (rows < 0 || cols <= 0 || cols % 8 != 0 || x == nullptr || bias == nullptr) {
-    return cudaErrorInvalidValue;
-  }
-  if (rows == 0) return cudaSuccess;
-  const int64_t groups = rows * cols / 8;
-  BiasSiluKernel<<<GridFor(groups, 256), 256, 0, stream>>>(x, groups, cols / 8, bias);
-  return cudaPeekAtLastError();
-}
 
 cudaError_t LaunchBiasActivation(float* x, int64_t rows, int64_t cols, const float* bias,
                                  Activation act, cudaStream_t stream) {

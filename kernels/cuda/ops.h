@@ -33,13 +33,20 @@ cudaError_t LaunchEmbeddingGather(const EmbeddingParams<bf16>& p, float* out, cu
 cudaError_t LaunchLayerNorm(const float* x, int64_t rows, int64_t cols, const float* w,
                             const float* b, float eps, bf16* out, cudaStream_t stream);
 
-// x = SiLU(x + bias) in place. x: [rows, cols] bf16 (row stride cols); bias: [cols] fp32.
+// uvqk = SiLU(uvqk + bias) in place on every row (bf16 in, fp32 bias and SiLU, bf16 out), and the
+// post-SiLU K and V of each user's new history rows written into their pages (AppendKvParams; the
+// same slots as cpu::AppendKv). One pass over the rows.
+//   uvqk: [rows, cols] bf16, cols = 4·H·D (u | v | q | k), row stride cols; bias: [cols] fp32.
+//   p.uvqk must be uvqk and p.uvqk_row_stride cols. Rows at or past row_offsets[B] (padding) get
+//   bias + SiLU only. 16-byte aligned uvqk, bias and pool.
+cudaError_t LaunchBiasSiluAppendKv(bf16* uvqk, int64_t rows, int64_t cols, const float* bias,
+                                   const AppendKvParams<bf16>& p, cudaStream_t stream);
+
+// x = SiLU(x + bias) in place, for rows that have no pages (the materialised attention baseline).
+// x: [rows, cols] bf16 (row stride cols, cols % 8 == 0); bias: [cols] fp32. Same kernel and
+// rounding as LaunchBiasSiluAppendKv.
 cudaError_t LaunchBiasSilu(bf16* x, int64_t rows, int64_t cols, const float* bias,
                            cudaStream_t stream);
-
-// Writes K and V of each user's new history rows into the pages (AppendKvParams). Bit-exact copy.
-// num_rows = row_offsets[B] (the plan is on the device; the grid needs it on the host).
-cudaError_t LaunchAppendKv(const AppendKvParams<bf16>& p, int32_t num_rows, cudaStream_t stream);
 
 // y[r] = LayerNorm(a[r]; w, b) * u[r] over hd columns (fp32 statistics).
 //   a: [rows, hd] bf16; u: [rows, u_stride] bf16 (the u block of uvqk rows); y: [rows, hd] bf16.

@@ -149,6 +149,7 @@ TEST(CudaKernels, BiasSiluHeadOpsMatchCpu) {
   const auto got = ToF32(d_x.Download());
   ASSERT_TRUE(AllFinite(got));
   EXPECT_LT(test::RelL2(got, want), test::kBf16RoundRelL2);
+  EXPECT_LE(test::MaxRelDiff(got, want), test::kBf16RoundRelElement);
 
   // Gather + L2 normalise of candidate rows, then bias + ReLU / sigmoid (fp32).
   const int d = 40;
@@ -251,7 +252,9 @@ PagedCase MakeCase(std::mt19937& rng, int B, int page_size, int H, int D, int W,
   return c;
 }
 
-// Appends on both sides (bit-exact check), then runs attention on both (bf16 tolerance).
+// Fills the pages as the engine does (c.uvqk taken as the UVQK GEMM output: bias + SiLU fused with
+// the append), then both sides append and attend over the GPU's post-SiLU rows: the pages bit for
+// bit, attention within the bf16 tolerance.
 void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what) {
   const int64_t hd = static_cast<int64_t>(c.H) * c.D;
   DeviceArray<bf16> d_pool(ToBf16(c.pool)), d_uvqk(ToBf16(c.uvqk)), d_out(c.rows() * hd);
@@ -260,6 +263,20 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what) {
   const PagedKvView<bf16> gv = MakePagedKvView(d_pool.get(), c.page_size, c.H, c.D, c.B,
                                                 d_pi.get(), d_pids.get(), d_nt.get());
 
+  // Its own generator, so that the cases drawn from the test's generator stay as they were.
+  std::mt19937 bias_rng(static_cast<uint32_t>(c.rows() * 131 + hd));
+  DeviceArray<float> d_bias(RandomVector(bias_rng, 4 * hd, -0.5f, 0.5f));
+  AppendKvParams<bf16> ga;
+  ga.uvqk = d_uvqk.get();
+  ga.uvqk_row_stride = 4 * hd;
+  ga.row_offsets = d_ro.get();
+  ga.num_new = d_nn.get();
+  ga.kv = gv;
+  HSTU_ASSERT_CUDA(cuda::LaunchBiasSiluAppendKv(d_uvqk.get(), c.rows(), 4 * hd, d_bias.get(), ga,
+                                                nullptr));
+  HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+  c.uvqk = ToF32(d_uvqk.Download());
+  ASSERT_TRUE(AllFinite(c.uvqk)) << what;
   AppendKvParams<float> ca;
   ca.uvqk = c.uvqk.data();
   ca.uvqk_row_stride = 4 * hd;
@@ -267,14 +284,6 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what) {
   ca.num_new = c.num_new.data();
   ca.kv = c.CpuView();
   cpu::AppendKv(ca);
-  AppendKvParams<bf16> ga;
-  ga.uvqk = d_uvqk.get();
-  ga.uvqk_row_stride = 4 * hd;
-  ga.row_offsets = d_ro.get();
-  ga.num_new = d_nn.get();
-  ga.kv = gv;
-  HSTU_ASSERT_CUDA(cuda::LaunchAppendKv(ga, c.rows(), nullptr));
-  HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
   const auto pool_after = ToF32(d_pool.Download());
   ASSERT_EQ(pool_after.size(), c.pool.size());
   EXPECT_EQ(std::memcmp(pool_after.data(), c.pool.data(), c.pool.size() * sizeof(float)), 0)
@@ -334,6 +343,103 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what) {
   const auto counters = d_counters.Download();
   EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int32_t v) { return v == 0; }))
       << what << ": split counters not reset";
+}
+
+// Bias + SiLU fused with the append. The rows against the CPU's fp32 SiLU (one bf16 rounding, per
+// element); the pages bit for bit against cpu::AppendKv over the GPU's own post-SiLU rows, which
+// also proves every other slot untouched. The new tokens' slots are poisoned (NaN) first. Every
+// 4th user's new rows are turned into candidates (cached history, nothing to append); padding
+// rows past row_offsets[B] get bias + SiLU only; a batch of no users appends nothing.
+TEST(CudaKernels, BiasSiluAppendKvMatchesCpu) {
+  HSTU_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(5);
+  struct Shape { int B, page_size, H, D, cached, nnew, cand, padding; };
+  const Shape shapes[] = {
+      {1, 16, 1, 64, 0, 1, 0, 0},         // one new token; a row is half a segment (512 columns)
+      {3, 16, 2, 64, 30, 0, 5, 0},        // candidates only
+      {17, 16, 2, 64, 40, 20, 5, 3},      // 17 users with edge cases, padding rows
+      {9, 32, 4, 256, 100, 130, 20, 0},   // decode-step heads: 8 segments a row
+      {5, 64, 3, 64, 70, 70, 3, 1},       // H·D = 192: 768 columns, the 2nd segment partial
+      {6, 7, 2, 128, 50, 33, 4, 0},       // odd page size
+      {4, 17, 8, 256, 20, 40, 2, 2},      // H·D = 2048: 16 segments, odd page size
+  };
+  for (const Shape& sh : shapes) {
+    PagedCase c = MakeCase(rng, sh.B, sh.page_size, sh.H, sh.D, 0, sh.cached, sh.nnew, sh.cand);
+    for (int b = 3; b < c.B; b += 4) {
+      c.num_tokens[b] -= c.num_new[b];
+      c.num_new[b] = 0;
+    }
+    const std::string what = ::testing::PrintToString(
+        std::vector<int>{sh.B, sh.page_size, sh.H, sh.D, sh.cached, sh.nnew, sh.cand});
+    const int64_t hd = static_cast<int64_t>(c.H) * c.D, cols = 4 * hd;
+    const int64_t rows = c.rows() + sh.padding;
+    auto x = RoundBf16(RandomVector(rng, rows * cols, -4.f, 4.f));
+    auto bias = RandomVector(rng, cols, -0.5f, 0.5f);
+    std::vector<float> want = x;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j) want[r * cols + j] += bias[j];
+    cpu::SiluInPlace(want.data(), want.size());
+    for (int b = 0; b < c.B; ++b) {
+      for (int t = c.num_tokens[b] - c.num_new[b]; t < c.num_tokens[b]; ++t) {
+        std::fill_n(c.CpuView().K(b, t, 0), hd, std::numeric_limits<float>::quiet_NaN());
+        std::fill_n(c.CpuView().V(b, t, 0), hd, std::numeric_limits<float>::quiet_NaN());
+      }
+    }
+    c.pool = RoundBf16(c.pool);  // NaN in its bf16 bit pattern (the pages are compared bitwise)
+    const PagedKvView<float> cv = c.CpuView();
+
+    DeviceArray<bf16> d_pool(ToBf16(c.pool)), d_uvqk(ToBf16(x)), d_uvqk2(ToBf16(x));
+    DeviceArray<float> d_bias(bias);
+    DeviceArray<int32_t> d_ro(c.row_offsets), d_nn(c.num_new), d_nt(c.num_tokens),
+        d_pi(c.page_indptr), d_pids(c.page_ids);
+    AppendKvParams<bf16> gp;
+    gp.uvqk = d_uvqk.get();
+    gp.uvqk_row_stride = cols;
+    gp.row_offsets = d_ro.get();
+    gp.num_new = d_nn.get();
+    gp.kv = MakePagedKvView(d_pool.get(), c.page_size, c.H, c.D, c.B, d_pi.get(), d_pids.get(),
+                            d_nt.get());
+
+    // Rejected with nothing launched: a width other than 4·H·D, p.uvqk not the rows, no bias,
+    // misaligned rows.
+    EXPECT_EQ(cuda::LaunchBiasSiluAppendKv(d_uvqk.get(), rows, cols - 8, d_bias.get(), gp, nullptr),
+              cudaErrorInvalidValue);
+    EXPECT_EQ(cuda::LaunchBiasSiluAppendKv(d_uvqk2.get(), rows, cols, d_bias.get(), gp, nullptr),
+              cudaErrorInvalidValue);
+    EXPECT_EQ(cuda::LaunchBiasSiluAppendKv(d_uvqk.get(), rows, cols, nullptr, gp, nullptr),
+              cudaErrorInvalidValue);
+    AppendKvParams<bf16> off = gp;
+    off.uvqk = d_uvqk.get() + 4;
+    EXPECT_EQ(cuda::LaunchBiasSiluAppendKv(d_uvqk.get() + 4, rows, cols, d_bias.get(), off, nullptr),
+              cudaErrorInvalidValue);
+
+    HSTU_ASSERT_CUDA(cuda::LaunchBiasSiluAppendKv(d_uvqk.get(), rows, cols, d_bias.get(), gp,
+                                                  nullptr));
+    // No users: the same bias + SiLU on a copy, nothing appended.
+    AppendKvParams<bf16> none = gp;
+    none.uvqk = d_uvqk2.get();
+    none.kv.batch_size = 0;
+    HSTU_ASSERT_CUDA(cuda::LaunchBiasSiluAppendKv(d_uvqk2.get(), rows, cols, d_bias.get(), none,
+                                                  nullptr));
+    HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+    const auto got = ToF32(d_uvqk.Download()), got2 = ToF32(d_uvqk2.Download());
+    ASSERT_TRUE(AllFinite(got)) << what;
+    EXPECT_LT(test::RelL2(got, want), test::kBf16RoundRelL2) << what;
+    EXPECT_LE(test::MaxRelDiff(got, want), test::kBf16RoundRelElement) << what;
+    EXPECT_EQ(std::memcmp(got.data(), got2.data(), got.size() * sizeof(float)), 0) << what;
+
+    AppendKvParams<float> ca;
+    ca.uvqk = got.data();
+    ca.uvqk_row_stride = cols;
+    ca.row_offsets = c.row_offsets.data();
+    ca.num_new = c.num_new.data();
+    ca.kv = cv;
+    cpu::AppendKv(ca);
+    const auto pool_after = ToF32(d_pool.Download());
+    ASSERT_EQ(pool_after.size(), c.pool.size());
+    EXPECT_EQ(std::memcmp(pool_after.data(), c.pool.data(), c.pool.size() * sizeof(float)), 0)
+        << what << ": pages differ from cpu::AppendKv of the post-SiLU rows";
+  }
 }
 
 TEST(CudaKernels, PagedAttentionAndAppendMatchCpu) {

@@ -23,6 +23,9 @@ constexpr double kBf16ScoreAbs = 2e-3;
 constexpr double kBf16ScoreAbsNoPositionEncoding = 4e-3;
 // One rounding of an fp32 result to bf16 (8 significant bits: ≤ 2^-9 relative per element).
 constexpr double kBf16RoundRelL2 = 4e-3;
+// The same per element, bf16 GPU vs fp32 CPU of one element-wise op: half a bf16 unit from the
+// rounding plus a few fp32 units from fast intrinsics (__expf) stays under one bf16 unit, 2^-7.
+constexpr double kBf16RoundRelElement = 1.0 / 128;
 
 // ‖a − b‖ / ‖b‖; NaN when any element is not finite so that a comparison never passes on NaN.
 inline double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
@@ -34,6 +37,21 @@ inline double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
     den += double(b[i]) * b[i];
   }
   return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// max |a − b| / |b| over elements with b != 0 (a must then be exactly 0); NaN on any non-finite.
+inline double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return NAN;
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return NAN;
+    if (b[i] == 0.f) {
+      if (a[i] != 0.f) return INFINITY;
+      continue;
+    }
+    m = std::max(m, std::abs(double(a[i]) - b[i]) / std::abs(double(b[i])));
+  }
+  return m;
 }
 
 inline double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
