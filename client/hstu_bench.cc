@@ -242,6 +242,33 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches) {
     ap.row_offsets = a.params[0].row_offsets;
     ap.num_new = a.params[0].num_new;
     ap.kv = a.params[0].kv;
+    // Once per forward: the embedding gather with layer 0's LayerNorm fused. One table of 2^17 rows
+    // (256 MB, so that the gathered rows come from DRAM) serves items and the 128 actions.
+    const int64_t table_rows = int64_t{1} << 17;
+    hstu::cuda::DeviceBuffer table, token_meta;
+    HSTU_BENCH_CHECK_CUDA(table.Reserve(table_rows * d * 2));
+    HSTU_BENCH_CHECK_CUDA(cudaMemset(table.get(), 0x3F, table_rows * d * 2));
+    std::vector<int64_t> ids(T);
+    std::vector<int32_t> types(T), positions(T, 0);
+    std::mt19937 id_rng(11);
+    for (int64_t r = 0; r < T; ++r) {
+      types[r] = r % 2 ? hstu::kActionToken : hstu::kItemToken;
+      ids[r] = r % 2 ? id_rng() % 128 : id_rng() % table_rows;
+    }
+    HSTU_BENCH_CHECK_CUDA(token_meta.Reserve(T * 16));
+    HSTU_BENCH_CHECK_CUDA(cudaMemcpy(token_meta.get(), ids.data(), T * 8, cudaMemcpyHostToDevice));
+    HSTU_BENCH_CHECK_CUDA(cudaMemcpy(token_meta.as<uint8_t>() + T * 8, types.data(), T * 4, cudaMemcpyHostToDevice));
+    HSTU_BENCH_CHECK_CUDA(cudaMemcpy(token_meta.as<uint8_t>() + T * 12, positions.data(), T * 4, cudaMemcpyHostToDevice));
+    hstu::EmbeddingParams<bf16> ep;
+    ep.item_table = table.as<bf16>();
+    ep.action_table = table.as<bf16>();
+    ep.item_rows = table_rows;
+    ep.action_rows = 128;
+    ep.hidden_dim = d;
+    ep.num_rows = static_cast<int32_t>(T);
+    ep.token_ids = token_meta.as<int64_t>();
+    ep.token_types = reinterpret_cast<const int32_t*>(token_meta.as<uint8_t>() + T * 8);
+    ep.positions = reinterpret_cast<const int32_t*>(token_meta.as<uint8_t>() + T * 12);
     // Bytes: what each kernel must move at least (weights and bias vectors are L2-resident and
     // left out). The fused bias + SiLU + append reads and writes every uvqk row once and writes
     // K and V of the B × 128 new history rows into their pages.
@@ -254,6 +281,8 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches) {
         {"paged attention", a.flops, a.min_bytes, [&] { RunAttention(a, stream.get()); }, a.sets, true},
         {"LayerNorm * u", 0, T * hd * 2.0 * 3, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchNormMulU(a.out.as<bf16>(), a.uvqk.as<bf16>(), 4 * hd, T, hd, ln2_w.as<float>(), ln2_b.as<float>(), 1e-5f, y.as<bf16>(), stream.get())); }, 1, true},
         {"output GEMM + residual (cuBLAS)", 2.0 * T * hd * d, T * hd * 2.0 + hd * d * 2.0 + T * d * 8.0, [&] { hstu::cuda::GemmBf16(h, y.as<bf16>(), w_out.as<bf16>(), x.get(), true, T, d, hd, 1.f); }, 1, true},
+        {"embedding gather + LayerNorm (once per forward, not in the sum)", 0, T * (d * 8.0 + 12), [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchEmbeddingGather(ep, x.as<float>(), ln_w.as<float>(), ln_b.as<float>(), 1e-5f, n.as<bf16>(), stream.get())); }, 1, false},
+        {"embedding gather alone (unfused, for comparison; not in the sum)", 0, T * (d * 6.0 + 12), [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchEmbeddingGather(ep, x.as<float>(), nullptr, nullptr, 1e-5f, nullptr, stream.get())); }, 1, false},
     };
     double total_us = 0;
     for (K& k : ks) {

@@ -1,10 +1,11 @@
 // CUDA backend: the forward of DESIGN §2.2–2.3 on the GPU (see engine/cuda_backend.h).
 //
-// Per layer: LayerNorm (fp32 x → bf16) → UVQK GEMM (cuBLAS, bf16 out) → bias + SiLU fused with the
-// append of the new history K/V into the pages → paged HSTU attention → LayerNorm · u → output GEMM
-// added to the fp32 residual stream (beta = 1). Then for candidate rows: gather + L2-normalise → MLP
-// head in fp32 (tiny; keeps the scores well inside 2e-3) → sigmoid. Host-tier copies are here too;
-// the CUDA-graph capture and replay are in engine/graph_runner.cc.
+// Per layer: LayerNorm (fp32 x → bf16; layer 0's fused into the embedding gather) → UVQK GEMM
+// (cuBLAS, bf16 out) → bias + SiLU fused with the append of the new history K/V into the pages →
+// paged HSTU attention → LayerNorm · u → output GEMM added to the fp32 residual stream (beta = 1).
+// Then for candidate rows: gather + L2-normalise → MLP head in fp32 (tiny; keeps the scores well
+// inside 2e-3) → sigmoid. Host-tier copies are here too; the CUDA-graph capture and replay are in
+// engine/graph_runner.cc.
 #include "engine/cuda_backend.h"
 
 #include "engine/cuda_backend_impl.h"
@@ -286,12 +287,19 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
   ep.token_ids = reinterpret_cast<const int64_t*>(m + step_.layout.token_ids);
   ep.token_types = reinterpret_cast<const int32_t*>(m + step_.layout.token_types);
   ep.positions = reinterpret_cast<const int32_t*>(m + step_.layout.positions);
-  HSTU_CUDA_RETURN(cuda::LaunchEmbeddingGather(ep, ws.x.as<float>(), s));
+  // Layer 0's input LayerNorm is fused into the gather (x is not read back: 4·rows·d bytes less).
+  const bool fuse_norm = config_.num_layers > 0;
+  HSTU_CUDA_RETURN(cuda::LaunchEmbeddingGather(
+      ep, ws.x.as<float>(), fuse_norm ? layers_[0].in_w.as<float>() : nullptr,
+      fuse_norm ? layers_[0].in_b.as<float>() : nullptr, kLayerNormEps,
+      fuse_norm ? ws.n.as<bf16>() : nullptr, s));
 
   for (int l = 0; l < config_.num_layers; ++l) {
     const LayerBuffers& w = layers_[l];
-    HSTU_CUDA_RETURN(cuda::LaunchLayerNorm(ws.x.as<float>(), rows, d, w.in_w.as<float>(),
-                                           w.in_b.as<float>(), kLayerNormEps, ws.n.as<bf16>(), s));
+    if (l > 0) {
+      HSTU_CUDA_RETURN(cuda::LaunchLayerNorm(ws.x.as<float>(), rows, d, w.in_w.as<float>(),
+                                             w.in_b.as<float>(), kLayerNormEps, ws.n.as<bf16>(), s));
+    }
     HSTU_CUBLAS_RETURN(cuda::GemmBf16(cublas_, ws.n.as<bf16>(), w.uvqk_w.as<bf16>(), ws.uvqk.get(),
                                       /*c_is_f32=*/false, rows, 4 * hd, d, 0.f));
     // Layer l's onloaded pages are needed from here on (the append below, then attention).

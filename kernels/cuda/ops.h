@@ -22,10 +22,15 @@ inline constexpr int kSupportedHeadDims[] = {64, 128, 256};
 inline constexpr const char* kSupportedHeadDimsText = "64, 128, 256";
 inline bool HeadDimSupported(int d) { return d == 64 || d == 128 || d == 256; }
 
-// x[r] = E[id] (* sqrt(d) + P[min(pos, P_rows - 1)] with position encoding), as fp32.
-// p.out must be nullptr: the output is the fp32 residual stream `out` [num_rows, d].
-// Requires d % 8 == 0 and 16-byte aligned tables. Ids are assumed valid (the engine validates).
-cudaError_t LaunchEmbeddingGather(const EmbeddingParams<bf16>& p, float* out, cudaStream_t stream);
+// x[r] = E[id] (* sqrt(d) + P[min(pos, P_rows - 1)] with position encoding), as fp32 into the
+// residual stream `out` [num_rows, d]; p.out must be nullptr. With norm_out != nullptr the first
+// layer's input LayerNorm is fused: norm_out[r] = LayerNorm(out[r]) * norm_w + norm_b, bf16
+// [num_rows, d] (norm_w, norm_b: [d] fp32), bit for bit what LaunchLayerNorm(out, …) would write,
+// without reading `out` back. Requires d % 8 == 0 and 16-byte aligned tables and outputs. Ids are
+// assumed valid (the engine validates).
+cudaError_t LaunchEmbeddingGather(const EmbeddingParams<bf16>& p, float* out, const float* norm_w,
+                                  const float* norm_b, float eps, bf16* norm_out,
+                                  cudaStream_t stream);
 
 // out = LayerNorm(x) * w + b (fp32 two-pass statistics), rounded to bf16.
 //   x: [rows, cols] fp32; w, b: [cols] fp32; out: [rows, cols] bf16. cols % 8 == 0; 16-byte

@@ -24,59 +24,83 @@ using test::RoundBf16;
 using test::ToBf16;
 using test::ToF32;
 
-TEST(CudaKernels, EmbeddingGatherMatchesCpu) {
+// The gather alone and fused with the first layer's LayerNorm: x against cpu::EmbeddingGather,
+// the normalised rows against cpu::LayerNorm of it and bit for bit against LaunchLayerNorm of the
+// GPU's own x. d = 136 and 1024 run the warp-per-row kernel (136: a partly masked lane group),
+// 4104 the block-per-row gather followed by the LayerNorm fallback.
+TEST(CudaKernels, EmbeddingGatherAndFusedLayerNormMatchCpu) {
   HSTU_SKIP_WITHOUT_GPU();
   std::mt19937 rng(1);
-  for (bool pe : {false, true}) {
-    const int d = 136, rows = 17, item_rows = 29, action_rows = 5, pos_rows = 11;
-    auto items = RoundBf16(RandomVector(rng, item_rows * d));
-    auto actions = RoundBf16(RandomVector(rng, action_rows * d));
-    auto pos = RoundBf16(RandomVector(rng, pos_rows * d));
-    std::vector<int64_t> ids(rows);
-    std::vector<int32_t> types(rows), positions(rows);
-    for (int r = 0; r < rows; ++r) {
-      types[r] = r % 3 == 1 ? kActionToken : kItemToken;
-      ids[r] = types[r] == kItemToken ? rng() % 1000 : rng() % action_rows;
-      positions[r] = rng() % 20;  // some beyond pos_rows: clamped
-    }
-    EmbeddingParams<float> cp;
-    cp.item_table = items.data();
-    cp.action_table = actions.data();
-    cp.position_table = pe ? pos.data() : nullptr;
-    cp.item_rows = item_rows;
-    cp.action_rows = action_rows;
-    cp.position_rows = pos_rows;
-    cp.hidden_dim = d;
-    cp.num_rows = rows;
-    cp.token_ids = ids.data();
-    cp.token_types = types.data();
-    cp.positions = positions.data();
-    std::vector<float> want(rows * d);
-    cp.out = want.data();
-    cpu::EmbeddingGather(cp);
+  for (int d : {136, 1024, 4104}) {
+    for (bool pe : {false, true}) {
+      const int rows = 17, item_rows = 29, action_rows = 5, pos_rows = 11;
+      const std::string what = "d=" + std::to_string(d) + " pe=" + std::to_string(pe);
+      auto items = RoundBf16(RandomVector(rng, item_rows * d));
+      auto actions = RoundBf16(RandomVector(rng, action_rows * d));
+      auto pos = RoundBf16(RandomVector(rng, pos_rows * d));
+      auto w = RandomVector(rng, d, 0.5f, 1.5f), b = RandomVector(rng, d);
+      std::vector<int64_t> ids(rows);
+      std::vector<int32_t> types(rows), positions(rows);
+      for (int r = 0; r < rows; ++r) {
+        types[r] = r % 3 == 1 ? kActionToken : kItemToken;
+        ids[r] = types[r] == kItemToken ? rng() % 1000 : rng() % action_rows;
+        positions[r] = rng() % 20;  // some beyond pos_rows: clamped
+      }
+      EmbeddingParams<float> cp;
+      cp.item_table = items.data();
+      cp.action_table = actions.data();
+      cp.position_table = pe ? pos.data() : nullptr;
+      cp.item_rows = item_rows;
+      cp.action_rows = action_rows;
+      cp.position_rows = pos_rows;
+      cp.hidden_dim = d;
+      cp.num_rows = rows;
+      cp.token_ids = ids.data();
+      cp.token_types = types.data();
+      cp.positions = positions.data();
+      std::vector<float> want(rows * d), want_n(rows * d);
+      cp.out = want.data();
+      cpu::EmbeddingGather(cp);
+      cpu::LayerNorm(want.data(), rows, d, w.data(), b.data(), 1e-5f, want_n.data());
 
-    DeviceArray<bf16> d_items(ToBf16(items)), d_actions(ToBf16(actions)), d_pos(ToBf16(pos));
-    DeviceArray<int64_t> d_ids(ids);
-    DeviceArray<int32_t> d_types(types), d_positions(positions);
-    DeviceArray<float> d_out(rows * d);
-    d_out.Poison();
-    EmbeddingParams<bf16> gp;
-    gp.item_table = d_items.get();
-    gp.action_table = d_actions.get();
-    gp.position_table = pe ? d_pos.get() : nullptr;
-    gp.item_rows = item_rows;
-    gp.action_rows = action_rows;
-    gp.position_rows = pos_rows;
-    gp.hidden_dim = d;
-    gp.num_rows = rows;
-    gp.token_ids = d_ids.get();
-    gp.token_types = d_types.get();
-    gp.positions = d_positions.get();
-    HSTU_ASSERT_CUDA(cuda::LaunchEmbeddingGather(gp, d_out.get(), nullptr));
-    HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
-    const auto got = d_out.Download();
-    ASSERT_TRUE(AllFinite(got));
-    EXPECT_LT(test::RelL2(got, want), test::kF32RelL2) << "pe=" << pe;
+      DeviceArray<bf16> d_items(ToBf16(items)), d_actions(ToBf16(actions)), d_pos(ToBf16(pos));
+      DeviceArray<int64_t> d_ids(ids);
+      DeviceArray<int32_t> d_types(types), d_positions(positions);
+      DeviceArray<float> d_x(rows * d), d_x_only(rows * d), d_w(w), d_b(b);
+      DeviceArray<bf16> d_n(rows * d), d_n_ref(rows * d);
+      d_x.Poison();
+      d_x_only.Poison();
+      d_n.Poison();
+      d_n_ref.Poison();
+      EmbeddingParams<bf16> gp;
+      gp.item_table = d_items.get();
+      gp.action_table = d_actions.get();
+      gp.position_table = pe ? d_pos.get() : nullptr;
+      gp.item_rows = item_rows;
+      gp.action_rows = action_rows;
+      gp.position_rows = pos_rows;
+      gp.hidden_dim = d;
+      gp.num_rows = rows;
+      gp.token_ids = d_ids.get();
+      gp.token_types = d_types.get();
+      gp.positions = d_positions.get();
+      HSTU_ASSERT_CUDA(cuda::LaunchEmbeddingGather(gp, d_x_only.get(), nullptr, nullptr, 1e-5f,
+                                                   nullptr, nullptr));
+      HSTU_ASSERT_CUDA(cuda::LaunchEmbeddingGather(gp, d_x.get(), d_w.get(), d_b.get(), 1e-5f,
+                                                   d_n.get(), nullptr));
+      HSTU_ASSERT_CUDA(cuda::LaunchLayerNorm(d_x.get(), rows, d, d_w.get(), d_b.get(), 1e-5f,
+                                             d_n_ref.get(), nullptr));
+      HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+      const auto got = d_x.Download(), got_only = d_x_only.Download();
+      const auto got_n = ToF32(d_n.Download()), ref_n = ToF32(d_n_ref.Download());
+      ASSERT_TRUE(AllFinite(got) && AllFinite(got_n)) << what;
+      EXPECT_LT(test::RelL2(got, want), test::kF32RelL2) << what;
+      EXPECT_EQ(std::memcmp(got.data(), got_only.data(), got.size() * sizeof(float)), 0)
+          << what << ": the gather alone and the fused kernel differ";
+      EXPECT_LT(test::RelL2(got_n, want_n), test::kBf16RoundRelL2) << what;
+      EXPECT_EQ(std::memcmp(got_n.data(), ref_n.data(), got_n.size() * sizeof(float)), 0)
+          << what << ": fused LayerNorm differs from LaunchLayerNorm";
+    }
   }
 }
 
