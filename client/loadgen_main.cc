@@ -50,6 +50,9 @@ ABSL_FLAG(double, new_user_rate, 0.01, "Fraction of visits that bring a brand-ne
 ABSL_FLAG(int32_t, new_events, 4, "Each return visit adds uniform [1, N] events to the history.");
 ABSL_FLAG(int32_t, initial_events, 0,
           "Largest history (events) of a new user, uniform from 1; 0: half the model's maximum.");
+ABSL_FLAG(int32_t, max_events, 0,
+          "A user whose history would grow past this many events starts over as a new user; 0: "
+          "twice the model's maximum, so the server's truncation is exercised.");
 ABSL_FLAG(int32_t, candidates, 0,
           "Candidates per request; 0: the model's candidates per forward pass.");
 ABSL_FLAG(int64_t, timeout_ms, 1000, "Per-RPC deadline in milliseconds.");
@@ -394,7 +397,14 @@ int Main() {
   t.initial_events_max = absl::GetFlag(FLAGS_initial_events) > 0
                              ? absl::GetFlag(FLAGS_initial_events)
                              : std::max(1, model_events / 2);
-  t.max_events = std::max(t.initial_events_max, 2 * model_events);
+  if (absl::GetFlag(FLAGS_max_events) < 0) {
+    std::fprintf(stderr, "hstu_loadgen: --max_events must be >= 0, got %d\n",
+                 absl::GetFlag(FLAGS_max_events));
+    return 1;
+  }
+  t.max_events = absl::GetFlag(FLAGS_max_events) > 0
+                     ? absl::GetFlag(FLAGS_max_events)
+                     : std::max(t.initial_events_max, 2 * model_events);
   const int32_t per_forward = info.candidates_per_forward() > 0
                                   ? static_cast<int32_t>(info.candidates_per_forward())
                                   : static_cast<int32_t>(info.max_candidates());

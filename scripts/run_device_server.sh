@@ -68,7 +68,9 @@ run() {  # name, "loadgen flags", extra server flags...
 ZIPF="--users=400 --zipf=1.0 --initial_events=1800 --new_events=64 --concurrency=1:16:x2"
 has cache && run cache "$ZIPF" --cache_pages=2048 --host_cache_pages=8192
 has nocache && run nocache "$ZIPF" --no_cache --cache_pages=2048
-# The e2e shape: 64 returning users, all GPU-resident (8192 pages), uniform popularity, ~128 new
-# events (256 tokens) + 256 candidates per request, histories from 2048 tokens up to the 4096 cap.
-has e2e && run e2e "--users=64 --zipf=0 --new_user_rate=0 --initial_events=1024 --new_events=255 --concurrency=1:8:x2" \
-  --cache_pages=8192 --host_cache_pages=0
+# The e2e shape (`hstu_bench e2e`: users from 256 to 4096 history tokens in 16 steps of 256 new
+# tokens + 256 candidates): 512 users of uniform popularity, each starting at up to 64 events and
+# growing by ~128 events (256 tokens) a visit until 2048 events (4096 tokens, the model's maximum:
+# no truncation), then starting over as a new user; all GPU-resident (65536 pages = 64 GiB).
+has e2e && run e2e "--users=512 --zipf=0 --new_user_rate=0 --initial_events=64 --max_events=2048 --new_events=255 --concurrency=1:8:x2" \
+  --cache_pages=65536 --host_cache_pages=0
