@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/bench_attention_layer.h"
+#include "client/bench_gemm.h"
 #include "client/bench_util.h"
 #include "engine/cuda_backend.h"
 #include "engine/engine.h"
@@ -688,7 +689,7 @@ int main(int argc, char** argv) {
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::fprintf(stderr, "usage: hstu_bench attention|kernels|block|attention_sweep|layer|block_graphs|"
-                         "e2e|offload [--json FILE]\n");
+                         "e2e|offload|gemm_algos [--json FILE]\n");
     return 2;
   }
   const std::string mode = args[1];
@@ -725,9 +726,11 @@ int main(int argc, char** argv) {
     j["results"] = BenchE2e(std::max(1, reps / 10), page_size);
   } else if (mode == "offload") {
     j["results"] = BenchOffload(reps, page_size);
+  } else if (mode == "gemm_algos") {
+    j["results"] = hstu::bench::BenchGemmAlgos(reps);
   } else {
     std::fprintf(stderr, "unknown mode '%s' (attention | kernels | block | attention_sweep | layer | "
-                         "block_graphs | e2e | offload)\n", mode.c_str());
+                         "block_graphs | e2e | offload | gemm_algos)\n", mode.c_str());
     return 2;
   }
   const std::string path = absl::GetFlag(FLAGS_json);

@@ -1,0 +1,128 @@
+// hstu_bench gemm_algos: the two GEMMs of a layer (UVQK: bf16 out, beta 0; output projection: fp32
+// residual out, beta 1) at the decode step's row counts, timed as the engine runs them
+// (cublasGemmEx, default algorithm) and with every algorithm cuBLASLt's heuristic offers for the
+// same shape (up to 16, 32 MiB workspace), each timed on its own: whether choosing the algorithm
+// ourselves would pay, before the engine does it.
+#include "client/bench_gemm.h"
+
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "client/bench_util.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/gemm.h"
+
+namespace hstu::bench {
+namespace {
+
+#define HSTU_BENCH_CHECK_LT(expr)                                                        \
+  do {                                                                                   \
+    const cublasStatus_t st_ = (expr);                                                   \
+    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                  \
+      std::fprintf(stderr, "%s:%d: %s: cuBLAS status %d\n", __FILE__, __LINE__, #expr, \
+                   static_cast<int>(st_));                                               \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+struct Shape {
+  const char* name;
+  int64_t n, k;
+  bool c_f32;
+  float beta;
+};
+
+}  // namespace
+
+nlohmann::json BenchGemmAlgos(int reps) {
+  nlohmann::json rows = nlohmann::json::array();
+  cuda::Stream stream;
+  HSTU_BENCH_CHECK_CUDA(stream.Create());
+  cublasHandle_t blas = nullptr;
+  HSTU_BENCH_CHECK_LT(cublasCreate(&blas));
+  HSTU_BENCH_CHECK_LT(cublasSetStream(blas, stream.get()));
+  cublasLtHandle_t lt = nullptr;
+  HSTU_BENCH_CHECK_LT(cublasLtCreate(&lt));
+  const size_t ws_bytes = 32u << 20;
+  cuda::DeviceBuffer ws;
+  HSTU_BENCH_CHECK_CUDA(ws.Reserve(ws_bytes));
+  const Shape shapes[] = {{"UVQK (bf16 out)", 4096, 1024, false, 0.f},
+                          {"output + residual (fp32 out, beta 1)", 1024, 1024, true, 1.f}};
+  std::printf("\n### GEMM algorithms (row-major C[m, n] = A[m, k] · W[k, n]; bf16 in, fp32 accumulate; "
+              "median of %d)\n\n", reps);
+  std::printf("| rows m | GEMM | cublasGemmEx (us) | TFLOP/s | best cuBLASLt (us) | TFLOP/s | "
+              "best algo (tile id, split-k) | slowest (us) | algos |\n|---|---|---|---|---|---|---|---|---|\n");
+  for (const int64_t m : {int64_t{384}, int64_t{3072}, int64_t{34816}}) {
+    for (const Shape& sh : shapes) {
+      cuda::DeviceBuffer a, w, c;
+      HSTU_BENCH_CHECK_CUDA(a.Reserve(m * sh.k * 2));
+      HSTU_BENCH_CHECK_CUDA(w.Reserve(sh.k * sh.n * 2));
+      HSTU_BENCH_CHECK_CUDA(c.Reserve(m * sh.n * (sh.c_f32 ? 4 : 2)));
+      FillRandom(a.as<cuda::bf16>(), m * sh.k, 1);
+      FillRandom(w.as<cuda::bf16>(), sh.k * sh.n, 2);
+      HSTU_BENCH_CHECK_CUDA(cudaMemset(c.get(), 0, m * sh.n * (sh.c_f32 ? 4 : 2)));
+      const double flops = 2.0 * m * sh.n * sh.k;
+      const float ex_ms = TimeMs(stream.get(), reps, [&] {
+        HSTU_BENCH_CHECK_LT(cuda::GemmBf16(blas, a.as<cuda::bf16>(), w.as<cuda::bf16>(), c.get(),
+                                           sh.c_f32, m, sh.n, sh.k, sh.beta));
+      });
+      // Column-major view: Cᵀ[n, m] = Wᵀ[n, k] · Aᵀ[k, m].
+      cublasLtMatmulDesc_t op = nullptr;
+      HSTU_BENCH_CHECK_LT(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+      cublasLtMatrixLayout_t lw = nullptr, la = nullptr, lc = nullptr;
+      HSTU_BENCH_CHECK_LT(cublasLtMatrixLayoutCreate(&lw, CUDA_R_16BF, sh.n, sh.k, sh.n));
+      HSTU_BENCH_CHECK_LT(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, sh.k, m, sh.k));
+      HSTU_BENCH_CHECK_LT(
+          cublasLtMatrixLayoutCreate(&lc, sh.c_f32 ? CUDA_R_32F : CUDA_R_16BF, sh.n, m, sh.n));
+      cublasLtMatmulPreference_t pref = nullptr;
+      HSTU_BENCH_CHECK_LT(cublasLtMatmulPreferenceCreate(&pref));
+      HSTU_BENCH_CHECK_LT(cublasLtMatmulPreferenceSetAttribute(
+          pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
+      cublasLtMatmulHeuristicResult_t res[16];
+      int found = 0;
+      HSTU_BENCH_CHECK_LT(cublasLtMatmulAlgoGetHeuristic(lt, op, lw, la, lc, lc, pref, 16, res, &found));
+      const float alpha = 1.f;
+      float best = 1e30f, worst = 0.f;
+      int best_i = -1, tried = 0;
+      for (int i = 0; i < found; ++i) {
+        if (res[i].state != CUBLAS_STATUS_SUCCESS || res[i].workspaceSize > ws_bytes) continue;
+        ++tried;
+        const float ms = TimeMs(stream.get(), reps, [&] {
+          HSTU_BENCH_CHECK_LT(cublasLtMatmul(lt, op, &alpha, w.get(), lw, a.get(), la, &sh.beta,
+                                             c.get(), lc, c.get(), lc, &res[i].algo, ws.get(),
+                                             ws_bytes, stream.get()));
+        });
+        if (ms < best) best = ms, best_i = i;
+        worst = std::max(worst, ms);
+      }
+      int tile = -1, splitk = -1;
+      if (best_i >= 0) {
+        size_t got = 0;
+        cublasLtMatmulAlgoConfigGetAttribute(&res[best_i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile,
+                                             sizeof(tile), &got);
+        cublasLtMatmulAlgoConfigGetAttribute(&res[best_i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                             &splitk, sizeof(splitk), &got);
+      }
+      std::printf("| %lld | %s | %.1f | %.0f | %.1f | %.0f | %d, %d | %.1f | %d |\n",
+                  static_cast<long long>(m), sh.name, ex_ms * 1e3, flops / (ex_ms * 1e-3) / 1e12,
+                  best * 1e3, flops / (best * 1e-3) / 1e12, tile, splitk, worst * 1e3, tried);
+      rows.push_back({{"rows", m}, {"gemm", sh.name}, {"gemmex_us", ex_ms * 1e3},
+                      {"best_lt_us", best * 1e3}, {"best_tile_id", tile}, {"best_splitk", splitk},
+                      {"slowest_lt_us", worst * 1e3}, {"algos", tried}});
+      cublasLtMatmulPreferenceDestroy(pref);
+      cublasLtMatrixLayoutDestroy(lw);
+      cublasLtMatrixLayoutDestroy(la);
+      cublasLtMatrixLayoutDestroy(lc);
+      cublasLtMatmulDescDestroy(op);
+    }
+  }
+  cublasLtDestroy(lt);
+  cublasDestroy(blas);
+  return rows;
+}
+
+}  // namespace hstu::bench
