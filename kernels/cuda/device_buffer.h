@@ -10,13 +10,15 @@
 
 namespace hstu::cuda {
 
-// Device allocation that only grows (Reserve), so per-batch buffers stop allocating once warm.
-class DeviceBuffer {
+// Memory that only grows (Reserve), so per-batch buffers stop allocating once warm; Alloc says
+// where it lives (DeviceAlloc, PinnedAlloc).
+template <typename Alloc>
+class GrowingBuffer {
  public:
-  DeviceBuffer() = default;
-  ~DeviceBuffer() { Free(); }
-  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+  GrowingBuffer() = default;
+  ~GrowingBuffer() { Free(); }
+  GrowingBuffer(GrowingBuffer&& o) noexcept { *this = std::move(o); }
+  GrowingBuffer& operator=(GrowingBuffer&& o) noexcept {
     if (this != &o) {
       Free();
       ptr_ = std::exchange(o.ptr_, nullptr);
@@ -24,15 +26,15 @@ class DeviceBuffer {
     }
     return *this;
   }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  GrowingBuffer(const GrowingBuffer&) = delete;
+  GrowingBuffer& operator=(const GrowingBuffer&) = delete;
 
   // Ensures at least `bytes`; old contents are dropped when it reallocates.
   cudaError_t Reserve(size_t bytes) {
     if (bytes <= bytes_) return cudaSuccess;
     Free();
     void* p = nullptr;
-    const cudaError_t err = cudaMalloc(&p, bytes);
+    const cudaError_t err = Alloc::Allocate(&p, bytes);
     if (err != cudaSuccess) return err;
     ptr_ = p;
     bytes_ = bytes;
@@ -45,7 +47,7 @@ class DeviceBuffer {
 
  private:
   void Free() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
+    if (ptr_ != nullptr) Alloc::Release(ptr_);
     ptr_ = nullptr;
     bytes_ = 0;
   }
@@ -53,36 +55,18 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
+struct DeviceAlloc {
+  static cudaError_t Allocate(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
+  static void Release(void* p) { cudaFree(p); }
+};
 // Page-locked host memory (asynchronous copies need it).
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  ~PinnedBuffer() { Free(); }
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  cudaError_t Reserve(size_t bytes) {
-    if (bytes <= bytes_) return cudaSuccess;
-    Free();
-    void* p = nullptr;
-    const cudaError_t err = cudaMallocHost(&p, bytes);
-    if (err != cudaSuccess) return err;
-    ptr_ = p;
-    bytes_ = bytes;
-    return cudaSuccess;
-  }
-  template <typename T>
-  T* as() const { return static_cast<T*>(ptr_); }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void Free() {
-    if (ptr_ != nullptr) cudaFreeHost(ptr_);
-    ptr_ = nullptr;
-    bytes_ = 0;
-  }
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
+struct PinnedAlloc {
+  static cudaError_t Allocate(void** p, size_t bytes) { return cudaMallocHost(p, bytes); }
+  static void Release(void* p) { cudaFreeHost(p); }
 };
+
+using DeviceBuffer = GrowingBuffer<DeviceAlloc>;
+using PinnedBuffer = GrowingBuffer<PinnedAlloc>;
 
 class Stream {
  public:
