@@ -27,19 +27,12 @@ using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t
                                    const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                                    CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-// HSTU_ATTN_WS (A/B timing): 0 selects the 2-warpgroup cp.async kernel at D = 256; 1 the
-// warp-specialised kernel with all of Q in shared memory; unset or anything else, the one with the
-// first half of Q in registers.
-int WsMode() {
-  static const int mode = [] {
+bool WsEnabled() {  // HSTU_ATTN_WS=0 selects the 2-warpgroup cp.async kernel at D = 256 (A/B timing)
+  static const bool on = [] {
     const char* e = std::getenv("HSTU_ATTN_WS");
-    if (e != nullptr && std::strcmp(e, "0") == 0) return 0;
-    if (e != nullptr && std::strcmp(e, "1") == 0) return 1;
-    if (e != nullptr && std::strcmp(e, "3") == 0) return 3;
-    if (e != nullptr && std::strcmp(e, "4") == 0) return 4;
-    return 2;
+    return e == nullptr || std::strcmp(e, "0") != 0;
   }();
-  return mode;
+  return on;
 }
 
 EncodeTiledFn GetEncodeTiled() {
@@ -69,7 +62,7 @@ int KvBoxRows(int page_size) {
 const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stream) {
   const auto& kv = p.kv;
   const int64_t hd = static_cast<int64_t>(kv.num_heads) * kv.head_dim;
-  if (WsMode() == 0 || p.max_attn_len > 0 || KvBoxRows(kv.page_size) == 0 ||
+  if (!WsEnabled() || p.max_attn_len > 0 || KvBoxRows(kv.page_size) == 0 ||
       kv.page_size > (1 << 20) || kv.kv_stride != kv.page_size * hd ||
       kv.page_stride != 2 * kv.kv_stride || reinterpret_cast<uintptr_t>(kv.base) % 16 != 0) {
     return nullptr;
@@ -137,11 +130,11 @@ cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* item
   if (kv_map != nullptr) {
     constexpr int kSmem = AttnWsTraits::kSmemBytes;
     // Not a stream operation, so it is allowed while a stream is being captured.
-    const auto kernel = WsMode() == 1 ? HstuAttentionWsKernel<0> : WsMode() == 3 ? HstuAttentionWsKernel<12> : WsMode() == 4 ? HstuAttentionWsKernel<16> : HstuAttentionWsKernel<8>;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    err = cudaFuncSetAttribute(HstuAttentionWsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               kSmem);
     if (err != cudaSuccess) return err;
-    kernel<<<grid, AttnWsTraits::kThreads, kSmem, stream>>>(p, items, partials, kv_map,
-                                                              KvBoxRows(p.kv.page_size));
+    HstuAttentionWsKernel<<<grid, AttnWsTraits::kThreads, kSmem, stream>>>(
+        p, items, partials, kv_map, KvBoxRows(p.kv.page_size));
   } else {
     constexpr int kSmem = AttnTraits<kD>::kSmemBytes;
     err = cudaFuncSetAttribute(HstuAttentionKernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -75,7 +75,6 @@ struct AttnWsTraits {
 // the two warpgroups overlap each other. (A FlashAttention-3 ping-pong of the two, with S(j) and
 // P(j-1)·V(j-1) issued in one turn, measured 30 % slower: docs/cuda_kernels.md, round 6.) kv_map: the pool's tensor map in global memory; box_rows: rows
 // of one TMA box (64, 32, 16 or 8, dividing the page size).
-template <int kQRegSteps>
 __global__ void __launch_bounds__(384, 1)
     HstuAttentionWsKernel(const AttentionParams<bf16> p, const AttentionWorkItem* __restrict__ items,
                           float* __restrict__ partials, const CUtensorMap* __restrict__ kv_map,
@@ -192,9 +191,11 @@ __global__ void __launch_bounds__(384, 1)
 
   const uint32_t q_wg_addr = q_addr + cw * 64 * 128;
   // The first kQRegSteps k-steps (16 columns each) of this warp's 16 Q rows live in registers, in
-  // the wgmma register-A layout (ldmatrix once): those S wgmmas read only K from shared memory,
-  // which the S GEMM's shared-memory bandwidth (Q + K at N = 64 is 128 B/cycle) needs.
-  uint32_t qa[kQRegSteps > 0 ? kQRegSteps : 1][4];
+  // the wgmma register-A layout (ldmatrix once), so those S wgmmas read only K from shared memory.
+  // Measured 2 % faster at batch 8 than all of Q in shared memory; 12 steps gave the same, 16
+  // (all of Q) spills (docs/cuda_kernels.md, round 6).
+  constexpr int kQRegSteps = 8;
+  uint32_t qa[kQRegSteps][4];
 #pragma unroll
   for (int kk = 0; kk < kQRegSteps; ++kk) {
     const int r = 64 * cw + 16 * (cwarp & 3) + (lane & 15);
@@ -213,16 +214,15 @@ __global__ void __launch_bounds__(384, 1)
     for (int e = 0; e < kN / 2; ++e) s[e] = 0.f;
     FenceRegs(s);
     WgmmaFence();
+    auto desc_k = [&](int kk) {  // K-major: 16 columns = 32 bytes of a 128-byte slab row
+      return MakeSmemDesc(k_tile + (kk >> 2) * (kN * 128) + (kk & 3) * 32, 16, 1024);
+    };
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      const uint32_t col = (kk & 3) * 32;
-      const uint64_t desc_k = MakeSmemDesc(k_tile + (kk >> 2) * (kN * 128) + col, 16, 1024);
-      if (kk < kQRegSteps) {
-        WgmmaRS_m64n64k16_KMajorB(s, qa[kk < kQRegSteps ? kk : 0], desc_k);
-      } else {
-        WgmmaSS_m64n64k16(s, MakeSmemDesc(q_wg_addr + (kk >> 2) * (kM * 128) + col, 16, 1024),
-                          desc_k, 1);
-      }
+    for (int kk = 0; kk < kQRegSteps; ++kk) WgmmaRS_m64n64k16_KMajorB(s, qa[kk], desc_k(kk));
+#pragma unroll
+    for (int kk = kQRegSteps; kk < kD / 16; ++kk) {
+      WgmmaSS_m64n64k16(
+          s, MakeSmemDesc(q_wg_addr + (kk >> 2) * (kM * 128) + (kk & 3) * 32, 16, 1024), desc_k(kk), 1);
     }
     WgmmaCommit();
   };
