@@ -33,6 +33,7 @@ const char* LookupResultName(LookupResult r) {
     case LookupResult::kMiss: return "miss";
     case LookupResult::kMismatch: return "hash_mismatch";
     case LookupResult::kDisabled: return "disabled";
+    case LookupResult::kHostRecompute: return "host_recompute";
     default: return "unknown";
   }
 }
@@ -162,7 +163,8 @@ bool CacheManager::AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<i
   return host_allocator_.Allocate(n, out);
 }
 
-absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<const uint64_t> keys) {
+absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<const uint64_t> keys,
+                                                  const OnloadFilter& onload_ok) {
   std::lock_guard<std::mutex> lock(mu_);
   Reservation r;
   r.user_id = user_id;
@@ -230,9 +232,17 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   if (host_only) {
     // Host-only entries hold whole pages, so the reused tokens are exactly the first pages.
     const size_t n = static_cast<size_t>(r.reused_tokens / page_size_);
-    r.onload.src.assign(e.host_page_ids.begin(), e.host_page_ids.begin() + n);
-    r.onload.dst.assign(e.page_ids.begin(), e.page_ids.begin() + n);
-    stats_.pages_onloaded += n;
+    if (n > 0 && onload_ok && !onload_ok(static_cast<int64_t>(n))) {
+      // Recomputed from token 0 into the new GPU pages. The entry's metadata still describes its
+      // host pages [0, n), which hold the K/V of these same keys: Commit keeps them as the host
+      // copy and offloads only the pages beyond.
+      r.reused_tokens = 0;
+      r.result = LookupResult::kHostRecompute;
+    } else {
+      r.onload.src.assign(e.host_page_ids.begin(), e.host_page_ids.begin() + n);
+      r.onload.dst.assign(e.page_ids.begin(), e.page_ids.begin() + n);
+      stats_.pages_onloaded += n;
+    }
   }
   ++stats_.lookups[static_cast<int>(r.result)];
   stats_.tokens_reused += r.reused_tokens;
@@ -324,7 +334,7 @@ void CacheManager::ForgetHostCopy(uint64_t user_id) {
 }
 
 PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> keys,
-                                  absl::Span<const uint64_t> keep) {
+                                  absl::Span<const uint64_t> keep, const OnloadFilter& onload_ok) {
   std::lock_guard<std::mutex> lock(mu_);
   PageCopies copies;
   auto it = entries_.find(user_id);
@@ -337,7 +347,7 @@ PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> k
   const std::vector<uint64_t> req = PageChainHashes(keys.subspan(0, cmp_tokens), page_size_);
   size_t k = 0;
   while (k < req.size() && k < e.host_page_ids.size() && req[k] == e.page_hashes[k]) ++k;
-  if (k == 0) return copies;
+  if (k == 0 || (onload_ok && !onload_ok(static_cast<int64_t>(k)))) return copies;
   // Make room only from entries that lose nothing but a partial last page by moving to the host.
   for (auto vit = lru_.end(); allocator_.num_free() < static_cast<int64_t>(k) && vit != lru_.begin();) {
     --vit;

@@ -6,7 +6,8 @@
 //
 // Host tier (host_num_pages > 0): after a commit, the entry's new full pages get host copies
 // (write-behind, PageCopies returned by Commit). An entry evicted from the GPU keeps its host copy
-// (its full pages; a partial last page is recomputed) and is onloaded by its next Acquire. When the
+// (its full pages; a partial last page is recomputed) and is onloaded by its next Acquire, unless
+// the caller's OnloadFilter prefers recomputing those tokens (host_recompute). When the
 // host tier is full, the least recently used unpinned entries lose their host copies.
 // Offloads run behind compute: an entry whose offload is in flight keeps its GPU pages (no eviction,
 // no truncation) until the caller reports OffloadsComplete(); Acquire of such an entry answers
@@ -17,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <mutex>
 #include <unordered_map>
@@ -28,8 +30,12 @@
 
 namespace hstu {
 
-enum class LookupResult : int { kHit = 0, kHostHit, kPartial, kMiss, kMismatch, kDisabled, kNumResults };
-// "gpu_hit", "host_hit", "partial", "miss", "hash_mismatch", "disabled"
+// kHostRecompute: the user's prefix was on the host tier only, and the caller chose to recompute
+// it rather than onload it (see OnloadFilter); its tokens count as computed.
+enum class LookupResult : int {
+  kHit = 0, kHostHit, kPartial, kMiss, kMismatch, kDisabled, kHostRecompute, kNumResults
+};
+// "gpu_hit", "host_hit", "partial", "miss", "hash_mismatch", "disabled", "host_recompute"
 const char* LookupResultName(LookupResult r);
 
 struct CacheStats {
@@ -64,6 +70,12 @@ struct PageCopies {
   bool empty() const { return src.empty(); }
 };
 
+// Asked by Acquire and Prefetch, under the manager's lock, before they plan the onload of `pages`
+// host pages (as many tokens as pages * page_size) of a user that lives on the host only: true to
+// onload them, false to recompute those tokens instead. Must not call back into the manager.
+// Null: always onload.
+using OnloadFilter = std::function<bool(int64_t pages)>;
+
 // One request's hold on its user's pages, between Acquire and Commit/Release.
 struct Reservation {
   uint64_t user_id = 0;
@@ -89,7 +101,11 @@ class CacheManager {
   // pins the entry and makes sure it has pages for all of `keys`, evicting least recently used
   // unpinned entries. RESOURCE_EXHAUSTED when the pool cannot hold the user even after evicting;
   // FAILED_PRECONDITION if the user is already pinned (two requests of one user at once).
-  absl::StatusOr<Reservation> Acquire(uint64_t user_id, absl::Span<const uint64_t> keys);
+  // A host-only user whose onload `onload_ok` declines is served as a miss of those tokens
+  // (kHostRecompute, reused_tokens 0, no copies); its host copies stay, since the request
+  // recomputes the very same keys into its GPU pages, and Commit offloads only pages beyond them.
+  absl::StatusOr<Reservation> Acquire(uint64_t user_id, absl::Span<const uint64_t> keys,
+                                      const OnloadFilter& onload_ok = nullptr);
   // Pages for `num_tokens` tokens that belong to no entry (cache disabled); freed by Release.
   absl::StatusOr<Reservation> AcquireTemporary(uint64_t user_id, int32_t num_tokens);
   // The request's pages now hold K/V for all of `keys`: record the hashes, unpin, mark recent.
@@ -103,9 +119,11 @@ class CacheManager {
   // used entries whose every full page already has a host copy (nothing is lost, they come back
   // the same way) and that are not in `keep` (the users of the batch about to run). Returns the
   // host → GPU copies to issue, or nothing. Until PrefetchesComplete() the entry is not evicted;
-  // its next Acquire reports host_hit and marks the reservation `prefetched`.
+  // its next Acquire reports host_hit and marks the reservation `prefetched`. Nothing either when
+  // `onload_ok` declines the copies (asked before anyone is evicted for them).
   PageCopies Prefetch(uint64_t user_id, absl::Span<const uint64_t> keys,
-                      absl::Span<const uint64_t> keep = {});
+                      absl::Span<const uint64_t> keep = {},
+                      const OnloadFilter& onload_ok = nullptr);
   // Every copy returned by Prefetch so far has completed.
   void PrefetchesComplete();
   bool prefetches_pending() const;
