@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,13 @@ struct ForwardOutput {
 };
 
 enum class CopyKind { kDeviceToHost, kHostToDevice };
+
+// One completed host → GPU transfer: its bytes and the time the copy engine spent on it (from its
+// first copy starting to its last one ending, waits before it excluded).
+struct CopyTiming {
+  int64_t bytes = 0;
+  double seconds = 0;
+};
 
 // CUDA graphs of the decode step (DESIGN §7): one graph per bucket, used for a batch of at most
 // max_users users and max_rows rows (new history tokens + candidates over all users).
@@ -86,6 +94,10 @@ class Backend {
   }
   virtual absl::Status MakePrefetchVisible() { return absl::OkStatus(); }
   virtual bool PrefetchesDone() { return true; }
+  // Non-blocking: the timing of the latest onload (the CopyPages host → GPU copies issued for one
+  // Forward) if it has completed and was not taken yet; nothing while it runs, or when the backend
+  // cannot time copies. The engine measures the onload bandwidth from it (engine/onload_policy.h).
+  virtual std::optional<CopyTiming> TakeOnloadTiming() { return std::nullopt; }
   // Forward passes run by replaying a CUDA graph (0 on backends without graphs). Thread-safe.
   virtual uint64_t graph_replays() const { return 0; }
   // Bytes of one page over all layers (K and V).

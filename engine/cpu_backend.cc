@@ -1,4 +1,5 @@
 // CPU reference backend: the forward of DESIGN §2.2–2.3 in fp32, composed of kernels/cpu ops.
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -53,13 +54,28 @@ class CpuBackend final : public Backend {
         return absl::InvalidArgumentError(absl::StrCat("CopyPages: page ", src[i], " -> ", dst[i],
                                                        " out of range"));
       }
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < src.size(); ++i) {
       for (int l = 0; l < w_.config.num_layers; ++l) {
         std::memcpy(to + l * dst_pages * page_elems_ + dst[i] * page_elems_,
                     from + l * src_pages * page_elems_ + src[i] * page_elems_,
                     sizeof(float) * page_elems_);
       }
     }
+    if (!to_host && !src.empty()) {
+      // Onloads of one wave add up until the engine takes them (after the wave's forward).
+      onload_timing_.bytes += static_cast<int64_t>(src.size()) * page_bytes();
+      onload_timing_.seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
     return absl::OkStatus();
+  }
+  std::optional<CopyTiming> TakeOnloadTiming() override {
+    if (onload_timing_.bytes == 0) return std::nullopt;
+    const CopyTiming t = onload_timing_;
+    onload_timing_ = CopyTiming();
+    return t;
   }
 
  private:
@@ -78,6 +94,7 @@ class CpuBackend final : public Backend {
   std::unique_ptr<float[]> pool_;       // [layers, num_pages, 2, page_size, H, D]
   int64_t host_num_pages_ = 0;
   std::unique_ptr<float[]> host_pool_;  // [layers, host_num_pages, 2, page_size, H, D]
+  CopyTiming onload_timing_;            // host → "device" memcpys not yet taken
 };
 
 absl::Status CpuBackend::Forward(const ForwardBatch& batch, bool keep_hidden, ForwardOutput* out) {

@@ -79,6 +79,8 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
     HSTU_CUDA_RETURN(cudaEventRecord(e, prefetch_stream_.get()));
   }
   HSTU_CUDA_RETURN(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
+  HSTU_CUDA_RETURN(cudaEventCreate(&onload_start_));
+  HSTU_CUDA_RETURN(cudaEventCreate(&onload_end_));
   if (graph_options_.enable) HSTU_RETURN_IF_ERROR(CaptureGraphs());
   return absl::OkStatus();
 }
@@ -436,15 +438,44 @@ absl::Status CudaBackendImpl::FlushOnloads() {
   HSTU_CUDA_RETURN(cudaStreamWaitEvent(onload_stream_.get(), compute_done_, 0));
   const std::vector<cuda::PageRun> runs =
       cuda::MergePageRuns(pending_src_.data(), pending_dst_.data(), pending_src_.size());
+  const int64_t bytes = static_cast<int64_t>(pending_src_.size()) * page_bytes();
   pending_src_.clear();
   pending_dst_.clear();
+  // The events are reused: a previous flush's timing still unread is kept if complete, else lost.
+  PollOnloadTiming();
+  timed_onload_bytes_ = 0;
+  // Recorded behind the waits above (and behind any prefetch made visible on this stream), so
+  // the interval is the copies' own time.
+  HSTU_CUDA_RETURN(cudaEventRecord(onload_start_, onload_stream_.get()));
   for (int l = 0; l < config_.num_layers; ++l) {
     HSTU_CUDA_RETURN(cuda::EnqueuePageRuns(runs, HostPoolRef(), GpuPoolRef(), l, copy_method_,
                                            onload_stream_.get(), &copy_scratch_));
     HSTU_CUDA_RETURN(cudaEventRecord(layer_ready_[l], onload_stream_.get()));
   }
+  HSTU_CUDA_RETURN(cudaEventRecord(onload_end_, onload_stream_.get()));
+  timed_onload_bytes_ = bytes;
   onload_waits_ = true;
   return absl::OkStatus();
+}
+
+void CudaBackendImpl::PollOnloadTiming() {
+  if (timed_onload_bytes_ == 0 || cudaSetDevice(device_) != cudaSuccess) return;
+  const cudaError_t q = cudaEventQuery(onload_end_);
+  if (q == cudaErrorNotReady) return;
+  float ms = 0;
+  // Any other error surfaces at the next synchronising call; this sample is dropped.
+  if (q == cudaSuccess && cudaEventElapsedTime(&ms, onload_start_, onload_end_) == cudaSuccess &&
+      ms > 0) {
+    onload_timing_ = CopyTiming{timed_onload_bytes_, ms * 1e-3};
+  }
+  timed_onload_bytes_ = 0;
+}
+
+std::optional<CopyTiming> CudaBackendImpl::TakeOnloadTiming() {
+  PollOnloadTiming();
+  std::optional<CopyTiming> t = onload_timing_;
+  onload_timing_.reset();
+  return t;
 }
 
 absl::Status CudaBackendImpl::PrefetchPages(const std::vector<int32_t>& src,

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -175,6 +176,8 @@ class CudaBackendImpl final : public CudaBackend {
     for (cudaEvent_t e : layer_ready_) cudaEventDestroy(e);
     for (cudaEvent_t e : prefetch_ready_) cudaEventDestroy(e);
     if (compute_done_ != nullptr) cudaEventDestroy(compute_done_);
+    if (onload_start_ != nullptr) cudaEventDestroy(onload_start_);
+    if (onload_end_ != nullptr) cudaEventDestroy(onload_end_);
     if (host_pool_ != nullptr) cudaFreeHost(host_pool_);
     if (cublas_ != nullptr) cublasDestroy(cublas_);
   }
@@ -201,6 +204,7 @@ class CudaBackendImpl final : public CudaBackend {
                              const std::vector<int32_t>& dst) override;
   absl::Status MakePrefetchVisible() override;
   bool PrefetchesDone() override;
+  std::optional<CopyTiming> TakeOnloadTiming() override;
 
   absl::Status Forward(const ForwardBatch& batch, bool keep_hidden, ForwardOutput* out) override;
   absl::Status ReadKv(const std::vector<int32_t>& page_ids, int32_t num_tokens,
@@ -244,6 +248,8 @@ class CudaBackendImpl final : public CudaBackend {
   absl::Status CaptureGraphs();
   // Issues the queued onloads, layer-major, on the copy stream; records layer_ready_[l].
   absl::Status FlushOnloads();
+  // Moves the timed onload into onload_timing_ once its end event has completed (non-blocking).
+  void PollOnloadTiming();
   absl::Status WaitForLayer(int layer);
   absl::Status LastCapturedNode(cudaGraphNode_t* node);
   cuda::PagePoolRef GpuPoolRef() const {
@@ -300,6 +306,10 @@ class CudaBackendImpl final : public CudaBackend {
   cudaEvent_t compute_done_ = nullptr;    // compute stream, before copies that touch its pages
   std::vector<int32_t> pending_src_, pending_dst_;  // queued onloads (host page → GPU page)
   bool onload_waits_ = false;  // an eager forward must wait for layer_ready_
+  // Timing events around the latest flush of onloads on the onload stream (after its waits).
+  cudaEvent_t onload_start_ = nullptr, onload_end_ = nullptr;
+  int64_t timed_onload_bytes_ = 0;  // bytes of the flush between them; 0 = nothing to time
+  std::optional<CopyTiming> onload_timing_;  // completed, not yet taken
   cuda::PageCopyMethod copy_method_ = cuda::PageCopyMethod::kMemcpyBatch;
   cuda::PageCopyScratch copy_scratch_;
 };
