@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <optional>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
@@ -59,12 +60,17 @@ int64_t AutoHostPages(const Backend& backend, int64_t gpu_pages) {
 }
 constexpr int64_t kDefaultGpuPoolBytes = 16LL << 30;
 
+double NowSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 }  // namespace
 
 Engine::Engine(const EngineOptions& options, ModelConfig config, std::unique_ptr<Backend> backend,
                std::unique_ptr<CacheManager> cache)
     : options_(options), config_(std::move(config)), backend_(std::move(backend)),
-      cache_(std::move(cache)) {}
+      cache_(std::move(cache)),
+      onload_cost_(options.onload_bytes_per_second, options.recompute_seconds_per_token) {}
 
 Engine::~Engine() = default;
 
@@ -84,6 +90,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   }
   if (options.cache_pages < 0) {
     return absl::InvalidArgumentError(absl::StrCat("cache_pages must be >= 0, got ", options.cache_pages));
+  }
+  if (!(options.onload_bytes_per_second >= 0) || !(options.recompute_seconds_per_token >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "onload_bytes_per_second and recompute_seconds_per_token must be >= 0 (0 = measured), got ",
+        options.onload_bytes_per_second, " and ", options.recompute_seconds_per_token));
   }
   const int64_t pages_per_user = (c.max_history_tokens + options.page_size - 1) / options.page_size;
   // The default pool size depends on where it lives (fp32 on the CPU, bf16 on a GPU), so "auto"
@@ -136,6 +147,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   engine->stats_.kv_pool_bytes = engine->backend_->kv_pool_bytes();
   engine->stats_.device_memory_bytes = engine->backend_->device_memory_bytes();
   engine->stats_.kv_page_bytes = engine->backend_->page_bytes();
+  engine->stats_.onload_bytes_per_second = engine->onload_cost_.bytes_per_second();
+  engine->stats_.recompute_seconds_per_token = engine->onload_cost_.seconds_per_token();
   return engine;
 }
 
@@ -186,16 +199,45 @@ std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankReques
   return results;
 }
 
+OnloadFilter Engine::MakeOnloadFilter() {
+  if (options_.onload_policy == OnloadPolicy::kAlways) return nullptr;
+  return [this](int64_t pages) {
+    return onload_cost_.ShouldOnload(pages * backend_->page_bytes(), pages * options_.page_size,
+                                     NowSeconds());
+  };
+}
+
+void Engine::NoteCopiesIdleIfNoPrefetch() {
+  // Onloads complete within the forward that reads them, so between waves only prefetches can
+  // still be copying.
+  if (cache_->prefetches_pending() && backend_->PrefetchesDone()) cache_->PrefetchesComplete();
+  if (!cache_->prefetches_pending()) onload_cost_.CopiesIdle(NowSeconds());
+}
+
+void Engine::UpdateOnloadRates() {
+  if (std::optional<CopyTiming> t = backend_->TakeOnloadTiming()) {
+    onload_cost_.ObserveCopy(t->bytes, t->seconds);
+  }
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  stats_.onload_bytes_per_second = onload_cost_.bytes_per_second();
+  stats_.recompute_seconds_per_token = onload_cost_.seconds_per_token();
+}
+
 void Engine::Prefetch(absl::Span<const RankRequest> running, absl::Span<const RankRequest> queued) {
   if (!options_.enable_cache || cache_->Stats().host_pages_total == 0) return;
   std::vector<uint64_t> keep;
   for (const RankRequest& r : running) keep.push_back(r.user_id);
-  if (cache_->prefetches_pending() && backend_->PrefetchesDone()) cache_->PrefetchesComplete();
+  NoteCopiesIdleIfNoPrefetch();
+  // The same rule as at admission: a prefetch the policy would refuse is not started (the request
+  // is decided again when its batch runs, against the copy backlog of that moment).
+  const OnloadFilter onload_ok = MakeOnloadFilter();
   for (const RankRequest& r : queued) {
     if (!Validate(r).ok()) continue;
     const KeptHistory kept = KeepHistory(r, config_);
-    const PageCopies copies = cache_->Prefetch(r.user_id, kept.keys, keep);
+    const PageCopies copies = cache_->Prefetch(r.user_id, kept.keys, keep, onload_ok);
     if (copies.empty()) continue;
+    onload_cost_.CopyIssued(static_cast<int64_t>(copies.src.size()) * backend_->page_bytes(),
+                            NowSeconds());
     if (auto s = backend_->PrefetchPages(copies.src, copies.dst); !s.ok()) {
       // The pages hold nothing valid: wait for what is in flight and drop the user's entry.
       spdlog::warn("KV prefetch failed: {}", std::string(s.message()));
@@ -235,12 +277,13 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
   };
   std::vector<Live> live;
   SettleOffloads(/*wait=*/false);
-  if (cache_->prefetches_pending() && backend_->PrefetchesDone()) cache_->PrefetchesComplete();
-  bool uses_prefetch = false;
+  NoteCopiesIdleIfNoPrefetch();
+  const OnloadFilter onload_ok = MakeOnloadFilter();
+  bool uses_prefetch = false, uses_onload = false;
   for (size_t i = 0; i < wave.size(); ++i) {
     Live l{i, KeepHistory(*wave[i], c), {}, {}};
     auto acquire = [&] {
-      return options_.enable_cache ? cache_->Acquire(wave[i]->user_id, l.kept.keys)
+      return options_.enable_cache ? cache_->Acquire(wave[i]->user_id, l.kept.keys, onload_ok)
                                    : cache_->AcquireTemporary(wave[i]->user_id, l.kept.length);
     };
     auto res = acquire();
@@ -249,7 +292,10 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
       // The user's own write-behind or prefetch is still in flight, or the pages we need are held
       // by in-flight copies: wait for the copy engines, then try once more.
       SettleOffloads(/*wait=*/true);
-      if (backend_->WaitCopies().ok()) cache_->PrefetchesComplete();
+      if (backend_->WaitCopies().ok()) {
+        cache_->PrefetchesComplete();
+        onload_cost_.CopiesIdle(NowSeconds());
+      }
       res = acquire();
     }
     if (!res.ok()) {
@@ -257,6 +303,8 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
       continue;
     }
     if (!res->onload.empty()) {
+      onload_cost_.CopyIssued(static_cast<int64_t>(res->onload.src.size()) * backend_->page_bytes(),
+                              NowSeconds());
       // The forward below is ordered after this copy on the backend's streams.
       if (auto s = backend_->CopyPages(CopyKind::kHostToDevice, res->onload.src, res->onload.dst);
           !s.ok()) {
@@ -264,6 +312,7 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
         *results[i] = absl::InternalError(absl::StrCat("KV onload failed: ", s.message()));
         continue;
       }
+      uses_onload = true;
     }
     uses_prefetch = uses_prefetch || res->prefetched;
     l.res = *std::move(res);
@@ -324,6 +373,12 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
       stats_.compute_seconds += secs;
     }
     if (!failure.ok()) break;
+    // Pass 0 may have waited for onloads or prefetches: its time is not the GPU's alone, and
+    // counting it would make copies look cheaper the slower they are.
+    if (pass > 0 || !(uses_onload || uses_prefetch)) {
+      onload_cost_.ObserveCompute(fb.num_rows(), secs);
+    }
+    UpdateOnloadRates();
     int64_t cand_row = 0;
     for (const PassItem& it : items) {
       RankResult& res = live[it.request_idx].result;

@@ -14,6 +14,7 @@
 #include "absl/types/span.h"
 #include "engine/backend.h"
 #include "engine/model.h"
+#include "engine/onload_policy.h"
 #include "engine/request.h"
 #include "kvcache/cache_manager.h"
 
@@ -32,6 +33,14 @@ struct EngineOptions {
   bool keep_hidden = false;           // fill RankResult::hidden (tests, parity checks)
   bool use_cuda_graphs = true;        // CUDA backend: replay the decode step from CUDA graphs
   std::vector<GraphBucket> graph_buckets;  // their (users, rows) buckets; empty = backend defaults
+  // Host hits (engine/onload_policy.h): kCost onloads a user's host pages only when the copy,
+  // behind the copies already queued, finishes no later than recomputing them; otherwise the
+  // request recomputes them (lookup result host_recompute). kAlways onloads every host hit.
+  OnloadPolicy onload_policy = OnloadPolicy::kCost;
+  // The cost rule's rates: > 0 fixes one (tests); 0 measures it online (onload bandwidth from the
+  // backend's copy timings, GPU seconds per forward row from the forwards that waited for no copy).
+  double onload_bytes_per_second = 0;
+  double recompute_seconds_per_token = 0;
   RequestLimits limits;
 };
 
@@ -48,6 +57,9 @@ struct EngineStats {
   uint64_t kv_offload_bytes = 0;    // GPU → host
   uint64_t kv_onload_bytes = 0;     // host → GPU
   uint64_t graph_replays = 0;       // forward passes replayed from a CUDA graph
+  // The onload policy's current estimates (fixed or measured; see EngineOptions).
+  double onload_bytes_per_second = 0;
+  double recompute_seconds_per_token = 0;
 };
 
 class Engine {
@@ -84,11 +96,18 @@ class Engine {
   // Runs one wave of requests in which each user appears at most once.
   void RankWave(absl::Span<const RankRequest* const> wave,
                 absl::Span<absl::StatusOr<RankResult>* const> results);
+  // The onload filter of the configured policy (null for kAlways).
+  OnloadFilter MakeOnloadFilter();
+  // Forgets the estimated copy backlog once no host → GPU copy can still be running.
+  void NoteCopiesIdleIfNoPrefetch();
+  // Takes the backend's latest onload timing, and mirrors the rates into stats_.
+  void UpdateOnloadRates();
 
   EngineOptions options_;
   ModelConfig config_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<CacheManager> cache_;
+  OnloadCostModel onload_cost_;  // used by the thread that calls Rank() and Prefetch()
   mutable std::mutex stats_mu_;
   EngineStats stats_;
 };

@@ -1,7 +1,8 @@
 // The CUDA host KV tier: page copies GPU → host → GPU are bit-exact (every layer, K and V, odd
 // page sizes, merged and scattered runs, both copy methods); a forward issued right after an
 // onload reads the onloaded pages; an engine whose GPU pool is far smaller than its users restores
-// them from the host with the CPU engine's scores; 10,000 random requests leak no page.
+// them from the host with the CPU engine's scores, or recomputes them when the onload policy says
+// the copy is too slow; 10,000 random requests leak no page.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -110,9 +111,16 @@ TEST(CudaHostTier, RoundTripIsBitExact) {
   }
 }
 
-std::unique_ptr<Engine> TierEngine(const std::string& device, const ModelWeights& w,
-                                   int64_t gpu_pages, int64_t host_pages) {
+EngineOptions AlwaysOnload() {
   EngineOptions o;
+  o.onload_policy = OnloadPolicy::kAlways;
+  return o;
+}
+
+// kAlways unless told otherwise: these tests are about the onload path itself.
+std::unique_ptr<Engine> TierEngine(const std::string& device, const ModelWeights& w,
+                                   int64_t gpu_pages, int64_t host_pages,
+                                   EngineOptions o = AlwaysOnload()) {
   o.device = device;
   o.page_size = 16;
   o.cache_pages = gpu_pages;
@@ -123,11 +131,15 @@ std::unique_ptr<Engine> TierEngine(const std::string& device, const ModelWeights
 }
 
 // Users cycle through a GPU pool far smaller than the working set; with `prefetch`, the next
-// batch's users are prefetched (as the scheduler does) before each batch runs.
-void RestoreUsersAndCompareWithCpu(bool prefetch) {
+// batch's users are prefetched (as the scheduler does) before each batch runs. With
+// `slow_copies`, the cost policy is told the link is slow, so every host hit is recomputed.
+void RestoreUsersAndCompareWithCpu(bool prefetch, bool slow_copies = false) {
   const ModelWeights w = RandomModel(test::SmallGpuModelConfig(), 11);
   // 12 users of up to 16 pages; the GPU pool holds about three of them, the host all.
-  auto gpu = TierEngine("cuda:0", w, 48, 400);
+  EngineOptions o;
+  o.onload_policy = slow_copies ? OnloadPolicy::kCost : OnloadPolicy::kAlways;
+  if (slow_copies) o.onload_bytes_per_second = 1;
+  auto gpu = TierEngine("cuda:0", w, 48, 400, o);
   auto cpu = TierEngine("cpu", w, 0, 0);
   ASSERT_TRUE(gpu && cpu);
   std::mt19937 rng(5);
@@ -168,16 +180,37 @@ void RestoreUsersAndCompareWithCpu(bool prefetch) {
   }
   const EngineStats s = gpu->Stats();
   const uint64_t host_hits = s.cache.lookups[static_cast<int>(LookupResult::kHostHit)];
-  std::printf("  host hits %llu, pages offloaded %llu, onloaded %llu, GPU evictions %llu, "
-              "graph replays %llu, worst score abs %.2e\n",
+  const uint64_t host_recomputes = s.cache.lookups[static_cast<int>(LookupResult::kHostRecompute)];
+  std::printf("  host hits %llu, host recomputes %llu, pages offloaded %llu, onloaded %llu, GPU "
+              "evictions %llu, graph replays %llu, worst score abs %.2e; onload %.3g B/s, "
+              "recompute %.3g s/token\n",
               static_cast<unsigned long long>(host_hits),
+              static_cast<unsigned long long>(host_recomputes),
               static_cast<unsigned long long>(s.cache.pages_offloaded),
               static_cast<unsigned long long>(s.cache.pages_onloaded),
               static_cast<unsigned long long>(s.cache.evictions),
-              static_cast<unsigned long long>(s.graph_replays), worst);
+              static_cast<unsigned long long>(s.graph_replays), worst, s.onload_bytes_per_second,
+              s.recompute_seconds_per_token);
+  EXPECT_GT(s.cache.evictions, 0u);
+  EXPECT_GT(s.recompute_seconds_per_token, 0);
+  EXPECT_NE(s.recompute_seconds_per_token, OnloadCostModel::kStartSecondsPerToken);
+  if (slow_copies) {
+    EXPECT_EQ(host_hits, 0u);
+    EXPECT_GT(host_recomputes, 0u);
+    EXPECT_EQ(s.cache.pages_onloaded, 0u);
+    EXPECT_EQ(s.cache.pages_prefetched, 0u);
+    return;
+  }
+  if (!prefetch) {
+    // The onloads were timed on the copy stream (plausible for a PCIe link and small pages);
+    // prefetches are not timed, so with them every host hit may have come without an onload.
+    EXPECT_NE(s.onload_bytes_per_second, OnloadCostModel::kStartBytesPerSecond);
+    EXPECT_GT(s.onload_bytes_per_second, 1e6);
+    EXPECT_LT(s.onload_bytes_per_second, 1e12);
+  }
+  EXPECT_EQ(host_recomputes, 0u);
   EXPECT_GT(host_hits, 0u);
   EXPECT_GT(s.cache.pages_onloaded, 0u);
-  EXPECT_GT(s.cache.evictions, 0u);
   EXPECT_GT(s.cache.tokens_reused, 0u);
   EXPECT_EQ(s.kv_onload_bytes, s.cache.pages_onloaded * static_cast<uint64_t>(s.kv_page_bytes));
   if (prefetch) {
@@ -194,6 +227,11 @@ TEST(CudaHostTier, RestoredUsersScoreLikeCpuEngine) {
 TEST(CudaHostTier, PrefetchedUsersScoreLikeCpuEngine) {
   HSTU_SKIP_WITHOUT_GPU();
   RestoreUsersAndCompareWithCpu(/*prefetch=*/true);
+}
+
+TEST(CudaHostTier, SlowCopiesRecomputeHostHitsWithCpuScores) {
+  HSTU_SKIP_WITHOUT_GPU();
+  RestoreUsersAndCompareWithCpu(/*prefetch=*/true, /*slow_copies=*/true);
 }
 
 TEST(CudaHostTier, NoPageLeakAfter10000RandomRequests) {

@@ -1,0 +1,68 @@
+#include "engine/onload_policy.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace hstu {
+
+const char* OnloadPolicyName(OnloadPolicy p) {
+  switch (p) {
+    case OnloadPolicy::kCost: return "cost";
+    case OnloadPolicy::kAlways: return "always";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<OnloadPolicy> ParseOnloadPolicy(absl::string_view name) {
+  for (OnloadPolicy p : {OnloadPolicy::kCost, OnloadPolicy::kAlways}) {
+    if (name == OnloadPolicyName(p)) return p;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("onload policy '", name, "' is not one of: cost, always"));
+}
+
+OnloadCostModel::OnloadCostModel(double fixed_bytes_per_second, double fixed_seconds_per_token)
+    : fixed_bytes_per_second_(fixed_bytes_per_second),
+      fixed_seconds_per_token_(fixed_seconds_per_token) {}
+
+double OnloadCostModel::bytes_per_second() const {
+  if (fixed_bytes_per_second_ > 0) return fixed_bytes_per_second_;
+  return copy_seconds_ > 0 ? copy_bytes_ / copy_seconds_ : kStartBytesPerSecond;
+}
+
+double OnloadCostModel::seconds_per_token() const {
+  if (fixed_seconds_per_token_ > 0) return fixed_seconds_per_token_;
+  return compute_tokens_ > 0 ? compute_seconds_ / compute_tokens_ : kStartSecondsPerToken;
+}
+
+double OnloadCostModel::queued_seconds(double now) const {
+  return std::max(0.0, copies_done_at_ - now);
+}
+
+bool OnloadCostModel::ShouldOnload(int64_t bytes, int64_t tokens, double now) const {
+  const double copy_s = queued_seconds(now) + static_cast<double>(bytes) / bytes_per_second();
+  const double recompute_s = static_cast<double>(tokens) * seconds_per_token();
+  return copy_s <= recompute_s;
+}
+
+void OnloadCostModel::CopyIssued(int64_t bytes, double now) {
+  const double copy_s = static_cast<double>(bytes) / bytes_per_second();
+  copies_done_at_ = std::max(copies_done_at_, now) + copy_s;
+}
+
+void OnloadCostModel::CopiesIdle(double now) { copies_done_at_ = std::min(copies_done_at_, now); }
+
+void OnloadCostModel::ObserveCopy(int64_t bytes, double seconds) {
+  if (fixed_bytes_per_second_ > 0 || bytes <= 0 || !(seconds > 0)) return;
+  copy_bytes_ = kKeep * copy_bytes_ + static_cast<double>(bytes);
+  copy_seconds_ = kKeep * copy_seconds_ + seconds;
+}
+
+void OnloadCostModel::ObserveCompute(int64_t tokens, double seconds) {
+  if (fixed_seconds_per_token_ > 0 || tokens <= 0 || !(seconds > 0)) return;
+  compute_tokens_ = kKeep * compute_tokens_ + static_cast<double>(tokens);
+  compute_seconds_ = kKeep * compute_seconds_ + seconds;
+}
+
+}  // namespace hstu

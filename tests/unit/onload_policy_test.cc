@@ -1,0 +1,78 @@
+// The onload-or-recompute cost rule (engine/onload_policy.h) on numbers: rates, backlog, ties.
+#include "engine/onload_policy.h"
+
+#include "gtest/gtest.h"
+
+namespace hstu {
+namespace {
+
+TEST(OnloadPolicy, ParsesItsNamesAndRejectsOthers) {
+  EXPECT_EQ(*ParseOnloadPolicy("cost"), OnloadPolicy::kCost);
+  EXPECT_EQ(*ParseOnloadPolicy("always"), OnloadPolicy::kAlways);
+  EXPECT_STREQ(OnloadPolicyName(OnloadPolicy::kCost), "cost");
+  EXPECT_STREQ(OnloadPolicyName(OnloadPolicy::kAlways), "always");
+  for (const char* bad : {"", "Cost", "never", "cost "}) {
+    const auto p = ParseOnloadPolicy(bad);
+    ASSERT_FALSE(p.ok()) << bad;
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(p.status().message().find("cost, always"), absl::string_view::npos);
+  }
+}
+
+TEST(OnloadCostModel, StartsFromTheStartValuesAndFollowsObservations) {
+  OnloadCostModel m(0, 0);
+  EXPECT_EQ(m.bytes_per_second(), OnloadCostModel::kStartBytesPerSecond);
+  EXPECT_EQ(m.seconds_per_token(), OnloadCostModel::kStartSecondsPerToken);
+  m.ObserveCopy(1000, 2.0);
+  EXPECT_DOUBLE_EQ(m.bytes_per_second(), 500);
+  m.ObserveCompute(100, 0.5);
+  EXPECT_DOUBLE_EQ(m.seconds_per_token(), 0.005);
+  // Later samples weigh more: (0.9 * 1000 + 3000) / (0.9 * 2 + 1) bytes per second.
+  m.ObserveCopy(3000, 1.0);
+  EXPECT_DOUBLE_EQ(m.bytes_per_second(), (0.9 * 1000 + 3000) / (0.9 * 2 + 1));
+  // Empty or untimed samples change nothing.
+  const double bw = m.bytes_per_second(), spt = m.seconds_per_token();
+  m.ObserveCopy(0, 1.0);
+  m.ObserveCopy(1000, 0.0);
+  m.ObserveCompute(0, 1.0);
+  m.ObserveCompute(10, -1.0);
+  EXPECT_EQ(m.bytes_per_second(), bw);
+  EXPECT_EQ(m.seconds_per_token(), spt);
+  // Many samples of one rate converge to it.
+  for (int i = 0; i < 200; ++i) m.ObserveCopy(4000, 1.0);
+  EXPECT_NEAR(m.bytes_per_second(), 4000, 1e-3);
+}
+
+TEST(OnloadCostModel, FixedRatesIgnoreObservations) {
+  OnloadCostModel m(123.0, 4.0);
+  m.ObserveCopy(1000, 1.0);
+  m.ObserveCompute(1000, 1.0);
+  EXPECT_EQ(m.bytes_per_second(), 123.0);
+  EXPECT_EQ(m.seconds_per_token(), 4.0);
+}
+
+TEST(OnloadCostModel, OnloadsWhileTheQueuedCopyFinishesNoLaterThanTheRecompute) {
+  OnloadCostModel m(/*bytes/s=*/100, /*s/token=*/1);  // 10 tokens: 10 s of recompute
+  const double t = 1000;
+  EXPECT_TRUE(m.ShouldOnload(999, 10, t));   // 9.99 s
+  EXPECT_TRUE(m.ShouldOnload(1000, 10, t));  // 10 s: a tie goes to the copy
+  EXPECT_FALSE(m.ShouldOnload(1001, 10, t));
+  m.CopyIssued(400, t);  // 4 s queued
+  EXPECT_DOUBLE_EQ(m.queued_seconds(t), 4);
+  EXPECT_TRUE(m.ShouldOnload(600, 10, t));
+  EXPECT_FALSE(m.ShouldOnload(700, 10, t));
+  m.CopyIssued(400, t + 1);  // behind the first: done at t + 8
+  EXPECT_DOUBLE_EQ(m.queued_seconds(t + 1), 7);
+  EXPECT_DOUBLE_EQ(m.queued_seconds(t + 8), 0);
+  EXPECT_DOUBLE_EQ(m.queued_seconds(t + 9), 0);
+  EXPECT_TRUE(m.ShouldOnload(1000, 10, t + 8));  // the backlog drained with time
+  m.CopyIssued(500, t + 9);                      // an idle link starts at once: done at t + 14
+  EXPECT_DOUBLE_EQ(m.queued_seconds(t + 9), 5);
+  m.CopiesIdle(t + 10);  // the backend says everything is done
+  EXPECT_DOUBLE_EQ(m.queued_seconds(t + 10), 0);
+  m.CopiesIdle(t + 20);  // idle earlier than now is still idle
+  EXPECT_DOUBLE_EQ(m.queued_seconds(t + 10), 0);
+}
+
+}  // namespace
+}  // namespace hstu
