@@ -42,6 +42,11 @@ ABSL_FLAG(int64_t, host_cache_pages, -1,
 ABSL_FLAG(bool, prefetch_onload, true,
           "Start the KV onload of queued requests whose users live on the host tier before their "
           "batch runs, so the copy overlaps the batches ahead of them.");
+ABSL_FLAG(std::string, onload_policy, "cost",
+          "Users whose KV is only in the host tier: cost = onload it over PCIe only when the copy, "
+          "queued behind the copies already in flight, finishes no later than recomputing those "
+          "tokens on the GPU would (both rates measured online), else recompute them "
+          "(hstu_kv_lookups_total{result=\"host_recompute\"}); always = onload every host hit.");
 ABSL_FLAG(bool, cuda_graphs, true,
           "CUDA backend: replay the decode step from CUDA graphs captured at start-up "
           "(--nocuda_graphs runs every step eagerly).");
@@ -78,6 +83,13 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.engine.host_cache_pages = absl::GetFlag(FLAGS_host_cache_pages);
   o.engine.use_cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   o.prefetch_onload = absl::GetFlag(FLAGS_prefetch_onload);
+  const std::string onload_policy = absl::GetFlag(FLAGS_onload_policy);
+  if (auto p = ParseOnloadPolicy(onload_policy); p.ok()) {
+    o.engine.onload_policy = *p;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--onload_policy=", onload_policy, ": must be cost or always"));
+  }
   for (absl::string_view item : absl::StrSplit(absl::GetFlag(FLAGS_graph_buckets), ',',
                                                 absl::SkipEmpty())) {
     std::vector<std::string> parts = absl::StrSplit(item, 'x');

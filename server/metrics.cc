@@ -77,6 +77,15 @@ ServerMetrics::ServerMetrics(const std::string& version)
           "hstu_kv_prefetch_pages_total",
           "KV pages whose host-to-GPU onload started before their request's batch (prefetch).",
           {})),
+      kv_onload_bandwidth_(registry_.AddGauge(
+          "hstu_kv_onload_bandwidth_bytes_per_second",
+          "Host-to-GPU KV onload bandwidth the onload policy assumes: measured from completed "
+          "onloads (a start value until the first one), or fixed.")),
+      kv_recompute_cost_(registry_.AddGauge(
+          "hstu_kv_recompute_seconds_per_token",
+          "GPU seconds per forward row (history token or candidate) the onload policy assumes: "
+          "measured from forward passes that waited for no copy (a start value until the first), "
+          "or fixed.")),
       cuda_graph_replays_(registry_.AddCounter("hstu_cuda_graph_replays_total",
                                                "Forward passes replayed from captured CUDA graphs.")),
       gpu_memory_(registry_.AddGauge("hstu_gpu_memory_bytes",
@@ -115,6 +124,8 @@ ServerMetrics::ServerMetrics(const std::string& version)
   kv_transfer_bytes_.WithLabels({"onload"});
   kv_dropped_.WithLabels({});
   kv_prefetched_.WithLabels({});
+  kv_onload_bandwidth_.WithLabels({});
+  kv_recompute_cost_.WithLabels({});
   cuda_graph_replays_.WithLabels({});
   for (const char* kind : {"total", "kv_pool", "weights"}) gpu_memory_.WithLabels({kind});
   engine_compute_.WithLabels({});
@@ -179,6 +190,8 @@ void ServerMetrics::Collect() {
   kv_transfer_bytes_.WithLabels({"onload"}).Set(static_cast<double>(s.kv_onload_bytes));
   kv_dropped_.WithLabels({}).Set(static_cast<double>(c.dropped_entries));
   kv_prefetched_.WithLabels({}).Set(static_cast<double>(c.pages_prefetched));
+  kv_onload_bandwidth_.WithLabels({}).Set(s.onload_bytes_per_second);
+  kv_recompute_cost_.WithLabels({}).Set(s.recompute_seconds_per_token);
   // On the CPU backend the "gpu" tier is the engine's primary KV pool in host memory, and the
   // device memory is 0: the labels keep their meaning when the CUDA backend lands.
   gpu_memory_.WithLabels({"total"}).Set(static_cast<double>(s.device_memory_bytes));

@@ -63,6 +63,8 @@ class ServerMetrics {
   Family<Counter>& kv_evictions_;
   Family<Counter>& kv_dropped_;
   Family<Counter>& kv_prefetched_;
+  Family<Gauge>& kv_onload_bandwidth_;
+  Family<Gauge>& kv_recompute_cost_;
   Family<Counter>& cuda_graph_replays_;
   Family<Gauge>& gpu_memory_;
   Family<Counter>& engine_compute_;

@@ -89,8 +89,11 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                  "are recomputed",
                  options.engine.host_cache_pages);
   } else {
-    spdlog::info("engine: host KV tier of {} pages ({:.1f} GiB pinned)", stats.cache.host_pages_total,
-                 stats.cache.host_pages_total * static_cast<double>(stats.kv_page_bytes) / (1 << 30));
+    const double host_gib =
+        stats.cache.host_pages_total * static_cast<double>(stats.kv_page_bytes) / (1 << 30);
+    spdlog::info("engine: host KV tier of {} pages ({:.1f} GiB pinned); onload policy {}",
+                 stats.cache.host_pages_total, host_gib,
+                 OnloadPolicyName(options.engine.onload_policy));
   }
   spdlog::info("engine: KV pool {} pages of {} tokens; CUDA graphs {}", stats.cache.pages_total,
                options.engine.page_size,

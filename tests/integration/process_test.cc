@@ -98,7 +98,8 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
   for (const char* flag :
        {"listen", "metrics_listen", "model", "seed", "device", "max_batch_size", "max_batch_tokens",
         "batch_timeout_us", "max_queue", "max_candidates", "max_message_bytes", "page_size",
-        "cache_pages", "host_cache_pages", "enable_cache", "no_cache", "log_level"}) {
+        "cache_pages", "host_cache_pages", "onload_policy", "enable_cache", "no_cache",
+        "log_level"}) {
     EXPECT_NE(out.find(absl::StrCat("--", flag, " (")), std::string::npos) << flag;
   }
   const auto [rc2, out2] = RunCommand(absl::StrCat(HSTU_LOADGEN_BIN, " --help"));
@@ -107,6 +108,13 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
                            "connections", "json", "csv", "new_user_rate", "wait_ready_s"}) {
     EXPECT_NE(out2.find(absl::StrCat("--", flag, " (")), std::string::npos) << flag;
   }
+}
+
+TEST(ProcessTest, BadOnloadPolicyIsRejectedNamingTheFlag) {
+  const auto [rc, out] =
+      RunCommand(absl::StrCat(HSTU_SERVER_BIN, " --device=cpu --onload_policy=never"));
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("--onload_policy=never: must be cost or always"), std::string::npos) << out;
 }
 
 TEST(ProcessTest, ReflectionListsTheRankerAndHealthServices) {

@@ -470,6 +470,8 @@ TEST_F(ServerTest, MetricsExposeEveryFamilyWithSaneValues) {
       {"hstu_kv_pages", "gauge"},
       {"hstu_kv_transfer_bytes_total", "counter"},
       {"hstu_kv_evictions_total", "counter"},
+      {"hstu_kv_onload_bandwidth_bytes_per_second", "gauge"},
+      {"hstu_kv_recompute_seconds_per_token", "gauge"},
       {"hstu_cuda_graph_replays_total", "counter"},
       {"hstu_gpu_memory_bytes", "gauge"},
       {"hstu_build_info", "gauge"},
@@ -492,6 +494,9 @@ TEST_F(ServerTest, MetricsExposeEveryFamilyWithSaneValues) {
   EXPECT_GT(m.Sum("hstu_kv_pages", {{"tier", "gpu"}, {"state", "used"}}), 0);
   EXPECT_EQ(m.Sum("hstu_kv_pages", {{"tier", "gpu"}, {"state", "pinned"}}), 0);
   EXPECT_EQ(m.Sum("hstu_cuda_graph_replays_total"), 0);
+  EXPECT_GT(m.Sum("hstu_kv_onload_bandwidth_bytes_per_second"), 0);
+  EXPECT_GT(m.Sum("hstu_kv_recompute_seconds_per_token"), 0);
+  EXPECT_EQ(m.Sum("hstu_kv_lookups_total", {{"result", "host_recompute"}}), 0);
   EXPECT_EQ(m.Sum("hstu_build_info", {{"device", "cpu"}, {"model", "hstu-tiny"}}), 1);
   // Histograms: cumulative buckets never decrease and end at _count.
   for (const std::string h : {"hstu_request_duration_seconds", "hstu_batch_compute_seconds"}) {
