@@ -4,10 +4,12 @@
 # growing histories; once with the cache (GPU pool + host tier), once without; then the e2e shape
 # (every user GPU-resident, ~256 new tokens + 256 candidates per request, as `hstu_bench e2e`), to
 # compare the server's throughput with the engine's. JSON and logs → $OUT.
-#   bash scripts/run_device_server.sh [duration_s] [parts: "parity cache nocache e2e"]
+#   bash scripts/run_device_server.sh [duration_s] [parts: "parity cache cache_always nocache e2e"]
+# (cache_always: the cache with --onload_policy=always, every host hit onloaded: the A/B of the
+# onload-or-recompute rule.)
 set -uo pipefail
 DUR="${1:-8}"
-PARTS="${2:-parity cache nocache e2e}"
+PARTS="${2:-parity cache cache_always nocache e2e}"
 has() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 OUT="${OUT:-/tmp/hstu_out}"
 mkdir -p "$OUT"
@@ -62,11 +64,12 @@ run() {  # name, "loadgen flags", extra server flags...
     --json="$OUT/loadgen_$name.json" 2>&1 | tee "$OUT/loadgen_$name.txt"
   curl -sf http://127.0.0.1:9464/metrics > "$OUT/metrics_$name.txt" 2>/dev/null || true
   kill -TERM "$pid"; wait "$pid"; echo "server ($name) exit code: $?"
-  grep -E '^hstu_kv_lookups_total|^hstu_kv_tokens_total|^hstu_kv_evictions_total|^hstu_kv_prefetch|^hstu_batch_compute_seconds_(sum|count)|^hstu_batch_size_(sum|count)' \
+  grep -E '^hstu_kv_lookups_total|^hstu_kv_tokens_total|^hstu_kv_evictions_total|^hstu_kv_prefetch|^hstu_kv_onload_bandwidth|^hstu_kv_recompute_seconds|^hstu_batch_compute_seconds_(sum|count)|^hstu_batch_size_(sum|count)' \
     "$OUT/metrics_$name.txt" || true
 }
 ZIPF="--users=400 --zipf=1.0 --initial_events=1800 --new_events=64 --concurrency=1:16:x2"
 has cache && run cache "$ZIPF" --cache_pages=2048 --host_cache_pages=8192
+has cache_always && run cache_always "$ZIPF" --cache_pages=2048 --host_cache_pages=8192 --onload_policy=always
 has nocache && run nocache "$ZIPF" --no_cache --cache_pages=2048
 # The e2e shape (`hstu_bench e2e`: users from 256 to 4096 history tokens in 16 steps of 256 new
 # tokens + 256 candidates): 512 users of uniform popularity, each starting at up to 64 events and
