@@ -181,9 +181,12 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   } else if (e.pinned) {
     return absl::FailedPreconditionError(
         absl::StrCat("user ", user_id, " already has a request in flight"));
-  } else if (e.inflight_pages > 0) {
-    return absl::UnavailableError(
-        absl::StrCat("user ", user_id, " has an offload in flight; retry after OffloadsComplete()"));
+  } else if (e.inflight_pages > 0 &&
+             !(static_cast<size_t>(e.num_tokens) <= keys.size() &&
+               PrefixHash(keys.subspan(0, e.num_tokens), page_size_) == e.prefix_hash)) {
+    // Reusing less than the entry holds would free pages that the offload still reads.
+    return absl::UnavailableError(absl::StrCat(
+        "user ", user_id, " changed while its offload is in flight; retry after OffloadsComplete()"));
   } else if (e.prefetch_pending &&
              !(static_cast<size_t>(e.num_tokens) <= keys.size() &&
                PrefixHash(keys.subspan(0, e.num_tokens), page_size_) == e.prefix_hash)) {
@@ -296,10 +299,12 @@ PageCopies CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t>
       offload.src.assign(e.page_ids.begin() + have, e.page_ids.begin() + full);
       offload.dst = fresh;
       e.host_page_ids.insert(e.host_page_ids.end(), fresh.begin(), fresh.end());
-      e.inflight_pages = static_cast<int32_t>(want);
+      // The entry may already have an offload in flight (its user came back before it completed).
+      if (e.inflight_pages == 0) inflight_users_.push_back(r.user_id);
+      e.inflight_pages += static_cast<int32_t>(want);
       inflight_pages_ += want;
-      inflight_gpu_pages_ += static_cast<int64_t>(e.page_ids.size());
-      inflight_users_.push_back(r.user_id);
+      inflight_gpu_pages_ += static_cast<int64_t>(e.page_ids.size()) - e.inflight_gpu_pages;
+      e.inflight_gpu_pages = static_cast<int64_t>(e.page_ids.size());
       stats_.pages_offloaded += fresh.size();
     }
   }
@@ -314,6 +319,15 @@ void CacheManager::Release(const Reservation& r) {
     allocator_.Free(r.page_ids.data(), static_cast<int64_t>(r.page_ids.size()));
     return;
   }
+  auto it = entries_.find(r.user_id);
+  if (it != entries_.end() && it->second.inflight_pages > 0) {
+    // An offload still reads the entry's full pages with host copies; the failed request wrote
+    // only beyond them. Keep those, drop the rest.
+    Entry& e = it->second;
+    TruncateLocked(e, e.host_page_ids.size());
+    e.pinned = false;
+    return;
+  }
   DropLocked(r.user_id);
   ++stats_.dropped_entries;
 }
@@ -325,8 +339,9 @@ void CacheManager::ForgetHostCopy(uint64_t user_id) {
   Entry& e = it->second;
   if (e.inflight_pages > 0) {
     inflight_pages_ -= e.inflight_pages;
-    inflight_gpu_pages_ -= static_cast<int64_t>(e.page_ids.size());
+    inflight_gpu_pages_ -= e.inflight_gpu_pages;
     e.inflight_pages = 0;
+    e.inflight_gpu_pages = 0;
   }
   host_allocator_.Free(e.host_page_ids.data(), static_cast<int64_t>(e.host_page_ids.size()));
   e.host_page_ids.clear();
@@ -395,7 +410,10 @@ void CacheManager::OffloadsComplete() {
   std::lock_guard<std::mutex> lock(mu_);
   for (uint64_t user : inflight_users_) {
     auto it = entries_.find(user);
-    if (it != entries_.end()) it->second.inflight_pages = 0;
+    if (it != entries_.end()) {
+      it->second.inflight_pages = 0;
+      it->second.inflight_gpu_pages = 0;
+    }
   }
   inflight_users_.clear();
   inflight_pages_ = 0;

@@ -10,9 +10,11 @@
 // the caller's OnloadFilter prefers recomputing those tokens (host_recompute). When the
 // host tier is full, the least recently used unpinned entries lose their host copies.
 // Offloads run behind compute: an entry whose offload is in flight keeps its GPU pages (no eviction,
-// no truncation) until the caller reports OffloadsComplete(); Acquire of such an entry answers
-// UNAVAILABLE so the caller can wait for its copies and retry. At most `max_inflight_pages` pages are
-// in flight; beyond that, new full pages stay GPU-only until a later commit of their user.
+// no truncation) until the caller reports OffloadsComplete(). Its user's next request may still
+// extend it (a GPU hit: the copy reads only full pages, which the request leaves alone, and a
+// failed request keeps them), but one that would reuse less of it answers UNAVAILABLE so the
+// caller can wait for its copies and retry. At most `max_inflight_pages` pages are in flight;
+// beyond that, new full pages stay GPU-only until a later commit of their user.
 //
 // Thread-safe: every method takes the manager's lock.
 #pragma once
@@ -111,7 +113,9 @@ class CacheManager {
   // The request's pages now hold K/V for all of `keys`: record the hashes, unpin, mark recent.
   // Returns the GPU → host copies of the entry's new full pages (empty without a host tier).
   PageCopies Commit(const Reservation& r, absl::Span<const uint64_t> keys);
-  // The request failed: unpin and drop what it added (and the entry, whose pages may be partial).
+  // The request failed: unpin and drop what it added (and the entry, whose pages may be partial;
+  // an entry with an offload in flight keeps the full pages that have host copies, which the
+  // request did not write).
   void Release(const Reservation& r);
 
   // Starts a host-only user's onload early (a queued request, DESIGN §6): GPU pages for the host
@@ -146,6 +150,7 @@ class CacheManager {
     uint64_t prefix_hash = 0;           // over all num_tokens keys
     bool pinned = false;
     int32_t inflight_pages = 0;         // pages of this entry in an offload not yet complete
+    int64_t inflight_gpu_pages = 0;     // its GPU pages counted in inflight_gpu_pages_
     bool prefetch_pending = false;      // GPU pages being filled by a Prefetch() copy
     bool from_host = false;             // GPU pages came from the host; next Acquire is a host hit
     std::list<uint64_t>::iterator lru_it;

@@ -125,8 +125,10 @@ TEST(HostTier, InFlightOffloadsHoldTheirPagesUntilComplete) {
   auto r = m.Acquire(1, Keys(8, 1));
   ASSERT_EQ(m.Commit(*r, Keys(8, 1)).src.size(), 2u);
   EXPECT_TRUE(m.offloads_in_flight());
-  // Its own next visit must wait: the copy still reads its GPU pages.
-  EXPECT_EQ(m.Acquire(1, Keys(10, 1)).status().code(), absl::StatusCode::kUnavailable);
+  // A visit that would reuse less of it must wait: the copy still reads its GPU pages.
+  auto edited = Keys(10, 1);
+  edited[2] = TokenKey(false, 999);
+  EXPECT_EQ(m.Acquire(1, edited).status().code(), absl::StatusCode::kUnavailable);
   // Nobody may evict it either: user 2 needs all four pages.
   EXPECT_EQ(m.Acquire(2, Keys(16, 2)).status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(m.CachedTokens(1), 8);
@@ -136,6 +138,53 @@ TEST(HostTier, InFlightOffloadsHoldTheirPagesUntilComplete) {
   ASSERT_TRUE(r2.ok()) << r2.status();
   EXPECT_EQ(m.Stats().evictions, 1u);
   EXPECT_EQ(m.CachedTokens(1), 8);
+}
+
+TEST(HostTier, ReturningUserExtendsAnEntryWhoseOffloadIsInFlight) {
+  CacheManager m(4, 16, 32);
+  auto r = m.Acquire(1, Keys(8, 1));
+  ASSERT_EQ(m.Commit(*r, Keys(8, 1)).src.size(), 2u);
+  // The user is back before the copy completed: a GPU hit, nothing waits.
+  auto back = m.Acquire(1, Keys(13, 1));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->result, LookupResult::kHit);
+  EXPECT_EQ(back->reused_tokens, 8);
+  // Its commit offloads the one new full page, beside the copy still in flight.
+  const PageCopies more = m.Commit(*back, Keys(13, 1));
+  ASSERT_EQ(more.src.size(), 1u);
+  EXPECT_EQ(more.src[0], back->page_ids[2]);
+  // Still not evictable (user 2 needs the whole pool), until every copy is complete.
+  EXPECT_EQ(m.Acquire(2, Keys(64, 2)).status().code(), absl::StatusCode::kResourceExhausted);
+  m.OffloadsComplete();
+  EXPECT_FALSE(m.offloads_in_flight());
+  auto r2 = m.Acquire(2, Keys(64, 2));
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  m.Commit(*r2, Keys(64, 2));
+  m.OffloadsComplete();
+  // User 1 lives on the host now, with all three full pages.
+  auto again = m.Acquire(1, Keys(13, 1));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->result, LookupResult::kHostHit);
+  EXPECT_EQ(again->reused_tokens, 12);
+  EXPECT_EQ(again->onload.src.size(), 3u);
+}
+
+TEST(HostTier, FailedRequestKeepsTheFullPagesAnOffloadStillReads) {
+  CacheManager m(4, 16, 16);
+  auto r = m.Acquire(1, Keys(10, 1));
+  ASSERT_EQ(m.Commit(*r, Keys(10, 1)).src.size(), 2u);
+  auto back = m.Acquire(1, Keys(20, 1));
+  ASSERT_TRUE(back.ok()) << back.status();
+  const int64_t free_before = m.Stats().pages_free;
+  m.Release(*back);  // the forward failed
+  // The two offloaded pages stay (the copy reads them); the partial page and the new ones are freed.
+  EXPECT_EQ(m.CachedTokens(1), 8);
+  EXPECT_EQ(m.Stats().pages_free, free_before + 3);
+  m.OffloadsComplete();
+  auto again = m.Acquire(1, Keys(20, 1));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->reused_tokens, 8);
+  m.Commit(*again, Keys(20, 1));
 }
 
 TEST(HostTier, OffloadBacklogIsBounded) {
