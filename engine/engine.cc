@@ -138,10 +138,16 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
       host_pages = 0;
     }
   }
-  // Write-behind backlog: about 10 ms of PCIe (55 GB/s) but at least one whole user, so the copy
-  // engine never falls far behind and a burst of misses cannot pin the GPU pool.
+  // Write-behind backlog (offload_backlog_mib; 512 MiB is ~10 ms of PCIe at 55 GB/s) but at least
+  // one whole user, so the copy engine never falls far behind and a burst of misses cannot pin the
+  // GPU pool.
+  if (options.offload_backlog_mib < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("offload_backlog_mib must be >= 1, got ", options.offload_backlog_mib));
+  }
   const int64_t page_bytes = std::max<int64_t>(1, (*backend)->page_bytes());
-  const int64_t max_inflight = std::max<int64_t>(pages_per_user, (int64_t{512} << 20) / page_bytes);
+  const int64_t max_inflight =
+      std::max<int64_t>(pages_per_user, (options.offload_backlog_mib << 20) / page_bytes);
   auto cache = std::make_unique<CacheManager>(options.page_size, num_pages, host_pages, max_inflight);
   std::unique_ptr<Engine> engine(new Engine(options, c, *std::move(backend), std::move(cache)));
   engine->stats_.kv_pool_bytes = engine->backend_->kv_pool_bytes();

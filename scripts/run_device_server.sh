@@ -6,7 +6,8 @@
 # compare the server's throughput with the engine's. JSON and logs → $OUT.
 #   bash scripts/run_device_server.sh [duration_s] [parts: "parity cache cache_always nocache e2e"]
 # (cache_always: the cache with --onload_policy=always, every host hit onloaded: the A/B of the
-# onload-or-recompute rule; cache_gpu: the GPU pool alone, no host tier; not in the default parts.)
+# onload-or-recompute rule; cache_gpu: the GPU pool alone, no host tier; cache_b128: a write-behind backlog of
+# 128 MiB instead of 512; these two are not in the default parts.)
 set -uo pipefail
 DUR="${1:-8}"
 PARTS="${2:-parity cache cache_always nocache e2e}"
@@ -69,6 +70,7 @@ run() {  # name, "loadgen flags", extra server flags...
 }
 ZIPF="--users=400 --zipf=1.0 --initial_events=1800 --new_events=64 --concurrency=1:16:x2"
 has cache && run cache "$ZIPF" --cache_pages=2048 --host_cache_pages=8192
+has cache_b128 && run cache_b128 "$ZIPF" --cache_pages=2048 --host_cache_pages=8192 --offload_backlog_mib=128
 has cache_gpu && run cache_gpu "$ZIPF" --cache_pages=2048 --host_cache_pages=0
 has cache_always && run cache_always "$ZIPF" --cache_pages=2048 --host_cache_pages=8192 --onload_policy=always
 has nocache && run nocache "$ZIPF" --no_cache --cache_pages=2048

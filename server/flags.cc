@@ -39,6 +39,9 @@ ABSL_FLAG(int64_t, host_cache_pages, -1,
           "Host (pinned memory) KV tier in pages; 0 disables the tier (evicted users are "
           "recomputed); -1 = auto: on a GPU 2x the GPU pool within 1/4 of the RAM and 32 GiB, on "
           "the CPU none.");
+ABSL_FLAG(int64_t, offload_backlog_mib, 512,
+          "Host tier write-behind: MiB of GPU -> host page copies in flight at most (at least one "
+          "user's pages); pages committed past it stay GPU-only until their user's next commit.");
 ABSL_FLAG(bool, prefetch_onload, true,
           "Start the KV onload of queued requests whose users live on the host tier before their "
           "batch runs, so the copy overlaps the batches ahead of them.");
@@ -83,6 +86,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.engine.host_cache_pages = absl::GetFlag(FLAGS_host_cache_pages);
   o.engine.use_cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   o.prefetch_onload = absl::GetFlag(FLAGS_prefetch_onload);
+  o.engine.offload_backlog_mib = absl::GetFlag(FLAGS_offload_backlog_mib);
   const std::string onload_policy = absl::GetFlag(FLAGS_onload_policy);
   if (auto p = ParseOnloadPolicy(onload_policy); p.ok()) {
     o.engine.onload_policy = *p;
@@ -123,6 +127,9 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   const int32_t ps = o.engine.page_size;
   if (ps < 1 || (ps & (ps - 1)) != 0) return bad("page_size", ps, "must be a power of two");
   if (o.engine.cache_pages < 0) return bad("cache_pages", o.engine.cache_pages, "must be >= 0");
+  if (o.engine.offload_backlog_mib < 1) {
+    return bad("offload_backlog_mib", o.engine.offload_backlog_mib, "must be >= 1");
+  }
   if (o.engine.host_cache_pages < -1) {
     return bad("host_cache_pages", o.engine.host_cache_pages, "must be >= 0, or -1 for auto");
   }

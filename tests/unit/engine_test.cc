@@ -232,6 +232,15 @@ TEST(Engine, ValidationNamesTheField) {
   EXPECT_NE(msg(many).find("more than the limit of 1024"), std::string::npos);
 }
 
+TEST(Engine, RejectsANonPositiveOffloadBacklog) {
+  EngineOptions o;
+  o.offload_backlog_mib = 0;
+  auto e = Engine::Create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find("offload_backlog_mib"), std::string::npos) << e.status();
+}
+
 TEST(Engine, RandomTinyModelGivesUsefulScores) {
   auto e = Engine::Create(EngineOptions{});
   ASSERT_TRUE(e.ok());
