@@ -29,7 +29,7 @@ struct EngineOptions {
   int64_t host_cache_pages = 0;       // host (pinned) KV tier in pages; 0 = none; -1 = auto (on a
                                       // GPU: 2x the GPU pool, within 1/4 of the RAM and 32 GiB;
                                       // on the CPU: none)
-  int64_t offload_backlog_mib = 512;  // write-behind: host copies in flight at most (MiB, at least
+  int64_t offload_backlog_mib = 128;  // write-behind: host copies in flight at most (MiB, at least
                                       // one user's pages); full pages past it stay GPU-only
   bool enable_cache = true;           // false: every request recomputes its whole history
   bool keep_hidden = false;           // fill RankResult::hidden (tests, parity checks)

@@ -33,7 +33,15 @@ double OnloadCostModel::bytes_per_second() const {
 
 double OnloadCostModel::seconds_per_token() const {
   if (fixed_seconds_per_token_ > 0) return fixed_seconds_per_token_;
-  return compute_tokens_ > 0 ? compute_seconds_ / compute_tokens_ : kStartSecondsPerToken;
+  if (!(compute_tokens_ > 0)) return kStartSecondsPerToken;
+  const double ratio = compute_seconds_ / compute_tokens_;
+  if (fit_n_ < 2) return ratio;
+  const double mean_x = fit_x_ / fit_n_, mean_y = fit_y_ / fit_n_;
+  const double var_x = fit_xx_ / fit_n_ - mean_x * mean_x;
+  // Sizes within ±25 % of each other say little about the slope.
+  if (!(var_x > 0.0625 * mean_x * mean_x)) return ratio;
+  const double slope = (fit_xy_ / fit_n_ - mean_x * mean_y) / var_x;
+  return std::clamp(slope, 0.1 * ratio, ratio);
 }
 
 double OnloadCostModel::queued_seconds(double now) const {
@@ -63,6 +71,12 @@ void OnloadCostModel::ObserveCompute(int64_t tokens, double seconds) {
   if (fixed_seconds_per_token_ > 0 || tokens <= 0 || !(seconds > 0)) return;
   compute_tokens_ = kKeep * compute_tokens_ + static_cast<double>(tokens);
   compute_seconds_ = kKeep * compute_seconds_ + seconds;
+  const double x = static_cast<double>(tokens);
+  fit_n_ = kKeep * fit_n_ + 1;
+  fit_x_ = kKeep * fit_x_ + x;
+  fit_y_ = kKeep * fit_y_ + seconds;
+  fit_xx_ = kKeep * fit_xx_ + x * x;
+  fit_xy_ = kKeep * fit_xy_ + x * seconds;
 }
 
 }  // namespace hstu

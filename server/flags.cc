@@ -39,7 +39,7 @@ ABSL_FLAG(int64_t, host_cache_pages, -1,
           "Host (pinned memory) KV tier in pages; 0 disables the tier (evicted users are "
           "recomputed); -1 = auto: on a GPU 2x the GPU pool within 1/4 of the RAM and 32 GiB, on "
           "the CPU none.");
-ABSL_FLAG(int64_t, offload_backlog_mib, 512,
+ABSL_FLAG(int64_t, offload_backlog_mib, 128,
           "Host tier write-behind: MiB of GPU -> host page copies in flight at most (at least one "
           "user's pages); pages committed past it stay GPU-only until their user's next commit.");
 ABSL_FLAG(bool, prefetch_onload, true,

@@ -43,6 +43,29 @@ TEST(OnloadCostModel, StartsFromTheStartValuesAndFollowsObservations) {
   EXPECT_NEAR(m.bytes_per_second(), 4000, 1e-3);
 }
 
+TEST(OnloadCostModel, RecomputeRateIsTheMarginalCostOfARow) {
+  // Forwards of 400 and 4000 rows taking 0.9 and 2.0 ms: 0.9 ms fixed-ish, 0.306 us per extra row.
+  OnloadCostModel m(0, 0);
+  for (int i = 0; i < 20; ++i) {
+    m.ObserveCompute(400, 0.9e-3 - 0.122e-3 + 400 * 0.3055e-6);
+    m.ObserveCompute(4000, 0.9e-3 - 0.122e-3 + 4000 * 0.3055e-6);
+  }
+  EXPECT_NEAR(m.seconds_per_token(), 0.3055e-6, 1e-9);
+  // Forwards of one size give no slope: seconds per row, as before.
+  OnloadCostModel same(0, 0);
+  for (int i = 0; i < 20; ++i) same.ObserveCompute(1000, 1e-3);
+  EXPECT_NEAR(same.seconds_per_token(), 1e-6, 1e-12);
+  // A slope above the average rate (no fixed part, noise) is capped at the average.
+  OnloadCostModel steep(0, 0);
+  for (int i = 0; i < 20; ++i) {
+    steep.ObserveCompute(100, 0.05e-3);
+    steep.ObserveCompute(1000, 1e-3);
+  }
+  // (The line's slope is 1.056 us per row; the rows' average is 0.955 us.)
+  EXPECT_LT(steep.seconds_per_token(), 1.0e-6);
+  EXPECT_NEAR(steep.seconds_per_token(), (0.05e-3 + 1e-3) / 1100, 0.02e-6);
+}
+
 TEST(OnloadCostModel, FixedRatesIgnoreObservations) {
   OnloadCostModel m(123.0, 4.0);
   m.ObserveCopy(1000, 1.0);
