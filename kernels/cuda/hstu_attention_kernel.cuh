@@ -29,14 +29,6 @@ struct AttnTraits {
   static constexpr int kMinBlocks = kD >= 256 ? 1 : 2;
   static constexpr int kQBytes = kM * kD * 2;
   static constexpr int kKvBytes = kN * kD * 2;  // one K or V stage
-  // HSTU_ATTN_OVERLAP = 1 builds the FlashAttention-3-style loop at D = 256 (S of block j+1 issued
-  // before P·V of block j, two S/P register sets; D = 64/128 have no room for them under their 2-CTA
-  // register cap of 128). Measured 2 % slower than the plain loop on an H200 (docs/cuda_kernels.md),
-  // so it is off; kept as the starting point for warpgroup ping-pong.
-#ifndef HSTU_ATTN_OVERLAP
-#define HSTU_ATTN_OVERLAP 0
-#endif
-  static constexpr bool kOverlap = HSTU_ATTN_OVERLAP && kD == 256;
   static constexpr int kOffBytes = 3 * kN * 8;  // row offsets of up to 3 key blocks
   // 1 KB of slack to align the tiles to the 1024-byte swizzle atoms.
   static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKvBytes + kOffBytes;
@@ -141,17 +133,6 @@ __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
   const int g_c = lane % kChunks;
   const int g_r0 = warp * 8 + lane / kChunks;          // first row of this thread; + kRowsPerInstr*i
   const bf16* const g_src = p.kv.base + g_c * 8;
-  auto gather = [&](const int64_t* offs, unsigned char* tile, int64_t kv) {
-    int64_t off[kInstr];
-#pragma unroll
-    for (int i = 0; i < kInstr; ++i) off[i] = offs[g_r0 + kRowsPerInstr * i];
-#pragma unroll
-    for (int i = 0; i < kInstr; ++i) {
-      const int r = g_r0 + kRowsPerInstr * i;
-      const int64_t o = off[i];
-      CpAsync16(tile + TileOffset<kN>(r, g_c), g_src + (o >= 0 ? o + kv : 0), o >= 0);
-    }
-  };
   auto gather_kv = [&](const int64_t* offs, unsigned char* k_tile, unsigned char* v_tile) {
     int64_t off[kInstr];
 #pragma unroll
@@ -220,115 +201,38 @@ __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
     WgmmaCommit();
   };
 
-  if constexpr (Tr::kOverlap) {
-    // FlashAttention-3-style software pipeline inside each warpgroup: iteration j issues S(j+1) =
-    // Q·K(j+1)ᵀ and then O += P(j)·V(j) back to back, waits for S(j+1) only, and computes P(j+1) =
-    // SiLU(S(j+1)) while the tensor cores run P(j)·V(j). K and V have two slots each, loaded a
-    // block apart: during iteration j the copies bring K(j+2) into K's slot j%2 (K(j) was consumed by
-    // S(j) in iteration j-1) and V(j+1) into V's slot (j+1)%2 (V(j-1) was consumed by P·V in
-    // iteration j-1). Row offsets of block t live in slot t%3 of s_off.
-    auto offs_of = [&](int blk) { return s_off + (blk % 3) * kN; };
-    auto k_slot = [&](int blk) { return s_k0 + (blk & 1) * Tr::kKvBytes; };
-    auto v_slot = [&](int blk) { return s_v0 + (blk & 1) * Tr::kKvBytes; };
-    if (num_blocks > 0) {
-#pragma unroll
-      for (int t = 0; t < 3; ++t) {
-        if (t < num_blocks && tid < kN) {
-          const int key = kv_begin + t * kN + tid;
-          s_off[t * kN + tid] = offset_of(key, page_of(key));
-        }
-      }
-      __syncthreads();
-      gather(offs_of(0), k_slot(0), 0);
-      CpAsyncCommit();  // group: Q, K(0)
-      gather(offs_of(0), v_slot(0), p.kv.kv_stride);
-      if (num_blocks > 1) gather(offs_of(1), k_slot(1), 0);
-      CpAsyncCommit();  // group: V(0), K(1)
-      CpAsyncWait<1>();
-      FenceProxyAsync();
-      __syncthreads();
+  auto load_kv = [&](int stage) {
+    gather_kv(s_off + stage * kN, s_k0 + stage * Tr::kKvBytes, s_v0 + stage * Tr::kKvBytes);
+    CpAsyncCommit();
+  };
+  if (num_blocks > 0) {
+    if (tid < kN) s_off[tid] = offset_of(kv_begin + tid, page_of(kv_begin + tid));
+    if (num_blocks > 1 && tid < kN) {
+      s_off[kN + tid] = offset_of(kv_begin + kN + tid, page_of(kv_begin + kN + tid));
     }
+    __syncthreads();
+    load_kv(0);
+  }
+  for (int j = 0; j < num_blocks; ++j) {
+    const int kstart = kv_begin + j * kN;
+    const int stage = j & 1;
+    CpAsyncWait<0>();
+    FenceProxyAsync();
+    __syncthreads();  // KV(j) (and Q) landed; every warp is done with the other stage and s_off
+    if (j + 1 < num_blocks) load_kv(stage ^ 1);
+    // Page of this thread's key row of block j + 2 (its slot in s_off is free after the barrier).
+    const int t2 = kstart + 2 * kN + tid;
+    const int32_t page2 = (j + 2 < num_blocks && tid < kN) ? page_of(t2) : -1;
+    float s[kN / 2];
+    issue_s(s, k_addr + stage * Tr::kKvBytes);
+    WgmmaWait<0>();
+    FenceRegs(s);
     uint32_t pa[kN / 16][4];
-    if (num_blocks > 0) {
-      float s[kN / 2];
-      issue_s(s, SmemAddr(k_slot(0)));
-      WgmmaWait<0>();
-      FenceRegs(s);
-      silu_pack(s, kv_begin, pa);
-    }
-    for (int j = 0; j < num_blocks; ++j) {
-      CpAsyncWait<0>();
-      FenceProxyAsync();
-      __syncthreads();  // K(j+1), V(j) landed; every warpgroup is done with K(j), V(j-1), offsets(j)
-      const bool more = j + 1 < num_blocks;
-      float s[kN / 2];
-      if (more) issue_s(s, SmemAddr(k_slot(j + 1)));
-      issue_pv(pa, SmemAddr(v_slot(j)));
-      // The copies go out while the tensor cores work.
-      if (j + 2 < num_blocks) gather(offs_of(j + 2), k_slot(j + 2), 0);
-      if (more) gather(offs_of(j + 1), v_slot(j + 1), p.kv.kv_stride);
-      CpAsyncCommit();
-      const int t3 = kv_begin + (j + 3) * kN + tid;
-      const int32_t page3 = (j + 3 < num_blocks && tid < kN) ? page_of(t3) : -1;
-      if (more) {
-        WgmmaWait<1>();  // S(j+1) done; P(j)·V(j) may still run
-        FenceRegs(s);
-        uint32_t pn[kN / 16][4];
-        silu_pack(s, kv_begin + (j + 1) * kN, pn);
-        WgmmaWait<0>();
-        FenceRegs(o);
-        // pa stays live until P(j)·V(j) completes, so the compiler cannot give pn its registers
-        // (that would redefine a wgmma input in flight and make ptxas serialize the wgmmas).
-#pragma unroll
-        for (int k2 = 0; k2 < kN / 16; ++k2) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[k2][e])::"memory");
-        }
-#pragma unroll
-        for (int k2 = 0; k2 < kN / 16; ++k2) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) pa[k2][e] = pn[k2][e];
-        }
-      } else {
-        WgmmaWait<0>();
-        FenceRegs(o);
-      }
-      if (j + 3 < num_blocks && tid < kN) s_off[(j % 3) * kN + tid] = offset_of(t3, page3);
-    }
-  } else {
-    auto load_kv = [&](int stage) {
-      gather_kv(s_off + stage * kN, s_k0 + stage * Tr::kKvBytes, s_v0 + stage * Tr::kKvBytes);
-      CpAsyncCommit();
-    };
-    if (num_blocks > 0) {
-      if (tid < kN) s_off[tid] = offset_of(kv_begin + tid, page_of(kv_begin + tid));
-      if (num_blocks > 1 && tid < kN) {
-        s_off[kN + tid] = offset_of(kv_begin + kN + tid, page_of(kv_begin + kN + tid));
-      }
-      __syncthreads();
-      load_kv(0);
-    }
-    for (int j = 0; j < num_blocks; ++j) {
-      const int kstart = kv_begin + j * kN;
-      const int stage = j & 1;
-      CpAsyncWait<0>();
-      FenceProxyAsync();
-      __syncthreads();  // KV(j) (and Q) landed; every warp is done with the other stage and s_off
-      if (j + 1 < num_blocks) load_kv(stage ^ 1);
-      // Page of this thread's key row of block j + 2 (its slot in s_off is free after the barrier).
-      const int t2 = kstart + 2 * kN + tid;
-      const int32_t page2 = (j + 2 < num_blocks && tid < kN) ? page_of(t2) : -1;
-      float s[kN / 2];
-      issue_s(s, k_addr + stage * Tr::kKvBytes);
-      WgmmaWait<0>();
-      FenceRegs(s);
-      uint32_t pa[kN / 16][4];
-      silu_pack(s, kstart, pa);
-      issue_pv(pa, v_addr + stage * Tr::kKvBytes);
-      WgmmaWait<0>();
-      FenceRegs(o);
-      if (j + 2 < num_blocks && tid < kN) s_off[stage * kN + tid] = offset_of(t2, page2);
-    }
+    silu_pack(s, kstart, pa);
+    issue_pv(pa, v_addr + stage * Tr::kKvBytes);
+    WgmmaWait<0>();
+    FenceRegs(o);
+    if (j + 2 < num_blocks && tid < kN) s_off[stage * kN + tid] = offset_of(t2, page2);
   }
 
   // ---- The candidates' own keys (diagonal), split 0 of a tile that has candidates ----
