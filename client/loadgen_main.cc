@@ -47,9 +47,14 @@ ABSL_FLAG(std::string, arrival, "poisson", "Open loop arrivals: constant or pois
 ABSL_FLAG(int64_t, users, 1000, "User population.");
 ABSL_FLAG(double, zipf, 1.0, "Zipf exponent of user popularity (0: uniform).");
 ABSL_FLAG(double, new_user_rate, 0.01, "Fraction of visits that bring a brand-new user.");
-ABSL_FLAG(int32_t, new_events, 4, "Each return visit adds uniform [1, N] events to the history.");
+ABSL_FLAG(int32_t, new_events, 4,
+          "Each return visit adds uniform [--new_events_min, N] events to the history.");
+ABSL_FLAG(int32_t, new_events_min, 1,
+          "Fewest events a return visit adds (= --new_events: every visit adds exactly that many).");
 ABSL_FLAG(int32_t, initial_events, 0,
-          "Largest history (events) of a new user, uniform from 1; 0: half the model's maximum.");
+          "Largest history (events) of a new user, uniform from --initial_events_min; 0: half the "
+          "model's maximum.");
+ABSL_FLAG(int32_t, initial_events_min, 1, "Smallest history (events) of a new user.");
 ABSL_FLAG(int32_t, max_events, 0,
           "A user whose history would grow past this many events starts over as a new user; 0: "
           "twice the model's maximum, so the server's truncation is exercised.");
@@ -393,7 +398,9 @@ int Main() {
   t.num_users = absl::GetFlag(FLAGS_users);
   t.zipf_s = absl::GetFlag(FLAGS_zipf);
   t.new_user_rate = absl::GetFlag(FLAGS_new_user_rate);
+  t.new_events_min = absl::GetFlag(FLAGS_new_events_min);
   t.new_events_max = absl::GetFlag(FLAGS_new_events);
+  t.initial_events_min = absl::GetFlag(FLAGS_initial_events_min);
   t.initial_events_max = absl::GetFlag(FLAGS_initial_events) > 0
                              ? absl::GetFlag(FLAGS_initial_events)
                              : std::max(1, model_events / 2);

@@ -25,7 +25,10 @@ absl::StatusOr<std::unique_ptr<TrafficModel>> TrafficModel::Create(const Traffic
     return bad(absl::StrCat("initial events range [", o.initial_events_min, ", ",
                             o.initial_events_max, "] is empty or starts below 1"));
   }
-  if (o.new_events_max < 1) return bad("new_events must be >= 1");
+  if (o.new_events_min < 1 || o.new_events_max < o.new_events_min) {
+    return bad(absl::StrCat("new events range [", o.new_events_min, ", ", o.new_events_max,
+                            "] is empty or starts below 1"));
+  }
   if (o.max_events < o.initial_events_max) {
     return bad(absl::StrCat("max_events (", o.max_events, ") < initial_events_max (",
                             o.initial_events_max, ")"));
@@ -63,7 +66,7 @@ Visit TrafficModel::Next() {
     std::uniform_real_distribution<double> unit(0.0, 1.0);
     UserSlot& slot = slots_[SampleRank(unit(rng_))];
     const bool churn = unit(rng_) < options_.new_user_rate;
-    std::uniform_int_distribution<int32_t> add(1, options_.new_events_max);
+    std::uniform_int_distribution<int32_t> add(options_.new_events_min, options_.new_events_max);
     const int32_t grown = slot.num_events + add(rng_);
     if (churn || (slot.num_events > 0 && grown > options_.max_events)) {
       slot.user_id = Mix64(options_.seed * 1000003 + next_user_id_++) >> 1;

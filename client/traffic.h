@@ -23,7 +23,8 @@ struct TrafficOptions {
   double new_user_rate = 0.01;   // fraction of visits that bring a new user
   int32_t initial_events_min = 1;
   int32_t initial_events_max = 64;  // a new user's history length is uniform in [min, max]
-  int32_t new_events_max = 4;       // each return visit adds uniform [1, max] events
+  int32_t new_events_min = 1;
+  int32_t new_events_max = 4;       // each return visit adds uniform [min, max] events
   int32_t max_events = 512;         // a user whose history would exceed this starts over
   int32_t num_candidates = 64;
   int64_t item_space = 1000000;     // item ids are drawn from [0, item_space)

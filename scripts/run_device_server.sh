@@ -8,6 +8,15 @@
 # (cache_always: the cache with --onload_policy=always, every host hit onloaded: the A/B of the
 # onload-or-recompute rule; cache_gpu: the GPU pool alone, no host tier; cache_b128: a write-behind backlog of
 # 128 MiB instead of 512; these two are not in the default parts.)
+# Server against `hstu_bench e2e` with the bench's exact shape (every user starts at 128 events and
+# each visit adds exactly 128 = 256 tokens, up to 2048 events; 256 candidates), one loadgen run per
+# concurrency so the server's metrics split by level (not in the default parts):
+#   e2e_fixed      closed loop c = 1, 2, 4, 8, --max_batch_size=8, no batch wait
+#   e2e_adapt      the same with --batch_timeout_us=$ADAPT_US and adaptive fill
+#   e2e_sat        --max_batch_size=B with 2B callers (B = 1, 2, 4, 8): the server's GPU throughput
+#                  at batch size B, the callers' round trips overlapping the engine's work
+#   e2e_var_adapt / e2e_var_eager  the variable-size e2e load (as `e2e`), adaptive, with CUDA
+#                  graphs (padded to their row buckets) and without
 set -uo pipefail
 DUR="${1:-8}"
 PARTS="${2:-parity cache cache_always nocache e2e}"
@@ -16,7 +25,13 @@ OUT="${OUT:-/tmp/hstu_out}"
 mkdir -p "$OUT"
 DIR=/tmp/hstu_srv
 source "$(dirname "$0")/device_env.sh"
-unpack_and_setup "${HSTU_SERVER_PACK_FILE:-pack/hstu_server_pack.tar.gz}" "$DIR"
+if [ -n "${HSTU_H:-}" ]; then
+  H="$HSTU_H"  # a folder with bin/ (a local dry run: HSTU_SRV_MODEL=random:tiny HSTU_SRV_DEVICE=cpu)
+else
+  unpack_and_setup "${HSTU_SERVER_PACK_FILE:-pack/hstu_server_pack.tar.gz}" "$DIR"
+fi
+MODEL="${HSTU_SRV_MODEL:-random:base}"
+DEVICE="${HSTU_SRV_DEVICE:-cuda:0}"
 { echo "commit: $(cat "$H/COMMIT")"; date -u +%Y-%m-%dT%H:%M:%SZ
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } | tee "$OUT/server_device.txt"
 
@@ -80,3 +95,62 @@ has nocache && run nocache "$ZIPF" --no_cache --cache_pages=2048
 # no truncation), then starting over as a new user; all GPU-resident (65536 pages = 64 GiB).
 has e2e && run e2e "--users=512 --zipf=0 --new_user_rate=0 --initial_events=64 --max_events=2048 --new_events=255 --concurrency=1:8:x2" \
   --cache_pages=65536 --host_cache_pages=0
+
+# One server, one loadgen run per concurrency level, the server's metrics scraped after each:
+# name, "loadgen flags", "levels", server flags...
+run_levels() {
+  local name="$1" lg="$2" levels="$3"; shift 3
+  "$H/bin/hstu_server" --model="$MODEL" --device="$DEVICE" --listen=127.0.0.1:50051 \
+    --metrics_listen=127.0.0.1:9464 "$@" > "$OUT/server_$name.log" 2>&1 &
+  local pid=$!
+  local prev="$OUT/metrics_${name}_start.txt"
+  : > "$prev"
+  for c in $levels; do
+    # shellcheck disable=SC2086
+    "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --wait_ready_s=240 $lg --candidates=256 \
+      --timeout_ms=5000 --duration="$DUR" --warmup=2 --progress=false --concurrency="$c" \
+      --json="$OUT/loadgen_${name}_c$c.json" > "$OUT/loadgen_${name}_c$c.txt" 2>&1
+    curl -sf http://127.0.0.1:9464/metrics > "$OUT/metrics_${name}_c$c.txt" 2>/dev/null || true
+    python3 - "$name" "$c" "$prev" "$OUT/metrics_${name}_c$c.txt" "$OUT/loadgen_${name}_c$c.json" <<'PY' | tee -a "$OUT/levels.txt"
+import json, re, sys
+name, c, prev, cur, lg = sys.argv[1:]
+def read(path):
+    m = {}
+    for line in open(path):
+        if line.startswith("#"): continue
+        mm = re.match(r'^(\S+?)(\{[^}]*\})? (\S+)$', line.strip())
+        if mm: m[mm.group(1) + (mm.group(2) or "")] = float(mm.group(3))
+    return m
+a, b = read(prev), read(cur)
+d = lambda k: b.get(k, 0) - a.get(k, 0)
+n = d("hstu_batch_size_count"); reqs = d("hstu_batch_size_sum")
+ok = d('hstu_request_duration_seconds_count{code="OK"}')
+lvl = json.load(open(lg))["levels"][0]
+server_ms = 1e3 * d('hstu_request_duration_seconds_sum{code="OK"}') / max(ok, 1)
+cells = [name, c, "%.0f" % lvl["throughput_rps"], "%.2f" % lvl["latency_ms"]["p50"],
+         "%.2f" % lvl["latency_ms"]["p99"], "%.2f" % (reqs / max(n, 1)),
+         "%.3f" % (1e3 * d("hstu_batch_compute_seconds_sum") / max(n, 1)),
+         "%.3f" % (1e3 * d("hstu_request_queue_seconds_sum") / max(reqs, 1)), "%.3f" % server_ms]
+print("| " + " | ".join(cells) + " |")
+PY
+    prev="$OUT/metrics_${name}_c$c.txt"
+  done
+  kill -TERM "$pid"; wait "$pid"; echo "server ($name) exit code: $?"
+}
+if has e2e_fixed || has e2e_adapt || has e2e_sat || has e2e_var_adapt || has e2e_var_eager; then
+  echo "| run | callers | rps | p50 ms | p99 ms | requests/batch | ms/batch (engine) | queue ms | in server ms |" | tee -a "$OUT/levels.txt"
+  echo "|---|---|---|---|---|---|---|---|---|" | tee -a "$OUT/levels.txt"
+fi
+ADAPT_US="${ADAPT_US:-300}"
+FIXED="--users=512 --zipf=0 --new_user_rate=0 --initial_events_min=128 --initial_events=128 --new_events_min=128 --new_events=128 --max_events=2048"
+VAR="--users=512 --zipf=0 --new_user_rate=0 --initial_events=64 --max_events=2048 --new_events=255"
+E2E_SRV="--cache_pages=65536 --host_cache_pages=0"
+has e2e_fixed && run_levels e2e_fixed "$FIXED" "1 2 4 8" $E2E_SRV --max_batch_size=8
+has e2e_adapt && run_levels e2e_adapt "$FIXED" "1 2 4 8" $E2E_SRV --max_batch_size=8 --batch_timeout_us="$ADAPT_US"
+if has e2e_sat; then
+  for B in 1 2 4 8; do
+    run_levels "e2e_sat_b$B" "$FIXED" "$((2 * B))" $E2E_SRV --max_batch_size="$B"
+  done
+fi
+has e2e_var_adapt && run_levels e2e_var_adapt "$VAR" "1 8" $E2E_SRV --max_batch_size=8 --batch_timeout_us="$ADAPT_US"
+has e2e_var_eager && run_levels e2e_var_eager "$VAR" "1 8" $E2E_SRV --max_batch_size=8 --batch_timeout_us="$ADAPT_US" --cuda_graphs=false

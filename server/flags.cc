@@ -25,6 +25,10 @@ ABSL_FLAG(int64_t, max_batch_tokens, 65536,
 ABSL_FLAG(int64_t, batch_timeout_us, 0,
           "How long a partly filled batch may wait for more requests, counted from its oldest "
           "request's arrival. 0: an idle engine takes whatever is queued at once.");
+ABSL_FLAG(bool, adaptive_batching, true,
+          "With --batch_timeout_us > 0: a partly filled batch is full once it holds as many "
+          "requests as the batch before it (closed-loop callers regroup without waiting out the "
+          "timeout); false: only at --max_batch_size.");
 ABSL_FLAG(int32_t, max_queue, 1024,
           "Most requests waiting for the engine; beyond it Rank answers RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int64_t, max_candidates, 1024,
@@ -110,6 +114,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.scheduler.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   o.scheduler.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   o.scheduler.batch_timeout = std::chrono::microseconds(absl::GetFlag(FLAGS_batch_timeout_us));
+  o.scheduler.adaptive_fill = absl::GetFlag(FLAGS_adaptive_batching);
   o.scheduler.max_queue = absl::GetFlag(FLAGS_max_queue);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.warmup = absl::GetFlag(FLAGS_warmup);

@@ -141,8 +141,9 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                         absl::StrCat("scheduler: ", scheduler.status().message()));
   }
   s->scheduler_ = std::move(*scheduler);
-  spdlog::info("scheduler: max batch {} requests / {} tokens, batch timeout {} us, queue {}",
+  spdlog::info("scheduler: max batch {} requests / {} tokens, batch timeout {} us{}, queue {}",
                sched.max_batch_size, sched.max_batch_tokens, sched.batch_timeout.count(),
+               sched.batch_timeout.count() > 0 && sched.adaptive_fill ? " (adaptive fill)" : "",
                sched.max_queue);
   Scheduler* sched_ptr = s->scheduler_.get();
   metrics->SetQueueDepthSource([sched_ptr] { return sched_ptr->QueueDepth(); });

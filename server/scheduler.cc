@@ -119,6 +119,7 @@ bool Scheduler::TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wak
     }
   }
   if (chosen.empty()) return false;
+  if (options_.adaptive_fill && static_cast<int32_t>(chosen.size()) >= last_batch_size_) full = true;
   if (!full && !draining_ && options_.batch_timeout.count() > 0) {
     const Clock::time_point ready_at = queue_[chosen.front()].enqueued + options_.batch_timeout;
     if (ready_at > now) {
@@ -126,6 +127,7 @@ bool Scheduler::TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wak
       return false;
     }
   }
+  last_batch_size_ = static_cast<int32_t>(chosen.size());
   batch->reserve(chosen.size());
   for (size_t idx : chosen) batch->push_back(std::move(queue_[idx]));
   // Erase back to front so earlier indices stay valid.

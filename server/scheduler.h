@@ -9,7 +9,10 @@
 //  - a batch never holds two requests of one user: the later one stays queued, keeps its place
 //    and runs in a later batch, where it reuses the earlier one's cache;
 //  - the worker starts as soon as it is idle and work is queued; with `batch_timeout` > 0 a
-//    partly filled batch waits until its oldest request has been queued that long;
+//    partly filled batch waits until its oldest request has been queued that long; with
+//    `adaptive_fill` as well, a batch counts as full once it holds as many requests as the batch
+//    before it, so the callers of a closed loop, whose answers just went out, are regrouped into
+//    one batch without waiting out the timeout (and a falling load waits it out only once);
 //  - a request whose deadline passed or whose call was cancelled is answered before any engine
 //    work (DEADLINE_EXCEEDED / CANCELLED);
 //  - the queue is bounded: Submit() answers RESOURCE_EXHAUSTED when it is full;
@@ -44,6 +47,9 @@ struct SchedulerOptions {
   int32_t max_batch_size = 8;       // requests (users) per engine call
   int64_t max_batch_tokens = 65536;  // estimated tokens per engine call
   std::chrono::microseconds batch_timeout{0};
+  // With batch_timeout > 0: a partly filled batch is full at the previous batch's size (see above)
+  // instead of at max_batch_size.
+  bool adaptive_fill = false;
   int32_t max_queue = 1024;          // queued requests beyond which Submit() rejects
   // Estimated tokens of a request (history tokens + candidates); the scheduler cannot see the
   // cache, so this is an upper bound of what the engine computes. Unset: 2 * events + candidates.
@@ -123,6 +129,7 @@ class Scheduler {
   std::deque<Item> queue_;
   bool draining_ = false;
   std::atomic<int64_t> depth_{0};
+  int32_t last_batch_size_ = 0;  // requests in the batch the worker took last (guarded by mu_)
   std::mutex join_mu_;  // Drain() may race with itself (signal path and destructor)
   std::thread worker_;
 };

@@ -223,6 +223,55 @@ TEST(SchedulerTest, BatchTimeoutWaitsForMoreRequests) {
   EXPECT_EQ(batches[0], (std::vector<uint64_t>{1, 2}));
 }
 
+TEST(SchedulerTest, AdaptiveFillRegroupsAtThePreviousBatchSizeAndWaitsOutAFallOnce) {
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.max_batch_size = 8;
+  o.batch_timeout = 500ms;
+  o.adaptive_fill = true;
+  auto s = MakeScheduler(&engine, o);
+  auto submit_all = [&](const std::vector<uint64_t>& users, std::vector<Outcome>* outs) {
+    outs->resize(users.size());
+    for (size_t i = 0; i < users.size(); ++i) {
+      ASSERT_TRUE(s->Submit(Pending(users[i], &(*outs)[i])).ok());
+      std::this_thread::sleep_for(20ms);
+    }
+  };
+  auto wait_all = [](std::vector<Outcome>* outs) {
+    for (auto& x : *outs) ASSERT_EQ(x.future.wait_for(5s), std::future_status::ready);
+  };
+  // The first batch has no predecessor: it runs at once. Three requests queue behind it.
+  engine.Close();
+  Outcome first;
+  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
+  engine.WaitEntered(1);
+  std::vector<Outcome> a, b, c, d;
+  submit_all({1, 2, 3}, &a);
+  engine.Open();
+  wait_all(&a);
+  // Three callers come back one by one: the batch waits for the third, not for the timeout.
+  auto t0 = Clock::now();
+  submit_all({4, 5, 6}, &b);
+  wait_all(&b);
+  EXPECT_LT(Clock::now() - t0, 400ms);
+  // One caller comes back alone: it waits out the timeout once...
+  t0 = Clock::now();
+  submit_all({7}, &c);
+  wait_all(&c);
+  EXPECT_GE(Clock::now() - t0, 480ms);
+  // ...and the next single caller runs at once.
+  t0 = Clock::now();
+  submit_all({8}, &d);
+  wait_all(&d);
+  EXPECT_LT(Clock::now() - t0, 400ms);
+  const auto batches = engine.batches();
+  ASSERT_EQ(batches.size(), 5u);
+  EXPECT_EQ(batches[1], (std::vector<uint64_t>{1, 2, 3}));
+  EXPECT_EQ(batches[2], (std::vector<uint64_t>{4, 5, 6}));
+  EXPECT_EQ(batches[3], (std::vector<uint64_t>{7}));
+  EXPECT_EQ(batches[4], (std::vector<uint64_t>{8}));
+}
+
 TEST(SchedulerTest, FullQueueAnswersResourceExhausted) {
   FakeEngine engine;
   SchedulerOptions o;

@@ -1,0 +1,65 @@
+// hstu_loadgen's traffic model (client/traffic.h): history growth, restarts, option checks.
+#include "client/traffic.h"
+
+#include <gtest/gtest.h>
+
+#include <unordered_map>
+
+namespace hstu::loadgen {
+namespace {
+
+// The bench-shaped load of docs/benchmarks.md: users start at exactly 128 events, every visit adds
+// exactly 128, and a user that would pass 2048 starts over.
+TEST(TrafficTest, FixedGrowthAddsExactlyThatManyEventsAndRestartsAtTheMaximum) {
+  TrafficOptions o;
+  o.num_users = 4;
+  o.zipf_s = 0;
+  o.new_user_rate = 0;
+  o.initial_events_min = o.initial_events_max = 128;
+  o.new_events_min = o.new_events_max = 128;
+  o.max_events = 2048;
+  o.num_candidates = 3;
+  auto t = TrafficModel::Create(o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  std::unordered_map<uint64_t, size_t> last;  // user → events at its previous visit
+  int restarts = 0;
+  for (int i = 0; i < 400; ++i) {
+    const Visit v = (*t)->Next();
+    const size_t n = v.history_item_ids.size();
+    ASSERT_EQ(v.history_actions.size(), n);
+    ASSERT_EQ(v.candidate_item_ids.size(), 3u);
+    ASSERT_EQ(n % 128, 0u) << n;
+    ASSERT_LE(n, 2048u);
+    if (v.new_user) {
+      EXPECT_EQ(n, 128u);
+      EXPECT_FALSE(last.contains(v.user_id));
+      restarts += last.size() >= 4 ? 1 : 0;
+    } else {
+      ASSERT_TRUE(last.contains(v.user_id));
+      EXPECT_EQ(n, last[v.user_id] + 128);
+    }
+    last[v.user_id] = n;
+  }
+  // 400 visits over 4 users of 16 visits each: the users have started over many times.
+  EXPECT_GT(restarts, 10);
+}
+
+TEST(TrafficTest, RejectsEmptyOrNonPositiveEventRanges) {
+  TrafficOptions o;
+  o.new_events_min = 5;
+  o.new_events_max = 4;
+  auto t = TrafficModel::Create(o);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(t.status().message().find("new events range [5, 4]"), std::string::npos)
+      << t.status();
+  o = TrafficOptions();
+  o.new_events_min = 0;
+  EXPECT_EQ(TrafficModel::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = TrafficOptions();
+  o.initial_events_min = 10;
+  o.initial_events_max = 9;
+  EXPECT_EQ(TrafficModel::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace hstu::loadgen
