@@ -236,8 +236,8 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
   att.inv_norm = 1.f / static_cast<float>(config_.attention_norm_len);
   att.max_attn_len = config_.max_attn_len;
   // While capturing, the nodes this launch adds (the attention kernel and, as of now, its split
-  // reduction) get the batch's work-item count as gridDim.x before each replay: every kernel of
-  // LaunchHstuAttention has one block column per work item (checked after the capture).
+  // reduction) get the batch's work-item count times H as gridDim.x before each replay: every
+  // kernel of LaunchHstuAttention has one block per work item and head (checked after capture).
   cudaGraphNode_t before = nullptr;
   if (capturing_) HSTU_RETURN_IF_ERROR(LastCapturedNode(&before));
   HSTU_CUDA_RETURN(cuda::LaunchHstuAttention(

@@ -230,15 +230,17 @@ void Engine::UpdateOnloadRates() {
   stats_.recompute_seconds_per_token = onload_cost_.seconds_per_token();
 }
 
-void Engine::Prefetch(absl::Span<const RankRequest> running, absl::Span<const RankRequest> queued) {
-  if (!options_.enable_cache || cache_->Stats().host_pages_total == 0) return;
+void Engine::Prefetch(absl::Span<const RankRequest* const> running,
+                      absl::Span<const RankRequest* const> queued) {
+  if (!has_host_tier()) return;
   std::vector<uint64_t> keep;
-  for (const RankRequest& r : running) keep.push_back(r.user_id);
+  for (const RankRequest* r : running) keep.push_back(r->user_id);
   NoteCopiesIdleIfNoPrefetch();
   // The same rule as at admission: a prefetch the policy would refuse is not started (the request
   // is decided again when its batch runs, against the copy backlog of that moment).
   const OnloadFilter onload_ok = MakeOnloadFilter();
-  for (const RankRequest& r : queued) {
+  for (const RankRequest* queued_request : queued) {
+    const RankRequest& r = *queued_request;
     if (!Validate(r).ok()) continue;
     const KeptHistory kept = KeepHistory(r, config_);
     const PageCopies copies = cache_->Prefetch(r.user_id, kept.keys, keep, onload_ok);

@@ -82,7 +82,10 @@ class Engine {
   // overlap the batches that run before theirs (DESIGN §6). Uses free GPU pages only; a no-op
   // without a host tier. Same threading contract as Rank().
   // `running`: the batch about to run, whose users are never evicted to make room.
-  void Prefetch(absl::Span<const RankRequest> running, absl::Span<const RankRequest> queued);
+  void Prefetch(absl::Span<const RankRequest* const> running,
+                absl::Span<const RankRequest* const> queued);
+  // Whether Prefetch() can do anything: the cache is on and has a host tier.
+  bool has_host_tier() const { return options_.enable_cache && cache_->Stats().host_pages_total > 0; }
 
   absl::Status Validate(const RankRequest& request) const;
   const ModelConfig& config() const { return config_; }

@@ -125,7 +125,7 @@ absl::Status CudaBackendImpl::EnqueueStep() {
     if (g.grid_items != step_.num_items) {
       for (size_t i = 0; i < g.attention_nodes.size(); ++i) {
         cudaKernelNodeParams p = g.attention_params[i];
-        p.gridDim.x = static_cast<unsigned>(step_.num_items);
+        p.gridDim.x = static_cast<unsigned>(step_.num_items * config_.num_heads);
         HSTU_CUDA_RETURN(cudaGraphExecKernelNodeSetParams(g.exec, g.attention_nodes[i], &p));
       }
       g.grid_items = step_.num_items;
@@ -202,10 +202,11 @@ absl::Status CudaBackendImpl::CaptureGraphs() {
       HSTU_CUDA_RETURN(cudaGraphNodeGetType(n, &type));
       cudaKernelNodeParams p{};
       if (type == cudaGraphNodeTypeKernel) HSTU_CUDA_RETURN(cudaGraphKernelNodeGetParams(n, &p));
-      if (type != cudaGraphNodeTypeKernel || p.gridDim.x != static_cast<unsigned>(step_.num_items)) {
+      if (type != cudaGraphNodeTypeKernel ||
+          p.gridDim.x != static_cast<unsigned>(step_.num_items * config_.num_heads)) {
         return absl::InternalError(
-            "graph capture: an attention launch node is not a kernel with one block column per "
-            "work item; CUDA graphs cannot resize it (disable graphs or update the backend)");
+            "graph capture: an attention launch node is not a kernel with one block per work item "
+            "and head; CUDA graphs cannot resize it (disable graphs or update the backend)");
       }
       g.attention_params.push_back(p);
     }

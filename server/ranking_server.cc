@@ -119,9 +119,9 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
     };
   }
   Engine* engine_ptr = s->engine_.get();
-  if (options.prefetch_onload) {
-    sched.prefetch = [engine_ptr](absl::Span<const RankRequest> batch,
-                                  absl::Span<const RankRequest> queued) {
+  if (options.prefetch_onload && engine_ptr->has_host_tier()) {
+    sched.prefetch = [engine_ptr](absl::Span<const RankRequest* const> batch,
+                                  absl::Span<const RankRequest* const> queued) {
       engine_ptr->Prefetch(batch, queued);
     };
   }

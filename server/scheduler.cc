@@ -144,18 +144,20 @@ void Scheduler::WorkerLoop() {
     Clock::time_point wake_at = Clock::time_point::max();
     const bool got = TakeBatchLocked(&batch, &wake_at, &rejected);
     depth_.store(static_cast<int64_t>(queue_.size()), std::memory_order_relaxed);
-    std::vector<RankRequest> upcoming;
+    // Pointers into the queue: only this thread removes items, and a deque keeps its elements in
+    // place when Submit() appends.
+    std::vector<const RankRequest*> upcoming;
     if (got && options_.prefetch) {
       for (const Item& item : queue_) {
         if (static_cast<int32_t>(upcoming.size()) >= options_.max_batch_size) break;
-        upcoming.push_back(item.pending.request);
+        upcoming.push_back(&item.pending.request);
       }
     }
     if (got || !rejected.empty()) {
       lock.unlock();
       if (!upcoming.empty()) {
-        std::vector<RankRequest> running;
-        for (const Item& item : batch) running.push_back(item.pending.request);
+        std::vector<const RankRequest*> running;
+        for (const Item& item : batch) running.push_back(&item.pending.request);
         options_.prefetch(running, upcoming);
       }
       const Clock::time_point now = Clock::now();

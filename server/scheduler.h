@@ -54,10 +54,12 @@ struct SchedulerOptions {
   // Estimated tokens of a request (history tokens + candidates); the scheduler cannot see the
   // cache, so this is an upper bound of what the engine computes. Unset: 2 * events + candidates.
   std::function<int64_t(const RankRequest&)> token_cost;
-  // Called on the worker thread right before each batch runs, with the batch and (copies of) up to
+  // Called on the worker thread right before each batch runs, with the batch and up to
   // `max_batch_size` requests still queued behind it, so that their KV onloads start early
   // (Engine::Prefetch). Unset: no prefetch.
-  std::function<void(absl::Span<const RankRequest> batch, absl::Span<const RankRequest> queued)>
+  // The pointers stay valid during the call.
+  std::function<void(absl::Span<const RankRequest* const> batch,
+                     absl::Span<const RankRequest* const> queued)>
       prefetch;
 };
 

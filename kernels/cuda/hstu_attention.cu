@@ -1,6 +1,7 @@
 // Launcher of the paged HSTU attention: argument checks and head-dim dispatch over an explicit list.
 #include "kernels/cuda/hstu_attention.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -124,7 +125,7 @@ const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stre
 template <int kD>
 cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* items, int32_t num_items,
                    float* partials, cudaStream_t stream) {
-  const dim3 grid(num_items, p.kv.num_heads);
+  const dim3 grid(num_items * p.kv.num_heads);  // x = item * H + head
   cudaError_t err = cudaSuccess;
   const CUtensorMap* kv_map = kD == 256 ? KvTensorMap(p, stream) : nullptr;
   if (kv_map != nullptr) {
@@ -144,7 +145,7 @@ cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* item
   }
   err = cudaPeekAtLastError();
   if (err != cudaSuccess || partials == nullptr) return err;
-  const dim3 reduce_grid(num_items, p.kv.num_heads, kAttnBlockM / kReduceRows);
+  const dim3 reduce_grid(num_items * p.kv.num_heads, 1, kAttnBlockM / kReduceRows);
   HstuAttentionReduceKernel<kD><<<reduce_grid, 256, 0, stream>>>(items, partials, p.out,
                                                                  p.kv.num_heads);
   return cudaPeekAtLastError();
@@ -187,7 +188,8 @@ cudaError_t LaunchHstuAttention(const AttentionParams<bf16>& p, const AttentionW
   if (num_items < 0 || kv.num_heads <= 0 || kv.num_heads > 65535 || p.uvqk == nullptr ||
       p.out == nullptr || p.uvqk_row_stride < 4 * hd || p.uvqk_row_stride % 8 != 0 ||
       kv.page_size <= 0 || kv.page_stride % 8 != 0 || kv.kv_stride % 8 != 0 ||
-      (num_items > 0 && items == nullptr)) {
+      (num_items > 0 && items == nullptr) ||
+      static_cast<int64_t>(num_items) * kv.num_heads > INT32_MAX) {
     return cudaErrorInvalidValue;
   }
   if (!HeadDimSupported(kv.head_dim)) return cudaErrorInvalidValue;  // allowed: 64, 128, 256

@@ -69,8 +69,9 @@ __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
   int64_t* s_off = reinterpret_cast<int64_t*>(s_v0 + Tr::kStages * Tr::kKvBytes);  // [kStages][kN]
   const uint32_t q_addr = SmemAddr(s_q), k_addr = SmemAddr(s_k0), v_addr = SmemAddr(s_v0);
 
-  const AttentionWorkItem it = items[blockIdx.x];
-  const int h = blockIdx.y;
+  // Block x = item * H + head: the heads of an item launch together, in the plan's order.
+  const AttentionWorkItem it = items[blockIdx.x / p.kv.num_heads];
+  const int h = blockIdx.x % p.kv.num_heads;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2;  // warpgroup: query rows 64*wg .. 64*wg+63
   const int g = lane >> 2, t4 = lane & 3;
@@ -317,9 +318,10 @@ __global__ void __launch_bounds__(256)
     HstuAttentionReduceKernel(const AttentionWorkItem* __restrict__ items,
                               const float* __restrict__ partials, bf16* __restrict__ out,
                               int32_t num_heads) {
-  const AttentionWorkItem it = items[blockIdx.x];
+  // Block x = item * H + head: the heads of an item launch together, in the plan's order.
+  const AttentionWorkItem it = items[blockIdx.x / num_heads];
   if (it.num_splits <= 1 || it.split != 0) return;
-  const int h = blockIdx.y;
+  const int h = blockIdx.x % num_heads;
   const int row_begin = blockIdx.z * kReduceRows;
   if (row_begin >= it.num_q) return;
   constexpr int kVec = kReduceRows * kD / 4;     // float4 per block

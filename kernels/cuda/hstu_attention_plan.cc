@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "kernels/cuda/hstu_attention.h"
@@ -42,27 +43,105 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
     }
   }
 
-  // Chunk length (in key blocks) that minimises the estimated makespan: waves of CTAs times the
-  // blocks each runs, plus two blocks' worth of fixed cost per CTA (Q load, epilogue, reduction).
+  // Chunk length (in key blocks): the GPU hands CTAs to SMs in launch order, so with the items
+  // emitted longest first (below) the launch is a longest-processing-time list schedule. A CTA
+  // costs its blocks plus two blocks' worth of fixed work (Q load, epilogue, reduction). Every
+  // chunk gets a lower bound on its makespan (its longest CTA, or the total spread evenly); the
+  // few with the lowest bounds are scheduled exactly and the shortest schedule wins (ties: the
+  // longer chunk, fewer partials). The kernels launch the H heads of an item next to each other
+  // (block x = item * H + head).
+  std::vector<int32_t> blocks(tiles.size());
   int32_t max_blocks = 1;
-  for (const Tile& t : tiles) max_blocks = std::max(max_blocks, CeilDiv(t.kv_end - t.kv_begin, kAttnBlockN));
-  const int64_t slots = std::max(1, concurrent_ctas);
-  int32_t best_chunk = max_blocks;
-  double best_cost = 1e300;
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    blocks[i] = CeilDiv(tiles[i].kv_end - tiles[i].kv_begin, kAttnBlockN);
+    max_blocks = std::max(max_blocks, blocks[i]);
+  }
+  const int32_t slots = std::max(1, concurrent_ctas);
+  constexpr double kCtaOverhead = 2.0;
+  struct Candidate {
+    int32_t chunk;
+    double bound;  // lower bound on the makespan
+    double waves;  // the waves estimate: waves of CTAs times the longest
+  };
+  std::vector<Candidate> candidates;
   for (int32_t chunk = 1; chunk <= max_blocks; ++chunk) {
-    int64_t ctas = 0;
+    int64_t ctas = 0, work = 0;
+    int32_t longest = 0;
     bool too_many = false;
-    for (const Tile& t : tiles) {
-      const int32_t splits = std::max(1, CeilDiv(CeilDiv(t.kv_end - t.kv_begin, kAttnBlockN), chunk));
+    for (int32_t b : blocks) {
+      const int32_t splits = std::max(1, CeilDiv(b, chunk));
       too_many |= splits > max_split;
       ctas += splits;
+      work += b;
+      longest = std::max(longest, std::min(b, chunk));
     }
     if (too_many) continue;
-    ctas *= num_heads;
-    const double waves = static_cast<double>((ctas + slots - 1) / slots);
-    const double cost = waves * (chunk + 2.0);
-    if (cost < best_cost - 1e-9) {
-      best_cost = cost;
+    const double total = static_cast<double>(work + kCtaOverhead * ctas) * num_heads;
+    const double waves = static_cast<double>((ctas * num_heads + slots - 1) / slots);
+    candidates.push_back({chunk, std::max(longest + kCtaOverhead, total / slots),
+                          waves * (longest + kCtaOverhead)});
+  }
+  if (candidates.empty()) candidates.push_back({max_blocks, 0.0, 0.0});
+  // Scheduled exactly: the four lowest bounds, the first chunks whose longest CTA reaches the even
+  // spread (where the few long CTAs leave room for the short ones beside them), and the best of
+  // the waves estimate.
+  std::vector<int32_t> tried;
+  auto add = [&](int32_t chunk) {
+    if (std::find(tried.begin(), tried.end(), chunk) == tried.end()) tried.push_back(chunk);
+  };
+  std::vector<Candidate> by_bound = candidates;
+  const size_t lowest = std::min<size_t>(4, by_bound.size());
+  std::partial_sort(by_bound.begin(), by_bound.begin() + static_cast<std::ptrdiff_t>(lowest),
+                    by_bound.end(), [](const Candidate& x, const Candidate& y) {
+                      return x.bound < y.bound || (x.bound == y.bound && x.chunk > y.chunk);
+                    });
+  for (size_t i = 0; i < lowest; ++i) add(by_bound[i].chunk);
+  for (size_t i = 0, found = 0; i < candidates.size() && found < 4; ++i) {
+    const Candidate& c = candidates[i];  // ascending chunk
+    if (found > 0 || c.bound <= std::min(c.chunk, max_blocks) + kCtaOverhead + 1e-9) {
+      add(c.chunk);
+      ++found;
+    }
+  }
+  add(std::min_element(candidates.begin(), candidates.end(), [](const Candidate& x, const Candidate& y) {
+        return x.waves < y.waves || (x.waves == y.waves && x.chunk > y.chunk);
+      })->chunk);
+  std::vector<int32_t> costs;
+  std::vector<double> finish;
+  int32_t best_chunk = tried.front();
+  double best_span = 1e300;
+  for (const int32_t chunk : tried) {
+    const double bound = candidates[std::find_if(candidates.begin(), candidates.end(),
+                                                 [&](const Candidate& x) { return x.chunk == chunk; }) -
+                                    candidates.begin()].bound;
+    costs.clear();
+    for (int32_t b : blocks) {
+      for (int32_t k = 0; k < std::max(1, CeilDiv(b, chunk)); ++k) {
+        costs.push_back(std::min(chunk, b - k * chunk));
+      }
+    }
+    std::sort(costs.begin(), costs.end(), std::greater<>());
+    double span = 0;
+    const int64_t launched = static_cast<int64_t>(costs.size()) * num_heads;
+    if (launched <= slots) {
+      span = costs.front() + kCtaOverhead;  // one wave
+    } else if (launched > 16LL * slots) {
+      // Many waves: the list schedule ends about half a CTA past the even spread.
+      span = bound + 0.5 * (std::min(chunk, max_blocks) + kCtaOverhead);
+    } else {
+      // Min-heap of the SMs' finish times.
+      finish.assign(static_cast<size_t>(slots), 0.0);
+      for (int32_t cost : costs) {
+        for (int32_t h = 0; h < num_heads; ++h) {
+          std::pop_heap(finish.begin(), finish.end(), std::greater<>());
+          finish.back() += cost + kCtaOverhead;
+          std::push_heap(finish.begin(), finish.end(), std::greater<>());
+        }
+      }
+      span = *std::max_element(finish.begin(), finish.end());
+    }
+    if (span < best_span - 1e-9 || (span < best_span + 1e-9 && chunk > best_chunk)) {
+      best_span = span;
       best_chunk = chunk;
     }
   }
@@ -90,6 +169,12 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
       plan.items.push_back(it);
     }
   }
+  // Longest first; equal lengths keep the order above (a tile's chunks, then the next tile of the
+  // same user, which reads the same keys).
+  std::stable_sort(plan.items.begin(), plan.items.end(),
+                   [](const AttentionWorkItem& a, const AttentionWorkItem& b) {
+                     return a.kv_end - a.kv_begin > b.kv_end - b.kv_begin;
+                   });
   return plan;
 }
 

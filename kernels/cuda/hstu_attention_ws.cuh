@@ -3,7 +3,7 @@
 // spent on the gather); two consumer warpgroups run the same S / SiLU / P·V as HstuAttentionKernel
 // and hand each slot back as soon as their wgmma has read it. See docs/cuda_kernels.md, round 6.
 //
-// Same work items, grid (items, H), plan, partials and reduction as HstuAttentionKernel; it only
+// Same work items, grid (items × H), plan, partials and reduction as HstuAttentionKernel; it only
 // runs when a block never straddles a TMA box: no window (chunk starts are multiples of 64 keys),
 // page size a multiple of 8, the pool packed [pages, 2, page_size, H, D] (the launcher checks).
 #pragma once
@@ -92,8 +92,9 @@ __global__ void __launch_bounds__(384, 1)
   auto full_bar = [&](int slot) { return bar_addr + 8 * slot; };
   auto empty_bar = [&](int slot) { return bar_addr + 8 * (kSlots + slot); };
 
-  const AttentionWorkItem it = items[blockIdx.x];
-  const int h = blockIdx.y;
+  // Block x = item * H + head: the heads of an item launch together, in the plan's order.
+  const AttentionWorkItem it = items[blockIdx.x / p.kv.num_heads];
+  const int h = blockIdx.x % p.kv.num_heads;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int b = it.user;
   const int kv_begin = it.kv_begin, kv_end = it.kv_end;

@@ -163,9 +163,10 @@ void RestoreUsersAndCompareWithCpu(bool prefetch, bool slow_copies = false) {
         batch.push_back(r);
       }
       if (prefetch && first + 3 < users.size()) {
-        const std::vector<RankRequest> next(users.begin() + first + 3,
-                                            users.begin() + std::min(first + 6, users.size()));
-        gpu->Prefetch(batch, next);
+        std::vector<const RankRequest*> running, next;
+        for (const RankRequest& r : batch) running.push_back(&r);
+        for (size_t i = first + 3; i < std::min(first + 6, users.size()); ++i) next.push_back(&users[i]);
+        gpu->Prefetch(running, next);
       }
       auto rg = gpu->Rank(batch);
       auto rc = cpu->Rank(batch);

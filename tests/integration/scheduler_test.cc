@@ -154,10 +154,11 @@ TEST(SchedulerTest, PrefetchSeesTheRequestsQueuedBehindEachBatch) {
   o.max_batch_size = 2;
   std::mutex mu;
   std::vector<std::vector<uint64_t>> prefetched;  // one entry per batch that had a queue behind it
-  o.prefetch = [&](absl::Span<const RankRequest> batch, absl::Span<const RankRequest> queued) {
+  o.prefetch = [&](absl::Span<const RankRequest* const> batch,
+                   absl::Span<const RankRequest* const> queued) {
     EXPECT_FALSE(batch.empty());
     std::vector<uint64_t> users;
-    for (const auto& r : queued) users.push_back(r.user_id);
+    for (const RankRequest* r : queued) users.push_back(r->user_id);
     std::lock_guard<std::mutex> lock(mu);
     prefetched.push_back(users);
   };

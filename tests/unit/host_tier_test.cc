@@ -638,8 +638,9 @@ EngineStats RunPrefetchTraffic(EngineOptions o) {
       r.history_actions.push_back(rng() % 16);
     }
     r.candidate_item_ids = {static_cast<int64_t>(rng() % 500)};
-    std::vector<RankRequest> queued = {users[rng() % 10], users[rng() % 10], r};
-    (*cached)->Prefetch({&r, 1}, queued);
+    const RankRequest* running = &r;
+    const std::vector<const RankRequest*> queued = {&users[rng() % 10], &users[rng() % 10], &r};
+    (*cached)->Prefetch({&running, 1}, queued);
     auto a = (*cached)->Rank({&r, 1});
     auto b = (*full)->Rank({&r, 1});
     EXPECT_TRUE(a[0].ok()) << a[0].status();
