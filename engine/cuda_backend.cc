@@ -65,6 +65,7 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
   // allocations and gives eager and captured GEMMs the same algorithms.
   HSTU_CUDA_RETURN(cublas_ws_.Reserve(32u << 20));
   HSTU_CUBLAS_RETURN(cublasSetWorkspace(cublas_, cublas_ws_.get(), cublas_ws_.bytes()));
+  HSTU_CUBLAS_RETURN(gemm_.Init(cublas_, cublas_ws_.get(), cublas_ws_.bytes()));
   HSTU_CUDA_RETURN(onload_stream_.Create());
   HSTU_CUDA_RETURN(offload_stream_.Create());
   layer_ready_.assign(config_.num_layers, nullptr);
@@ -302,8 +303,8 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
       HSTU_CUDA_RETURN(cuda::LaunchLayerNorm(ws.x.as<float>(), rows, d, w.in_w.as<float>(),
                                              w.in_b.as<float>(), kLayerNormEps, ws.n.as<bf16>(), s));
     }
-    HSTU_CUBLAS_RETURN(cuda::GemmBf16(cublas_, ws.n.as<bf16>(), w.uvqk_w.as<bf16>(), ws.uvqk.get(),
-                                      /*c_is_f32=*/false, rows, 4 * hd, d, 0.f));
+    HSTU_CUBLAS_RETURN(gemm_.Run(ws.n.as<bf16>(), w.uvqk_w.as<bf16>(), ws.uvqk.get(),
+                                 /*c_is_f32=*/false, rows, 4 * hd, d, 0.f, s));
     // Layer l's onloaded pages are needed from here on (the append below, then attention).
     HSTU_RETURN_IF_ERROR(WaitForLayer(l));
     AppendKvParams<bf16> ap;
@@ -318,8 +319,8 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
     HSTU_CUDA_RETURN(cuda::LaunchNormMulU(ws.a.as<bf16>(), ws.uvqk.as<bf16>() + kU * hd, 4 * hd, rows, hd,
                                           w.out_norm_w.as<float>(), w.out_norm_b.as<float>(),
                                           kLayerNormEps, ws.y.as<bf16>(), s));
-    HSTU_CUBLAS_RETURN(cuda::GemmBf16(cublas_, ws.y.as<bf16>(), w.out_w.as<bf16>(), ws.x.get(),
-                                      /*c_is_f32=*/true, rows, d, hd, 1.f));
+    HSTU_CUBLAS_RETURN(gemm_.Run(ws.y.as<bf16>(), w.out_w.as<bf16>(), ws.x.get(),
+                                 /*c_is_f32=*/true, rows, d, hd, 1.f, s));
   }
   if (!capturing_) onload_waits_ = false;  // later forwards are ordered after this one
   return absl::OkStatus();

@@ -19,6 +19,7 @@
 #include "kernels/cuda/copy_pages.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_tuner.h"
 #include "kernels/cuda/hstu_attention.h"
 #include "kernels/cuda/ops.h"
 
@@ -268,6 +269,7 @@ class CudaBackendImpl final : public CudaBackend {
 
   cuda::Stream stream_;
   cublasHandle_t cublas_ = nullptr;
+  cuda::GemmTuner gemm_;  // the layer GEMMs, algorithm measured per row class (uses cublas_)
   int64_t weight_bytes_ = 0;
   DeviceBuffer item_, action_, position_;  // bf16 tables
   std::vector<LayerBuffers> layers_;

@@ -1,0 +1,79 @@
+// The layer GEMMs with the cuBLASLt algorithm chosen by measurement (docs/cuda_kernels.md, "GEMM
+// algorithm choice"). cublasGemmEx's default algorithm leaves 5–20 % on the table for some of our
+// shapes (the output projection at 3072 and 34816 rows); the heuristic's first answer is not
+// always the fastest either, so each shape class is timed once.
+//
+// Shape class: (n, k, output type, beta ≠ 0) and the row count rounded up to a class bound (256,
+// 384, 512, 768, ... : 2^i and 1.5·2^i, the graph buckets' row counts). The first call of a class
+// outside a stream capture times cublasGemmEx and up to kCandidates heuristic algorithms on the
+// call's own operands and keeps the fastest for every later call of the class, eager or captured,
+// so a graph replay and an eager run of the same rows use the same algorithm. The timing run
+// writes its output to scratch when beta ≠ 0 (the call accumulates into c) and to c itself
+// otherwise (the real call overwrites it). A class first seen inside a capture (the backend warms
+// every graph bucket up first, so this does not happen there) uses cublasGemmEx without tuning it.
+//
+// HSTU_GEMM_TUNE=0 in the environment turns tuning off (cublasGemmEx everywhere), for A/B runs.
+// Not thread-safe: one per stream owner (the CUDA backend).
+#pragma once
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+#include "kernels/cuda/device_buffer.h"
+
+namespace hstu::cuda {
+
+class GemmTuner {
+ public:
+  static constexpr int kCandidates = 8;
+
+  GemmTuner() = default;
+  ~GemmTuner();
+  GemmTuner(const GemmTuner&) = delete;
+  GemmTuner& operator=(const GemmTuner&) = delete;
+
+  // `blas` runs the cublasGemmEx path (its stream and workspace already set); `workspace` of
+  // `workspace_bytes` is what the cuBLASLt algorithms may use (it may be blas's own workspace:
+  // both run in order on one stream).
+  cublasStatus_t Init(cublasHandle_t blas, void* workspace, size_t workspace_bytes);
+
+  // As GemmBf16 (gemm.h): row-major c[m, n] = a[m, k] · b[k, n] + beta · c; a, b bf16; c bf16 or
+  // fp32. Runs on `stream` (the stream blas is bound to).
+  cublasStatus_t Run(const __nv_bfloat16* a, const __nv_bfloat16* b, void* c, bool c_is_f32,
+                     int64_t m, int64_t n, int64_t k, float beta, cudaStream_t stream);
+
+  // The class bound of m rows.
+  static int64_t RowClass(int64_t m);
+
+  int num_tuned() const { return static_cast<int>(choice_.size()); }
+  bool enabled() const { return enabled_; }
+
+ private:
+  struct Choice {
+    bool use_lt = false;  // false: cublasGemmEx
+    cublasLtMatmulAlgo_t algo{};
+  };
+  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool>;  // row class, n, k, f32 out, beta≠0
+
+  // Times the candidates on this call's operands (synchronises the stream).
+  Choice Tune(const __nv_bfloat16* a, const __nv_bfloat16* b, void* c, bool c_is_f32, int64_t m,
+              int64_t n, int64_t k, float beta, cudaStream_t stream);
+  cublasStatus_t RunLt(const cublasLtMatmulAlgo_t& algo, const __nv_bfloat16* a,
+                       const __nv_bfloat16* b, void* c, bool c_is_f32, int64_t m, int64_t n,
+                       int64_t k, float beta, cudaStream_t stream);
+
+  cublasHandle_t blas_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  bool enabled_ = true;
+  std::map<Key, Choice> choice_;
+  DeviceBuffer scratch_;  // the timing runs' output when the real call accumulates (freed after)
+};
+
+}  // namespace hstu::cuda
