@@ -15,6 +15,7 @@
 #include "client/bench_util.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_tuner.h"
 
 namespace hstu::bench {
 namespace {
@@ -55,7 +56,11 @@ nlohmann::json BenchGemmAlgos(int reps) {
   std::printf("\n### GEMM algorithms (row-major C[m, n] = A[m, k] · W[k, n]; bf16 in, fp32 accumulate; "
               "median of %d)\n\n", reps);
   std::printf("| rows m | GEMM | cublasGemmEx (us) | TFLOP/s | best cuBLASLt (us) | TFLOP/s | "
-              "best algo (tile id, split-k) | slowest (us) | algos |\n|---|---|---|---|---|---|---|---|---|\n");
+              "best algo (tile id, split-k) | slowest (us) | algos | GemmTuner, as the engine (us) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n");
+  HSTU_BENCH_CHECK_LT(cublasSetWorkspace(blas, ws.get(), ws_bytes));
+  cuda::GemmTuner tuner;  // what the engine runs (gemm_tuner.h)
+  HSTU_BENCH_CHECK_LT(tuner.Init(blas, ws.get(), ws_bytes));
   for (const int64_t m : {int64_t{384}, int64_t{3072}, int64_t{34816}}) {
     for (const Shape& sh : shapes) {
       cuda::DeviceBuffer a, w, c;
@@ -107,12 +112,18 @@ nlohmann::json BenchGemmAlgos(int reps) {
         cublasLtMatmulAlgoConfigGetAttribute(&res[best_i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
                                              &splitk, sizeof(splitk), &got);
       }
-      std::printf("| %lld | %s | %.1f | %.0f | %.1f | %.0f | %d, %d | %.1f | %d |\n",
+      const float tuned_ms = TimeMs(stream.get(), reps, [&] {
+        HSTU_BENCH_CHECK_LT(tuner.Run(a.as<cuda::bf16>(), w.as<cuda::bf16>(), c.get(), sh.c_f32, m,
+                                      sh.n, sh.k, sh.beta, stream.get()));
+      });
+      std::printf("| %lld | %s | %.1f | %.0f | %.1f | %.0f | %d, %d | %.1f | %d | %.1f |\n",
                   static_cast<long long>(m), sh.name, ex_ms * 1e3, flops / (ex_ms * 1e-3) / 1e12,
-                  best * 1e3, flops / (best * 1e-3) / 1e12, tile, splitk, worst * 1e3, tried);
+                  best * 1e3, flops / (best * 1e-3) / 1e12, tile, splitk, worst * 1e3, tried,
+                  tuned_ms * 1e3);
       rows.push_back({{"rows", m}, {"gemm", sh.name}, {"gemmex_us", ex_ms * 1e3},
                       {"best_lt_us", best * 1e3}, {"best_tile_id", tile}, {"best_splitk", splitk},
-                      {"slowest_lt_us", worst * 1e3}, {"algos", tried}});
+                      {"slowest_lt_us", worst * 1e3}, {"algos", tried},
+                      {"tuner_us", tuned_ms * 1e3}});
       cublasLtMatmulPreferenceDestroy(pref);
       cublasLtMatrixLayoutDestroy(lw);
       cublasLtMatrixLayoutDestroy(la);

@@ -30,7 +30,7 @@ namespace hstu::cuda {
 
 class GemmTuner {
  public:
-  static constexpr int kCandidates = 8;
+  static constexpr int kCandidates = 16;
 
   GemmTuner() = default;
   ~GemmTuner();
