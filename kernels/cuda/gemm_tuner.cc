@@ -33,27 +33,6 @@ bool TuningEnabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-// Median of the event-timed runs of `fn`, in ms; a negative value when a run failed.
-template <typename Fn>
-float TimeRuns(cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, Fn fn) {
-  constexpr int kWarmup = 1, kRuns = 5;
-  for (int i = 0; i < kWarmup; ++i) {
-    if (fn() != CUBLAS_STATUS_SUCCESS) return -1.f;
-  }
-  std::vector<float> ms;
-  for (int i = 0; i < kRuns; ++i) {
-    cudaEventRecord(start, stream);
-    if (fn() != CUBLAS_STATUS_SUCCESS) return -1.f;
-    cudaEventRecord(stop, stream);
-    if (cudaEventSynchronize(stop) != cudaSuccess) return -1.f;
-    float t = 0.f;
-    cudaEventElapsedTime(&t, start, stop);
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 }  // namespace
 
 GemmTuner::~GemmTuner() {
@@ -116,26 +95,54 @@ GemmTuner::Choice GemmTuner::Tune(const __nv_bfloat16* a, const __nv_bfloat16* b
                                      kCandidates, found, &num_found) != CUBLAS_STATUS_SUCCESS) {
     return best;
   }
+  // Candidate 0 is cublasGemmEx, then the heuristic's algorithms. They are timed in interleaved
+  // rounds (one warm-up round, then kRounds timed ones; the median per candidate), so a clock
+  // that ramps or sags during tuning favours none of them.
+  std::vector<const cublasLtMatmulAlgo_t*> algos = {nullptr};
+  for (int i = 0; i < num_found; ++i) {
+    if (found[i].state == CUBLAS_STATUS_SUCCESS && found[i].workspaceSize <= workspace_bytes_) {
+      algos.push_back(&found[i].algo);
+    }
+  }
+  auto run = [&](const cublasLtMatmulAlgo_t* algo) {
+    return algo == nullptr ? GemmBf16(blas_, a, b, out, c_is_f32, m, n, k, beta)
+                           : RunLt(*algo, a, b, out, c_is_f32, m, n, k, beta, stream);
+  };
   cudaEvent_t start = nullptr, stop = nullptr;
   if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
     if (start != nullptr) cudaEventDestroy(start);
     cudaGetLastError();
     return best;
   }
-  float best_ms = TimeRuns(stream, start, stop, [&] {
-    return GemmBf16(blas_, a, b, out, c_is_f32, m, n, k, beta);
-  });
-  if (best_ms < 0) best_ms = 1e30f;
-  for (int i = 0; i < num_found; ++i) {
-    if (found[i].state != CUBLAS_STATUS_SUCCESS || found[i].workspaceSize > workspace_bytes_) continue;
-    const float ms = TimeRuns(stream, start, stop, [&] {
-      return RunLt(found[i].algo, a, b, out, c_is_f32, m, n, k, beta, stream);
-    });
+  constexpr int kRounds = 5;
+  std::vector<std::vector<float>> ms(algos.size());
+  std::vector<bool> failed(algos.size(), false);
+  for (int round = -1; round < kRounds; ++round) {
+    for (size_t i = 0; i < algos.size(); ++i) {
+      if (failed[i]) continue;
+      cudaEventRecord(start, stream);
+      failed[i] = run(algos[i]) != CUBLAS_STATUS_SUCCESS;
+      cudaEventRecord(stop, stream);
+      float t = 0.f;
+      failed[i] = failed[i] || cudaEventSynchronize(stop) != cudaSuccess ||
+                  cudaEventElapsedTime(&t, start, stop) != cudaSuccess;
+      if (round >= 0 && !failed[i]) ms[i].push_back(t);
+    }
+  }
+  auto median = [&](size_t i) {
+    std::vector<float> v = ms[i];
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  float best_ms = failed[0] ? 1e30f : median(0);
+  for (size_t i = 1; i < algos.size(); ++i) {
+    if (failed[i]) continue;
     // A clear win only: within 2 % the default stays, so noise does not pick the algorithm.
-    if (ms >= 0 && ms < 0.98f * best_ms) {
-      best_ms = ms;
+    const float t = median(i);
+    if (t < 0.98f * best_ms) {
+      best_ms = t;
       best.use_lt = true;
-      best.algo = found[i].algo;
+      best.algo = *algos[i];
     }
   }
   cudaEventDestroy(start);
