@@ -53,6 +53,66 @@ __device__ __forceinline__ float SiluScaled(float s, float half_alpha, float inv
   return fmaf(c, t, c);
 }
 
+// ---- Shared by both attention kernels ----
+// A thread holds two query rows of its warpgroup's wgmma accumulator, row0 and row0 + 8 of the
+// tile, and in each 8-column group jn the columns 8·jn + 2·t4 + {0, 1}: o[4·jn + 2·i + {0, 1}].
+
+// The candidates' own keys (the diagonal), added by split 0 of a tile with candidates:
+// p_ii = SiLU(alpha q_i·k_i)/N, o_i += p_ii v_i, in fp32 from the uvqk row (the 4 threads of a
+// quad hold the row's columns; two shuffles reduce the dot product).
+template <int kD>
+__device__ __forceinline__ void AddCandidateDiagonal(const AttentionParams<bf16>& p,
+                                                     const AttentionWorkItem& it, int h, int row0,
+                                                     int t4, const bool (&is_cand)[2],
+                                                     float (&o)[kD / 2]) {
+  const int64_t hd = static_cast<int64_t>(p.kv.num_heads) * kD;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = min(row0 + 8 * i, it.num_q - 1);
+    const bf16* row = p.uvqk + static_cast<int64_t>(it.q_row + r) * p.uvqk_row_stride + h * kD;
+    float dot = 0.f;
+#pragma unroll 8
+    for (int jn = 0; jn < kD / 8; ++jn) {
+      const float2 q = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(row + kQ * hd + 8 * jn + 2 * t4));
+      const float2 k = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(row + kK * hd + 8 * jn + 2 * t4));
+      dot = fmaf(q.x, k.x, fmaf(q.y, k.y, dot));
+    }
+    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+    dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+    const float pd = is_cand[i] ? Silu(p.alpha * dot) * p.inv_norm : 0.f;
+#pragma unroll
+    for (int jn = 0; jn < kD / 8; ++jn) {
+      const float2 v = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(row + kV * hd + 8 * jn + 2 * t4));
+      o[4 * jn + 2 * i] = fmaf(pd, v.x, o[4 * jn + 2 * i]);
+      o[4 * jn + 2 * i + 1] = fmaf(pd, v.y, o[4 * jn + 2 * i + 1]);
+    }
+  }
+}
+
+// A split tile's fp32 partial of this chunk (HstuAttentionReduceKernel sums them): rows past the
+// tile's end are not written.
+template <int kD>
+__device__ __forceinline__ void StorePartial(const AttentionWorkItem& it, int h, int num_heads,
+                                             int row0, int t4, const float (&o)[kD / 2],
+                                             float* __restrict__ partials) {
+  float* part = partials + (static_cast<int64_t>(it.partial_base + it.split) * num_heads + h) *
+                               kAttnBlockM * kD;
+#pragma unroll
+  for (int jn = 0; jn < kD / 8; ++jn) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = row0 + 8 * i;
+      if (r < it.num_q) {
+        __stcg(reinterpret_cast<float2*>(part + r * kD + jn * 8 + 2 * t4),
+               make_float2(o[4 * jn + 2 * i], o[4 * jn + 2 * i + 1]));
+      }
+    }
+  }
+}
+
 template <int kD>
 __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
     HstuAttentionKernel(const AttentionParams<bf16> p, const AttentionWorkItem* __restrict__ items,
@@ -237,33 +297,8 @@ __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
   }
 
   // ---- The candidates' own keys (diagonal), split 0 of a tile that has candidates ----
-  // p_ii = SiLU(alpha q_i·k_i)/N, o_i += p_ii v_i, in fp32 from the uvqk row; the 4 threads of a
-  // quad hold the row's columns 8j + 2*t4 + {0, 1}.
   if (it.split == 0 && it.q_local + it.num_q > num_new) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = min(row0 + 8 * i, it.num_q - 1);
-      const bf16* row = uvqk + static_cast<int64_t>(it.q_row + r) * p.uvqk_row_stride + h * kD;
-      float dot = 0.f;
-#pragma unroll 8
-      for (int jn = 0; jn < kD / 8; ++jn) {
-        const float2 q = __bfloat1622float2(
-            *reinterpret_cast<const __nv_bfloat162*>(row + kQ * hd + 8 * jn + 2 * t4));
-        const float2 k = __bfloat1622float2(
-            *reinterpret_cast<const __nv_bfloat162*>(row + kK * hd + 8 * jn + 2 * t4));
-        dot = fmaf(q.x, k.x, fmaf(q.y, k.y, dot));
-      }
-      dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-      dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-      const float pd = is_cand[i] ? Silu(p.alpha * dot) * inv_norm : 0.f;
-#pragma unroll
-      for (int jn = 0; jn < kD / 8; ++jn) {
-        const float2 v = __bfloat1622float2(
-            *reinterpret_cast<const __nv_bfloat162*>(row + kV * hd + 8 * jn + 2 * t4));
-        o[4 * jn + 2 * i] = fmaf(pd, v.x, o[4 * jn + 2 * i]);
-        o[4 * jn + 2 * i + 1] = fmaf(pd, v.y, o[4 * jn + 2 * i + 1]);
-      }
-    }
+    AddCandidateDiagonal<kD>(p, it, h, row0, t4, is_cand, o);
   }
 
   bf16* out = p.out + h * kD;
@@ -290,19 +325,7 @@ __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
   }
 
   // Split tile: write this chunk's fp32 partial; HstuAttentionReduceKernel sums them.
-  const int num_heads = p.kv.num_heads;
-  float* part = partials + (static_cast<int64_t>(it.partial_base + it.split) * num_heads + h) * kM * kD;
-#pragma unroll
-  for (int jn = 0; jn < kD / 8; ++jn) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = row0 + 8 * i;
-      if (r < it.num_q) {
-        __stcg(reinterpret_cast<float2*>(part + r * kD + jn * 8 + 2 * t4),
-               make_float2(o[4 * jn + 2 * i], o[4 * jn + 2 * i + 1]));
-      }
-    }
-  }
+  StorePartial<kD>(it, h, p.kv.num_heads, row0, t4, o, partials);
 #else
   __trap();  // built for an architecture without wgmma; the launcher refuses non-sm_90 devices
 #endif

@@ -299,30 +299,7 @@ __global__ void __launch_bounds__(384, 1)
 
   // ---- The candidates' own keys (diagonal), split 0 of a tile that has candidates ----
   if (it.split == 0 && it.q_local + it.num_q > num_new) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = min(row0 + 8 * i, it.num_q - 1);
-      const bf16* row = uvqk + static_cast<int64_t>(it.q_row + r) * p.uvqk_row_stride + h * kD;
-      float dot = 0.f;
-#pragma unroll 8
-      for (int jn = 0; jn < kD / 8; ++jn) {
-        const float2 q = __bfloat1622float2(
-            *reinterpret_cast<const __nv_bfloat162*>(row + kQ * hd + 8 * jn + 2 * t4));
-        const float2 k = __bfloat1622float2(
-            *reinterpret_cast<const __nv_bfloat162*>(row + kK * hd + 8 * jn + 2 * t4));
-        dot = fmaf(q.x, k.x, fmaf(q.y, k.y, dot));
-      }
-      dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-      dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-      const float pd = is_cand[i] ? Silu(p.alpha * dot) * inv_norm : 0.f;
-#pragma unroll
-      for (int jn = 0; jn < kD / 8; ++jn) {
-        const float2 v = __bfloat1622float2(
-            *reinterpret_cast<const __nv_bfloat162*>(row + kV * hd + 8 * jn + 2 * t4));
-        o[4 * jn + 2 * i] = fmaf(pd, v.x, o[4 * jn + 2 * i]);
-        o[4 * jn + 2 * i + 1] = fmaf(pd, v.y, o[4 * jn + 2 * i + 1]);
-      }
-    }
+    AddCandidateDiagonal<kD>(p, it, h, row0, t4, is_cand, o);
   }
 
   bf16* out = p.out + h * kD;
@@ -348,19 +325,7 @@ __global__ void __launch_bounds__(384, 1)
     return;
   }
 
-  const int num_heads = p.kv.num_heads;
-  float* part = partials + (static_cast<int64_t>(it.partial_base + it.split) * num_heads + h) * kM * kD;
-#pragma unroll
-  for (int jn = 0; jn < kD / 8; ++jn) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = row0 + 8 * i;
-      if (r < it.num_q) {
-        __stcg(reinterpret_cast<float2*>(part + r * kD + jn * 8 + 2 * t4),
-               make_float2(o[4 * jn + 2 * i], o[4 * jn + 2 * i + 1]));
-      }
-    }
-  }
+  StorePartial<kD>(it, h, p.kv.num_heads, row0, t4, o, partials);
 #else
   __trap();
 #endif
