@@ -64,6 +64,15 @@ for dev in cpu cuda:0; do
 done
 echo "parity base preset (6 requests, 3 returning users, up to 290 events, 256 candidates):" | tee -a "$OUT/parity.txt"
 python3 "$H/compare_rank_outputs.py" base_cpu.jsonl base_cuda.jsonl 2>&1 | tee -a "$OUT/parity.txt"
+# The same shapes from a bf16 checkpoint (what a model served in bf16 is): both devices then hold
+# the same weights, and what is left is the GPU's bf16 activations. (The fp32 random preset above
+# adds the rounding of every weight to bf16 on the GPU.) The preset's 1M item rows: a 2 GB file.
+"$H/bin/hstu_model" init --preset base --seed 1 --dtype bf16 --items 1000000 --out base_bf16.safetensors > /dev/null
+for dev in cpu cuda:0; do
+  "$H/bin/hstu_rank" --model base_bf16.safetensors --input base.jsonl --device "$dev" > "base16_${dev%%:*}.jsonl"
+done
+echo "parity base shapes from a bf16 checkpoint (same requests):" | tee -a "$OUT/parity.txt"
+python3 "$H/compare_rank_outputs.py" base16_cpu.jsonl base16_cuda.jsonl 2>&1 | tee -a "$OUT/parity.txt"
 cd - > /dev/null
 fi
 
