@@ -124,7 +124,7 @@ const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stre
 
 template <int kD>
 cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* items, int32_t num_items,
-                   float* partials, int32_t* tile_counters, cudaStream_t stream) {
+                   float* partials, cudaStream_t stream) {
   const dim3 grid(num_items * p.kv.num_heads);  // x = item * H + head
   cudaError_t err = cudaSuccess;
   const CUtensorMap* kv_map = kD == 256 ? KvTensorMap(p, stream) : nullptr;
@@ -135,14 +135,13 @@ cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* item
                                kSmem);
     if (err != cudaSuccess) return err;
     HstuAttentionWsKernel<<<grid, AttnWsTraits::kThreads, kSmem, stream>>>(
-        p, items, partials, tile_counters, kv_map, KvBoxRows(p.kv.page_size));
+        p, items, partials, kv_map, KvBoxRows(p.kv.page_size));
   } else {
     constexpr int kSmem = AttnTraits<kD>::kSmemBytes;
     err = cudaFuncSetAttribute(HstuAttentionKernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                kSmem);
     if (err != cudaSuccess) return err;
-    HstuAttentionKernel<kD><<<grid, AttnTraits<kD>::kThreads, kSmem, stream>>>(p, items, partials,
-                                                                               tile_counters);
+    HstuAttentionKernel<kD><<<grid, AttnTraits<kD>::kThreads, kSmem, stream>>>(p, items, partials);
   }
   err = cudaPeekAtLastError();
   if (err != cudaSuccess || partials == nullptr) return err;
@@ -183,21 +182,22 @@ cudaError_t HstuAttentionCtasPerSm(int head_dim, int* ctas_per_sm) {
 cudaError_t LaunchHstuAttention(const AttentionParams<bf16>& p, const AttentionWorkItem* items,
                                 int32_t num_items, float* partials, int32_t* tile_counters,
                                 cudaStream_t stream) {
+  (void)tile_counters;  // kept for API stability; the split reduction is a second kernel now
   const auto& kv = p.kv;
   const int64_t hd = static_cast<int64_t>(kv.num_heads) * kv.head_dim;
   if (num_items < 0 || kv.num_heads <= 0 || kv.num_heads > 65535 || p.uvqk == nullptr ||
       p.out == nullptr || p.uvqk_row_stride < 4 * hd || p.uvqk_row_stride % 8 != 0 ||
       kv.page_size <= 0 || kv.page_stride % 8 != 0 || kv.kv_stride % 8 != 0 ||
-      (num_items > 0 && items == nullptr) || (partials != nullptr && tile_counters == nullptr) ||
+      (num_items > 0 && items == nullptr) ||
       static_cast<int64_t>(num_items) * kv.num_heads > INT32_MAX) {
     return cudaErrorInvalidValue;
   }
   if (!HeadDimSupported(kv.head_dim)) return cudaErrorInvalidValue;  // allowed: 64, 128, 256
   if (num_items == 0) return cudaSuccess;
   switch (kv.head_dim) {
-    case 64: return Launch<64>(p, items, num_items, partials, tile_counters, stream);
-    case 128: return Launch<128>(p, items, num_items, partials, tile_counters, stream);
-    case 256: return Launch<256>(p, items, num_items, partials, tile_counters, stream);
+    case 64: return Launch<64>(p, items, num_items, partials, stream);
+    case 128: return Launch<128>(p, items, num_items, partials, stream);
+    case 256: return Launch<256>(p, items, num_items, partials, stream);
     default: return cudaErrorInvalidValue;
   }
 }

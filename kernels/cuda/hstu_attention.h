@@ -60,10 +60,8 @@ cudaError_t HstuAttentionCtasPerSm(int head_dim, int* ctas_per_sm);
 
 // Runs the plan. p: AttentionParams (history K/V of every user already appended to the pages);
 // items: device copy of plan.items [num_items]; partials: [plan.num_partials, H, kAttnBlockM, D]
-// fp32 scratch (nullptr when num_partials == 0); tile_counters: [plan.num_split_tiles * H] int32
-// (required with partials), zero on the first launch and left zero by every launch: the two CTAs
-// of a two-chunk tile meet there, and the second one finishes the tile; tiles of more chunks are
-// summed by a second kernel. Launches sharing counters must not overlap. Head dim must be 64, 128 or 256
+// fp32 scratch (nullptr when num_partials == 0); tile_counters: [plan.num_split_tiles * H] int32,
+// zero on the first launch and left zero by every launch. Head dim must be 64, 128 or 256
 // (cudaErrorInvalidValue otherwise; see kSupportedHeadDimsText in ops.h).
 cudaError_t LaunchHstuAttention(const AttentionParams<__nv_bfloat16>& p,
                                 const AttentionWorkItem* items, int32_t num_items,

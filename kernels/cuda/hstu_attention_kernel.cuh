@@ -113,52 +113,10 @@ __device__ __forceinline__ void StorePartial(const AttentionWorkItem& it, int h,
   }
 }
 
-// A tile cut into two chunks is finished inside the attention kernel (no reduction launch, no
-// second pass over the partials): both CTAs store their fp32 partial; the one that arrives second
-// at the tile's counter adds the other's partial to its registers, resets the counter for the next
-// launch and writes the tile as an unsplit one would. Two fp32 terms commute, so the result does
-// not depend on which CTA ends second. Tiles of three or more chunks are summed in split order by
-// HstuAttentionReduceKernel. `sync` is a barrier over every thread holding rows of the tile,
-// `leader` one of them, `s_ticket` a shared int. Returns whether this CTA writes the tile.
-template <int kD, typename Sync>
-__device__ __forceinline__ bool FinishTwoChunkTile(const AttentionWorkItem& it, int h, int num_heads,
-                                                   int row0, int t4, bool leader,
-                                                   float (&o)[kD / 2], float* __restrict__ partials,
-                                                   int32_t* __restrict__ counters, int* s_ticket,
-                                                   Sync sync) {
-  StorePartial<kD>(it, h, num_heads, row0, t4, o, partials);
-  __threadfence();  // every thread's partial is visible device-wide before the arrival counts
-  sync();
-  if (leader) {
-    int32_t* counter = counters + static_cast<int64_t>(it.tile) * num_heads + h;
-    const int32_t ticket = atomicAdd(counter, 1);
-    if (ticket == 1) *counter = 0;  // both have arrived; nothing else touches it in this launch
-    *s_ticket = ticket;
-  }
-  sync();
-  if (*s_ticket != 1) return false;
-  __threadfence();
-  const float* other = partials + (static_cast<int64_t>(it.partial_base + 1 - it.split) * num_heads + h) *
-                                      kAttnBlockM * kD;
-#pragma unroll
-  for (int jn = 0; jn < kD / 8; ++jn) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = row0 + 8 * i;
-      if (r < it.num_q) {
-        const float2 v = __ldcg(reinterpret_cast<const float2*>(other + r * kD + jn * 8 + 2 * t4));
-        o[4 * jn + 2 * i] += v.x;
-        o[4 * jn + 2 * i + 1] += v.y;
-      }
-    }
-  }
-  return true;
-}
-
 template <int kD>
 __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
     HstuAttentionKernel(const AttentionParams<bf16> p, const AttentionWorkItem* __restrict__ items,
-                        float* __restrict__ partials, int32_t* __restrict__ tile_counters) {
+                        float* __restrict__ partials) {
 #ifdef HSTU_WGMMA_ENABLED
   using Tr = AttnTraits<kD>;
   constexpr int kM = Tr::kM, kN = Tr::kN, kChunks = Tr::kChunks;
@@ -343,20 +301,8 @@ __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
     AddCandidateDiagonal<kD>(p, it, h, row0, t4, is_cand, o);
   }
 
-  if (it.num_splits > 2) {
-    // Split tile: write this chunk's fp32 partial; HstuAttentionReduceKernel sums them.
-    StorePartial<kD>(it, h, p.kv.num_heads, row0, t4, o, partials);
-    return;
-  }
-  if (it.num_splits == 2) {
-    __shared__ int s_ticket;
-    if (!FinishTwoChunkTile<kD>(it, h, p.kv.num_heads, row0, t4, tid == 0, o, partials,
-                                tile_counters, &s_ticket, [] { __syncthreads(); })) {
-      return;
-    }
-  }
   bf16* out = p.out + h * kD;
-  {
+  if (it.num_splits == 1) {
     // Stage the bf16 tile in s_q (free once every warp is past its last S) for 16-byte stores.
     CpAsyncWait<0>();
     __syncthreads();
@@ -375,7 +321,11 @@ __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
       *reinterpret_cast<Bf16x8*>(out + static_cast<int64_t>(it.q_row + r) * hd + c * 8) =
           *reinterpret_cast<const Bf16x8*>(s_q + TileOffset<kM>(r, c));
     }
+    return;
   }
+
+  // Split tile: write this chunk's fp32 partial; HstuAttentionReduceKernel sums them.
+  StorePartial<kD>(it, h, p.kv.num_heads, row0, t4, o, partials);
 #else
   __trap();  // built for an architecture without wgmma; the launcher refuses non-sm_90 devices
 #endif
@@ -393,7 +343,7 @@ __global__ void __launch_bounds__(256)
                               int32_t num_heads) {
   // Block x = item * H + head: the heads of an item launch together, in the plan's order.
   const AttentionWorkItem it = items[blockIdx.x / num_heads];
-  if (it.num_splits <= 2 || it.split != 0) return;  // two-chunk tiles finish in the attention kernel
+  if (it.num_splits <= 1 || it.split != 0) return;
   const int h = blockIdx.x % num_heads;
   const int row_begin = blockIdx.z * kReduceRows;
   if (row_begin >= it.num_q) return;

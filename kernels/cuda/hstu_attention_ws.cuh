@@ -77,8 +77,8 @@ struct AttnWsTraits {
 // of one TMA box (64, 32, 16 or 8, dividing the page size).
 __global__ void __launch_bounds__(384, 1)
     HstuAttentionWsKernel(const AttentionParams<bf16> p, const AttentionWorkItem* __restrict__ items,
-                          float* __restrict__ partials, int32_t* __restrict__ tile_counters,
-                          const CUtensorMap* __restrict__ kv_map, int box_rows) {
+                          float* __restrict__ partials, const CUtensorMap* __restrict__ kv_map,
+                          int box_rows) {
 #ifdef HSTU_WGMMA_ENABLED
   using Tr = AttnWsTraits;
   constexpr int kD = Tr::kD, kM = Tr::kM, kN = Tr::kN, kChunks = Tr::kChunks, kSlots = Tr::kSlots;
@@ -302,20 +302,8 @@ __global__ void __launch_bounds__(384, 1)
     AddCandidateDiagonal<kD>(p, it, h, row0, t4, is_cand, o);
   }
 
-  if (it.num_splits > 2) {
-    StorePartial<kD>(it, h, p.kv.num_heads, row0, t4, o, partials);
-    return;
-  }
-  if (it.num_splits == 2) {
-    // Named barrier 3: the two consumer warpgroups (the producer warp is not waiting).
-    __shared__ int s_ticket;
-    if (!FinishTwoChunkTile<kD>(it, h, p.kv.num_heads, row0, t4, ctid == 0, o, partials,
-                                tile_counters, &s_ticket, [] { NamedBarrierSync(3, 256); })) {
-      return;
-    }
-  }
   bf16* out = p.out + h * kD;
-  {
+  if (it.num_splits == 1) {
     // Stage this warpgroup's bf16 rows in its half of s_q (only it reads those rows) for 16-byte
     // stores.
 #pragma unroll
@@ -334,7 +322,10 @@ __global__ void __launch_bounds__(384, 1)
       *reinterpret_cast<Bf16x8*>(out + static_cast<int64_t>(it.q_row + r) * hd + c * 8) =
           *reinterpret_cast<const Bf16x8*>(s_q + TileOffset<kM>(r, c));
     }
+    return;
   }
+
+  StorePartial<kD>(it, h, p.kv.num_heads, row0, t4, o, partials);
 #else
   __trap();
 #endif
