@@ -66,6 +66,8 @@ TEST(CudaGemmTuner, MatchesGemmExAndAccumulatesOnce) {
       DeviceArray<float> cf(c0);
       DeviceArray<bf16> cb(s.m * s.n);
       if (!s.f32) cb.Poison();
+      // The uploads and the poison run on the legacy stream; the GEMM on `stream` must see them.
+      HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
       void* c = s.f32 ? static_cast<void*>(cf.get()) : static_cast<void*>(cb.get());
       const cublasStatus_t st =
           run == 0 ? cuda::GemmBf16(blas, a.get(), b.get(), c, s.f32, s.m, s.n, s.k, s.beta)
