@@ -236,7 +236,6 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
   att.alpha = 1.f / std::sqrt(static_cast<float>(config_.head_dim));
   att.inv_norm = 1.f / static_cast<float>(config_.attention_norm_len);
   att.max_attn_len = config_.max_attn_len;
-  att.uvqk_bias = layers_[layer].uvqk_b.as<float>();  // candidates' own v/k are raw in their rows
   // While capturing, the nodes this launch adds (the attention kernel and, as of now, its split
   // reduction) get the batch's work-item count times H as gridDim.x before each replay: every
   // kernel of LaunchHstuAttention has one block per work item and head (checked after capture).
@@ -317,9 +316,7 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
     HSTU_CUDA_RETURN(cuda::LaunchBiasSiluAppendKv(ws.uvqk.as<bf16>(), rows, 4 * hd,
                                                   w.uvqk_b.as<float>(), ap, s));
     HSTU_RETURN_IF_ERROR(EnqueueAttention(l));
-    // u is still raw GEMM output: NormMulU adds its bias and applies SiLU on load.
-    HSTU_CUDA_RETURN(cuda::LaunchNormMulU(ws.a.as<bf16>(), ws.uvqk.as<bf16>() + kU * hd, 4 * hd,
-                                          w.uvqk_b.as<float>() + kU * hd, rows, hd,
+    HSTU_CUDA_RETURN(cuda::LaunchNormMulU(ws.a.as<bf16>(), ws.uvqk.as<bf16>() + kU * hd, 4 * hd, rows, hd,
                                           w.out_norm_w.as<float>(), w.out_norm_b.as<float>(),
                                           kLayerNormEps, ws.y.as<bf16>(), s));
     HSTU_CUBLAS_RETURN(gemm_.Run(ws.y.as<bf16>(), w.out_w.as<bf16>(), ws.x.get(),

@@ -44,10 +44,6 @@ struct AttentionParams {
   float alpha = 0.f;             // 1 / sqrt(D)
   float inv_norm = 0.f;          // 1 / attention_norm_len
   int32_t max_attn_len = 0;      // W, 0 = no window
-  // CUDA kernels only (the CPU reference takes activated rows): non-null when the v and k blocks
-  // of the uvqk rows are still raw GEMM output (LaunchBiasSiluAppendKv activates q and the pages
-  // only); a candidate's own v and k are then SiLU(x + uvqk_bias) in fp32. [4 * H * D] fp32.
-  const float* uvqk_bias = nullptr;
 };
 
 // Copies the K and V of the new history rows into their pages.

@@ -1,12 +1,8 @@
-// The activation pass after the UVQK GEMM. Every consumer of u, v, q and k wants SiLU(x + bias);
-// this pass applies it only where a consumer cannot do it on load:
-//  - q of every row, in place (the attention loads Q tiles into shared memory for wgmma);
-//  - v and k of the new history rows, into their page slots (the attention reads history K/V from
-//    the pages); the row keeps its raw v and k, which nobody reads again.
-// u (LaunchNormMulU) and a candidate's own v and k (the attention's diagonal term) stay raw in the
-// row and are activated by their consumer in fp32. At the batch-8 decode step this moves 21 MB
-// instead of the 54 MB of activating all four blocks in place.
-// LaunchBiasSilu is the plain pass over all columns (the materialised attention baseline).
+// Bias + SiLU of the UVQK GEMM output, in place, fused with the append of the new history rows' K
+// and V into their pages: one pass over the uvqk rows instead of two kernels, the append no longer
+// reading back what bias + SiLU has just written. The pages receive the post-SiLU values, bit for
+// bit what is written back to the row (the attention reads history K/V from the pages and a
+// candidate's own K/V from its row).
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -36,34 +32,38 @@ __device__ __forceinline__ int RowOwner(const int32_t* __restrict__ row_offsets,
   return b;
 }
 
-// Warp w of the grid takes segment w % segs_per_row of row w / segs_per_row, starting at column
-// col_begin; lane l holds columns seg·kSegCols + 256k + 8l (k < kLaneGroups), so each of the
-// warp's steps moves 512 contiguous bytes. x: [rows, cols] bf16, row stride cols; bias: [cols].
-// kAppend = false: every column of [col_begin, col_end) gets SiLU(x + bias) in place.
-// kAppend = true (cols = 4·H·D, u | v | q | k; col_begin = H·D, u is left alone): q in place; v and
-// k of a new history row of its user (the same search as the attention's: last user b with
-// row_offsets[b] <= r) into the K and V blocks of its page slot, which for one token are H·D
-// contiguous elements, and not back into the row. Rows at or past row_offsets[B] (padding) belong
-// to no user's new rows and get their q activated only.
+// Warp w of the grid takes segment w % segs_per_row of row w / segs_per_row; lane l holds columns
+// seg·kSegCols + 256k + 8l (k < kLaneGroups), so each of the warp's steps moves 512 contiguous
+// bytes.
+// All of a lane's loads are issued before the page lookup, whose few dependent (cached) loads of
+// the batch metadata then hide behind them. x: [rows, cols] bf16, row stride cols; bias: [cols].
+// kAppend: cols = 4·H·D (u | v | q | k); a row that is a new history row of its user (the same
+// search as the attention's: last user b with row_offsets[b] <= r) also writes its v and k
+// columns to the K and V blocks of its page slot, which for one token are H·D contiguous elements.
+// Rows at or past row_offsets[B] (padding) belong to no user's new rows and are never appended.
 template <bool kAppend>
 __global__ void __launch_bounds__(kWarps * 32)
-    BiasSiluAppendKvKernel(bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t col_begin,
-                           int64_t col_end, int64_t segs_per_row, const float* __restrict__ bias,
-                           AppendKvParams<bf16> p) {
+    BiasSiluAppendKvKernel(bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t segs_per_row,
+                           const float* __restrict__ bias, AppendKvParams<bf16> p) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const int64_t r = warp / segs_per_row;
   if (r >= rows) return;
-  const int64_t seg_begin = col_begin + (warp - r * segs_per_row) * kSegCols;
+  const int64_t seg_begin = (warp - r * segs_per_row) * kSegCols;
   const int64_t col0 = seg_begin + lane * 8;
   bf16* row = x + r * cols;
-  const int64_t hd = cols / 4;
+  Bf16x8 in[kLaneGroups];
+#pragma unroll
+  for (int k = 0; k < kLaneGroups; ++k) {
+    const int64_t c = col0 + k * 256;
+    if (c < cols) in[k] = *reinterpret_cast<const Bf16x8*>(row + c);
+  }
 
+  const int64_t hd = cols / 4;
   bf16* k_dst = nullptr;  // K of row r's page slot when r is a new history row; V is kv_stride on
   if constexpr (kAppend) {
     const int64_t seg_end = seg_begin + kSegCols;
     const bool has_kv = (seg_begin < (kV + 1) * hd && seg_end > kV * hd) || seg_end > kK * hd;
-    const bool has_q = seg_begin < (kQ + 1) * hd && seg_end > kQ * hd;
     if (has_kv && p.kv.batch_size > 0) {
       const int ri = static_cast<int>(r);
       const int b = RowOwner(p.row_offsets, p.kv.batch_size, ri, lane);
@@ -76,38 +76,31 @@ __global__ void __launch_bounds__(kWarps * 32)
         k_dst = p.kv.base + p.kv.SlotOffset(p.kv.page_ids[page_idx + t / p.kv.page_size], t, 0);
       }
     }
-    if (!has_q && k_dst == nullptr) return;  // a candidate's (or padding row's) v/k: left raw
   }
 
-  Bf16x8 in[kLaneGroups];
-  bool active[kLaneGroups];
 #pragma unroll
   for (int k = 0; k < kLaneGroups; ++k) {
     const int64_t c = col0 + k * 256;
-    active[k] = c < col_end && (!kAppend || (c >= kQ * hd && c < (kQ + 1) * hd) || k_dst != nullptr);
-    if (active[k]) in[k] = *reinterpret_cast<const Bf16x8*>(row + c);
-  }
+    if (c < cols) {
+      float v[8], bv[8];
+      Unpack8(in[k], v);
+      Load8(bias + c, bv);
 #pragma unroll
-  for (int k = 0; k < kLaneGroups; ++k) {
-    if (!active[k]) continue;
-    const int64_t c = col0 + k * 256;
-    float v[8], bv[8];
-    Unpack8(in[k], v);
-    Load8(bias + c, bv);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = Silu(v[i] + bv[i]);
-    const Bf16x8 out = Pack8(v);
-    if (!kAppend || (c >= kQ * hd && c < (kQ + 1) * hd)) {
+      for (int i = 0; i < 8; ++i) v[i] = Silu(v[i] + bv[i]);
+      const Bf16x8 out = Pack8(v);
       *reinterpret_cast<Bf16x8*>(row + c) = out;
-    } else if (c >= kK * hd) {
-      *reinterpret_cast<Bf16x8*>(k_dst + (c - kK * hd)) = out;
-    } else {  // v
-      *reinterpret_cast<Bf16x8*>(k_dst + p.kv.kv_stride + (c - kV * hd)) = out;
+      if (kAppend && k_dst != nullptr) {
+        if (c >= kK * hd) {
+          *reinterpret_cast<Bf16x8*>(k_dst + (c - kK * hd)) = out;
+        } else if (c >= kV * hd && c < (kV + 1) * hd) {
+          *reinterpret_cast<Bf16x8*>(k_dst + p.kv.kv_stride + (c - kV * hd)) = out;
+        }
+      }
     }
   }
 }
 
-// Grid of the row pass over `cols` columns of each row; 0 when it would not fit a launch.
+// Grid of the row pass; 0 when it would not fit a launch.
 unsigned RowPassBlocks(int64_t rows, int64_t cols, int64_t* segs_per_row) {
   *segs_per_row = (cols + kSegCols - 1) / kSegCols;
   const int64_t blocks = (rows * *segs_per_row + kWarps - 1) / kWarps;
@@ -131,33 +124,26 @@ cudaError_t LaunchBiasSiluAppendKv(bf16* uvqk, int64_t rows, int64_t cols, const
   }
   if (rows == 0) return cudaSuccess;
   int64_t segs_per_row = 0;
-  const int64_t hd = cols / 4;
-  const unsigned blocks = RowPassBlocks(rows, cols - hd, &segs_per_row);  // v | q | k
+  const unsigned blocks = RowPassBlocks(rows, cols, &segs_per_row);
   if (blocks == 0) return cudaErrorInvalidValue;
-  BiasSiluAppendKvKernel<true><<<blocks, kWarps * 32, 0, stream>>>(uvqk, rows, cols, hd, cols,
-                                                                  segs_per_row, bias, p);
-  return cudaPeekAtLastError();
-}
-
-cudaError_t LaunchBiasSiluColumns(bf16* x, int64_t rows, int64_t cols, int64_t col_begin,
-                                  int64_t col_end, const float* bias, cudaStream_t stream) {
-  if (rows < 0 || cols <= 0 || cols % 8 != 0 || col_begin < 0 || col_begin % 8 != 0 ||
-      col_end < col_begin || col_end > cols || col_end % 8 != 0 || x == nullptr ||
-      bias == nullptr || !Aligned16(x) || !Aligned16(bias)) {
-    return cudaErrorInvalidValue;
-  }
-  if (rows == 0 || col_end == col_begin) return cudaSuccess;
-  int64_t segs_per_row = 0;
-  const unsigned blocks = RowPassBlocks(rows, col_end - col_begin, &segs_per_row);
-  if (blocks == 0) return cudaErrorInvalidValue;
-  BiasSiluAppendKvKernel<false><<<blocks, kWarps * 32, 0, stream>>>(
-      x, rows, cols, col_begin, col_end, segs_per_row, bias, AppendKvParams<bf16>{});
+  BiasSiluAppendKvKernel<true><<<blocks, kWarps * 32, 0, stream>>>(uvqk, rows, cols, segs_per_row,
+                                                                  bias, p);
   return cudaPeekAtLastError();
 }
 
 cudaError_t LaunchBiasSilu(bf16* x, int64_t rows, int64_t cols, const float* bias,
                            cudaStream_t stream) {
-  return LaunchBiasSiluColumns(x, rows, cols, 0, cols, bias, stream);
+  if (rows < 0 || cols <= 0 || cols % 8 != 0 || x == nullptr || bias == nullptr ||
+      !Aligned16(x) || !Aligned16(bias)) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0) return cudaSuccess;
+  int64_t segs_per_row = 0;
+  const unsigned blocks = RowPassBlocks(rows, cols, &segs_per_row);
+  if (blocks == 0) return cudaErrorInvalidValue;
+  BiasSiluAppendKvKernel<false><<<blocks, kWarps * 32, 0, stream>>>(x, rows, cols, segs_per_row,
+                                                                   bias, AppendKvParams<bf16>{});
+  return cudaPeekAtLastError();
 }
 
 }  // namespace hstu::cuda

@@ -189,7 +189,6 @@ cudaError_t LaunchHstuAttention(const AttentionParams<bf16>& p, const AttentionW
       p.out == nullptr || p.uvqk_row_stride < 4 * hd || p.uvqk_row_stride % 8 != 0 ||
       kv.page_size <= 0 || kv.page_stride % 8 != 0 || kv.kv_stride % 8 != 0 ||
       (num_items > 0 && items == nullptr) ||
-      (p.uvqk_bias != nullptr && reinterpret_cast<uintptr_t>(p.uvqk_bias) % 8 != 0) ||
       static_cast<int64_t>(num_items) * kv.num_heads > INT32_MAX) {
     return cudaErrorInvalidValue;
   }

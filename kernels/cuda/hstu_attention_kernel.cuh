@@ -59,25 +59,13 @@ __device__ __forceinline__ float SiluScaled(float s, float half_alpha, float inv
 
 // The candidates' own keys (the diagonal), added by split 0 of a tile with candidates:
 // p_ii = SiLU(alpha q_i·k_i)/N, o_i += p_ii v_i, in fp32 from the uvqk row (the 4 threads of a
-// quad hold the row's columns; two shuffles reduce the dot product). With p.uvqk_bias the row's v
-// and k are raw and activated here: SiLU(x + bias).
+// quad hold the row's columns; two shuffles reduce the dot product).
 template <int kD>
 __device__ __forceinline__ void AddCandidateDiagonal(const AttentionParams<bf16>& p,
                                                      const AttentionWorkItem& it, int h, int row0,
                                                      int t4, const bool (&is_cand)[2],
                                                      float (&o)[kD / 2]) {
   const int64_t hd = static_cast<int64_t>(p.kv.num_heads) * kD;
-  const float* bias = p.uvqk_bias;
-  // SiLU(x + bias) of the pair at column col of block `part`, or x as stored.
-  auto activated = [&](const bf16* row, int part, int col) {
-    float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + part * hd + col));
-    if (bias != nullptr) {
-      const float2 b = *reinterpret_cast<const float2*>(bias + part * hd + h * kD + col);
-      x.x = Silu(x.x + b.x);
-      x.y = Silu(x.y + b.y);
-    }
-    return x;
-  };
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = min(row0 + 8 * i, it.num_q - 1);
@@ -87,7 +75,8 @@ __device__ __forceinline__ void AddCandidateDiagonal(const AttentionParams<bf16>
     for (int jn = 0; jn < kD / 8; ++jn) {
       const float2 q = __bfloat1622float2(
           *reinterpret_cast<const __nv_bfloat162*>(row + kQ * hd + 8 * jn + 2 * t4));
-      const float2 k = activated(row, kK, 8 * jn + 2 * t4);
+      const float2 k = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(row + kK * hd + 8 * jn + 2 * t4));
       dot = fmaf(q.x, k.x, fmaf(q.y, k.y, dot));
     }
     dot += __shfl_xor_sync(0xffffffffu, dot, 1);
@@ -95,7 +84,8 @@ __device__ __forceinline__ void AddCandidateDiagonal(const AttentionParams<bf16>
     const float pd = is_cand[i] ? Silu(p.alpha * dot) * p.inv_norm : 0.f;
 #pragma unroll
     for (int jn = 0; jn < kD / 8; ++jn) {
-      const float2 v = activated(row, kV, 8 * jn + 2 * t4);
+      const float2 v = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(row + kV * hd + 8 * jn + 2 * t4));
       o[4 * jn + 2 * i] = fmaf(pd, v.x, o[4 * jn + 2 * i]);
       o[4 * jn + 2 * i + 1] = fmaf(pd, v.y, o[4 * jn + 2 * i + 1]);
     }

@@ -53,9 +53,8 @@ __global__ void __launch_bounds__(kNormWarps * 32)
 template <int kGroups>
 __global__ void __launch_bounds__(kNormWarps * 32)
     NormMulUWarpKernel(const bf16* __restrict__ a, const bf16* __restrict__ u, int64_t u_stride,
-                       const float* __restrict__ u_bias, int64_t rows, int hd,
-                       const float* __restrict__ w, const float* __restrict__ b, float eps,
-                       bf16* __restrict__ y) {
+                       int64_t rows, int hd, const float* __restrict__ w,
+                       const float* __restrict__ b, float eps, bf16* __restrict__ y) {
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kNormWarps + (threadIdx.x >> 5);
   if (r >= rows) return;
@@ -103,12 +102,6 @@ __global__ void __launch_bounds__(kNormWarps * 32)
       float v[8], uv[8], wv[8], bv[8];
       Unpack8(ap[j], v);
       Unpack8(up[j], uv);
-      if (u_bias != nullptr) {
-        float ub[8];
-        Load8(u_bias + c, ub);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) uv[i] = Silu(uv[i] + ub[i]);
-      }
       affine.Get(j, c, wv, bv);
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[i] = ((v[i] - mean) * rstd * wv[i] + bv[i]) * uv[i];
@@ -165,9 +158,7 @@ __global__ void __launch_bounds__(kThreads) LayerNormKernel(const float* __restr
 
 __global__ void __launch_bounds__(kThreads) NormMulUKernel(const bf16* __restrict__ a,
                                                            const bf16* __restrict__ u,
-                                                           int64_t u_stride,
-                                                           const float* __restrict__ u_bias,
-                                                           int64_t hd,
+                                                           int64_t u_stride, int64_t hd,
                                                            const float* __restrict__ w,
                                                            const float* __restrict__ b, float eps,
                                                            bf16* __restrict__ y) {
@@ -180,12 +171,6 @@ __global__ void __launch_bounds__(kThreads) NormMulUKernel(const bf16* __restric
     float v[8], uv[8], wv[8], bv[8];
     Load8(ar + c, v);
     Load8(ur + c, uv);
-    if (u_bias != nullptr) {
-      float ub[8];
-      Load8(u_bias + c, ub);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) uv[i] = Silu(uv[i] + ub[i]);
-    }
     Load8(w + c, wv);
     Load8(b + c, bv);
 #pragma unroll
@@ -221,25 +206,24 @@ cudaError_t LaunchLayerNorm(const float* x, int64_t rows, int64_t cols, const fl
   return err != cudaSuccess ? err : cudaPeekAtLastError();
 }
 
-cudaError_t LaunchNormMulU(const bf16* a, const bf16* u, int64_t u_stride, const float* u_bias,
-                           int64_t rows, int64_t hd, const float* w, const float* b, float eps,
-                           bf16* y, cudaStream_t stream) {
+cudaError_t LaunchNormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64_t rows,
+                           int64_t hd, const float* w, const float* b, float eps, bf16* y,
+                           cudaStream_t stream) {
   if (rows < 0 || hd <= 0 || hd % 8 != 0 || u_stride < hd || u_stride % 8 != 0 || a == nullptr ||
       u == nullptr || w == nullptr || b == nullptr || y == nullptr || rows > 0x7fffffff ||
-      !Aligned16(a) || !Aligned16(u) || !Aligned16(w) || !Aligned16(b) || !Aligned16(y) ||
-      (u_bias != nullptr && !Aligned16(u_bias))) {
+      !Aligned16(a) || !Aligned16(u) || !Aligned16(w) || !Aligned16(b) || !Aligned16(y)) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0) return cudaSuccess;
   const int groups = NormLaneGroups(hd);
   if (groups == 0) {
-    NormMulUKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(a, u, u_stride, u_bias,
-                                                                          hd, w, b, eps, y);
+    NormMulUKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(a, u, u_stride, hd, w, b,
+                                                                          eps, y);
     return cudaPeekAtLastError();
   }
   const cudaError_t err = DispatchNormLaneGroups(groups, [&](auto g) {
     NormMulUWarpKernel<decltype(g)::value><<<NormBlocks(rows), kNormWarps * 32, 0, stream>>>(
-        a, u, u_stride, u_bias, rows, static_cast<int>(hd), w, b, eps, y);
+        a, u, u_stride, rows, static_cast<int>(hd), w, b, eps, y);
     return cudaSuccess;
   });
   return err != cudaSuccess ? err : cudaPeekAtLastError();

@@ -38,35 +38,27 @@ cudaError_t LaunchEmbeddingGather(const EmbeddingParams<bf16>& p, float* out, co
 cudaError_t LaunchLayerNorm(const float* x, int64_t rows, int64_t cols, const float* w,
                             const float* b, float eps, bf16* out, cudaStream_t stream);
 
-// The activation after the UVQK GEMM where no consumer can apply it on load (bf16 in, fp32 bias and
-// SiLU, bf16 out): q = SiLU(q + bias_q) in place on every row, and SiLU(v + bias_v), SiLU(k + bias_k)
-// of each user's new history rows written into their pages (AppendKvParams; the same slots as
-// cpu::AppendKv). u and the v/k left in the rows stay raw: LaunchNormMulU (u_bias) and the
-// attention's diagonal term (AttentionParams::uvqk_bias) activate them. One pass over the rows.
+// uvqk = SiLU(uvqk + bias) in place on every row (bf16 in, fp32 bias and SiLU, bf16 out), and the
+// post-SiLU K and V of each user's new history rows written into their pages (AppendKvParams; the
+// same slots as cpu::AppendKv). One pass over the rows.
 //   uvqk: [rows, cols] bf16, cols = 4·H·D (u | v | q | k), row stride cols; bias: [cols] fp32.
 //   p.uvqk must be uvqk and p.uvqk_row_stride cols. Rows at or past row_offsets[B] (padding) get
-//   their q activated only. 16-byte aligned uvqk, bias and pool.
+//   bias + SiLU only. 16-byte aligned uvqk, bias and pool.
 cudaError_t LaunchBiasSiluAppendKv(bf16* uvqk, int64_t rows, int64_t cols, const float* bias,
                                    const AppendKvParams<bf16>& p, cudaStream_t stream);
 
-// x = SiLU(x + bias) in place on every column, for rows that have no pages (the materialised
-// attention baseline). x: [rows, cols] bf16 (row stride cols, cols % 8 == 0); bias: [cols] fp32.
-// Same kernel and rounding as LaunchBiasSiluAppendKv.
+// x = SiLU(x + bias) in place, for rows that have no pages (the materialised attention baseline).
+// x: [rows, cols] bf16 (row stride cols, cols % 8 == 0); bias: [cols] fp32. Same kernel and
+// rounding as LaunchBiasSiluAppendKv.
 cudaError_t LaunchBiasSilu(bf16* x, int64_t rows, int64_t cols, const float* bias,
                            cudaStream_t stream);
-// The same on columns [col_begin, col_end) of each row only (multiples of 8); bias is still indexed
-// by the column (bias[c] for column c).
-cudaError_t LaunchBiasSiluColumns(bf16* x, int64_t rows, int64_t cols, int64_t col_begin,
-                                  int64_t col_end, const float* bias, cudaStream_t stream);
 
-// y[r] = LayerNorm(a[r]; w, b) * u'[r] over hd columns (fp32 statistics), where u' = u when
-// u_bias is null and u' = SiLU(u + u_bias) in fp32 otherwise (u raw from the UVQK GEMM).
-//   a: [rows, hd] bf16; u: [rows, u_stride] bf16 (the u block of uvqk rows); u_bias: [hd] fp32 or
-//   null; y: [rows, hd] bf16. hd % 8 == 0, u_stride % 8 == 0; 16-byte aligned pointers. Warp per
-//   row up to hd = 4096.
-cudaError_t LaunchNormMulU(const bf16* a, const bf16* u, int64_t u_stride, const float* u_bias,
-                           int64_t rows, int64_t hd, const float* w, const float* b, float eps,
-                           bf16* y, cudaStream_t stream);
+// y[r] = LayerNorm(a[r]; w, b) * u[r] over hd columns (fp32 statistics).
+//   a: [rows, hd] bf16; u: [rows, u_stride] bf16 (the u block of uvqk rows); y: [rows, hd] bf16.
+//   hd % 8 == 0, u_stride % 8 == 0; 16-byte aligned pointers. Warp per row up to hd = 4096.
+cudaError_t LaunchNormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64_t rows,
+                           int64_t hd, const float* w, const float* b, float eps, bf16* y,
+                           cudaStream_t stream);
 
 // For each i < num_rows: raw[i] = x[rows[i]] (when raw != nullptr) and
 // normed[i] = x[rows[i]] / max(|x[rows[i]]|_2, 1e-6).  x: [*, cols] fp32; raw, normed: [num_rows, cols].
