@@ -293,6 +293,13 @@ TEST_F(ServerTest, ExpiredDeadlineAnswersDeadlineExceededWithoutEngineWork) {
   hstu::v1::RankResponse resp;
   EXPECT_EQ(Rank(MakeRequest(2, 5, 3, 2), &resp, 100ms).error_code(),
             grpc::StatusCode::DEADLINE_EXCEEDED);
+  // gRPC sends the deadline as a timeout that the server counts from when it receives the call,
+  // which on a loaded machine can be well after the client sent it: open the gate only once the
+  // call is queued and its deadline has passed on the server's clock too.
+  for (int i = 0; i < 300 && Scrape().Sum("hstu_queue_depth") < 1; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  std::this_thread::sleep_for(150ms);
   gate_.Open();
   blocker.join();
   EXPECT_FALSE(gate_.Saw(2));
