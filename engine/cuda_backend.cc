@@ -82,6 +82,12 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
   HSTU_CUDA_RETURN(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
   HSTU_CUDA_RETURN(cudaEventCreate(&onload_start_));
   HSTU_CUDA_RETURN(cudaEventCreate(&onload_end_));
+  // Layer 0's pool (every layer has the same layout); only the base, shape and strides are read.
+  AttentionParams<bf16> probe;
+  probe.kv = MakePagedKvView(pool_.as<bf16>(), page_size_, config_.num_heads, config_.head_dim, 0,
+                             nullptr, nullptr, nullptr);
+  probe.max_attn_len = config_.max_attn_len;
+  attention_kernel_ = cuda::HstuAttentionKernelName(probe, stream_.get());
   if (graph_options_.enable) HSTU_RETURN_IF_ERROR(CaptureGraphs());
   return absl::OkStatus();
 }

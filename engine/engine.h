@@ -91,6 +91,7 @@ class Engine {
   const ModelConfig& config() const { return config_; }
   const EngineOptions& options() const { return options_; }
   std::string device_name() const { return backend_->name(); }
+  std::string attention_kernel() const { return backend_->attention_kernel(); }
   EngineStats Stats() const;
 
  private:

@@ -59,19 +59,28 @@ int KvBoxRows(int page_size) {
   return 0;
 }
 
-// The device copy of p's K/V tensor map, or nullptr when the warp-specialised kernel does not apply.
-const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stream) {
+// The device copy of p's K/V tensor map, or nullptr when the warp-specialised kernel does not apply
+// (*why, when given, then says why).
+const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stream,
+                               const char** why = nullptr) {
   const auto& kv = p.kv;
   const int64_t hd = static_cast<int64_t>(kv.num_heads) * kv.head_dim;
-  if (!WsEnabled() || p.max_attn_len > 0 || KvBoxRows(kv.page_size) == 0 ||
-      kv.page_size > (1 << 20) || kv.kv_stride != kv.page_size * hd ||
-      kv.page_stride != 2 * kv.kv_stride || reinterpret_cast<uintptr_t>(kv.base) % 16 != 0) {
+  auto fail = [why](const char* reason) -> const CUtensorMap* {
+    if (why != nullptr) *why = reason;
     return nullptr;
+  };
+  if (kv.head_dim != 256) return fail("head dim is not 256");
+  if (!WsEnabled()) return fail("HSTU_ATTN_WS=0");
+  if (p.max_attn_len > 0) return fail("sliding window");
+  if (KvBoxRows(kv.page_size) == 0) return fail("page size is not a multiple of 8");
+  if (kv.page_size > (1 << 20) || kv.kv_stride != kv.page_size * hd ||
+      kv.page_stride != 2 * kv.kv_stride || reinterpret_cast<uintptr_t>(kv.base) % 16 != 0) {
+    return fail("pool layout is not packed K|V pages");
   }
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();
-    return nullptr;
+    return fail("cudaGetDevice failed");
   }
   struct Entry {
     int device;
@@ -92,10 +101,10 @@ const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stre
   if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
       capture != cudaStreamCaptureStatusNone) {
     cudaGetLastError();
-    return nullptr;
+    return fail("first launch for this pool is inside a stream capture");
   }
   const EncodeTiledFn encode = GetEncodeTiled();
-  if (encode == nullptr) return nullptr;
+  if (encode == nullptr) return fail("the driver has no cuTensorMapEncodeTiled");
   CUtensorMap host{};
   const cuuint64_t dims[4] = {64, static_cast<cuuint64_t>(hd / 64),
                               static_cast<cuuint64_t>(kv.page_size), cuuint64_t{1} << 24};
@@ -106,17 +115,17 @@ const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stre
   if (encode(&host, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<bf16*>(kv.base), dims, strides,
              box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
-    return nullptr;
+    return fail("cuTensorMapEncodeTiled refused the pool");
   }
   CUtensorMap* dev = nullptr;
   if (cudaMalloc(&dev, sizeof(CUtensorMap)) != cudaSuccess) {
     cudaGetLastError();
-    return nullptr;
+    return fail("no device memory for the tensor map");
   }
   if (cudaMemcpy(dev, &host, sizeof(host), cudaMemcpyHostToDevice) != cudaSuccess) {
     cudaGetLastError();
     cudaFree(dev);
-    return nullptr;
+    return fail("copying the tensor map failed");
   }
   cache->push_back(Entry{device, kv.base, kv.page_size, kv.num_heads, kv.head_dim, dev});
   return dev;
@@ -177,6 +186,13 @@ cudaError_t HstuAttentionCtasPerSm(int head_dim, int* ctas_per_sm) {
     case 256: return CtasPerSm<256>(ctas_per_sm);
     default: return cudaErrorInvalidValue;
   }
+}
+
+std::string HstuAttentionKernelName(const AttentionParams<bf16>& p, cudaStream_t stream) {
+  if (!HeadDimSupported(p.kv.head_dim)) return "none (unsupported head dim)";
+  const char* why = "";
+  if (KvTensorMap(p, stream, &why) != nullptr) return "warp-specialised TMA kernel";
+  return std::string("2-warpgroup cp.async kernel (") + why + ")";
 }
 
 cudaError_t LaunchHstuAttention(const AttentionParams<bf16>& p, const AttentionWorkItem* items,

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kernels/params.h"
@@ -54,6 +55,12 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
                                 const int32_t* num_tokens, int32_t batch_size,
                                 int32_t max_attn_len, int32_t num_heads, int32_t concurrent_ctas,
                                 int32_t max_split = 64);
+
+// Which kernel LaunchHstuAttention runs for p's pool and shape, and when it is not the
+// warp-specialised TMA kernel, why (builds and caches the pool's tensor map as a launch would; call
+// outside a stream capture). Only p.kv's base, page size, heads, head dim and strides and
+// p.max_attn_len are read.
+std::string HstuAttentionKernelName(const AttentionParams<__nv_bfloat16>& p, cudaStream_t stream);
 
 // CTAs of the attention kernel one SM runs at once for this head dim (occupancy API).
 cudaError_t HstuAttentionCtasPerSm(int head_dim, int* ctas_per_sm);

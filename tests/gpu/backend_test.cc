@@ -150,6 +150,13 @@ TEST_P(CudaBackendParity, MatchesCpuBackendCachedAndUncached) {
   auto gpu = CreateCudaBackendExt(weights, p.page_size, num_pages, 0);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   ASSERT_TRUE((*gpu)->SetDebugPoison(true).ok());
+  // The kernel it reports: the TMA kernel exactly where that kernel applies, else why not.
+  const std::string kernel = (*gpu)->attention_kernel();
+  if (p.head_dim == 256 && p.window == 0 && p.page_size % 8 == 0) {
+    EXPECT_EQ(kernel, "warp-specialised TMA kernel");
+  } else {
+    EXPECT_NE(kernel.find("2-warpgroup cp.async kernel ("), std::string::npos) << kernel;
+  }
 
   // Users: long, empty history (candidates only), one candidate, many candidates, ...
   const int B = 6;
@@ -200,7 +207,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackendParity,
                          ::testing::Values(BackendCase{128, 0, 16, true},
                                            BackendCase{64, 0, 32, false},
                                            BackendCase{256, 48, 64, true},
-                                           BackendCase{128, 0, 17, false}),
+                                           BackendCase{128, 0, 17, false},
+                                           BackendCase{256, 0, 32, false}),  // the TMA kernel
                          [](const ::testing::TestParamInfo<BackendCase>& info) {
                            const BackendCase& c = info.param;
                            return absl::StrCat("D", c.head_dim, "_W", c.window, "_page",
