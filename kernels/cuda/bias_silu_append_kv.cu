@@ -45,6 +45,8 @@ template <bool kAppend>
 __global__ void __launch_bounds__(kWarps * 32)
     BiasSiluAppendKvKernel(bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t segs_per_row,
                            const float* __restrict__ bias, AppendKvParams<bf16> p) {
+  WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
+  AllowDependents();
   const int lane = threadIdx.x & 31;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const int64_t r = warp / segs_per_row;
@@ -126,9 +128,8 @@ cudaError_t LaunchBiasSiluAppendKv(bf16* uvqk, int64_t rows, int64_t cols, const
   int64_t segs_per_row = 0;
   const unsigned blocks = RowPassBlocks(rows, cols, &segs_per_row);
   if (blocks == 0) return cudaErrorInvalidValue;
-  BiasSiluAppendKvKernel<true><<<blocks, kWarps * 32, 0, stream>>>(uvqk, rows, cols, segs_per_row,
-                                                                  bias, p);
-  return cudaPeekAtLastError();
+  return LaunchDependent(BiasSiluAppendKvKernel<true>, dim3(blocks), dim3(kWarps * 32), 0, stream,
+                         uvqk, rows, cols, segs_per_row, bias, p);
 }
 
 cudaError_t LaunchBiasSilu(bf16* x, int64_t rows, int64_t cols, const float* bias,

@@ -5,10 +5,45 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace hstu::cuda {
 
 using bf16 = __nv_bfloat16;
+
+// Programmatic dependent launch (sm_90+; no-ops before). A kernel launched by LaunchDependent may
+// start while the kernel before it on the stream is still running: it must call
+// WaitForPredecessor before it reads anything earlier work wrote (or writes anything earlier work
+// reads), and it lets the kernel after it start early with AllowDependents (whose blocks then wait
+// in their own WaitForPredecessor until this grid has finished and its writes are visible).
+__device__ __forceinline__ void WaitForPredecessor() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void AllowDependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Launches `kernel` with programmatic stream serialization: it may begin while the previous kernel
+// on `stream` runs (see WaitForPredecessor). Every kernel launched this way must wait first thing.
+template <typename... Params, typename... Args>
+cudaError_t LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                            cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
 
 // 8 bf16 values moved as one 16-byte access.
 struct alignas(16) Bf16x8 {

@@ -143,21 +143,22 @@ cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* item
     err = cudaFuncSetAttribute(HstuAttentionWsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                kSmem);
     if (err != cudaSuccess) return err;
-    HstuAttentionWsKernel<<<grid, AttnWsTraits::kThreads, kSmem, stream>>>(
-        p, items, partials, kv_map, KvBoxRows(p.kv.page_size));
+    err = LaunchDependent(HstuAttentionWsKernel, grid, dim3(AttnWsTraits::kThreads), kSmem, stream,
+                          p, items, partials, kv_map, KvBoxRows(p.kv.page_size));
+    if (err != cudaSuccess) return err;
   } else {
     constexpr int kSmem = AttnTraits<kD>::kSmemBytes;
     err = cudaFuncSetAttribute(HstuAttentionKernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                kSmem);
     if (err != cudaSuccess) return err;
-    HstuAttentionKernel<kD><<<grid, AttnTraits<kD>::kThreads, kSmem, stream>>>(p, items, partials);
+    err = LaunchDependent(HstuAttentionKernel<kD>, grid, dim3(AttnTraits<kD>::kThreads), kSmem,
+                          stream, p, items, partials);
+    if (err != cudaSuccess) return err;
   }
-  err = cudaPeekAtLastError();
-  if (err != cudaSuccess || partials == nullptr) return err;
+  if (partials == nullptr) return cudaSuccess;
   const dim3 reduce_grid(num_items * p.kv.num_heads, 1, kAttnBlockM / kReduceRows);
-  HstuAttentionReduceKernel<kD><<<reduce_grid, 256, 0, stream>>>(items, partials, p.out,
-                                                                 p.kv.num_heads);
-  return cudaPeekAtLastError();
+  return LaunchDependent(HstuAttentionReduceKernel<kD>, reduce_grid, dim3(256), 0, stream, items,
+                         partials, p.out, p.kv.num_heads);
 }
 
 template <int kD>

@@ -118,6 +118,9 @@ __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
     HstuAttentionKernel(const AttentionParams<bf16> p, const AttentionWorkItem* __restrict__ items,
                         float* __restrict__ partials) {
 #ifdef HSTU_WGMMA_ENABLED
+  WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
+  AllowDependents();
+
   using Tr = AttnTraits<kD>;
   constexpr int kM = Tr::kM, kN = Tr::kN, kChunks = Tr::kChunks;
   extern __shared__ unsigned char smem_raw[];
@@ -341,6 +344,8 @@ __global__ void __launch_bounds__(256)
     HstuAttentionReduceKernel(const AttentionWorkItem* __restrict__ items,
                               const float* __restrict__ partials, bf16* __restrict__ out,
                               int32_t num_heads) {
+  WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
+  AllowDependents();
   // Block x = item * H + head: the heads of an item launch together, in the plan's order.
   const AttentionWorkItem it = items[blockIdx.x / num_heads];
   if (it.num_splits <= 1 || it.split != 0) return;

@@ -80,6 +80,9 @@ __global__ void __launch_bounds__(384, 1)
                           float* __restrict__ partials, const CUtensorMap* __restrict__ kv_map,
                           int box_rows) {
 #ifdef HSTU_WGMMA_ENABLED
+  WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
+  AllowDependents();
+
   using Tr = AttnWsTraits;
   constexpr int kD = Tr::kD, kM = Tr::kM, kN = Tr::kN, kChunks = Tr::kChunks, kSlots = Tr::kSlots;
   extern __shared__ unsigned char smem_raw[];

@@ -55,6 +55,8 @@ __global__ void __launch_bounds__(kNormWarps * 32)
     NormMulUWarpKernel(const bf16* __restrict__ a, const bf16* __restrict__ u, int64_t u_stride,
                        int64_t rows, int hd, const float* __restrict__ w,
                        const float* __restrict__ b, float eps, bf16* __restrict__ y) {
+  WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
+  AllowDependents();
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kNormWarps + (threadIdx.x >> 5);
   if (r >= rows) return;
@@ -162,6 +164,8 @@ __global__ void __launch_bounds__(kThreads) NormMulUKernel(const bf16* __restric
                                                            const float* __restrict__ w,
                                                            const float* __restrict__ b, float eps,
                                                            bf16* __restrict__ y) {
+  WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
+  AllowDependents();
   __shared__ float scratch[32];
   const bf16* ar = a + blockIdx.x * hd;
   const bf16* ur = u + blockIdx.x * u_stride;
@@ -217,14 +221,13 @@ cudaError_t LaunchNormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64
   if (rows == 0) return cudaSuccess;
   const int groups = NormLaneGroups(hd);
   if (groups == 0) {
-    NormMulUKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(a, u, u_stride, hd, w, b,
-                                                                          eps, y);
-    return cudaPeekAtLastError();
+    return LaunchDependent(NormMulUKernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0,
+                           stream, a, u, u_stride, hd, w, b, eps, y);
   }
   const cudaError_t err = DispatchNormLaneGroups(groups, [&](auto g) {
-    NormMulUWarpKernel<decltype(g)::value><<<NormBlocks(rows), kNormWarps * 32, 0, stream>>>(
-        a, u, u_stride, rows, static_cast<int>(hd), w, b, eps, y);
-    return cudaSuccess;
+    return LaunchDependent(NormMulUWarpKernel<decltype(g)::value>, dim3(NormBlocks(rows)),
+                           dim3(kNormWarps * 32), 0, stream, a, u, u_stride, rows,
+                           static_cast<int>(hd), w, b, eps, y);
   });
   return err != cudaSuccess ? err : cudaPeekAtLastError();
 }
