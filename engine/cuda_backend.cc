@@ -260,7 +260,10 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
       size_t n = 0;
       HSTU_CUDA_RETURN(cudaGraphNodeGetDependencies(node, nullptr, nullptr, &n));
       if (n != 1) return absl::InternalError("graph capture: the attention launch is not a chain");
-      HSTU_CUDA_RETURN(cudaGraphNodeGetDependencies(node, &node, nullptr, &n));
+      // Edge data too: the kernels launch as programmatic dependents, and a query without the
+      // edge data would be lossy (cudaErrorLossyQuery).
+      cudaGraphEdgeData edge{};
+      HSTU_CUDA_RETURN(cudaGraphNodeGetDependencies(node, &node, &edge, &n));
     }
   }
   return absl::OkStatus();

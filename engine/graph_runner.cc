@@ -220,9 +220,10 @@ absl::Status CudaBackendImpl::CaptureGraphs() {
 absl::Status CudaBackendImpl::LastCapturedNode(cudaGraphNode_t* node) {
   cudaStreamCaptureStatus status;
   const cudaGraphNode_t* deps = nullptr;
+  const cudaGraphEdgeData* edges = nullptr;  // programmatic edges: the query must take them
   size_t num_deps = 0;
   HSTU_CUDA_RETURN(cudaStreamGetCaptureInfo(stream_.get(), &status, nullptr, nullptr, &deps,
-                                            nullptr, &num_deps));
+                                            &edges, &num_deps));
   if (num_deps > 1) return absl::InternalError("graph capture: the stream is not a chain");
   *node = num_deps == 1 ? deps[0] : nullptr;
   return absl::OkStatus();
