@@ -85,9 +85,11 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   // Scheduled exactly: the four lowest bounds, the first chunks whose longest CTA reaches the even
   // spread (where the few long CTAs leave room for the short ones beside them), and the best of
   // the waves estimate.
-  std::vector<int32_t> tried;
-  auto add = [&](int32_t chunk) {
-    if (std::find(tried.begin(), tried.end(), chunk) == tried.end()) tried.push_back(chunk);
+  std::vector<Candidate> tried;
+  auto add = [&](const Candidate& c) {
+    if (std::none_of(tried.begin(), tried.end(), [&](const Candidate& t) { return t.chunk == c.chunk; })) {
+      tried.push_back(c);
+    }
   };
   std::vector<Candidate> by_bound = candidates;
   const size_t lowest = std::min<size_t>(4, by_bound.size());
@@ -95,25 +97,24 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
                     by_bound.end(), [](const Candidate& x, const Candidate& y) {
                       return x.bound < y.bound || (x.bound == y.bound && x.chunk > y.chunk);
                     });
-  for (size_t i = 0; i < lowest; ++i) add(by_bound[i].chunk);
+  for (size_t i = 0; i < lowest; ++i) add(by_bound[i]);
   for (size_t i = 0, found = 0; i < candidates.size() && found < 4; ++i) {
     const Candidate& c = candidates[i];  // ascending chunk
     if (found > 0 || c.bound <= std::min(c.chunk, max_blocks) + kCtaOverhead + 1e-9) {
-      add(c.chunk);
+      add(c);
       ++found;
     }
   }
-  add(std::min_element(candidates.begin(), candidates.end(), [](const Candidate& x, const Candidate& y) {
+  add(*std::min_element(candidates.begin(), candidates.end(), [](const Candidate& x, const Candidate& y) {
         return x.waves < y.waves || (x.waves == y.waves && x.chunk > y.chunk);
-      })->chunk);
+      }));
   std::vector<int32_t> costs;
   std::vector<double> finish;
-  int32_t best_chunk = tried.front();
+  int32_t best_chunk = tried.front().chunk;
   double best_span = 1e300;
-  for (const int32_t chunk : tried) {
-    const double bound = candidates[std::find_if(candidates.begin(), candidates.end(),
-                                                 [&](const Candidate& x) { return x.chunk == chunk; }) -
-                                    candidates.begin()].bound;
+  for (const Candidate& candidate : tried) {
+    const int32_t chunk = candidate.chunk;
+    const double bound = candidate.bound;
     costs.clear();
     for (int32_t b : blocks) {
       for (int32_t k = 0; k < std::max(1, CeilDiv(b, chunk)); ++k) {
