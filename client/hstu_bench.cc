@@ -527,6 +527,15 @@ json BenchE2e(int reps, int page_size) {
   std::printf("| users | mode | total (ms) | per step (ms) | speedup |\n|---|---|---|---|---|\n");
   std::mt19937 rng(21);
   uint64_t next_user = 1;
+  // One visit: `events` more history events (128 = 256 tokens a step) and fresh candidates.
+  auto visit = [&](hstu::RankRequest& r, int events) {
+    for (int i = 0; i < events; ++i) {
+      r.history_item_ids.push_back(rng() % 100000);
+      r.history_actions.push_back(rng() % 128);
+    }
+    r.candidate_item_ids.resize(cand);
+    for (auto& id : r.candidate_item_ids) id = rng() % 100000;
+  };
   for (int U : {1, 2, 4, 8}) {
     double base_ms = 0;
     for (size_t mi = 0; mi < engines.size(); ++mi) {
@@ -537,14 +546,7 @@ json BenchE2e(int reps, int page_size) {
         for (auto& r : users) r.user_id = next_user++;
         double total = 0;
         for (int s = 1; s <= steps; ++s) {
-          for (auto& r : users) {
-            for (int i = 0; i < 128; ++i) {
-              r.history_item_ids.push_back(rng() % 100000);
-              r.history_actions.push_back(rng() % 128);
-            }
-            r.candidate_item_ids.resize(cand);
-            for (auto& id : r.candidate_item_ids) id = rng() % 100000;
-          }
+          for (auto& r : users) visit(r, 128);
           total += WallMs([&] {
             for (auto& res : e.Rank(users)) OrDie(res.status());
           });
@@ -576,17 +578,8 @@ json BenchE2e(int reps, int page_size) {
             r = hstu::RankRequest();
             r.user_id = next_user++;
           }
-          for (int i = 0; i < 128; ++i) {
-            r.history_item_ids.push_back(rng() % 100000);
-            r.history_actions.push_back(rng() % 128);
-          }
-          // Skip ahead to the user's phase on its first visit.
-          while (s == 0 && static_cast<int>(r.history_item_ids.size()) < 128 * (1 + phase[k])) {
-            r.history_item_ids.push_back(rng() % 100000);
-            r.history_actions.push_back(rng() % 128);
-          }
-          r.candidate_item_ids.resize(cand);
-          for (auto& id : r.candidate_item_ids) id = rng() % 100000;
+          // The first visit skips ahead to the user's phase.
+          visit(r, s == 0 ? 128 * (1 + phase[k]) : 128);
         }
         const double ms = WallMs([&] {
           for (auto& res : e.Rank(users)) OrDie(res.status());
