@@ -58,8 +58,9 @@ double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // B users of T new history tokens each (no cache, causal), H heads of dim D. Owns the pages (filled
-// from the uvqk rows by LaunchBiasSiluAppendKv, as in the engine, so fused and baseline see the
-// same K/V), the plan and the fused kernel's workspace.
+// from the uvqk rows by LaunchBiasSiluAppendKv, as in the engine, with the rows activated by
+// LaunchBiasSilu, so fused and baseline see the same K/V), the plan and the fused kernel's
+// workspace.
 struct FusedAttention {
   int B = 1, T = 0, H = 0, D = 0, page_size = 64;
   float alpha = 0, inv_norm = 0;
@@ -70,8 +71,8 @@ struct FusedAttention {
   const cuda::AttentionWorkItem* items = nullptr;
   size_t bytes = 0;  // device memory held by this object
 
-  // uvqk: [B*T, 4*H*D], taken as the UVQK GEMM's output: Build applies SiLU (bias 0) to it in
-  // place while it fills the pages. out: [B*T, H*D].
+  // uvqk: [B*T, 4*H*D], taken as the UVQK GEMM's output: Build fills the pages from it and
+  // applies SiLU (bias 0) to it in place. out: [B*T, H*D].
   void Build(bf16* uvqk, bf16* out, int concurrent_ctas, cudaStream_t s) {
     const size_t before = UsedBytes();
     const int64_t hd = static_cast<int64_t>(H) * D;
@@ -122,11 +123,22 @@ struct FusedAttention {
     p.alpha = alpha;
     p.inv_norm = inv_norm;
     items = reinterpret_cast<const cuda::AttentionWorkItem*>(m + o_it);
-    rows = uvqk;
     HSTU_BENCH_CHECK_CUDA(zero_bias.Reserve(4 * hd * sizeof(float)));
     HSTU_BENCH_CHECK_CUDA(cudaMemset(zero_bias.get(), 0, zero_bias.bytes()));
-    BiasSiluAppendKv(zero_bias.as<float>(), s);
-    HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(s));
+    {
+      // The append writes the new rows' K/V to the pages only, so it runs on a copy; the rows are
+      // then activated whole (same rounding), for the baseline, which reads K/V from them.
+      const size_t row_bytes = static_cast<size_t>(B) * T * 4 * hd * sizeof(bf16);
+      cuda::DeviceBuffer copy;
+      HSTU_BENCH_CHECK_CUDA(copy.Reserve(row_bytes));
+      HSTU_BENCH_CHECK_CUDA(cudaMemcpyAsync(copy.get(), uvqk, row_bytes, cudaMemcpyDeviceToDevice, s));
+      rows = copy.as<bf16>();
+      BiasSiluAppendKv(zero_bias.as<float>(), s);
+      HSTU_BENCH_CHECK_CUDA(cuda::LaunchBiasSilu(uvqk, static_cast<int64_t>(B) * T, 4 * hd,
+                                                 zero_bias.as<float>(), s));
+      HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(s));
+    }
+    rows = uvqk;
     bytes = UsedBytes() - before;
   }
   // The engine's step after the UVQK GEMM: rows = SiLU(rows + bias), K/V of every row into the pages.

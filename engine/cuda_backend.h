@@ -64,6 +64,9 @@ class CudaBackend : public Backend {
   virtual int num_graphs() const = 0;
   // Batches that fit a bucket's size but not its static capacity (attention plan) and ran eagerly.
   virtual uint64_t graph_fallbacks() const = 0;
+  // Replays of the bucket's graph with per-layer onload waits (onloads or prefetches were issued
+  // since the last step); the other replays run the graph without those wait nodes.
+  virtual uint64_t graph_wait_replays() const = 0;
   // How page runs go to the copy engines (benchmarks compare them); kBatch is the default.
   enum class CopyMethod { kPerRun, kBatch };
   virtual void SetCopyMethod(CopyMethod method) = 0;

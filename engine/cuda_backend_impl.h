@@ -146,16 +146,24 @@ struct Step {
   bool keep_hidden = false;
 };
 
-// One captured bucket.
-struct GraphSlot {
-  GraphBucket bucket;
-  int32_t page_cap = 0, item_cap = 0, partial_cap = 0, tile_cap = 0;
-  MetaLayout layout{};
+// One capture of a bucket's step.
+struct CapturedStep {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   std::vector<cudaGraphNode_t> attention_nodes;
   std::vector<cudaKernelNodeParams> attention_params;
   int32_t grid_items = 0;  // gridDim.x of the attention nodes in `exec` now
+};
+
+// One captured bucket, twice: with an external event-wait node per layer on that layer's onload
+// (replayed while onloads or prefetches may be in flight), and without (every other replay: the
+// wait nodes cost time even when their copies are long done, and they sit between the UVQK GEMM
+// and the activation pass, which otherwise launches as a programmatic dependent).
+struct GraphSlot {
+  GraphBucket bucket;
+  int32_t page_cap = 0, item_cap = 0, partial_cap = 0, tile_cap = 0;
+  MetaLayout layout{};
+  CapturedStep with_waits, plain;
 };
 
 class CudaBackendImpl final : public CudaBackend {
@@ -171,8 +179,10 @@ class CudaBackendImpl final : public CudaBackend {
     cudaStreamSynchronize(offload_stream_.get());
     cudaStreamSynchronize(stream_.get());
     for (GraphSlot& g : slots_) {
-      if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
-      if (g.graph != nullptr) cudaGraphDestroy(g.graph);
+      for (CapturedStep* c : {&g.with_waits, &g.plain}) {
+        if (c->exec != nullptr) cudaGraphExecDestroy(c->exec);
+        if (c->graph != nullptr) cudaGraphDestroy(c->graph);
+      }
     }
     for (cudaEvent_t e : layer_ready_) cudaEventDestroy(e);
     for (cudaEvent_t e : prefetch_ready_) cudaEventDestroy(e);
@@ -229,6 +239,9 @@ class CudaBackendImpl final : public CudaBackend {
   absl::Status EnqueueStep() override;
   void SetGraphReplay(bool on) override { replay_ = on; }
   int num_graphs() const override { return static_cast<int>(slots_.size()); }
+  uint64_t graph_wait_replays() const override {
+    return graph_wait_replays_.load(std::memory_order_relaxed);
+  }
   uint64_t graph_fallbacks() const override { return graph_fallbacks_; }
   void SetCopyMethod(CopyMethod m) override {
     copy_method_ = m == CopyMethod::kBatch ? cuda::PageCopyMethod::kMemcpyBatch
@@ -248,6 +261,9 @@ class CudaBackendImpl final : public CudaBackend {
   absl::Status StageGraph(const ForwardBatch& batch, int slot, std::vector<int32_t> cand_rows);
   absl::Status SizeGraphWorkspace();
   absl::Status CaptureGraphs();
+  // Captures the staged bucket's step (gather → layers → head) into *c; `waits`: with the
+  // per-layer onload wait nodes.
+  absl::Status CaptureStep(bool waits, CapturedStep* c);
   // Issues the queued onloads, layer-major, on the copy stream; records layer_ready_[l].
   absl::Status FlushOnloads();
   // Moves the timed onload into onload_timing_ once its end event has completed (non-blocking).
@@ -293,6 +309,9 @@ class CudaBackendImpl final : public CudaBackend {
   const GraphOptions graph_options_;
   std::vector<GraphSlot> slots_;
   bool capturing_ = false;
+  bool capture_waits_ = false;  // the capture in progress records the per-layer onload waits
+  bool always_wait_nodes_ = false;  // HSTU_GRAPH_WAIT_NODES=1: replay the waiting graphs only (A/B)
+  std::atomic<uint64_t> graph_wait_replays_{0};
   std::vector<cudaGraphNode_t> captured_attention_;
   bool replay_ = true;
   std::atomic<uint64_t> graph_replays_{0};

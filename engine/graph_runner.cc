@@ -121,7 +121,10 @@ absl::StatusOr<bool> CudaBackendImpl::StageStep(const ForwardBatch& batch, bool 
 absl::Status CudaBackendImpl::EnqueueStep() {
   if (!staged_) return absl::FailedPreconditionError("no staged batch");
   if (step_.slot >= 0 && replay_ && !capturing_) {
-    GraphSlot& g = slots_[step_.slot];
+    // Without onloads or prefetches issued since the last step, every layer_ready_ event is
+    // already complete for this stream's order, and the graph without wait nodes is equivalent.
+    const bool waits = onload_waits_ || always_wait_nodes_;
+    CapturedStep& g = waits ? slots_[step_.slot].with_waits : slots_[step_.slot].plain;
     if (g.grid_items != step_.num_items) {
       for (size_t i = 0; i < g.attention_nodes.size(); ++i) {
         cudaKernelNodeParams p = g.attention_params[i];
@@ -132,6 +135,7 @@ absl::Status CudaBackendImpl::EnqueueStep() {
     }
     HSTU_CUDA_RETURN(cudaGraphLaunch(g.exec, stream_.get()));
     graph_replays_.fetch_add(1, std::memory_order_relaxed);
+    if (waits) graph_wait_replays_.fetch_add(1, std::memory_order_relaxed);
     onload_waits_ = false;  // the graph's wait nodes covered them; later work is ordered after it
     return absl::OkStatus();
   }
@@ -178,42 +182,49 @@ absl::Status CudaBackendImpl::CaptureGraphs() {
     HSTU_RETURN_IF_ERROR(EnqueueHead(true));
     HSTU_CUDA_RETURN(cudaStreamSynchronize(stream_.get()));
 
-    captured_attention_.clear();
-    HSTU_CUDA_RETURN(cudaStreamBeginCapture(stream_.get(), cudaStreamCaptureModeThreadLocal));
-    capturing_ = true;
-    absl::Status st = EnqueueLayerStack();
-    if (st.ok()) st = EnqueueHead(true);
-    capturing_ = false;
-    cudaGraph_t graph = nullptr;
-    const cudaError_t end = cudaStreamEndCapture(stream_.get(), &graph);
-    if (!st.ok()) {
-      if (graph != nullptr) cudaGraphDestroy(graph);
-      return st;
-    }
-    HSTU_CUDA_RETURN(end);
-    g.graph = graph;
-    HSTU_CUDA_RETURN(cudaGraphInstantiate(&g.exec, g.graph, 0));
-    g.attention_nodes = captured_attention_;
-    if (static_cast<int>(g.attention_nodes.size()) < config_.num_layers) {
-      return absl::InternalError("graph capture: attention nodes not found");
-    }
-    for (cudaGraphNode_t n : g.attention_nodes) {
-      cudaGraphNodeType type;
-      HSTU_CUDA_RETURN(cudaGraphNodeGetType(n, &type));
-      cudaKernelNodeParams p{};
-      if (type == cudaGraphNodeTypeKernel) HSTU_CUDA_RETURN(cudaGraphKernelNodeGetParams(n, &p));
-      if (type != cudaGraphNodeTypeKernel ||
-          p.gridDim.x != static_cast<unsigned>(step_.num_items * config_.num_heads)) {
-        return absl::InternalError(
-            "graph capture: an attention launch node is not a kernel with one block per work item "
-            "and head; CUDA graphs cannot resize it (disable graphs or update the backend)");
-      }
-      g.attention_params.push_back(p);
-    }
-    g.grid_items = step_.num_items;
+    HSTU_RETURN_IF_ERROR(CaptureStep(/*waits=*/true, &g.with_waits));
+    HSTU_RETURN_IF_ERROR(CaptureStep(/*waits=*/false, &g.plain));
   }
   staged_ = false;
   HSTU_CUDA_RETURN(cudaStreamSynchronize(stream_.get()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackendImpl::CaptureStep(bool waits, CapturedStep* c) {
+  captured_attention_.clear();
+  HSTU_CUDA_RETURN(cudaStreamBeginCapture(stream_.get(), cudaStreamCaptureModeThreadLocal));
+  capturing_ = true;
+  capture_waits_ = waits;
+  absl::Status st = EnqueueLayerStack();
+  if (st.ok()) st = EnqueueHead(true);
+  capturing_ = false;
+  cudaGraph_t graph = nullptr;
+  const cudaError_t end = cudaStreamEndCapture(stream_.get(), &graph);
+  if (!st.ok()) {
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    return st;
+  }
+  HSTU_CUDA_RETURN(end);
+  c->graph = graph;
+  HSTU_CUDA_RETURN(cudaGraphInstantiate(&c->exec, c->graph, 0));
+  c->attention_nodes = captured_attention_;
+  if (static_cast<int>(c->attention_nodes.size()) < config_.num_layers) {
+    return absl::InternalError("graph capture: attention nodes not found");
+  }
+  for (cudaGraphNode_t n : c->attention_nodes) {
+    cudaGraphNodeType type;
+    HSTU_CUDA_RETURN(cudaGraphNodeGetType(n, &type));
+    cudaKernelNodeParams p{};
+    if (type == cudaGraphNodeTypeKernel) HSTU_CUDA_RETURN(cudaGraphKernelNodeGetParams(n, &p));
+    if (type != cudaGraphNodeTypeKernel ||
+        p.gridDim.x != static_cast<unsigned>(step_.num_items * config_.num_heads)) {
+      return absl::InternalError(
+          "graph capture: an attention launch node is not a kernel with one block per work item "
+          "and head; CUDA graphs cannot resize it (disable graphs or update the backend)");
+    }
+    c->attention_params.push_back(p);
+  }
+  c->grid_items = step_.num_items;
   return absl::OkStatus();
 }
 

@@ -1,8 +1,9 @@
 // Bias + SiLU of the UVQK GEMM output, in place, fused with the append of the new history rows' K
 // and V into their pages: one pass over the uvqk rows instead of two kernels, the append no longer
-// reading back what bias + SiLU has just written. The pages receive the post-SiLU values, bit for
-// bit what is written back to the row (the attention reads history K/V from the pages and a
-// candidate's own K/V from its row).
+// reading back what bias + SiLU has just written. The attention reads history K/V from the pages
+// and a candidate's own K/V from its row, so a new history row's v and k are written to its page
+// slot and not back to the row (whose v and k columns then keep the GEMM output); u, q and every
+// column of the other rows are written back in place, bit for bit what LaunchBiasSilu writes.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -90,13 +91,14 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[i] = Silu(v[i] + bv[i]);
       const Bf16x8 out = Pack8(v);
-      *reinterpret_cast<Bf16x8*>(row + c) = out;
-      if (kAppend && k_dst != nullptr) {
-        if (c >= kK * hd) {
-          *reinterpret_cast<Bf16x8*>(k_dst + (c - kK * hd)) = out;
-        } else if (c >= kV * hd && c < (kV + 1) * hd) {
-          *reinterpret_cast<Bf16x8*>(k_dst + p.kv.kv_stride + (c - kV * hd)) = out;
-        }
+      // An appended row's v and k go to its page slot only: nothing reads them from the row (the
+      // attention takes history K/V from the pages), so writing them back would only cost bytes.
+      if (kAppend && k_dst != nullptr && c >= kK * hd) {
+        *reinterpret_cast<Bf16x8*>(k_dst + (c - kK * hd)) = out;
+      } else if (kAppend && k_dst != nullptr && c >= kV * hd && c < (kV + 1) * hd) {
+        *reinterpret_cast<Bf16x8*>(k_dst + p.kv.kv_stride + (c - kV * hd)) = out;
+      } else {
+        *reinterpret_cast<Bf16x8*>(row + c) = out;
       }
     }
   }

@@ -38,9 +38,10 @@ cudaError_t LaunchEmbeddingGather(const EmbeddingParams<bf16>& p, float* out, co
 cudaError_t LaunchLayerNorm(const float* x, int64_t rows, int64_t cols, const float* w,
                             const float* b, float eps, bf16* out, cudaStream_t stream);
 
-// uvqk = SiLU(uvqk + bias) in place on every row (bf16 in, fp32 bias and SiLU, bf16 out), and the
-// post-SiLU K and V of each user's new history rows written into their pages (AppendKvParams; the
-// same slots as cpu::AppendKv). One pass over the rows.
+// uvqk = SiLU(uvqk + bias) in place (bf16 in, fp32 bias and SiLU, bf16 out), and the post-SiLU K
+// and V of each user's new history rows written into their pages (AppendKvParams; the same slots
+// as cpu::AppendKv) instead of back to those rows: a new history row's v and k columns keep the
+// GEMM output, every other column of every row gets SiLU. One pass over the rows.
 //   uvqk: [rows, cols] bf16, cols = 4·H·D (u | v | q | k), row stride cols; bias: [cols] fp32.
 //   p.uvqk must be uvqk and p.uvqk_row_stride cols. Rows at or past row_offsets[B] (padding) get
 //   bias + SiLU only. 16-byte aligned uvqk, bias and pool.

@@ -1,6 +1,7 @@
 // CUDA graphs of the decode step: replay equals eager execution on the same (padded) inputs bit
 // for bit, across batches of one bucket with different attention plans (grid updates) and odd
-// sizes; the unpadded eager step agrees within bf16 tolerance; batches beyond every bucket run
+// sizes, with and without the onload wait nodes; the unpadded eager step agrees within bf16
+// tolerance; batches beyond every bucket run
 // eagerly; an engine with graphs matches the CPU engine and counts its replays.
 #include <algorithm>
 #include <cstdio>
@@ -90,11 +91,14 @@ TEST(CudaGraphs, ReplayEqualsEagerBitForBit) {
     GraphOptions go;
     go.enable = true;
     go.buckets = {{2, 64}, {4, 256}, {8, 640}};
-    auto graphed = CreateCudaBackendExt(w, page_size, num_pages, 0, go);
+    // One page more than the users draw from: odd steps onload a host page into it first, so
+    // those replays run the graph variant with the per-layer wait nodes.
+    auto graphed = CreateCudaBackendExt(w, page_size, num_pages + 1, 0, go);
     auto plain = CreateCudaBackendExt(w, page_size, num_pages, 0);
     ASSERT_TRUE(graphed.ok() && plain.ok()) << graphed.status() << plain.status();
     CudaBackend& g = **graphed;
     CudaBackend& e = **plain;
+    ASSERT_TRUE(g.CreateHostPool(1).ok());
     EXPECT_EQ(g.num_graphs(), 3);
     EXPECT_EQ(e.num_graphs(), 0);
     ASSERT_TRUE(g.SetDebugPoison(true).ok() && e.SetDebugPoison(true).ok());
@@ -115,7 +119,7 @@ TEST(CudaGraphs, ReplayEqualsEagerBitForBit) {
     ASSERT_TRUE(g.Forward(pre, false, &og).ok() && e.Forward(pre_e, false, &oe).ok());
     EXPECT_EQ(g.graph_replays(), 0u);
 
-    uint64_t replays = 0;
+    uint64_t replays = 0, wait_replays = 0;
     double worst = 0;
     int bit_exact_plain = 0, steps = 0;
     for (int step = 0; step < 12; ++step) {
@@ -136,11 +140,18 @@ TEST(CudaGraphs, ReplayEqualsEagerBitForBit) {
       const bool fits = fb.num_users <= 8 && fb.num_rows() <= 640;
       ForwardOutput replay, eager_padded, eager_plain;
       g.SetGraphReplay(true);
-      const uint64_t r0 = g.graph_replays(), f0 = g.graph_fallbacks();
+      const uint64_t r0 = g.graph_replays(), f0 = g.graph_fallbacks(), w0 = g.graph_wait_replays();
+      const bool onload = step % 2 == 1;
+      if (onload) {
+        ASSERT_TRUE(g.CopyPages(CopyKind::kHostToDevice, {0}, {num_pages}).ok());
+      }
       ASSERT_TRUE(g.Forward(fb, true, &replay).ok());
-      // A batch that fits a bucket replays, unless its plan exceeds the static capacity.
+      // A batch that fits a bucket replays, unless its plan exceeds the static capacity; with an
+      // onload issued before it, the graph with the wait nodes.
       EXPECT_EQ(g.graph_replays() - r0 + g.graph_fallbacks() - f0, fits ? 1u : 0u) << "step " << step;
+      EXPECT_EQ(g.graph_wait_replays() - w0, onload ? g.graph_replays() - r0 : 0u) << "step " << step;
       replays += g.graph_replays() - r0;
+      wait_replays += g.graph_wait_replays() - w0;
       g.SetGraphReplay(false);
       ASSERT_TRUE(g.Forward(fb, true, &eager_padded).ok());
       ASSERT_TRUE(e.Forward(fb2, true, &eager_plain).ok());
@@ -157,10 +168,12 @@ TEST(CudaGraphs, ReplayEqualsEagerBitForBit) {
       ++steps;
     }
     g.SetGraphReplay(true);
-    EXPECT_GT(g.graph_replays(), 0u);
-    std::printf("  head dim %d: %llu replays, %llu fallbacks; graph vs unpadded eager: %d of %d "
-                "steps bit-exact, worst score abs %.2e\n",
+    EXPECT_GT(replays - wait_replays, 0u);
+    EXPECT_GT(wait_replays, 0u);
+    std::printf("  head dim %d: %llu replays (%llu with onload waits), %llu fallbacks; graph vs "
+                "unpadded eager: %d of %d steps bit-exact, worst score abs %.2e\n",
                 head_dim, static_cast<unsigned long long>(g.graph_replays()),
+                static_cast<unsigned long long>(wait_replays),
                 static_cast<unsigned long long>(g.graph_fallbacks()), bit_exact_plain, steps, worst);
   }
 }

@@ -297,11 +297,33 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
   ga.row_offsets = d_ro.get();
   ga.num_new = d_nn.get();
   ga.kv = gv;
+  // Every row activated in place (LaunchBiasSilu, same rounding) as the reference of the append.
+  DeviceArray<bf16> d_all(d_uvqk.Download());
+  HSTU_ASSERT_CUDA(cuda::LaunchBiasSilu(d_all.get(), c.rows(), 4 * hd, d_bias.get(), nullptr));
   HSTU_ASSERT_CUDA(cuda::LaunchBiasSiluAppendKv(d_uvqk.get(), c.rows(), 4 * hd, d_bias.get(), ga,
                                                 nullptr));
   HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
-  c.uvqk = ToF32(d_uvqk.Download());
+  const std::vector<float> raw = c.uvqk;
+  c.uvqk = ToF32(d_all.Download());
   ASSERT_TRUE(AllFinite(c.uvqk)) << what;
+  {
+    // The appended rows' v and k went to the pages only and keep the GEMM output; everything else
+    // equals the activated rows bit for bit.
+    const std::vector<float> got = ToF32(d_uvqk.Download());
+    int64_t wrong = 0;
+    for (int b = 0; b < c.B; ++b) {
+      for (int32_t r = c.row_offsets[b]; r < c.row_offsets[b + 1]; ++r) {
+        const bool appended = r - c.row_offsets[b] < c.num_new[b];
+        for (int64_t col = 0; col < 4 * hd; ++col) {
+          const bool vk = (col >= kV * hd && col < (kV + 1) * hd) || col >= kK * hd;
+          const int64_t at = static_cast<int64_t>(r) * 4 * hd + col;
+          const float want = appended && vk ? raw[at] : c.uvqk[at];
+          wrong += std::memcmp(&got[at], &want, sizeof(float)) != 0;
+        }
+      }
+    }
+    EXPECT_EQ(wrong, 0) << what << ": rows after the append differ from the expected columns";
+  }
   AppendKvParams<float> ca;
   ca.uvqk = c.uvqk.data();
   ca.uvqk_row_stride = 4 * hd;
