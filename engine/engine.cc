@@ -29,11 +29,11 @@ KeptHistory KeepHistory(const RankRequest& r, const ModelConfig& c) {
   if (total > m) k.start = (total - m + s - 1) / s * s;
   k.length = static_cast<int32_t>(total - k.start);
   k.keys.resize(k.length);
-  for (int32_t j = 0; j < k.length; ++j) {
-    const int64_t t = k.start + j;
-    const bool is_action = t % 2 == 1;
-    const int64_t id = is_action ? r.history_actions[t / 2] : r.history_item_ids[t / 2];
-    k.keys[j] = TokenKey(is_action, id);
+  // start is even: the kept tokens are whole (item, action) events.
+  const int64_t first_event = k.start / 2;
+  for (int32_t e = 0; e < k.length / 2; ++e) {
+    k.keys[2 * e] = TokenKey(false, r.history_item_ids[first_event + e]);
+    k.keys[2 * e + 1] = TokenKey(true, r.history_actions[first_event + e]);
   }
   return k;
 }
