@@ -70,6 +70,40 @@ TEST(CacheManager, EditedHistoryReusesLongestMatchingPagePrefix) {
   }
 }
 
+// Commit hashes only the pages after the reused prefix; over many visits that grow, edit and
+// shorten one user's history, every Acquire must reuse exactly what a full rehash would allow:
+// all of the last committed history when the new one extends it, else the longest matching run
+// of full pages.
+TEST(CacheManager, IncrementalHashesReuseExactlyTheMatchingPrefix) {
+  for (int page_size : {1, 3, 4, 32}) {
+    CacheManager m(page_size, 4096);
+    std::mt19937 rng(static_cast<uint32_t>(page_size));
+    std::vector<uint64_t> last, keys;
+    for (int visit = 0; visit < 300; ++visit) {
+      keys = last;
+      const int op = static_cast<int>(rng() % 10);
+      if (op < 6) {  // grow
+        for (int i = 0, n = 1 + static_cast<int>(rng() % 70); i < n; ++i) keys.push_back(rng() % 50);
+      } else if (op < 8 && !keys.empty()) {  // edit one token, maybe grow
+        keys[rng() % keys.size()] ^= 1 + rng() % 7;
+        if (rng() % 2) keys.push_back(rng() % 50);
+      } else if (!keys.empty()) {  // shorten
+        keys.resize(rng() % keys.size());
+      }
+      if (keys.size() > 600) keys.erase(keys.begin(), keys.begin() + 300);  // truncation
+      size_t common = 0;
+      while (common < last.size() && common < keys.size() && last[common] == keys[common]) ++common;
+      const size_t want = common == last.size() ? last.size() : common / page_size * page_size;
+      auto r = m.Acquire(7, keys);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(static_cast<size_t>(r->reused_tokens), want)
+          << "page " << page_size << " visit " << visit << " op " << op;
+      m.Commit(*r, keys);
+      last = keys;
+    }
+  }
+}
+
 TEST(CacheManager, ShortenedHistoryIsNeverServedFromStaleKv) {
   CacheManager m(4, 64);
   auto k = Keys(20);
