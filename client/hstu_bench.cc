@@ -290,16 +290,15 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
     ep.token_types = reinterpret_cast<const int32_t*>(token_meta.as<uint8_t>() + T * 8);
     ep.positions = reinterpret_cast<const int32_t*>(token_meta.as<uint8_t>() + T * 12);
     // Bytes: what each kernel must move at least (weights and bias vectors are L2-resident and
-    // left out). The fused bias + SiLU + append reads the v, q, k blocks of every uvqk row once
-    // and writes them once: in place, except the new history rows' K and V, which go to their
-    // pages instead; LayerNorm · u activates the u block as it reads it.
+    // left out). The fused bias + SiLU + append reads every uvqk row once and writes it once: in
+    // place, except the new history rows' K and V, which go to their pages instead.
     struct K { const char* name; double flops, bytes; std::function<void()> fn; int per_call; bool in_layer; };
     std::vector<K> ks = {
         {"LayerNorm (fp32 -> bf16)", 0, T * d * 6.0, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchLayerNorm(x.as<float>(), T, d, ln_w.as<float>(), ln_b.as<float>(), 1e-5f, n.as<bf16>(), stream.get())); }, 1, true},
         {"UVQK GEMM (cuBLAS)", 2.0 * T * d * 4 * hd, (T * d + d * 4.0 * hd + T * 4.0 * hd) * 2, [&] { gemm.Run(n.as<bf16>(), w_uvqk.as<bf16>(), a.uvqk.get(), false, T, 4 * hd, d, 0.f, stream.get()); }, 1, true},
-        {"bias + SiLU of v, q, k + append K/V", 0, T * 3.0 * hd * 4, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchBiasSiluAppendKv(a.uvqk.as<bf16>(), T, 4 * hd, bias.as<float>(), ap, stream.get())); }, 1, true},
+        {"bias + SiLU + append K/V", 0, T * 4.0 * hd * 4, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchBiasSiluAppendKv(a.uvqk.as<bf16>(), T, 4 * hd, bias.as<float>(), ap, stream.get())); }, 1, true},
         {"paged attention", a.flops, a.min_bytes, [&] { RunAttention(a, stream.get()); }, a.sets, true},
-        {"LayerNorm * SiLU(u + bias)", 0, T * hd * 2.0 * 3, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchNormMulU(a.out.as<bf16>(), a.uvqk.as<bf16>(), 4 * hd, T, hd, ln2_w.as<float>(), ln2_b.as<float>(), 1e-5f, bias.as<float>(), y.as<bf16>(), stream.get())); }, 1, true},
+        {"LayerNorm * u", 0, T * hd * 2.0 * 3, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchNormMulU(a.out.as<bf16>(), a.uvqk.as<bf16>(), 4 * hd, T, hd, ln2_w.as<float>(), ln2_b.as<float>(), 1e-5f, y.as<bf16>(), stream.get())); }, 1, true},
         {"output GEMM + residual (cuBLAS)", 2.0 * T * hd * d, T * hd * 2.0 + hd * d * 2.0 + T * d * 8.0, [&] { gemm.Run(y.as<bf16>(), w_out.as<bf16>(), x.get(), true, T, d, hd, 1.f, stream.get()); }, 1, true},
         {"embedding gather + LayerNorm (once per forward, not in the sum)", 0, T * (d * 8.0 + 12), [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchEmbeddingGather(ep, x.as<float>(), ln_w.as<float>(), ln_b.as<float>(), 1e-5f, n.as<bf16>(), stream.get())); }, 1, false},
         {"embedding gather alone (unfused, for comparison; not in the sum)", 0, T * (d * 6.0 + 12), [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchEmbeddingGather(ep, x.as<float>(), nullptr, nullptr, 1e-5f, nullptr, stream.get())); }, 1, false},

@@ -331,11 +331,9 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
     HSTU_CUDA_RETURN(cuda::LaunchBiasSiluAppendKv(ws.uvqk.as<bf16>(), rows, 4 * hd,
                                                   w.uvqk_b.as<float>(), ap, s));
     HSTU_RETURN_IF_ERROR(EnqueueAttention(l));
-    // u is still the GEMM output (the activation pass leaves it): activated here as it is read.
     HSTU_CUDA_RETURN(cuda::LaunchNormMulU(ws.a.as<bf16>(), ws.uvqk.as<bf16>() + kU * hd, 4 * hd, rows, hd,
                                           w.out_norm_w.as<float>(), w.out_norm_b.as<float>(),
-                                          kLayerNormEps, w.uvqk_b.as<float>() + kU * hd,
-                                          ws.y.as<bf16>(), s));
+                                          kLayerNormEps, ws.y.as<bf16>(), s));
     HSTU_CUBLAS_RETURN(gemm_.Run(ws.y.as<bf16>(), w.out_w.as<bf16>(), ws.x.get(),
                                  /*c_is_f32=*/true, rows, d, hd, 1.f, s));
   }

@@ -2,10 +2,8 @@
 // and V into their pages: one pass over the uvqk rows instead of two kernels, the append no longer
 // reading back what bias + SiLU has just written. The attention reads history K/V from the pages
 // and a candidate's own K/V from its row, so a new history row's v and k are written to its page
-// slot and not back to the row (whose v and k columns then keep the GEMM output); q and the
-// candidates' v and k are written back in place, bit for bit what LaunchBiasSilu writes. The u
-// block is left to LayerNorm · u, which activates it as it loads it (LaunchNormMulU's u_bias): a
-// quarter of the pass's bytes.
+// slot and not back to the row (whose v and k columns then keep the GEMM output); u, q and every
+// column of the other rows are written back in place, bit for bit what LaunchBiasSilu writes.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
 
@@ -36,8 +34,8 @@ __device__ __forceinline__ int RowOwner(const int32_t* __restrict__ row_offsets,
 }
 
 // Warp w of the grid takes segment w % segs_per_row of row w / segs_per_row; lane l holds columns
-// col_begin + seg·kSegCols + 256k + 8l (k < kLaneGroups), so each of the warp's steps moves 512
-// contiguous bytes. col_begin: 0, or H·D to leave the u block alone (kAppend).
+// seg·kSegCols + 256k + 8l (k < kLaneGroups), so each of the warp's steps moves 512 contiguous
+// bytes.
 // All of a lane's loads are issued before the page lookup, whose few dependent (cached) loads of
 // the batch metadata then hide behind them. x: [rows, cols] bf16, row stride cols; bias: [cols].
 // kAppend: cols = 4·H·D (u | v | q | k); a row that is a new history row of its user (the same
@@ -46,16 +44,15 @@ __device__ __forceinline__ int RowOwner(const int32_t* __restrict__ row_offsets,
 // Rows at or past row_offsets[B] (padding) belong to no user's new rows and are never appended.
 template <bool kAppend>
 __global__ void __launch_bounds__(kWarps * 32)
-    BiasSiluAppendKvKernel(bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t col_begin,
-                           int64_t segs_per_row, const float* __restrict__ bias,
-                           AppendKvParams<bf16> p) {
+    BiasSiluAppendKvKernel(bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t segs_per_row,
+                           const float* __restrict__ bias, AppendKvParams<bf16> p) {
   WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
   AllowDependents();
   const int lane = threadIdx.x & 31;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const int64_t r = warp / segs_per_row;
   if (r >= rows) return;
-  const int64_t seg_begin = col_begin + (warp - r * segs_per_row) * kSegCols;
+  const int64_t seg_begin = (warp - r * segs_per_row) * kSegCols;
   const int64_t col0 = seg_begin + lane * 8;
   bf16* row = x + r * cols;
   Bf16x8 in[kLaneGroups];
@@ -107,7 +104,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// Grid of the row pass over `cols` columns of each row; 0 when it would not fit a launch.
+// Grid of the row pass; 0 when it would not fit a launch.
 unsigned RowPassBlocks(int64_t rows, int64_t cols, int64_t* segs_per_row) {
   *segs_per_row = (cols + kSegCols - 1) / kSegCols;
   const int64_t blocks = (rows * *segs_per_row + kWarps - 1) / kWarps;
@@ -130,12 +127,11 @@ cudaError_t LaunchBiasSiluAppendKv(bf16* uvqk, int64_t rows, int64_t cols, const
     return cudaErrorInvalidValue;
   }
   if (rows == 0) return cudaSuccess;
-  const int64_t hd = cols / 4;  // the u block, columns [0, hd), is left alone
   int64_t segs_per_row = 0;
-  const unsigned blocks = RowPassBlocks(rows, cols - hd, &segs_per_row);
+  const unsigned blocks = RowPassBlocks(rows, cols, &segs_per_row);
   if (blocks == 0) return cudaErrorInvalidValue;
   return LaunchDependent(BiasSiluAppendKvKernel<true>, dim3(blocks), dim3(kWarps * 32), 0, stream,
-                         uvqk, rows, cols, hd, segs_per_row, bias, p);
+                         uvqk, rows, cols, segs_per_row, bias, p);
 }
 
 cudaError_t LaunchBiasSilu(bf16* x, int64_t rows, int64_t cols, const float* bias,
@@ -148,7 +144,7 @@ cudaError_t LaunchBiasSilu(bf16* x, int64_t rows, int64_t cols, const float* bia
   int64_t segs_per_row = 0;
   const unsigned blocks = RowPassBlocks(rows, cols, &segs_per_row);
   if (blocks == 0) return cudaErrorInvalidValue;
-  BiasSiluAppendKvKernel<false><<<blocks, kWarps * 32, 0, stream>>>(x, rows, cols, 0, segs_per_row,
+  BiasSiluAppendKvKernel<false><<<blocks, kWarps * 32, 0, stream>>>(x, rows, cols, segs_per_row,
                                                                    bias, AppendKvParams<bf16>{});
   return cudaPeekAtLastError();
 }

@@ -47,15 +47,6 @@ __global__ void __launch_bounds__(kNormWarps * 32)
   WarpRowNormStore<kGroups>(v, st, cols, lane, affine, out + r * cols);
 }
 
-// u = SiLU(u + bias) of 8 columns, as the activation pass computes it (fp32; not rounded to bf16
-// in between).
-__device__ __forceinline__ void ActivateU(const float* __restrict__ bias, float (&uv)[8]) {
-  float bv[8];
-  Load8(bias, bv);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) uv[i] = Silu(uv[i] + bv[i]);
-}
-
 // a is held packed (4 registers per group, not 8) and unpacked in each pass, so that u (and, up to
 // 1024 columns, w and b) can be loaded up front with it: their latency then hides behind the
 // statistics, and 4096 columns still fit in the register file (2 × 64 registers of data per lane).
@@ -63,8 +54,7 @@ template <int kGroups>
 __global__ void __launch_bounds__(kNormWarps * 32)
     NormMulUWarpKernel(const bf16* __restrict__ a, const bf16* __restrict__ u, int64_t u_stride,
                        int64_t rows, int hd, const float* __restrict__ w,
-                       const float* __restrict__ b, float eps, const float* __restrict__ u_bias,
-                       bf16* __restrict__ y) {
+                       const float* __restrict__ b, float eps, bf16* __restrict__ y) {
   WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
   AllowDependents();
   const int lane = threadIdx.x & 31;
@@ -114,7 +104,6 @@ __global__ void __launch_bounds__(kNormWarps * 32)
       float v[8], uv[8], wv[8], bv[8];
       Unpack8(ap[j], v);
       Unpack8(up[j], uv);
-      if (u_bias != nullptr) ActivateU(u_bias + c, uv);
       affine.Get(j, c, wv, bv);
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[i] = ((v[i] - mean) * rstd * wv[i] + bv[i]) * uv[i];
@@ -174,7 +163,6 @@ __global__ void __launch_bounds__(kThreads) NormMulUKernel(const bf16* __restric
                                                            int64_t u_stride, int64_t hd,
                                                            const float* __restrict__ w,
                                                            const float* __restrict__ b, float eps,
-                                                           const float* __restrict__ u_bias,
                                                            bf16* __restrict__ y) {
   WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
   AllowDependents();
@@ -187,7 +175,6 @@ __global__ void __launch_bounds__(kThreads) NormMulUKernel(const bf16* __restric
     float v[8], uv[8], wv[8], bv[8];
     Load8(ar + c, v);
     Load8(ur + c, uv);
-    if (u_bias != nullptr) ActivateU(u_bias + c, uv);
     Load8(w + c, wv);
     Load8(b + c, bv);
 #pragma unroll
@@ -224,24 +211,23 @@ cudaError_t LaunchLayerNorm(const float* x, int64_t rows, int64_t cols, const fl
 }
 
 cudaError_t LaunchNormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64_t rows,
-                           int64_t hd, const float* w, const float* b, float eps,
-                           const float* u_bias, bf16* y, cudaStream_t stream) {
+                           int64_t hd, const float* w, const float* b, float eps, bf16* y,
+                           cudaStream_t stream) {
   if (rows < 0 || hd <= 0 || hd % 8 != 0 || u_stride < hd || u_stride % 8 != 0 || a == nullptr ||
       u == nullptr || w == nullptr || b == nullptr || y == nullptr || rows > 0x7fffffff ||
-      !Aligned16(a) || !Aligned16(u) || !Aligned16(w) || !Aligned16(b) || !Aligned16(y) ||
-      !Aligned16(u_bias)) {
+      !Aligned16(a) || !Aligned16(u) || !Aligned16(w) || !Aligned16(b) || !Aligned16(y)) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0) return cudaSuccess;
   const int groups = NormLaneGroups(hd);
   if (groups == 0) {
     return LaunchDependent(NormMulUKernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0,
-                           stream, a, u, u_stride, hd, w, b, eps, u_bias, y);
+                           stream, a, u, u_stride, hd, w, b, eps, y);
   }
   const cudaError_t err = DispatchNormLaneGroups(groups, [&](auto g) {
     return LaunchDependent(NormMulUWarpKernel<decltype(g)::value>, dim3(NormBlocks(rows)),
                            dim3(kNormWarps * 32), 0, stream, a, u, u_stride, rows,
-                           static_cast<int>(hd), w, b, eps, u_bias, y);
+                           static_cast<int>(hd), w, b, eps, y);
   });
   return err != cudaSuccess ? err : cudaPeekAtLastError();
 }

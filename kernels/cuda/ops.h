@@ -38,11 +38,10 @@ cudaError_t LaunchEmbeddingGather(const EmbeddingParams<bf16>& p, float* out, co
 cudaError_t LaunchLayerNorm(const float* x, int64_t rows, int64_t cols, const float* w,
                             const float* b, float eps, bf16* out, cudaStream_t stream);
 
-// v, q, k = SiLU(x + bias) of every uvqk row (bf16 in, fp32 bias and SiLU, bf16 out): in place,
-// except the K and V of each user's new history rows, which go into their pages (AppendKvParams;
-// the same slots as cpu::AppendKv) instead of back to the rows. The u block is not read or
-// written: it keeps the GEMM output, which LaunchNormMulU activates (its u_bias). One pass over
-// the v, q, k columns.
+// uvqk = SiLU(uvqk + bias) in place (bf16 in, fp32 bias and SiLU, bf16 out), and the post-SiLU K
+// and V of each user's new history rows written into their pages (AppendKvParams; the same slots
+// as cpu::AppendKv) instead of back to those rows: a new history row's v and k columns keep the
+// GEMM output, every other column of every row gets SiLU. One pass over the rows.
 //   uvqk: [rows, cols] bf16, cols = 4·H·D (u | v | q | k), row stride cols; bias: [cols] fp32.
 //   p.uvqk must be uvqk and p.uvqk_row_stride cols. Rows at or past row_offsets[B] (padding) get
 //   bias + SiLU only. 16-byte aligned uvqk, bias and pool.
@@ -55,15 +54,12 @@ cudaError_t LaunchBiasSiluAppendKv(bf16* uvqk, int64_t rows, int64_t cols, const
 cudaError_t LaunchBiasSilu(bf16* x, int64_t rows, int64_t cols, const float* bias,
                            cudaStream_t stream);
 
-// y[r] = LayerNorm(a[r]; w, b) * u[r] over hd columns (fp32 statistics), where u[r] is taken as
-// it is, or, with u_bias, as SiLU(u[r] + u_bias) (the GEMM output that LaunchBiasSiluAppendKv
-// leaves in the u block; fp32, as that pass would compute it, without its bf16 rounding).
-//   a: [rows, hd] bf16; u: [rows, u_stride] bf16 (the u block of uvqk rows); u_bias: [hd] fp32 or
-//   nullptr; y: [rows, hd] bf16. hd % 8 == 0, u_stride % 8 == 0; 16-byte aligned pointers. Warp
-//   per row up to hd = 4096.
+// y[r] = LayerNorm(a[r]; w, b) * u[r] over hd columns (fp32 statistics).
+//   a: [rows, hd] bf16; u: [rows, u_stride] bf16 (the u block of uvqk rows); y: [rows, hd] bf16.
+//   hd % 8 == 0, u_stride % 8 == 0; 16-byte aligned pointers. Warp per row up to hd = 4096.
 cudaError_t LaunchNormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64_t rows,
-                           int64_t hd, const float* w, const float* b, float eps,
-                           const float* u_bias, bf16* y, cudaStream_t stream);
+                           int64_t hd, const float* w, const float* b, float eps, bf16* y,
+                           cudaStream_t stream);
 
 // For each i < num_rows: raw[i] = x[rows[i]] (when raw != nullptr) and
 // normed[i] = x[rows[i]] / max(|x[rows[i]]|_2, 1e-6).  x: [*, cols] fp32; raw, normed: [num_rows, cols].
