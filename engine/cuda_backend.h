@@ -67,6 +67,9 @@ class CudaBackend : public Backend {
   // Replays of the bucket's graph with per-layer onload waits (onloads or prefetches were issued
   // since the last step); the other replays run the graph without those wait nodes.
   virtual uint64_t graph_wait_replays() const = 0;
+  // Reports: the captured graphs' edges, and how many of them are programmatic (kernels launched
+  // as programmatic dependents keep that in the graph).
+  virtual std::string graph_summary() const = 0;
   // How page runs go to the copy engines (benchmarks compare them); kBatch is the default.
   enum class CopyMethod { kPerRun, kBatch };
   virtual void SetCopyMethod(CopyMethod method) = 0;

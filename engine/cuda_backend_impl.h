@@ -153,6 +153,7 @@ struct CapturedStep {
   std::vector<cudaGraphNode_t> attention_nodes;
   std::vector<cudaKernelNodeParams> attention_params;
   int32_t grid_items = 0;  // gridDim.x of the attention nodes in `exec` now
+  size_t edges = 0, programmatic_edges = 0;  // of the captured graph (reports)
 };
 
 // One captured bucket, twice: with an external event-wait node per layer on that layer's onload
@@ -239,6 +240,7 @@ class CudaBackendImpl final : public CudaBackend {
   absl::Status EnqueueStep() override;
   void SetGraphReplay(bool on) override { replay_ = on; }
   int num_graphs() const override { return static_cast<int>(slots_.size()); }
+  std::string graph_summary() const override;
   uint64_t graph_wait_replays() const override {
     return graph_wait_replays_.load(std::memory_order_relaxed);
   }

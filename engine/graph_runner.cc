@@ -206,6 +206,13 @@ absl::Status CudaBackendImpl::CaptureStep(bool waits, CapturedStep* c) {
   }
   HSTU_CUDA_RETURN(end);
   c->graph = graph;
+  HSTU_CUDA_RETURN(cudaGraphGetEdges(graph, nullptr, nullptr, nullptr, &c->edges));
+  std::vector<cudaGraphNode_t> from(c->edges), to(c->edges);
+  std::vector<cudaGraphEdgeData> data(c->edges);
+  HSTU_CUDA_RETURN(cudaGraphGetEdges(graph, from.data(), to.data(), data.data(), &c->edges));
+  c->programmatic_edges = static_cast<size_t>(std::count_if(
+      data.begin(), data.end(),
+      [](const cudaGraphEdgeData& e) { return e.type == cudaGraphDependencyTypeProgrammatic; }));
   HSTU_CUDA_RETURN(cudaGraphInstantiate(&c->exec, c->graph, 0));
   c->attention_nodes = captured_attention_;
   if (static_cast<int>(c->attention_nodes.size()) < config_.num_layers) {
@@ -226,6 +233,19 @@ absl::Status CudaBackendImpl::CaptureStep(bool waits, CapturedStep* c) {
   }
   c->grid_items = step_.num_items;
   return absl::OkStatus();
+}
+
+std::string CudaBackendImpl::graph_summary() const {
+  size_t edges[2] = {0, 0}, programmatic[2] = {0, 0};
+  for (const GraphSlot& g : slots_) {
+    edges[0] += g.plain.edges;
+    programmatic[0] += g.plain.programmatic_edges;
+    edges[1] += g.with_waits.edges;
+    programmatic[1] += g.with_waits.programmatic_edges;
+  }
+  return absl::StrCat(slots_.size(), " buckets; edges without / with onload waits: ", edges[0],
+                      " / ", edges[1], ", of which programmatic ", programmatic[0], " / ",
+                      programmatic[1]);
 }
 
 absl::Status CudaBackendImpl::LastCapturedNode(cudaGraphNode_t* node) {
