@@ -256,6 +256,11 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
       HSTU_BENCH_CHECK_CUDA(cudaMemcpy(buf->get(), ones.data(), 4 * hd * 4, cudaMemcpyHostToDevice));
     }
     HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchBf16ToF32(n.as<bf16>(), T * d, x.as<float>(), stream.get()));
+    hstu::cuda::DeviceBuffer head_w, head_out;  // the base head's first layer, on the candidate rows
+    HSTU_BENCH_CHECK_CUDA(head_w.Reserve(static_cast<size_t>(d) * 512 * 4));
+    HSTU_BENCH_CHECK_CUDA(head_out.Reserve(static_cast<size_t>(B) * 256 * 512 * 4));
+    HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchBf16ToF32(w_out.as<bf16>(), static_cast<int64_t>(d) * 512,
+                                                      head_w.as<float>(), stream.get()));
     hstu::AppendKvParams<bf16> ap;
     ap.uvqk = a.uvqk.as<bf16>();
     ap.uvqk_row_stride = 4 * hd;
@@ -300,6 +305,8 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
         {"paged attention", a.flops, a.min_bytes, [&] { RunAttention(a, stream.get()); }, a.sets, true},
         {"LayerNorm * u", 0, T * hd * 2.0 * 3, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchNormMulU(a.out.as<bf16>(), a.uvqk.as<bf16>(), 4 * hd, T, hd, ln2_w.as<float>(), ln2_b.as<float>(), 1e-5f, y.as<bf16>(), stream.get())); }, 1, true},
         {"output GEMM + residual (cuBLAS)", 2.0 * T * hd * d, T * hd * 2.0 + hd * d * 2.0 + T * d * 8.0, [&] { gemm.Run(y.as<bf16>(), w_out.as<bf16>(), x.get(), true, T, d, hd, 1.f, stream.get()); }, 1, true},
+        {"head layer 1, 1024 -> 512 fp32 (once per forward, candidate rows, not in the sum)", 2.0 * B * 256 * d * 512, B * 256.0 * (d + 512) * 4, [&] { if (hstu::cuda::GemmF32(h, x.as<float>(), head_w.as<float>(), head_out.as<float>(), B * 256, 512, d, 0.f, false) != CUBLAS_STATUS_SUCCESS) std::exit(1); }, 1, false},
+        {"head layer 1, 1024 -> 512 TF32 (once per forward, candidate rows, not in the sum)", 2.0 * B * 256 * d * 512, B * 256.0 * (d + 512) * 4, [&] { if (hstu::cuda::GemmF32(h, x.as<float>(), head_w.as<float>(), head_out.as<float>(), B * 256, 512, d, 0.f, true) != CUBLAS_STATUS_SUCCESS) std::exit(1); }, 1, false},
         {"embedding gather + LayerNorm (once per forward, not in the sum)", 0, T * (d * 8.0 + 12), [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchEmbeddingGather(ep, x.as<float>(), ln_w.as<float>(), ln_b.as<float>(), 1e-5f, n.as<bf16>(), stream.get())); }, 1, false},
         {"embedding gather alone (unfused, for comparison; not in the sum)", 0, T * (d * 6.0 + 12), [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchEmbeddingGather(ep, x.as<float>(), nullptr, nullptr, 1e-5f, nullptr, stream.get())); }, 1, false},
     };

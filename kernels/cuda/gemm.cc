@@ -19,17 +19,16 @@ cublasStatus_t GemmBf16(cublasHandle_t handle, const __nv_bfloat16* a, const __n
 }
 
 cublasStatus_t GemmF32(cublasHandle_t handle, const float* a, const float* b, float* c, int64_t m,
-                       int64_t n, int64_t k, float beta) {
+                       int64_t n, int64_t k, float beta, bool tf32) {
   if (m < 0 || n <= 0 || k <= 0 || m > INT_MAX || n > INT_MAX || k > INT_MAX) {
     return CUBLAS_STATUS_INVALID_VALUE;
   }
   if (m == 0) return CUBLAS_STATUS_SUCCESS;
   const float alpha = 1.f;
-  // Plain fp32 (no TF32): the head is tiny and the scores are compared at 2e-3.
   return cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
                       static_cast<int>(k), &alpha, b, CUDA_R_32F, static_cast<int>(n), a,
                       CUDA_R_32F, static_cast<int>(k), &beta, c, CUDA_R_32F, static_cast<int>(n),
-                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+                      tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 
 }  // namespace hstu::cuda

@@ -14,8 +14,9 @@ namespace hstu::cuda {
 cublasStatus_t GemmBf16(cublasHandle_t handle, const __nv_bfloat16* a, const __nv_bfloat16* b,
                         void* c, bool c_is_f32, int64_t m, int64_t n, int64_t k, float beta);
 
-// fp32 c[m, n] = a[m, k] · b[k, n] + beta * c (the small MLP head, kept in fp32 for the scores).
+// fp32 c[m, n] = a[m, k] · b[k, n] + beta * c (the MLP head). tf32: the tensor cores, with a and
+// b rounded to TF32 (10-bit mantissa) and fp32 accumulation; else plain fp32 (CUDA cores).
 cublasStatus_t GemmF32(cublasHandle_t handle, const float* a, const float* b, float* c, int64_t m,
-                       int64_t n, int64_t k, float beta);
+                       int64_t n, int64_t k, float beta, bool tf32 = false);
 
 }  // namespace hstu::cuda
