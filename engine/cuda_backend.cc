@@ -353,8 +353,11 @@ absl::Status CudaBackendImpl::EnqueueHead(bool keep_hidden) {
   const float* act = ws.cand_norm.as<float>();
   for (size_t j = 0; j < head_.size(); ++j) {
     float* next = (j % 2 == 0 ? ws.head_a : ws.head_b).as<float>();
+    // TF32 tensor cores (fp32 accumulation): the base head's first layer at 2048 candidate rows
+    // takes 24 µs instead of 60 in plain fp32 (H200), and its inputs keep 10 mantissa bits where
+    // the layers before it carry bf16's 7.
     HSTU_CUBLAS_RETURN(cuda::GemmF32(cublas_, act, head_[j].w.as<float>(), next, C,
-                                     head_[j].out, head_[j].in, 0.f));
+                                     head_[j].out, head_[j].in, 0.f, /*tf32=*/true));
     const bool last = j + 1 == head_.size();
     HSTU_CUDA_RETURN(cuda::LaunchBiasActivation(
         next, C, head_[j].out, head_[j].b.as<float>(),
