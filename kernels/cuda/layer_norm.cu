@@ -27,6 +27,8 @@ __global__ void __launch_bounds__(kNormWarps * 32)
     LayerNormWarpKernel(const float* __restrict__ x, int64_t rows, int cols,
                         const float* __restrict__ w, const float* __restrict__ b, float eps,
                         bf16* __restrict__ out) {
+  WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
+  AllowDependents();
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kNormWarps + (threadIdx.x >> 5);
   if (r >= rows) return;  // whole warps only: the shuffles below see all 32 lanes
@@ -143,6 +145,8 @@ __global__ void __launch_bounds__(kThreads) LayerNormKernel(const float* __restr
                                                             const float* __restrict__ w,
                                                             const float* __restrict__ b, float eps,
                                                             bf16* __restrict__ out) {
+  WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
+  AllowDependents();
   __shared__ float scratch[32];
   const float* xr = x + blockIdx.x * cols;
   const float2 st = RowStats(xr, cols, eps, scratch);
@@ -199,13 +203,13 @@ cudaError_t LaunchLayerNorm(const float* x, int64_t rows, int64_t cols, const fl
   if (rows == 0) return cudaSuccess;
   const int groups = NormLaneGroups(cols);
   if (groups == 0) {
-    LayerNormKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, cols, w, b, eps, out);
-    return cudaPeekAtLastError();
+    return LaunchDependent(LayerNormKernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0,
+                           stream, x, cols, w, b, eps, out);
   }
   const cudaError_t err = DispatchNormLaneGroups(groups, [&](auto g) {
-    LayerNormWarpKernel<decltype(g)::value><<<NormBlocks(rows), kNormWarps * 32, 0, stream>>>(
-        x, rows, static_cast<int>(cols), w, b, eps, out);
-    return cudaSuccess;
+    return LaunchDependent(LayerNormWarpKernel<decltype(g)::value>, dim3(NormBlocks(rows)),
+                           dim3(kNormWarps * 32), 0, stream, x, rows, static_cast<int>(cols), w, b,
+                           eps, out);
   });
   return err != cudaSuccess ? err : cudaPeekAtLastError();
 }
