@@ -241,7 +241,8 @@ void Engine::Prefetch(absl::Span<const RankRequest* const> running,
   const OnloadFilter onload_ok = MakeOnloadFilter();
   for (const RankRequest* queued_request : queued) {
     const RankRequest& r = *queued_request;
-    if (!Validate(r).ok()) continue;
+    // Most queued users are GPU-resident or new: skip them before building their keys.
+    if (!cache_->PrefetchCandidate(r.user_id) || !Validate(r).ok()) continue;
     const KeptHistory kept = KeepHistory(r, config_);
     const PageCopies copies = cache_->Prefetch(r.user_id, kept.keys, keep, onload_ok);
     if (copies.empty()) continue;

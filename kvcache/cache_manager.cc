@@ -377,6 +377,14 @@ void CacheManager::ForgetHostCopy(uint64_t user_id) {
   if (e.page_ids.empty()) DropLocked(user_id);
 }
 
+bool CacheManager::PrefetchCandidate(uint64_t user_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(user_id);
+  if (it == entries_.end()) return false;
+  const Entry& e = it->second;
+  return !e.pinned && e.page_ids.empty() && !e.host_page_ids.empty() && e.inflight_pages == 0;
+}
+
 PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> keys,
                                   absl::Span<const uint64_t> keep, const OnloadFilter& onload_ok) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -385,7 +393,7 @@ PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> k
   if (it == entries_.end()) return copies;
   Entry& e = it->second;
   if (e.pinned || !e.page_ids.empty() || e.host_page_ids.empty() || e.inflight_pages > 0) {
-    return copies;  // not host-only, or busy
+    return copies;  // not host-only, or busy (as PrefetchCandidate)
   }
   const size_t cmp_tokens = std::min(keys.size(), e.page_hashes.size() * page_size_);
   const std::vector<uint64_t> req = PageChainHashes(keys.subspan(0, cmp_tokens), page_size_);

@@ -140,6 +140,9 @@ class CacheManager {
   CacheStats Stats() const;
   // Number of cached tokens of a user (0 when absent); for tests and tools.
   int32_t CachedTokens(uint64_t user_id) const;
+  // Whether Prefetch could start copies for the user now: an entry on the host tier only, not
+  // busy. A cheap check before building the request's keys.
+  bool PrefetchCandidate(uint64_t user_id) const;
 
  private:
   struct Entry {

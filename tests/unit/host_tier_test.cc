@@ -542,6 +542,9 @@ TEST(HostTierPrefetch, QueuedHostUserIsOnloadedEarlyAndReportedAsHostHit) {
   // Needs 2 pages, 1 is free; users 2 and 3 would make room losslessly (their pages all have
   // host copies) but they are in the batch about to run.
   const std::vector<uint64_t> running = {2, 3};
+  EXPECT_TRUE(m.PrefetchCandidate(1));   // host only
+  EXPECT_FALSE(m.PrefetchCandidate(3));  // GPU-resident
+  EXPECT_FALSE(m.PrefetchCandidate(9));  // unknown
   EXPECT_TRUE(m.Prefetch(1, Keys(10, 1), running).empty());
   EXPECT_EQ(m.Stats().evictions, 1u);
   PageCopies c = m.Prefetch(1, Keys(10, 1), std::vector<uint64_t>{3});  // user 2 moves to the host
@@ -549,6 +552,8 @@ TEST(HostTierPrefetch, QueuedHostUserIsOnloadedEarlyAndReportedAsHostHit) {
   EXPECT_EQ(m.Stats().evictions, 2u);
   EXPECT_EQ(m.CachedTokens(2), 8);  // still cached, on the host
   EXPECT_TRUE(m.prefetches_pending());
+  EXPECT_FALSE(m.PrefetchCandidate(1));  // has GPU pages now
+  EXPECT_TRUE(m.PrefetchCandidate(2));   // moved to the host
   EXPECT_TRUE(m.Prefetch(1, Keys(10, 1)).empty());  // already on its way
   // While in flight, nobody evicts it: user 5 needs more than the unpinned, unprefetched pages.
   EXPECT_EQ(m.Acquire(5, Keys(16, 5)).status().code(), absl::StatusCode::kResourceExhausted);
