@@ -34,18 +34,17 @@ uint64_t HashPage(uint64_t prev, const uint64_t* keys, int64_t count) {
   return Mix(Mix(Mix(h0, h1), h2), h3);
 }
 
-// Extends the chain `hashes` (full pages of keys, the first hashes->size() already valid) over the
-// remaining full pages of `keys`; returns the prefix hash of all of keys (PrefixHash).
-uint64_t ExtendChain(std::vector<uint64_t>* hashes, absl::Span<const uint64_t> keys,
-                     int32_t page_size) {
-  const size_t full = keys.size() / page_size;
-  uint64_t h = hashes->empty() ? kHashSeed : hashes->back();
-  for (size_t p = hashes->size(); p < full; ++p) {
-    h = HashPage(h, keys.data() + p * page_size, page_size);
-    hashes->push_back(h);
+// Folds HashPage over keys from page `first_page` on, starting from h (the chain hash before that
+// page; the last page may be partial), appending each full page's hash to *full_pages when given.
+// Returns the hash after the last key: from the seed and page 0, PrefixHash(keys).
+uint64_t ChainFrom(uint64_t h, absl::Span<const uint64_t> keys, size_t first_page,
+                   int32_t page_size, std::vector<uint64_t>* full_pages) {
+  for (size_t start = first_page * page_size; start < keys.size(); start += page_size) {
+    const int64_t count = std::min<int64_t>(page_size, static_cast<int64_t>(keys.size() - start));
+    h = HashPage(h, keys.data() + start, count);
+    if (full_pages != nullptr && count == page_size) full_pages->push_back(h);
   }
-  const size_t tail = keys.size() - full * page_size;
-  return tail == 0 ? h : HashPage(h, keys.data() + full * page_size, static_cast<int64_t>(tail));
+  return h;
 }
 
 }  // namespace
@@ -66,17 +65,12 @@ const char* LookupResultName(LookupResult r) {
 std::vector<uint64_t> PageChainHashes(absl::Span<const uint64_t> keys, int32_t page_size) {
   std::vector<uint64_t> out;
   out.reserve(keys.size() / page_size);
-  ExtendChain(&out, keys, page_size);
+  ChainFrom(kHashSeed, keys.subspan(0, keys.size() / page_size * page_size), 0, page_size, &out);
   return out;
 }
 
 uint64_t PrefixHash(absl::Span<const uint64_t> keys, int32_t page_size) {
-  uint64_t h = kHashSeed;
-  for (size_t start = 0; start < keys.size(); start += page_size) {
-    const int64_t count = std::min<int64_t>(page_size, static_cast<int64_t>(keys.size() - start));
-    h = HashPage(h, keys.data() + start, count);
-  }
-  return h;
+  return ChainFrom(kHashSeed, keys, 0, page_size, nullptr);
 }
 
 CacheManager::CacheManager(int32_t page_size, int64_t num_pages, int64_t host_num_pages,
@@ -314,7 +308,8 @@ PageCopies CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t>
   // The full pages of the reused prefix kept their keys (Acquire matched them): only the pages
   // after them are hashed, not the whole history again.
   e.page_hashes.resize(std::min(e.page_hashes.size(), static_cast<size_t>(r.reused_tokens / page_size_)));
-  e.prefix_hash = ExtendChain(&e.page_hashes, keys, page_size_);
+  e.prefix_hash = ChainFrom(e.page_hashes.empty() ? kHashSeed : e.page_hashes.back(), keys,
+                            e.page_hashes.size(), page_size_, &e.page_hashes);
   TouchLocked(e, r.user_id);
   // Write-behind: new full pages get host copies (while still pinned, so eviction for host room
   // never picks this entry).
@@ -377,12 +372,14 @@ void CacheManager::ForgetHostCopy(uint64_t user_id) {
   if (e.page_ids.empty()) DropLocked(user_id);
 }
 
+bool CacheManager::HostOnlyIdle(const Entry& e) {
+  return !e.pinned && e.page_ids.empty() && !e.host_page_ids.empty() && e.inflight_pages == 0;
+}
+
 bool CacheManager::PrefetchCandidate(uint64_t user_id) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(user_id);
-  if (it == entries_.end()) return false;
-  const Entry& e = it->second;
-  return !e.pinned && e.page_ids.empty() && !e.host_page_ids.empty() && e.inflight_pages == 0;
+  return it != entries_.end() && HostOnlyIdle(it->second);
 }
 
 PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> keys,
@@ -392,9 +389,7 @@ PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> k
   auto it = entries_.find(user_id);
   if (it == entries_.end()) return copies;
   Entry& e = it->second;
-  if (e.pinned || !e.page_ids.empty() || e.host_page_ids.empty() || e.inflight_pages > 0) {
-    return copies;  // not host-only, or busy (as PrefetchCandidate)
-  }
+  if (!HostOnlyIdle(e)) return copies;  // not host-only, or busy
   const size_t cmp_tokens = std::min(keys.size(), e.page_hashes.size() * page_size_);
   const std::vector<uint64_t> req = PageChainHashes(keys.subspan(0, cmp_tokens), page_size_);
   size_t k = 0;

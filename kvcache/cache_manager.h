@@ -159,6 +159,8 @@ class CacheManager {
     std::list<uint64_t>::iterator lru_it;
   };
 
+  // On the host tier only, not pinned, no offload in flight: what Prefetch can start copies for.
+  static bool HostOnlyIdle(const Entry& e);
   bool AllocateLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out);
   bool AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out);
   void EvictFromGpuLocked(uint64_t user_id);
