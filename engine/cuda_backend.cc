@@ -9,6 +9,7 @@
 #include "engine/cuda_backend.h"
 
 #include "engine/cuda_backend_impl.h"
+#include "kernels/cuda/gemm_bias_silu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -318,18 +319,34 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
       HSTU_CUDA_RETURN(cuda::LaunchLayerNorm(ws.x.as<float>(), rows, d, w.in_w.as<float>(),
                                              w.in_b.as<float>(), kLayerNormEps, ws.n.as<bf16>(), s));
     }
-    HSTU_CUBLAS_RETURN(gemm_.Run(ws.n.as<bf16>(), w.uvqk_w.as<bf16>(), ws.uvqk.get(),
-                                 /*c_is_f32=*/false, rows, 4 * hd, d, 0.f, s));
+    // UVQK projection, then bias + SiLU and the append of the new history rows' K/V: either the
+    // fused GEMM (bias + SiLU in its epilogue) and the append alone, or cuBLAS and one pass for
+    // both — whichever the tuner timed faster for this row class (gemm_tuner.h).
+    bf16* uvqk = ws.uvqk.as<bf16>();
+    const int route = gemm_.BiasSiluRoute(ws.n.as<bf16>(), w.uvqk_w.as<bf16>(),
+                                          w.uvqk_b.as<float>(), uvqk, rows, 4 * hd, d, s);
+    if (route >= 0) {
+      HSTU_CUDA_RETURN(cuda::LaunchGemmBiasSilu(ws.n.as<bf16>(), w.uvqk_w.as<bf16>(),
+                                                w.uvqk_b.as<float>(), uvqk, rows, 4 * hd, d,
+                                                route, s));
+    } else {
+      HSTU_CUBLAS_RETURN(gemm_.Run(ws.n.as<bf16>(), w.uvqk_w.as<bf16>(), uvqk,
+                                   /*c_is_f32=*/false, rows, 4 * hd, d, 0.f, s));
+    }
     // Layer l's onloaded pages are needed from here on (the append below, then attention).
     HSTU_RETURN_IF_ERROR(WaitForLayer(l));
     AppendKvParams<bf16> ap;
-    ap.uvqk = ws.uvqk.as<bf16>();
+    ap.uvqk = uvqk;
     ap.uvqk_row_stride = 4 * hd;
     ap.row_offsets = reinterpret_cast<const int32_t*>(m + step_.layout.row_offsets);
     ap.num_new = reinterpret_cast<const int32_t*>(m + step_.layout.num_new);
     ap.kv = View(l);
-    HSTU_CUDA_RETURN(cuda::LaunchBiasSiluAppendKv(ws.uvqk.as<bf16>(), rows, 4 * hd,
-                                                  w.uvqk_b.as<float>(), ap, s));
+    if (route >= 0) {
+      HSTU_CUDA_RETURN(cuda::LaunchAppendKvFromRows(rows, ap, s));
+    } else {
+      HSTU_CUDA_RETURN(
+          cuda::LaunchBiasSiluAppendKv(uvqk, rows, 4 * hd, w.uvqk_b.as<float>(), ap, s));
+    }
     HSTU_RETURN_IF_ERROR(EnqueueAttention(l));
     HSTU_CUDA_RETURN(cuda::LaunchNormMulU(ws.a.as<bf16>(), ws.uvqk.as<bf16>() + kU * hd, 4 * hd, rows, hd,
                                           w.out_norm_w.as<float>(), w.out_norm_b.as<float>(),

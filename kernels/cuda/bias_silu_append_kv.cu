@@ -104,6 +104,42 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// The append alone, for uvqk rows that already hold their post-SiLU values (the fused UVQK GEMM):
+// warp w takes segment w % segs of the v block (first segs) or the k block of row w / (2·segs) and,
+// when the row is a new history row of its user, copies it to the row's page slot (K block, or V
+// at kv_stride). The owner lookup comes first, so the rows of candidates (most rows of a decode
+// step) load nothing.
+__global__ void __launch_bounds__(kWarps * 32)
+    AppendKvFromRowsKernel(int64_t rows, int64_t segs, AppendKvParams<bf16> p) {
+  WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
+  AllowDependents();
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const int64_t r = warp / (2 * segs);
+  if (r >= rows) return;
+  const int64_t rem = warp - r * 2 * segs;
+  const bool is_v = rem < segs;
+  const int64_t seg = is_v ? rem : rem - segs;
+  const int ri = static_cast<int>(r);
+  const int b = RowOwner(p.row_offsets, p.kv.batch_size, ri, lane);
+  const int first = p.row_offsets[b], num_new = p.num_new[b];
+  const int num_tokens = p.kv.num_tokens[b], page_idx = p.kv.indptr[b];
+  const int i = ri - first;
+  if (i >= num_new) return;
+  const int t = num_tokens - num_new + i;
+  const int64_t hd = p.kv.num_heads * static_cast<int64_t>(p.kv.head_dim);
+  bf16* dst = p.kv.base + p.kv.SlotOffset(p.kv.page_ids[page_idx + t / p.kv.page_size], t, 0) +
+              (is_v ? p.kv.kv_stride : 0);
+  const bf16* src = p.uvqk + r * p.uvqk_row_stride + (is_v ? kV : kK) * hd;
+#pragma unroll
+  for (int k = 0; k < kLaneGroups; ++k) {
+    const int64_t c = seg * kSegCols + k * 256 + lane * 8;
+    if (c < hd) {
+      *reinterpret_cast<Bf16x8*>(dst + c) = *reinterpret_cast<const Bf16x8*>(src + c);
+    }
+  }
+}
+
 // Grid of the row pass; 0 when it would not fit a launch.
 unsigned RowPassBlocks(int64_t rows, int64_t cols, int64_t* segs_per_row) {
   *segs_per_row = (cols + kSegCols - 1) / kSegCols;
@@ -132,6 +168,27 @@ cudaError_t LaunchBiasSiluAppendKv(bf16* uvqk, int64_t rows, int64_t cols, const
   if (blocks == 0) return cudaErrorInvalidValue;
   return LaunchDependent(BiasSiluAppendKvKernel<true>, dim3(blocks), dim3(kWarps * 32), 0, stream,
                          uvqk, rows, cols, segs_per_row, bias, p);
+}
+
+cudaError_t LaunchAppendKvFromRows(int64_t rows, const AppendKvParams<bf16>& p,
+                                   cudaStream_t stream) {
+  const auto& kv = p.kv;
+  const int64_t hd = static_cast<int64_t>(kv.num_heads) * kv.head_dim;
+  if (rows < 0 || rows > 0x7fffffff || p.uvqk == nullptr || kv.batch_size < 0 ||
+      kv.head_dim <= 0 || kv.head_dim % 8 != 0 || kv.num_heads <= 0 || kv.page_size <= 0 ||
+      kv.base == nullptr || p.uvqk_row_stride != 4 * hd || kv.page_stride % 8 != 0 ||
+      kv.kv_stride % 8 != 0 || !Aligned16(p.uvqk) || !Aligned16(kv.base) ||
+      (kv.batch_size > 0 && (p.row_offsets == nullptr || p.num_new == nullptr ||
+                             kv.indptr == nullptr || kv.page_ids == nullptr ||
+                             kv.num_tokens == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0 || kv.batch_size == 0) return cudaSuccess;
+  const int64_t segs = (hd + kSegCols - 1) / kSegCols;
+  const int64_t blocks = (rows * 2 * segs + kWarps - 1) / kWarps;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  return LaunchDependent(AppendKvFromRowsKernel, dim3(static_cast<unsigned>(blocks)),
+                         dim3(kWarps * 32), 0, stream, rows, segs, p);
 }
 
 cudaError_t LaunchBiasSilu(bf16* x, int64_t rows, int64_t cols, const float* bias,

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_bias_silu.h"
+#include "kernels/cuda/ops.h"
 
 namespace hstu::cuda {
 namespace {
@@ -28,9 +30,59 @@ struct LtCall {
   }
 };
 
-bool TuningEnabled() {
-  const char* v = std::getenv("HSTU_GEMM_TUNE");
+bool EnvNotZero(const char* name) {
+  const char* v = std::getenv(name);
   return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+// Times each candidate (run(i) enqueues candidate i on `stream`; false: it failed) in interleaved
+// rounds — one warm-up round, then kRounds timed ones — and returns the median milliseconds per
+// candidate (+inf for one that failed). A clock that ramps or sags during tuning favours none of
+// them. Synchronises the stream.
+template <class RunFn>
+std::vector<float> TimeCandidates(size_t count, cudaStream_t stream, RunFn run) {
+  constexpr float kFailed = 1e30f;
+  std::vector<float> result(count, kFailed);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
+    if (start != nullptr) cudaEventDestroy(start);
+    cudaGetLastError();
+    return result;
+  }
+  constexpr int kRounds = 5;
+  std::vector<std::vector<float>> ms(count);
+  std::vector<bool> failed(count, false);
+  for (int round = -1; round < kRounds; ++round) {
+    for (size_t i = 0; i < count; ++i) {
+      if (failed[i]) continue;
+      cudaEventRecord(start, stream);
+      failed[i] = !run(i);
+      cudaEventRecord(stop, stream);
+      float t = 0.f;
+      failed[i] = failed[i] || cudaEventSynchronize(stop) != cudaSuccess ||
+                  cudaEventElapsedTime(&t, start, stop) != cudaSuccess;
+      if (round >= 0 && !failed[i]) ms[i].push_back(t);
+    }
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (failed[i]) continue;
+    std::sort(ms[i].begin(), ms[i].end());
+    result[i] = ms[i][ms[i].size() / 2];
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGetLastError();  // a candidate that failed to launch leaves no error behind
+  return result;
+}
+
+// The index of the fastest candidate, candidate 0 (the default) unless another is more than 2 %
+// faster, so noise does not pick the route.
+size_t Fastest(const std::vector<float>& ms) {
+  size_t best = 0;
+  for (size_t i = 1; i < ms.size(); ++i) {
+    if (ms[i] < 0.98f * ms[best]) best = i;
+  }
+  return best;
 }
 
 }  // namespace
@@ -43,7 +95,8 @@ cublasStatus_t GemmTuner::Init(cublasHandle_t blas, void* workspace, size_t work
   blas_ = blas;
   workspace_ = workspace;
   workspace_bytes_ = workspace_bytes;
-  enabled_ = TuningEnabled();
+  enabled_ = EnvNotZero("HSTU_GEMM_TUNE");
+  fused_available_ = enabled_ && EnvNotZero("HSTU_GEMM_FUSED") && GemmBiasSiluAvailable();
   return enabled_ ? cublasLtCreate(&lt_) : CUBLAS_STATUS_SUCCESS;
 }
 
@@ -95,59 +148,23 @@ GemmTuner::Choice GemmTuner::Tune(const __nv_bfloat16* a, const __nv_bfloat16* b
                                      kCandidates, found, &num_found) != CUBLAS_STATUS_SUCCESS) {
     return best;
   }
-  // Candidate 0 is cublasGemmEx, then the heuristic's algorithms. They are timed in interleaved
-  // rounds (one warm-up round, then kRounds timed ones; the median per candidate), so a clock
-  // that ramps or sags during tuning favours none of them.
+  // Candidate 0 is cublasGemmEx, then the heuristic's algorithms.
   std::vector<const cublasLtMatmulAlgo_t*> algos = {nullptr};
   for (int i = 0; i < num_found; ++i) {
     if (found[i].state == CUBLAS_STATUS_SUCCESS && found[i].workspaceSize <= workspace_bytes_) {
       algos.push_back(&found[i].algo);
     }
   }
-  auto run = [&](const cublasLtMatmulAlgo_t* algo) {
-    return algo == nullptr ? GemmBf16(blas_, a, b, out, c_is_f32, m, n, k, beta)
-                           : RunLt(*algo, a, b, out, c_is_f32, m, n, k, beta, stream);
-  };
-  cudaEvent_t start = nullptr, stop = nullptr;
-  if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
-    if (start != nullptr) cudaEventDestroy(start);
-    cudaGetLastError();
-    return best;
+  const std::vector<float> ms = TimeCandidates(algos.size(), stream, [&](size_t i) {
+    const cublasStatus_t st = algos[i] == nullptr
+                                  ? GemmBf16(blas_, a, b, out, c_is_f32, m, n, k, beta)
+                                  : RunLt(*algos[i], a, b, out, c_is_f32, m, n, k, beta, stream);
+    return st == CUBLAS_STATUS_SUCCESS;
+  });
+  if (const size_t i = Fastest(ms); i > 0) {
+    best.use_lt = true;
+    best.algo = *algos[i];
   }
-  constexpr int kRounds = 5;
-  std::vector<std::vector<float>> ms(algos.size());
-  std::vector<bool> failed(algos.size(), false);
-  for (int round = -1; round < kRounds; ++round) {
-    for (size_t i = 0; i < algos.size(); ++i) {
-      if (failed[i]) continue;
-      cudaEventRecord(start, stream);
-      failed[i] = run(algos[i]) != CUBLAS_STATUS_SUCCESS;
-      cudaEventRecord(stop, stream);
-      float t = 0.f;
-      failed[i] = failed[i] || cudaEventSynchronize(stop) != cudaSuccess ||
-                  cudaEventElapsedTime(&t, start, stop) != cudaSuccess;
-      if (round >= 0 && !failed[i]) ms[i].push_back(t);
-    }
-  }
-  auto median = [&](size_t i) {
-    std::vector<float> v = ms[i];
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  float best_ms = failed[0] ? 1e30f : median(0);
-  for (size_t i = 1; i < algos.size(); ++i) {
-    if (failed[i]) continue;
-    // A clear win only: within 2 % the default stays, so noise does not pick the algorithm.
-    const float t = median(i);
-    if (t < 0.98f * best_ms) {
-      best_ms = t;
-      best.use_lt = true;
-      best.algo = *algos[i];
-    }
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaGetLastError();  // a candidate that failed to launch leaves no error behind
   scratch_ = DeviceBuffer();  // tuning is rare: give the memory back
   return best;
 }
@@ -176,6 +193,32 @@ cublasStatus_t GemmTuner::Run(const __nv_bfloat16* a, const __nv_bfloat16* b, vo
     if (st != CUBLAS_STATUS_NOT_SUPPORTED) return st;
   }
   return GemmBf16(blas_, a, b, c, c_is_f32, m, n, k, beta);
+}
+
+int GemmTuner::BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
+                             __nv_bfloat16* c, int64_t m, int64_t n, int64_t k,
+                             cudaStream_t stream) {
+  if (!fused_available_ || m <= 0) return -1;
+  const std::tuple<int64_t, int64_t, int64_t> key{RowClass(m), n, k};
+  if (auto it = silu_route_.find(key); it != silu_route_.end()) return it->second;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+      capture != cudaStreamCaptureStatusNone) {
+    return -1;  // no timing inside a capture
+  }
+  // Candidate 0: the plain GEMM (Run: cuBLAS, itself tuned on the warm-up round) + the bias + SiLU
+  // pass; candidate 1 + i: fused config i.
+  const std::vector<float> ms = TimeCandidates(1 + kGemmBiasSiluConfigs, stream, [&](size_t i) {
+    if (i == 0) {
+      return Run(a, b, c, /*c_is_f32=*/false, m, n, k, 0.f, stream) == CUBLAS_STATUS_SUCCESS &&
+             LaunchBiasSilu(c, m, n, bias, stream) == cudaSuccess;
+    }
+    return LaunchGemmBiasSilu(a, b, bias, c, m, n, k, static_cast<int>(i) - 1, stream) ==
+           cudaSuccess;
+  });
+  const int route = static_cast<int>(Fastest(ms)) - 1;
+  silu_route_.emplace(key, route);
+  return route;
 }
 
 }  // namespace hstu::cuda

@@ -47,10 +47,21 @@ class GemmTuner {
   cublasStatus_t Run(const __nv_bfloat16* a, const __nv_bfloat16* b, void* c, bool c_is_f32,
                      int64_t m, int64_t n, int64_t k, float beta, cudaStream_t stream);
 
+  // The UVQK projection's route for this call: a config of LaunchGemmBiasSilu (≥ 0: c = SiLU(a·b +
+  // bias) in one kernel) or −1 (Run() for c = a·b, then the caller's bias + SiLU pass, which it may
+  // fuse with other work such as the K/V append). Chosen per (row class, n, k) by timing, on this
+  // call's operands, Run() + LaunchBiasSilu against each fused config (same interleaved rounds and
+  // 2 % margin as Run's tuning); −1 when tuning is off, when the fused kernel is unavailable or
+  // disabled (HSTU_GEMM_FUSED=0 in the environment), and for a class first seen inside a capture.
+  // c is overwritten by the timing runs.
+  int BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
+                    __nv_bfloat16* c, int64_t m, int64_t n, int64_t k, cudaStream_t stream);
+
   // The class bound of m rows.
   static int64_t RowClass(int64_t m);
 
   int num_tuned() const { return static_cast<int>(choice_.size()); }
+  bool fused_available() const { return fused_available_; }
   bool enabled() const { return enabled_; }
 
  private:
@@ -73,6 +84,8 @@ class GemmTuner {
   size_t workspace_bytes_ = 0;
   bool enabled_ = true;
   std::map<Key, Choice> choice_;
+  bool fused_available_ = false;                                  // LaunchGemmBiasSilu usable
+  std::map<std::tuple<int64_t, int64_t, int64_t>, int> silu_route_;  // (row class, n, k) → route
   DeviceBuffer scratch_;  // the timing runs' output when the real call accumulates (freed after)
 };
 

@@ -48,6 +48,13 @@ cudaError_t LaunchLayerNorm(const float* x, int64_t rows, int64_t cols, const fl
 cudaError_t LaunchBiasSiluAppendKv(bf16* uvqk, int64_t rows, int64_t cols, const float* bias,
                                    const AppendKvParams<bf16>& p, cudaStream_t stream);
 
+// The append of LaunchBiasSiluAppendKv alone, for uvqk rows that already hold their post-SiLU
+// values (written by LaunchGemmBiasSilu): each new history row's v and k columns are copied into
+// its page slot; the rows are not modified. Same arguments and checks as LaunchBiasSiluAppendKv
+// (p.uvqk: [rows, 4·H·D], p.uvqk_row_stride = 4·H·D).
+cudaError_t LaunchAppendKvFromRows(int64_t rows, const AppendKvParams<bf16>& p,
+                                   cudaStream_t stream);
+
 // x = SiLU(x + bias) in place, for rows that have no pages (the materialised attention baseline).
 // x: [rows, cols] bf16 (row stride cols, cols % 8 == 0); bias: [cols] fp32. Same kernel and
 // rounding as LaunchBiasSiluAppendKv.

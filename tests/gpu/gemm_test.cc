@@ -3,11 +3,17 @@
 // the first call must not touch c), and a class keeps its algorithm (bit-identical repeats).
 #include <cublas_v2.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_bias_silu.h"
+#include "kernels/cuda/ops.h"
 #include "kernels/cuda/gemm_tuner.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/util/tolerance.h"
@@ -84,6 +90,144 @@ TEST(CudaGemmTuner, MatchesGemmExAndAccumulatesOnce) {
   }
   if (tuner.enabled()) {
     EXPECT_EQ(tuner.num_tuned(), 5);  // 384/300 and 3072/3071 share their classes
+  }
+  cublasDestroy(blas);
+}
+
+// c = SiLU(a·b + bias) on bf16-rounded inputs, in double.
+std::vector<float> BiasSiluReference(const std::vector<float>& a, const std::vector<float>& b,
+                                     const std::vector<float>& bias, int64_t m, int64_t n,
+                                     int64_t k) {
+  std::vector<float> c(m * n);
+  std::vector<double> acc(n);
+  for (int64_t r = 0; r < m; ++r) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int64_t j = 0; j < k; ++j) {
+      const double x = a[r * k + j];
+      for (int64_t col = 0; col < n; ++col) acc[col] += x * b[j * n + col];
+    }
+    for (int64_t col = 0; col < n; ++col) {
+      const double v = acc[col] + bias[col];
+      c[r * n + col] = static_cast<float>(v / (1.0 + std::exp(-v)));
+    }
+  }
+  return c;
+}
+
+// The fused UVQK GEMM (CUTLASS, sm_90a) in each tile configuration against the double reference
+// and against cuBLAS + the bias + SiLU pass: partial tiles in m (1, 17, 300 rows), n and k not
+// multiples of the tile (264 × 136, 520 × 40), and the engine's shape at batch 1 and 8. One row
+// past m is poisoned and must stay so (no write outside c).
+TEST(CudaGemmBiasSilu, MatchesReferenceInEveryConfig) {
+  HSTU_SKIP_WITHOUT_GPU();
+  if (!cuda::GemmBiasSiluAvailable()) {
+    GTEST_SKIP() << "fused GEMM not in this build or not a compute capability 9.0 GPU";
+  }
+  cublasHandle_t blas = nullptr;
+  ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+  struct Shape { int64_t m, n, k; };
+  const Shape shapes[] = {{1, 264, 136}, {17, 520, 40}, {300, 4096, 1024}, {384, 4096, 1024},
+                          {3072, 4096, 1024}};
+  std::mt19937 rng(21);
+  for (const Shape& s : shapes) {
+    const std::string what =
+        std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k);
+    const auto a = test::RoundBf16(RandomVector(rng, s.m * s.k));
+    const auto b = test::RoundBf16(RandomVector(rng, s.k * s.n, -0.1f, 0.1f));
+    const auto bias = RandomVector(rng, s.n, -1.f, 1.f);
+    const auto want = BiasSiluReference(a, b, bias, s.m, s.n, s.k);
+    DeviceArray<bf16> da(ToBf16(a)), db(ToBf16(b));
+    DeviceArray<float> dbias(bias);
+    // cuBLAS + the bias + SiLU pass: the unfused route, rounded twice.
+    DeviceArray<bf16> unfused(s.m * s.n);
+    ASSERT_EQ(cuda::GemmBf16(blas, da.get(), db.get(), unfused.get(), false, s.m, s.n, s.k, 0.f),
+              CUBLAS_STATUS_SUCCESS);
+    HSTU_ASSERT_CUDA(cuda::LaunchBiasSilu(unfused.get(), s.m, s.n, dbias.get(), nullptr));
+    HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+    const auto want_unfused = ToF32(unfused.Download());
+    ASSERT_LT(test::RelL2(want_unfused, want), test::kBf16RoundRelL2) << what << " (cuBLAS)";
+    for (int config = 0; config < cuda::kGemmBiasSiluConfigs; ++config) {
+      DeviceArray<bf16> dc((s.m + 1) * s.n);
+      dc.Poison();
+      HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+      HSTU_ASSERT_CUDA(cuda::LaunchGemmBiasSilu(da.get(), db.get(), dbias.get(), dc.get(), s.m,
+                                                s.n, s.k, config, nullptr));
+      HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+      auto all = dc.Download();
+      const std::vector<bf16> past(all.begin() + s.m * s.n, all.end());
+      all.resize(s.m * s.n);
+      const auto got = ToF32(all);
+      const std::string at = what + " config " + std::to_string(config);
+      ASSERT_TRUE(test::AllFinite(got)) << at;
+      // One bf16 rounding of a value the reference has in double.
+      EXPECT_LT(test::RelL2(got, want), test::kBf16RoundRelL2) << at;
+      // The unfused route rounds the GEMM output once more: the two agree to about one bf16 unit.
+      EXPECT_LT(test::RelL2(got, want_unfused), 2 * test::kBf16RoundRelL2) << at;
+      const auto poison = ToF32(past);
+      EXPECT_TRUE(std::all_of(poison.begin(), poison.end(), [](float v) { return std::isnan(v); }))
+          << at << ": wrote past row m";
+      // Deterministic: the same call again gives the same bits.
+      HSTU_ASSERT_CUDA(cuda::LaunchGemmBiasSilu(da.get(), db.get(), dbias.get(), dc.get(), s.m,
+                                                s.n, s.k, config, nullptr));
+      HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+      auto again = dc.Download();
+      again.resize(s.m * s.n);
+      EXPECT_EQ(std::memcmp(again.data(), all.data(), all.size() * sizeof(bf16)), 0) << at;
+    }
+  }
+  // Rejected with nothing launched: n or k not a multiple of 8, a misaligned operand, a config
+  // that does not exist, no bias.
+  DeviceArray<bf16> x(64 * 64);
+  DeviceArray<float> bias(64);
+  EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get(), x.get(), bias.get(), x.get(), 8, 60, 64, 0, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get(), x.get(), bias.get(), x.get(), 8, 64, 60, 0, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get() + 1, x.get(), bias.get(), x.get(), 8, 64, 64, 0,
+                                     nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get(), x.get(), bias.get(), x.get(), 8, 64, 64,
+                                     cuda::kGemmBiasSiluConfigs, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get(), x.get(), nullptr, x.get(), 8, 64, 64, 0, nullptr),
+            cudaErrorInvalidValue);
+  cublasDestroy(blas);
+}
+
+// The tuner's route for the UVQK step: a valid route, the same on every later call of the class,
+// and −1 when the fused kernel is turned off (HSTU_GEMM_FUSED=0) or unavailable.
+TEST(CudaGemmBiasSilu, TunerRouteIsStablePerClassAndCanBeTurnedOff) {
+  HSTU_SKIP_WITHOUT_GPU();
+  cuda::Stream stream;
+  HSTU_ASSERT_CUDA(stream.Create());
+  cublasHandle_t blas = nullptr;
+  ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cublasSetStream(blas, stream.get()), CUBLAS_STATUS_SUCCESS);
+  cuda::DeviceBuffer ws;
+  HSTU_ASSERT_CUDA(ws.Reserve(32u << 20));
+  std::mt19937 rng(23);
+  const int64_t m = 384, n = 4096, k = 1024;
+  DeviceArray<bf16> a(ToBf16(RandomVector(rng, m * k)));
+  DeviceArray<bf16> b(ToBf16(RandomVector(rng, k * n, -0.05f, 0.05f)));
+  DeviceArray<float> bias(RandomVector(rng, n));
+  DeviceArray<bf16> c(m * n);
+  HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+  for (bool off : {false, true}) {
+    if (off) setenv("HSTU_GEMM_FUSED", "0", 1);
+    cuda::GemmTuner tuner;
+    ASSERT_EQ(tuner.Init(blas, ws.get(), ws.bytes()), CUBLAS_STATUS_SUCCESS);
+    if (off) unsetenv("HSTU_GEMM_FUSED");
+    const int route = tuner.BiasSiluRoute(a.get(), b.get(), bias.get(), c.get(), m, n, k,
+                                          stream.get());
+    EXPECT_GE(route, -1);
+    EXPECT_LT(route, cuda::kGemmBiasSiluConfigs);
+    if (off || !cuda::GemmBiasSiluAvailable() || !tuner.enabled()) {
+      EXPECT_EQ(route, -1) << "off=" << off;
+    }
+    // Another row count of the same class (300 → 384) keeps the route without timing again.
+    EXPECT_EQ(tuner.BiasSiluRoute(a.get(), b.get(), bias.get(), c.get(), 300, n, k, stream.get()),
+              route);
+    std::printf("[ route ] 384 x 4096 x 1024, fused %s: %d\n", off ? "off" : "on", route);
   }
   cublasDestroy(blas);
 }
