@@ -323,8 +323,17 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
     // fused GEMM (bias + SiLU in its epilogue) and the append alone, or cuBLAS and one pass for
     // both — whichever the tuner timed faster for this row class (gemm_tuner.h).
     bf16* uvqk = ws.uvqk.as<bf16>();
+    AppendKvParams<bf16> ap;
+    ap.uvqk = uvqk;
+    ap.uvqk_row_stride = 4 * hd;
+    ap.row_offsets = reinterpret_cast<const int32_t*>(m + step_.layout.row_offsets);
+    ap.num_new = reinterpret_cast<const int32_t*>(m + step_.layout.num_new);
+    ap.kv = View(l);
+    // The route's first call of a row class times both routes, appends included, so layer l's
+    // onloaded pages must be there first; otherwise they are needed from the append on.
+    if (!gemm_.HasBiasSiluRoute(rows, 4 * hd, d)) HSTU_RETURN_IF_ERROR(WaitForLayer(l));
     const int route = gemm_.BiasSiluRoute(ws.n.as<bf16>(), w.uvqk_w.as<bf16>(),
-                                          w.uvqk_b.as<float>(), uvqk, rows, 4 * hd, d, s);
+                                          w.uvqk_b.as<float>(), ap, rows, 4 * hd, d, s);
     if (route >= 0) {
       HSTU_CUDA_RETURN(cuda::LaunchGemmBiasSilu(ws.n.as<bf16>(), w.uvqk_w.as<bf16>(),
                                                 w.uvqk_b.as<float>(), uvqk, rows, 4 * hd, d,
@@ -333,14 +342,7 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
       HSTU_CUBLAS_RETURN(gemm_.Run(ws.n.as<bf16>(), w.uvqk_w.as<bf16>(), uvqk,
                                    /*c_is_f32=*/false, rows, 4 * hd, d, 0.f, s));
     }
-    // Layer l's onloaded pages are needed from here on (the append below, then attention).
     HSTU_RETURN_IF_ERROR(WaitForLayer(l));
-    AppendKvParams<bf16> ap;
-    ap.uvqk = uvqk;
-    ap.uvqk_row_stride = 4 * hd;
-    ap.row_offsets = reinterpret_cast<const int32_t*>(m + step_.layout.row_offsets);
-    ap.num_new = reinterpret_cast<const int32_t*>(m + step_.layout.num_new);
-    ap.kv = View(l);
     if (route >= 0) {
       HSTU_CUDA_RETURN(cuda::LaunchAppendKvFromRows(rows, ap, s));
     } else {

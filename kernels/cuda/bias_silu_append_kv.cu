@@ -107,8 +107,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 // The append alone, for uvqk rows that already hold their post-SiLU values (the fused UVQK GEMM):
 // warp w takes segment w % segs of the v block (first segs) or the k block of row w / (2·segs) and,
 // when the row is a new history row of its user, copies it to the row's page slot (K block, or V
-// at kv_stride). The owner lookup comes first, so the rows of candidates (most rows of a decode
-// step) load nothing.
+// at kv_stride). As in the fused pass, the loads are issued before the owner lookup, whose
+// dependent loads then hide behind them (a candidate row's loads, L2 hits, are simply dropped).
 __global__ void __launch_bounds__(kWarps * 32)
     AppendKvFromRowsKernel(int64_t rows, int64_t segs, AppendKvParams<bf16> p) {
   WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
@@ -120,6 +120,14 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t rem = warp - r * 2 * segs;
   const bool is_v = rem < segs;
   const int64_t seg = is_v ? rem : rem - segs;
+  const int64_t hd = p.kv.num_heads * static_cast<int64_t>(p.kv.head_dim);
+  const bf16* src = p.uvqk + r * p.uvqk_row_stride + (is_v ? kV : kK) * hd;
+  Bf16x8 in[kLaneGroups];
+#pragma unroll
+  for (int k = 0; k < kLaneGroups; ++k) {
+    const int64_t c = seg * kSegCols + k * 256 + lane * 8;
+    if (c < hd) in[k] = *reinterpret_cast<const Bf16x8*>(src + c);
+  }
   const int ri = static_cast<int>(r);
   const int b = RowOwner(p.row_offsets, p.kv.batch_size, ri, lane);
   const int first = p.row_offsets[b], num_new = p.num_new[b];
@@ -127,16 +135,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int i = ri - first;
   if (i >= num_new) return;
   const int t = num_tokens - num_new + i;
-  const int64_t hd = p.kv.num_heads * static_cast<int64_t>(p.kv.head_dim);
   bf16* dst = p.kv.base + p.kv.SlotOffset(p.kv.page_ids[page_idx + t / p.kv.page_size], t, 0) +
               (is_v ? p.kv.kv_stride : 0);
-  const bf16* src = p.uvqk + r * p.uvqk_row_stride + (is_v ? kV : kK) * hd;
 #pragma unroll
   for (int k = 0; k < kLaneGroups; ++k) {
     const int64_t c = seg * kSegCols + k * 256 + lane * 8;
-    if (c < hd) {
-      *reinterpret_cast<Bf16x8*>(dst + c) = *reinterpret_cast<const Bf16x8*>(src + c);
-    }
+    if (c < hd) *reinterpret_cast<Bf16x8*>(dst + c) = in[k];
   }
 }
 

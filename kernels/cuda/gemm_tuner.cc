@@ -195,9 +195,13 @@ cublasStatus_t GemmTuner::Run(const __nv_bfloat16* a, const __nv_bfloat16* b, vo
   return GemmBf16(blas_, a, b, c, c_is_f32, m, n, k, beta);
 }
 
+bool GemmTuner::HasBiasSiluRoute(int64_t m, int64_t n, int64_t k) const {
+  return !fused_available_ || m <= 0 || silu_route_.count({RowClass(m), n, k}) > 0;
+}
+
 int GemmTuner::BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
-                             __nv_bfloat16* c, int64_t m, int64_t n, int64_t k,
-                             cudaStream_t stream) {
+                             const AppendKvParams<__nv_bfloat16>& append, int64_t m, int64_t n,
+                             int64_t k, cudaStream_t stream) {
   if (!fused_available_ || m <= 0) return -1;
   const std::tuple<int64_t, int64_t, int64_t> key{RowClass(m), n, k};
   if (auto it = silu_route_.find(key); it != silu_route_.end()) return it->second;
@@ -206,15 +210,17 @@ int GemmTuner::BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, con
       capture != cudaStreamCaptureStatusNone) {
     return -1;  // no timing inside a capture
   }
-  // Candidate 0: the plain GEMM (Run: cuBLAS, itself tuned on the warm-up round) + the bias + SiLU
-  // pass; candidate 1 + i: fused config i.
+  // Candidate 0: the plain GEMM (Run: cuBLAS, itself tuned on the warm-up round) + the fused
+  // bias + SiLU + append pass; candidate 1 + i: fused config i + the append alone.
+  __nv_bfloat16* c = const_cast<__nv_bfloat16*>(append.uvqk);
   const std::vector<float> ms = TimeCandidates(1 + kGemmBiasSiluConfigs, stream, [&](size_t i) {
     if (i == 0) {
       return Run(a, b, c, /*c_is_f32=*/false, m, n, k, 0.f, stream) == CUBLAS_STATUS_SUCCESS &&
-             LaunchBiasSilu(c, m, n, bias, stream) == cudaSuccess;
+             LaunchBiasSiluAppendKv(c, m, n, bias, append, stream) == cudaSuccess;
     }
     return LaunchGemmBiasSilu(a, b, bias, c, m, n, k, static_cast<int>(i) - 1, stream) ==
-           cudaSuccess;
+               cudaSuccess &&
+           LaunchAppendKvFromRows(m, append, stream) == cudaSuccess;
   });
   const int route = static_cast<int>(Fastest(ms)) - 1;
   silu_route_.emplace(key, route);

@@ -25,6 +25,7 @@
 #include <tuple>
 
 #include "kernels/cuda/device_buffer.h"
+#include "kernels/params.h"
 
 namespace hstu::cuda {
 
@@ -47,15 +48,18 @@ class GemmTuner {
   cublasStatus_t Run(const __nv_bfloat16* a, const __nv_bfloat16* b, void* c, bool c_is_f32,
                      int64_t m, int64_t n, int64_t k, float beta, cudaStream_t stream);
 
-  // The UVQK projection's route for this call: a config of LaunchGemmBiasSilu (≥ 0: c = SiLU(a·b +
-  // bias) in one kernel) or −1 (Run() for c = a·b, then the caller's bias + SiLU pass, which it may
-  // fuse with other work such as the K/V append). Chosen per (row class, n, k) by timing, on this
-  // call's operands, Run() + LaunchBiasSilu against each fused config (same interleaved rounds and
-  // 2 % margin as Run's tuning); −1 when tuning is off, when the fused kernel is unavailable or
-  // disabled (HSTU_GEMM_FUSED=0 in the environment), and for a class first seen inside a capture.
-  // c is overwritten by the timing runs.
+  // The UVQK projection's route for this call, c = append.uvqk [m, n]: a config of
+  // LaunchGemmBiasSilu (≥ 0: c = SiLU(a·b + bias) in one kernel, then LaunchAppendKvFromRows) or −1
+  // (Run() for c = a·b, then LaunchBiasSiluAppendKv). Chosen per (row class, n, k) by timing both
+  // whole routes, GEMM and append, on this call's operands (same interleaved rounds and 2 % margin
+  // as Run's tuning); −1 when tuning is off, when the fused kernel is unavailable or disabled
+  // (HSTU_GEMM_FUSED=0 in the environment), and for a class first seen inside a capture. The
+  // timing runs write c and append's page slots with the values the real call then writes again,
+  // so the pages must be ready for the append (HasBiasSiluRoute says whether this call will time).
   int BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
-                    __nv_bfloat16* c, int64_t m, int64_t n, int64_t k, cudaStream_t stream);
+                    const AppendKvParams<__nv_bfloat16>& append, int64_t m, int64_t n, int64_t k,
+                    cudaStream_t stream);
+  bool HasBiasSiluRoute(int64_t m, int64_t n, int64_t k) const;
 
   // The class bound of m rows.
   static int64_t RowClass(int64_t m);

@@ -217,15 +217,25 @@ TEST(CudaGemmBiasSilu, TunerRouteIsStablePerClassAndCanBeTurnedOff) {
     cuda::GemmTuner tuner;
     ASSERT_EQ(tuner.Init(blas, ws.get(), ws.bytes()), CUBLAS_STATUS_SUCCESS);
     if (off) unsetenv("HSTU_GEMM_FUSED");
-    const int route = tuner.BiasSiluRoute(a.get(), b.get(), bias.get(), c.get(), m, n, k,
+    // No users: the appends have nothing to write (the kernels still run in the timing).
+    AppendKvParams<bf16> none;
+    none.uvqk = c.get();
+    none.uvqk_row_stride = n;
+    none.kv.num_heads = 4;
+    none.kv.head_dim = n / 16;
+    none.kv.page_size = 16;
+    none.kv.base = c.get();
+    EXPECT_FALSE(tuner.HasBiasSiluRoute(m, n, k) && tuner.fused_available());
+    const int route = tuner.BiasSiluRoute(a.get(), b.get(), bias.get(), none, m, n, k,
                                           stream.get());
+    EXPECT_TRUE(tuner.HasBiasSiluRoute(300, n, k));
     EXPECT_GE(route, -1);
     EXPECT_LT(route, cuda::kGemmBiasSiluConfigs);
     if (off || !cuda::GemmBiasSiluAvailable() || !tuner.enabled()) {
       EXPECT_EQ(route, -1) << "off=" << off;
     }
     // Another row count of the same class (300 → 384) keeps the route without timing again.
-    EXPECT_EQ(tuner.BiasSiluRoute(a.get(), b.get(), bias.get(), c.get(), 300, n, k, stream.get()),
+    EXPECT_EQ(tuner.BiasSiluRoute(a.get(), b.get(), bias.get(), none, 300, n, k, stream.get()),
               route);
     std::printf("[ route ] 384 x 4096 x 1024, fused %s: %d\n", off ? "off" : "on", route);
   }
