@@ -6,8 +6,9 @@
 //
 // Built only when the CUTLASS headers were found (HSTU_HAVE_CUTLASS) and sm_90a is among the
 // architectures; GemmBiasSiluAvailable() says whether this build and the current device can run
-// it. GemmTuner::RunBiasSilu times it against cuBLAS + the bias + SiLU pass per row class and
-// keeps the faster (docs/cuda_kernels.md, "UVQK GEMM with the SiLU in its epilogue").
+// it. GemmTuner::BiasSiluRoute times the two whole routes per row class — this kernel + the K/V
+// append alone, or cuBLAS + the fused bias + SiLU + append pass — and keeps the faster
+// (docs/cuda_kernels.md, "Fused UVQK GEMM").
 #pragma once
 
 #include <cuda_bf16.h>

@@ -96,6 +96,10 @@ cublasStatus_t GemmTuner::Init(cublasHandle_t blas, void* workspace, size_t work
   workspace_ = workspace;
   workspace_bytes_ = workspace_bytes;
   enabled_ = EnvNotZero("HSTU_GEMM_TUNE");
+  // The fused UVQK route: timed per class by default; HSTU_GEMM_FUSED=0 turns it off, =force takes
+  // it for every class without timing (tests, A/B runs).
+  const char* fused = std::getenv("HSTU_GEMM_FUSED");
+  fused_forced_ = fused != nullptr && std::strcmp(fused, "force") == 0;
   fused_available_ = enabled_ && EnvNotZero("HSTU_GEMM_FUSED") && GemmBiasSiluAvailable();
   return enabled_ ? cublasLtCreate(&lt_) : CUBLAS_STATUS_SUCCESS;
 }
@@ -205,6 +209,7 @@ int GemmTuner::BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, con
   if (!fused_available_ || m <= 0) return -1;
   const std::tuple<int64_t, int64_t, int64_t> key{RowClass(m), n, k};
   if (auto it = silu_route_.find(key); it != silu_route_.end()) return it->second;
+  if (fused_forced_) return silu_route_[key] = kGemmBiasSiluConfigs - 1;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
       capture != cudaStreamCaptureStatusNone) {

@@ -52,8 +52,10 @@ class GemmTuner {
   // LaunchGemmBiasSilu (≥ 0: c = SiLU(a·b + bias) in one kernel, then LaunchAppendKvFromRows) or −1
   // (Run() for c = a·b, then LaunchBiasSiluAppendKv). Chosen per (row class, n, k) by timing both
   // whole routes, GEMM and append, on this call's operands (same interleaved rounds and 2 % margin
-  // as Run's tuning); −1 when tuning is off, when the fused kernel is unavailable or disabled
-  // (HSTU_GEMM_FUSED=0 in the environment), and for a class first seen inside a capture. The
+  // as Run's tuning); −1 when tuning is off, when the fused kernel is unavailable or turned off
+  // (HSTU_GEMM_FUSED=0 in the environment when the tuner is initialised), and for a class first
+  // seen inside a capture. HSTU_GEMM_FUSED=force takes the last fused config for every class
+  // without timing (tests, A/B runs). The
   // timing runs write c and append's page slots with the values the real call then writes again,
   // so the pages must be ready for the append (HasBiasSiluRoute says whether this call will time).
   int BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
@@ -89,6 +91,7 @@ class GemmTuner {
   bool enabled_ = true;
   std::map<Key, Choice> choice_;
   bool fused_available_ = false;                                  // LaunchGemmBiasSilu usable
+  bool fused_forced_ = false;                                     // HSTU_GEMM_FUSED=force
   std::map<std::tuple<int64_t, int64_t, int64_t>, int> silu_route_;  // (row class, n, k) → route
   DeviceBuffer scratch_;  // the timing runs' output when the real call accumulates (freed after)
 };

@@ -2,6 +2,7 @@
 // a cached step against a full recompute on the GPU, and the KV pages read back from both.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <numeric>
 #include <random>
 
@@ -9,6 +10,7 @@
 #include "engine/backend.h"
 #include "engine/cuda_backend.h"
 #include "engine/model_file.h"
+#include "kernels/cuda/gemm_bias_silu.h"
 #include "kernels/params.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/util/tolerance.h"
@@ -134,6 +136,7 @@ void ExpectClose(const ForwardOutput& gpu, const ForwardOutput& cpu, const std::
 struct BackendCase {
   int head_dim, window, page_size;
   bool pe;
+  bool fused_gemm = false;  // the UVQK step on the fused CUTLASS GEMM (HSTU_GEMM_FUSED=force)
 };
 
 class CudaBackendParity : public ::testing::TestWithParam<BackendCase> {};
@@ -147,7 +150,12 @@ TEST_P(CudaBackendParity, MatchesCpuBackendCachedAndUncached) {
   const int num_pages = 600;
   auto cpu = CreateCpuBackend(RoundedToBf16(weights), p.page_size, num_pages);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
+  if (p.fused_gemm) {
+    if (!cuda::GemmBiasSiluAvailable()) GTEST_SKIP() << "no fused GEMM in this build or on this GPU";
+    setenv("HSTU_GEMM_FUSED", "force", 1);  // read when the backend's GEMM tuner is created
+  }
   auto gpu = CreateCudaBackendExt(weights, p.page_size, num_pages, 0);
+  unsetenv("HSTU_GEMM_FUSED");
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   ASSERT_TRUE((*gpu)->SetDebugPoison(true).ok());
   // The kernel it reports: the TMA kernel exactly where that kernel applies, else why not.
@@ -208,11 +216,14 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackendParity,
                                            BackendCase{64, 0, 32, false},
                                            BackendCase{256, 48, 64, true},
                                            BackendCase{128, 0, 17, false},
-                                           BackendCase{256, 0, 32, false}),  // the TMA kernel
+                                           BackendCase{256, 0, 32, false},  // the TMA kernel
+                                           BackendCase{128, 0, 16, true, true},
+                                           BackendCase{256, 0, 32, false, true}),
                          [](const ::testing::TestParamInfo<BackendCase>& info) {
                            const BackendCase& c = info.param;
                            return absl::StrCat("D", c.head_dim, "_W", c.window, "_page",
-                                               c.page_size, c.pe ? "_pos" : "_nopos");
+                                               c.page_size, c.pe ? "_pos" : "_nopos",
+                                               c.fused_gemm ? "_fusedgemm" : "");
                          });
 
 TEST(CudaBackend, RejectsUnsupportedHeadDim) {

@@ -216,7 +216,8 @@ TEST(CudaGemmBiasSilu, TunerRouteIsStablePerClassAndCanBeTurnedOff) {
     if (off) setenv("HSTU_GEMM_FUSED", "0", 1);
     cuda::GemmTuner tuner;
     ASSERT_EQ(tuner.Init(blas, ws.get(), ws.bytes()), CUBLAS_STATUS_SUCCESS);
-    if (off) unsetenv("HSTU_GEMM_FUSED");
+    unsetenv("HSTU_GEMM_FUSED");
+    EXPECT_EQ(tuner.fused_available(), !off && cuda::GemmBiasSiluAvailable() && tuner.enabled());
     // No users: the appends have nothing to write (the kernels still run in the timing).
     AppendKvParams<bf16> none;
     none.uvqk = c.get();
