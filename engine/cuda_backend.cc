@@ -9,7 +9,7 @@
 #include "engine/cuda_backend.h"
 
 #include "engine/cuda_backend_impl.h"
-#include "kernels/cuda/cutlass_gemm.h"
+#include "kernels/cuda/gemm_bias_silu.h"
 
 #include <algorithm>
 #include <cmath>

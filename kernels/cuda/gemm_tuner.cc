@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "kernels/cuda/gemm.h"
-#include "kernels/cuda/cutlass_gemm.h"
+#include "kernels/cuda/gemm_bias_silu.h"
 #include "kernels/cuda/ops.h"
 
 namespace hstu::cuda {
@@ -100,9 +100,7 @@ cublasStatus_t GemmTuner::Init(cublasHandle_t blas, void* workspace, size_t work
   // it for every class without timing (tests, A/B runs).
   const char* fused = std::getenv("HSTU_GEMM_FUSED");
   fused_forced_ = fused != nullptr && std::strcmp(fused, "force") == 0;
-  const bool cutlass = enabled_ && CutlassGemmAvailable();
-  fused_available_ = cutlass && EnvNotZero("HSTU_GEMM_FUSED");
-  cutlass_add_ = cutlass && EnvNotZero("HSTU_GEMM_CUTLASS");
+  fused_available_ = enabled_ && EnvNotZero("HSTU_GEMM_FUSED") && GemmBiasSiluAvailable();
   return enabled_ ? cublasLtCreate(&lt_) : CUBLAS_STATUS_SUCCESS;
 }
 
@@ -161,23 +159,13 @@ GemmTuner::Choice GemmTuner::Tune(const __nv_bfloat16* a, const __nv_bfloat16* b
       algos.push_back(&found[i].algo);
     }
   }
-  // Then, for c += a·b in fp32, the CUTLASS kernel's configurations.
-  const size_t num_cublas = algos.size();
-  const int num_cutlass = cutlass_add_ && c_is_f32 && beta == 1.f ? kGemmAddF32Configs : 0;
-  const std::vector<float> ms =
-      TimeCandidates(num_cublas + num_cutlass, stream, [&](size_t i) {
-        if (i >= num_cublas) {
-          return LaunchGemmAddF32(a, b, static_cast<float*>(out), m, n, k,
-                                  static_cast<int>(i - num_cublas), stream) == cudaSuccess;
-        }
-        const cublasStatus_t st =
-            algos[i] == nullptr ? GemmBf16(blas_, a, b, out, c_is_f32, m, n, k, beta)
-                                : RunLt(*algos[i], a, b, out, c_is_f32, m, n, k, beta, stream);
-        return st == CUBLAS_STATUS_SUCCESS;
-      });
-  if (const size_t i = Fastest(ms); i >= num_cublas) {
-    best.cutlass_config = static_cast<int>(i - num_cublas);
-  } else if (i > 0) {
+  const std::vector<float> ms = TimeCandidates(algos.size(), stream, [&](size_t i) {
+    const cublasStatus_t st = algos[i] == nullptr
+                                  ? GemmBf16(blas_, a, b, out, c_is_f32, m, n, k, beta)
+                                  : RunLt(*algos[i], a, b, out, c_is_f32, m, n, k, beta, stream);
+    return st == CUBLAS_STATUS_SUCCESS;
+  });
+  if (const size_t i = Fastest(ms); i > 0) {
     best.use_lt = true;
     best.algo = *algos[i];
   }
@@ -202,11 +190,6 @@ cublasStatus_t GemmTuner::Run(const __nv_bfloat16* a, const __nv_bfloat16* b, vo
       return GemmBf16(blas_, a, b, c, c_is_f32, m, n, k, beta);  // no timing inside a capture
     }
     it = choice_.emplace(key, Tune(a, b, c, c_is_f32, m, n, k, beta, stream)).first;
-  }
-  if (it->second.cutlass_config >= 0 && c_is_f32 && beta == 1.f) {
-    const cudaError_t e = LaunchGemmAddF32(a, b, static_cast<float*>(c), m, n, k,
-                                           it->second.cutlass_config, stream);
-    return e == cudaSuccess ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_EXECUTION_FAILED;
   }
   if (it->second.use_lt) {
     const cublasStatus_t st = RunLt(it->second.algo, a, b, c, c_is_f32, m, n, k, beta, stream);

@@ -12,11 +12,7 @@
 // otherwise (the real call overwrites it). A class first seen inside a capture (the backend warms
 // every graph bucket up first, so this does not happen there) uses cublasGemmEx without tuning it.
 //
-// An accumulating fp32 call (the output projection + residual) also times the CUTLASS kernel with
-// the accumulation in its epilogue (LaunchGemmAddF32, cutlass_gemm.h) in its configurations.
-//
-// HSTU_GEMM_TUNE=0 in the environment turns tuning off (cublasGemmEx everywhere), for A/B runs;
-// HSTU_GEMM_CUTLASS=0 leaves the CUTLASS candidates out of Run's tuning.
+// HSTU_GEMM_TUNE=0 in the environment turns tuning off (cublasGemmEx everywhere), for A/B runs.
 // Not thread-safe: one per stream owner (the CUDA backend).
 #pragma once
 
@@ -78,7 +74,6 @@ class GemmTuner {
   struct Choice {
     bool use_lt = false;  // false: cublasGemmEx
     cublasLtMatmulAlgo_t algo{};
-    int cutlass_config = -1;  // ≥ 0: LaunchGemmAddF32 with this config (fp32 c, beta = 1)
   };
   using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool>;  // row class, n, k, f32 out, beta≠0
 
@@ -97,7 +92,6 @@ class GemmTuner {
   std::map<Key, Choice> choice_;
   bool fused_available_ = false;                                  // LaunchGemmBiasSilu usable
   bool fused_forced_ = false;                                     // HSTU_GEMM_FUSED=force
-  bool cutlass_add_ = false;  // LaunchGemmAddF32 among the candidates (HSTU_GEMM_CUTLASS≠0)
   std::map<std::tuple<int64_t, int64_t, int64_t>, int> silu_route_;  // (row class, n, k) → route
   DeviceBuffer scratch_;  // the timing runs' output when the real call accumulates (freed after)
 };

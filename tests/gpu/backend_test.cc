@@ -10,7 +10,7 @@
 #include "engine/backend.h"
 #include "engine/cuda_backend.h"
 #include "engine/model_file.h"
-#include "kernels/cuda/cutlass_gemm.h"
+#include "kernels/cuda/gemm_bias_silu.h"
 #include "kernels/params.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/util/tolerance.h"
@@ -151,7 +151,7 @@ TEST_P(CudaBackendParity, MatchesCpuBackendCachedAndUncached) {
   auto cpu = CreateCpuBackend(RoundedToBf16(weights), p.page_size, num_pages);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   if (p.fused_gemm) {
-    if (!cuda::CutlassGemmAvailable()) GTEST_SKIP() << "no fused GEMM in this build or on this GPU";
+    if (!cuda::GemmBiasSiluAvailable()) GTEST_SKIP() << "no fused GEMM in this build or on this GPU";
     setenv("HSTU_GEMM_FUSED", "force", 1);  // read when the backend's GEMM tuner is created
   }
   auto gpu = CreateCudaBackendExt(weights, p.page_size, num_pages, 0);

@@ -12,7 +12,7 @@
 
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
-#include "kernels/cuda/cutlass_gemm.h"
+#include "kernels/cuda/gemm_bias_silu.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/gemm_tuner.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -120,7 +120,7 @@ std::vector<float> BiasSiluReference(const std::vector<float>& a, const std::vec
 // past m is poisoned and must stay so (no write outside c).
 TEST(CudaGemmBiasSilu, MatchesReferenceInEveryConfig) {
   HSTU_SKIP_WITHOUT_GPU();
-  if (!cuda::CutlassGemmAvailable()) {
+  if (!cuda::GemmBiasSiluAvailable()) {
     GTEST_SKIP() << "fused GEMM not in this build or not a compute capability 9.0 GPU";
   }
   cublasHandle_t blas = nullptr;
@@ -194,69 +194,6 @@ TEST(CudaGemmBiasSilu, MatchesReferenceInEveryConfig) {
   cublasDestroy(blas);
 }
 
-// The output projection's CUTLASS kernel, c += a·b in fp32 in place, in each configuration against
-// a double reference: the accumulation applied exactly once, partial tiles in m and n, the rows
-// past m untouched (a poisoned row after c stays poisoned), repeats bit-identical.
-TEST(CudaGemmAddF32, AccumulatesOnceInEveryConfig) {
-  HSTU_SKIP_WITHOUT_GPU();
-  if (!cuda::CutlassGemmAvailable()) {
-    GTEST_SKIP() << "CUTLASS kernels not in this build or not a compute capability 9.0 GPU";
-  }
-  struct Shape { int64_t m, n, k; };
-  const Shape shapes[] = {{1, 136, 40}, {17, 1032, 64}, {384, 1024, 1024}, {3072, 1024, 1024}};
-  std::mt19937 rng(31);
-  for (const Shape& s : shapes) {
-    const auto a = test::RoundBf16(RandomVector(rng, s.m * s.k));
-    const auto b = test::RoundBf16(RandomVector(rng, s.k * s.n, -0.1f, 0.1f));
-    const auto c0 = RandomVector(rng, s.m * s.n, -2.f, 2.f);
-    std::vector<float> want = c0;
-    std::vector<double> acc(s.n);
-    for (int64_t r = 0; r < s.m; ++r) {
-      std::fill(acc.begin(), acc.end(), 0.0);
-      for (int64_t j = 0; j < s.k; ++j) {
-        for (int64_t col = 0; col < s.n; ++col) acc[col] += double(a[r * s.k + j]) * b[j * s.n + col];
-      }
-      for (int64_t col = 0; col < s.n; ++col) want[r * s.n + col] += static_cast<float>(acc[col]);
-    }
-    DeviceArray<bf16> da(ToBf16(a)), db(ToBf16(b));
-    for (int config = 0; config < cuda::kGemmAddF32Configs; ++config) {
-      const std::string at = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" +
-                             std::to_string(s.k) + " config " + std::to_string(config);
-      std::vector<float> init = c0;
-      init.resize((s.m + 1) * s.n, std::nanf(""));
-      std::vector<float> first;
-      for (int run = 0; run < 2; ++run) {
-        DeviceArray<float> dc(init);
-        HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
-        HSTU_ASSERT_CUDA(cuda::LaunchGemmAddF32(da.get(), db.get(), dc.get(), s.m, s.n, s.k,
-                                                config, nullptr));
-        HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
-        auto all = dc.Download();
-        EXPECT_TRUE(std::all_of(all.begin() + s.m * s.n, all.end(),
-                                [](float v) { return std::isnan(v); }))
-            << at << ": wrote past row m";
-        all.resize(s.m * s.n);
-        ASSERT_TRUE(test::AllFinite(all)) << at;
-        EXPECT_LT(test::RelL2(all, want), test::kF32RelL2) << at;
-        if (run == 0) {
-          first = all;
-        } else {
-          EXPECT_EQ(std::memcmp(first.data(), all.data(), all.size() * sizeof(float)), 0) << at;
-        }
-      }
-    }
-  }
-  DeviceArray<bf16> x(64 * 64);
-  DeviceArray<float> f(64 * 64);
-  EXPECT_EQ(cuda::LaunchGemmAddF32(x.get(), x.get(), f.get(), 8, 60, 64, 0, nullptr),
-            cudaErrorInvalidValue);
-  EXPECT_EQ(cuda::LaunchGemmAddF32(x.get(), x.get(), f.get() + 1, 8, 64, 64, 0, nullptr),
-            cudaErrorInvalidValue);
-  EXPECT_EQ(cuda::LaunchGemmAddF32(x.get(), x.get(), f.get(), 8, 64, 64, cuda::kGemmAddF32Configs,
-                                   nullptr),
-            cudaErrorInvalidValue);
-}
-
 // The tuner's route for the UVQK step: a valid route, the same on every later call of the class,
 // and −1 when the fused kernel is turned off (HSTU_GEMM_FUSED=0) or unavailable.
 TEST(CudaGemmBiasSilu, TunerRouteIsStablePerClassAndCanBeTurnedOff) {
@@ -280,7 +217,7 @@ TEST(CudaGemmBiasSilu, TunerRouteIsStablePerClassAndCanBeTurnedOff) {
     cuda::GemmTuner tuner;
     ASSERT_EQ(tuner.Init(blas, ws.get(), ws.bytes()), CUBLAS_STATUS_SUCCESS);
     unsetenv("HSTU_GEMM_FUSED");
-    EXPECT_EQ(tuner.fused_available(), !off && cuda::CutlassGemmAvailable() && tuner.enabled());
+    EXPECT_EQ(tuner.fused_available(), !off && cuda::GemmBiasSiluAvailable() && tuner.enabled());
     // No users: the appends have nothing to write (the kernels still run in the timing).
     AppendKvParams<bf16> none;
     none.uvqk = c.get();
@@ -295,7 +232,7 @@ TEST(CudaGemmBiasSilu, TunerRouteIsStablePerClassAndCanBeTurnedOff) {
     EXPECT_TRUE(tuner.HasBiasSiluRoute(300, n, k));
     EXPECT_GE(route, -1);
     EXPECT_LT(route, cuda::kGemmBiasSiluConfigs);
-    if (off || !cuda::CutlassGemmAvailable() || !tuner.enabled()) {
+    if (off || !cuda::GemmBiasSiluAvailable() || !tuner.enabled()) {
       EXPECT_EQ(route, -1) << "off=" << off;
     }
     // Another row count of the same class (300 → 384) keeps the route without timing again.

@@ -1,13 +1,12 @@
-// CUTLASS 3 GEMMs with fused epilogues (see cutlass_gemm.h).
+// CUTLASS 3 GEMM with bias + SiLU in the epilogue (see gemm_bias_silu.h).
 //
 // Mainloop: the collective builder's TMA + wgmma warp-specialised pipeline (a producer warp loads
 // A and B tiles into a shared-memory ring, two consumer warpgroups run wgmma). Epilogue: an
-// epilogue-visitor tree — activation(alpha · acc + bias[col]) with our SiLU as the activation, or
-// acc + c read back in fp32 — written through shared memory by TMA. a is K-major (row-major [m, k]); b is the layer weight as stored,
+// epilogue-visitor tree, activation(alpha · acc + bias[col]) with our SiLU as the activation, written
+// through shared memory by TMA. a is K-major (row-major [m, k]); b is the layer weight as stored,
 // row-major [k, n], i.e. N-major, which TMA + wgmma take directly for 16-bit types.
-#include "kernels/cuda/cutlass_gemm.h"
+#include "kernels/cuda/gemm_bias_silu.h"
 
-#include <cstdint>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -47,41 +46,19 @@ struct SiluActivation<cutlass::Array<T, N>> {
 
 using namespace cute;
 
-// The two epilogues: bias + SiLU to bf16 (the UVQK projection), and fp32 accumulation into the
-// residual stream (the output projection, c += a·b in place).
-enum class Epi { kBiasSilu, kAddF32 };
-
-template <Epi kEpi>
-struct EpiTypes;
-template <>
-struct EpiTypes<Epi::kBiasSilu> {
-  using C = void;  // no source
-  using D = cutlass::bfloat16_t;
-  using Op = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<
-      SiluActivation, D, float, /*bias*/ float, /*source*/ D, /*scalar*/ float>;
-};
-template <>
-struct EpiTypes<Epi::kAddF32> {
-  using C = float;
-  using D = float;
-  using Op = cutlass::epilogue::fusion::LinearCombination<D, float, C, float>;
-};
-
-template <Epi kEpi, class TileShape, class ClusterShape, class KernelSchedule,
-          class EpilogueSchedule>
-struct CutlassGemm {
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+struct FusedGemm {
   using Element = cutlass::bfloat16_t;
-  using ElementC = typename EpiTypes<kEpi>::C;
-  using ElementD = typename EpiTypes<kEpi>::D;
   using LayoutA = cutlass::layout::RowMajor;     // [m, k], k contiguous
   using LayoutB = cutlass::layout::RowMajor;     // [k, n], n contiguous (N-major B)
   using LayoutD = cutlass::layout::RowMajor;     // [m, n]
   static constexpr int kAlign = 8;               // 16 bytes of bf16
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+  using FusionOp = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<
+      SiluActivation, Element, float, /*bias*/ float, /*source*/ Element, /*scalar*/ float>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlignD,
-      ElementD, LayoutD, kAlignD, EpilogueSchedule, typename EpiTypes<kEpi>::Op>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, /*C*/ void, LayoutD, kAlign,
+      Element, LayoutD, kAlign, EpilogueSchedule, FusionOp>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
       LayoutB, kAlign, float, TileShape, ClusterShape,
@@ -92,62 +69,46 @@ struct CutlassGemm {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using Params = typename Kernel::Params;
 
-  // kBiasSilu: c = SiLU(a·b + bias) (c bf16); kAddF32: c += a·b (c fp32, the source and the
-  // destination, bias unused).
   static typename Gemm::Arguments MakeArguments(const __nv_bfloat16* a, const __nv_bfloat16* b,
-                                                const float* bias, void* c, int m, int n, int k,
-                                                int sm_count) {
+                                                const float* bias, __nv_bfloat16* c, int m, int n,
+                                                int k, int sm_count) {
     using StrideA = typename Kernel::StrideA;
     using StrideB = typename Kernel::StrideB;
     using StrideD = typename Kernel::StrideD;
     const StrideA sa = make_stride(int64_t{k}, Int<1>{}, int64_t{0});
     const StrideB sb = make_stride(Int<1>{}, int64_t{n}, int64_t{0});
     const StrideD sd = make_stride(int64_t{n}, Int<1>{}, int64_t{0});
-    ElementD* d = static_cast<ElementD*>(c);
-    const ElementC* src = nullptr;
-    if constexpr (kEpi == Epi::kAddF32) src = d;
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {m, n, k, 1},
         {reinterpret_cast<const Element*>(a), sa, reinterpret_cast<const Element*>(b), sb},
-        {{}, src, sd, d, sd}};
+        {{}, nullptr, sd, reinterpret_cast<Element*>(c), sd}};
     args.epilogue.thread.alpha = 1.f;
-    if constexpr (kEpi == Epi::kBiasSilu) {
-      args.epilogue.thread.beta = 0.f;
-      args.epilogue.thread.bias_ptr = bias;
-    } else {
-      args.epilogue.thread.beta = 1.f;
-    }
+    args.epilogue.thread.beta = 0.f;
+    args.epilogue.thread.bias_ptr = bias;
     args.hw_info.device_id = 0;
     args.hw_info.sm_count = sm_count;
     return args;
   }
 };
 
-template <Epi kEpi>
 using Cooperative128x256 =
-    CutlassGemm<kEpi, Shape<_128, _256, _64>, Shape<_2, _1, _1>,
-                cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-                cutlass::epilogue::TmaWarpSpecializedCooperative>;
-template <Epi kEpi>
+    FusedGemm<Shape<_128, _256, _64>, Shape<_2, _1, _1>,
+              cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+              cutlass::epilogue::TmaWarpSpecializedCooperative>;
 using Pingpong128x128 =
-    CutlassGemm<kEpi, Shape<_128, _128, _64>, Shape<_2, _1, _1>,
-                cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                cutlass::epilogue::TmaWarpSpecialized>;
-template <Epi kEpi>
-using Pingpong128x64 =
-    CutlassGemm<kEpi, Shape<_128, _64, _64>, Shape<_2, _1, _1>,
-                cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                cutlass::epilogue::TmaWarpSpecialized>;
+    FusedGemm<Shape<_128, _128, _64>, Shape<_2, _1, _1>,
+              cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+              cutlass::epilogue::TmaWarpSpecialized>;
 
 // Launch parameters (with their TMA descriptors) per call shape and device: building them costs
 // several host microseconds, and a forward repeats the same eight layer calls.
-using Key = std::tuple<int, int, int, const void*, const void*, const void*, void*, int64_t,
-                       int64_t, int64_t>;
+using Key = std::tuple<int, int, const void*, const void*, const void*, void*, int64_t, int64_t,
+                       int64_t>;
 
 template <class G>
 cudaError_t Run(const Key& key, const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
-                void* c, int m, int n, int k, int device, cudaStream_t stream) {
+                __nv_bfloat16* c, int m, int n, int k, int device, cudaStream_t stream) {
   static std::mutex mu;
   static std::map<Key, typename G::Params> cache;
   static std::map<int, int> sm_counts;  // devices whose kernel attribute is set → SM count
@@ -188,19 +149,9 @@ cudaError_t Run(const Key& key, const __nv_bfloat16* a, const __nv_bfloat16* b, 
   return cudaPeekAtLastError();
 }
 
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// The common argument checks of both entry points.
-bool ValidShape(const void* a, const void* b, const void* c, int64_t m, int64_t n, int64_t k) {
-  constexpr int64_t kMax = 0x7fffffff;
-  return a != nullptr && b != nullptr && c != nullptr && m >= 0 && n > 0 && k > 0 && m <= kMax &&
-         n <= kMax && k <= kMax && n % 8 == 0 && k % 8 == 0 && Aligned16(a) && Aligned16(b) &&
-         Aligned16(c);
-}
-
 }  // namespace
 
-bool CutlassGemmAvailable() {
+bool GemmBiasSiluAvailable() {
   int device = 0, major = 0, minor = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -211,8 +162,7 @@ bool CutlassGemmAvailable() {
   // The sm_90a image is in the build only when 90a is among the architectures; other images of
   // this kernel are empty (CUTLASS guards the sm90 code by __CUDA_ARCH_FEAT_SM90_ALL).
   cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr,
-                            cutlass::device_kernel<Cooperative128x256<Epi::kBiasSilu>::Kernel>) !=
+  if (cudaFuncGetAttributes(&attr, cutlass::device_kernel<Cooperative128x256::Kernel>) !=
       cudaSuccess) {
     cudaGetLastError();
     return false;
@@ -223,48 +173,29 @@ bool CutlassGemmAvailable() {
 cudaError_t LaunchGemmBiasSilu(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
                                __nv_bfloat16* c, int64_t m, int64_t n, int64_t k, int config,
                                cudaStream_t stream) {
-  if (!ValidShape(a, b, c, m, n, k) || bias == nullptr || !Aligned16(bias) || config < 0 ||
+  constexpr int64_t kMax = 0x7fffffff;
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (a == nullptr || b == nullptr || bias == nullptr || c == nullptr || m < 0 || n <= 0 ||
+      k <= 0 || m > kMax || n > kMax || k > kMax || n % 8 != 0 || k % 8 != 0 || !aligned(a) ||
+      !aligned(b) || !aligned(bias) || !aligned(c) || config < 0 ||
       config >= kGemmBiasSiluConfigs) {
     return cudaErrorInvalidValue;
   }
   if (m == 0) return cudaSuccess;
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  const Key key{0, config, device, a, b, bias, c, m, n, k};
+  const Key key{config, device, a, b, bias, c, m, n, k};
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
-  return config == 0 ? Run<Cooperative128x256<Epi::kBiasSilu>>(key, a, b, bias, c, mi, ni, ki,
-                                                               device, stream)
-                     : Run<Pingpong128x128<Epi::kBiasSilu>>(key, a, b, bias, c, mi, ni, ki,
-                                                            device, stream);
-}
-
-cudaError_t LaunchGemmAddF32(const __nv_bfloat16* a, const __nv_bfloat16* b, float* c, int64_t m,
-                             int64_t n, int64_t k, int config, cudaStream_t stream) {
-  if (!ValidShape(a, b, c, m, n, k) || config < 0 || config >= kGemmAddF32Configs) {
-    return cudaErrorInvalidValue;
-  }
-  if (m == 0) return cudaSuccess;
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  const Key key{1, config, device, a, b, nullptr, c, m, n, k};
-  const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
-  return config == 0 ? Run<Pingpong128x128<Epi::kAddF32>>(key, a, b, nullptr, c, mi, ni, ki,
-                                                          device, stream)
-                     : Run<Pingpong128x64<Epi::kAddF32>>(key, a, b, nullptr, c, mi, ni, ki,
-                                                         device, stream);
+  return config == 0 ? Run<Cooperative128x256>(key, a, b, bias, c, mi, ni, ki, device, stream)
+                     : Run<Pingpong128x128>(key, a, b, bias, c, mi, ni, ki, device, stream);
 }
 
 #else  // no CUTLASS headers at build time
 
-bool CutlassGemmAvailable() { return false; }
+bool GemmBiasSiluAvailable() { return false; }
 
 cudaError_t LaunchGemmBiasSilu(const __nv_bfloat16*, const __nv_bfloat16*, const float*,
                                __nv_bfloat16*, int64_t, int64_t, int64_t, int, cudaStream_t) {
-  return cudaErrorNotSupported;
-}
-
-cudaError_t LaunchGemmAddF32(const __nv_bfloat16*, const __nv_bfloat16*, float*, int64_t, int64_t,
-                             int64_t, int, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 

@@ -1,5 +1,3 @@
-// GEMMs on CUTLASS with what follows them fused into the epilogue.
-//
 // The UVQK projection with its bias and SiLU in the GEMM's epilogue: c[m, n] = SiLU(a[m, k] · b[k, n]
 // + bias[n]) in one kernel (CUTLASS 3 on sm_90a: TMA loads, wgmma with fp32 accumulation, bias +
 // SiLU on the fp32 accumulators, bf16 out through a TMA store). It saves the separate bias + SiLU
@@ -7,8 +5,8 @@
 // cuBLASLt has no SiLU epilogue, hence CUTLASS.
 //
 // Built only when the CUTLASS headers were found (HSTU_HAVE_CUTLASS) and sm_90a is among the
-// architectures; CutlassGemmAvailable() says whether this build and the current device can run
-// these kernels. GemmTuner::BiasSiluRoute times the two whole routes per row class — this kernel + the K/V
+// architectures; GemmBiasSiluAvailable() says whether this build and the current device can run
+// it. GemmTuner::BiasSiluRoute times the two whole routes per row class — this kernel + the K/V
 // append alone, or cuBLAS + the fused bias + SiLU + append pass — and keeps the faster
 // (docs/cuda_kernels.md, "Fused UVQK GEMM").
 #pragma once
@@ -26,8 +24,8 @@ namespace hstu::cuda {
 //      other's main loop), cluster 2 × 1.
 inline constexpr int kGemmBiasSiluConfigs = 2;
 
-// True when this build has the CUTLASS kernels and the current device is compute capability 9.0.
-bool CutlassGemmAvailable();
+// True when this build has the fused kernel and the current device is compute capability 9.0.
+bool GemmBiasSiluAvailable();
 
 // c[m, n] = SiLU(a[m, k] · b[k, n] + bias[n]), all row-major; a, b, c bf16, bias fp32; SiLU as
 // x / (1 + e^−x) in fp32 (the same formula as the bias + SiLU pass). Needs n % 8 == 0,
@@ -37,14 +35,5 @@ bool CutlassGemmAvailable();
 cudaError_t LaunchGemmBiasSilu(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
                                __nv_bfloat16* c, int64_t m, int64_t n, int64_t k, int config,
                                cudaStream_t stream);
-
-// The output projection with the residual: c[m, n] += a[m, k] · b[k, n] in place, c fp32 (read as
-// the epilogue's source and written as its destination, 4 + 4 bytes an element), a, b bf16, fp32
-// accumulation. Configurations: 0: 128 × 128 × 64 ping-pong; 1: 128 × 64 × 64 ping-pong (twice
-// the tiles for few rows). Same requirements and errors as LaunchGemmBiasSilu. GemmTuner::Run
-// offers it as a candidate for accumulating fp32 calls.
-inline constexpr int kGemmAddF32Configs = 2;
-cudaError_t LaunchGemmAddF32(const __nv_bfloat16* a, const __nv_bfloat16* b, float* c, int64_t m,
-                             int64_t n, int64_t k, int config, cudaStream_t stream);
 
 }  // namespace hstu::cuda
