@@ -46,109 +46,6 @@ struct SiluActivation<cutlass::Array<T, N>> {
 
 using namespace cute;
 
-// Epilogue-visitor node that passes its child's output (the activated bf16 fragment) through and
-// also stores the v and k columns of appended rows into their page slots (PageStoreArgs): the
-// K/V append of the decode step, done from the registers instead of a pass over the rows. A
-// fragment's elements are addressed by their coordinates (the epilogue's thread-partitioned
-// coordinate tensor, relative to the thread's first element, whose absolute position is
-// (M, N) − residue).
-struct Sm90PageStore {
-  struct SharedStorage {};
-  using Arguments = PageStoreArgs;
-  using Params = PageStoreArgs;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,
-                                                  void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
-    return args.pool == nullptr ||
-           (args.row_slot != nullptr && args.hd > 0 && get<1>(problem_shape) == 4 * args.hd);
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
-                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-
-  CUTLASS_HOST_DEVICE Sm90PageStore() {}
-  CUTLASS_HOST_DEVICE Sm90PageStore(Params const& params, SharedStorage const&) : params(params) {}
-  Params params;
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(
-      cutlass::epilogue::fusion::detail::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
-
-  template <class CoordTensor, class Residue>
-  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor tc, Residue residue, int first_m,
-                                          int first_n, Params const& params)
-        : tCcD(tc), residue(residue), first_m(first_m), first_n(first_n), params(params) {}
-    CoordTensor tCcD;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N): coordinates relative to the first
-    Residue residue;   // (M, N) − the first element's coordinates
-    int first_m, first_n;
-    Params const& params;
-
-    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
-    CUTLASS_DEVICE cutlass::Array<ElementInput, FragmentSize> visit(
-        cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int epi_n,
-        cutlass::Array<ElementInput, FragmentSize> const& frg) {
-      if (params.pool == nullptr) return frg;
-      Tensor c = tCcD(_, _, _, epi_m, epi_n);
-      const int hd = static_cast<int>(params.hd);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) {
-        const auto rel = c(epi_v * FragmentSize + i);
-        if (!elem_less(rel, residue)) continue;
-        const int n = first_n + static_cast<int>(get<1>(rel));
-        const bool is_v = n >= hd && n < 2 * hd;
-        if (!is_v && n < 3 * hd) continue;  // u and q: nothing to append
-        const int64_t slot = params.row_slot[first_m + static_cast<int>(get<0>(rel))];
-        if (slot < 0) continue;  // not a new history row
-        reinterpret_cast<ElementInput*>(
-            params.pool)[slot + (is_v ? params.kv_stride + (n - hd) : n - 3 * hd)] = frg[i];
-      }
-      return frg;
-    }
-  };
-
-  template <bool ReferenceSrc, class... Args>
-  CUTLASS_DEVICE auto get_consumer_store_callbacks(
-      cutlass::epilogue::fusion::detail::ConsumerStoreArgs<Args...> const& args) {
-    const auto [M, N, K, L] = args.problem_shape_mnkl;
-    const int first_m = static_cast<int>(M) - static_cast<int>(get<0>(args.residue_tCcD));
-    const int first_n = static_cast<int>(N) - static_cast<int>(get<1>(args.residue_tCcD));
-    return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(
-        args.tCcD, args.residue_tCcD, first_m, first_n, params);
-  }
-};
-
-// The epilogue: D = SiLU(acc + bias[col]) in bf16, with the appended rows' v and k also stored to
-// their pages.
-template <class CtaTileShapeMNK>
-using BiasSiluPageStore = cutlass::epilogue::fusion::Sm90EVT<
-    Sm90PageStore,
-    cutlass::epilogue::fusion::Sm90EVT<
-        cutlass::epilogue::fusion::Sm90Compute<SiluActivation, cutlass::bfloat16_t, float,
-                                               cutlass::FloatRoundStyle::round_to_nearest>,
-        cutlass::epilogue::fusion::Sm90EVT<
-            cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, float, float,
-                                                   cutlass::FloatRoundStyle::round_to_nearest>,
-            cutlass::epilogue::fusion::Sm90AccFetch,
-            cutlass::epilogue::fusion::Sm90RowBroadcast<0, CtaTileShapeMNK, float, float,
-                                                        Stride<_0, _1, int64_t>, 4>>>>;
-
 template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
 struct FusedGemm {
   using Element = cutlass::bfloat16_t;
@@ -156,7 +53,8 @@ struct FusedGemm {
   using LayoutB = cutlass::layout::RowMajor;     // [k, n], n contiguous (N-major B)
   using LayoutD = cutlass::layout::RowMajor;     // [m, n]
   static constexpr int kAlign = 8;               // 16 bytes of bf16
-  using FusionOp = BiasSiluPageStore<TileShape>;
+  using FusionOp = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<
+      SiluActivation, Element, float, /*bias*/ float, /*source*/ Element, /*scalar*/ float>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, /*C*/ void, LayoutD, kAlign,
@@ -173,7 +71,7 @@ struct FusedGemm {
 
   static typename Gemm::Arguments MakeArguments(const __nv_bfloat16* a, const __nv_bfloat16* b,
                                                 const float* bias, __nv_bfloat16* c, int m, int n,
-                                                int k, const PageStoreArgs& pages, int sm_count) {
+                                                int k, int sm_count) {
     using StrideA = typename Kernel::StrideA;
     using StrideB = typename Kernel::StrideB;
     using StrideD = typename Kernel::StrideD;
@@ -185,10 +83,9 @@ struct FusedGemm {
         {m, n, k, 1},
         {reinterpret_cast<const Element*>(a), sa, reinterpret_cast<const Element*>(b), sb},
         {{}, nullptr, sd, reinterpret_cast<Element*>(c), sd}};
-    // {silu{plus{acc, bias}}, pages}: children first, then the node's own arguments.
-    args.epilogue.thread = {
-        {{{}, {bias, 0.f, {_0{}, _1{}, int64_t{0}}}, {}}, {}},
-        pages};
+    args.epilogue.thread.alpha = 1.f;
+    args.epilogue.thread.beta = 0.f;
+    args.epilogue.thread.bias_ptr = bias;
     args.hw_info.device_id = 0;
     args.hw_info.sm_count = sm_count;
     return args;
@@ -207,12 +104,11 @@ using Pingpong128x128 =
 // Launch parameters (with their TMA descriptors) per call shape and device: building them costs
 // several host microseconds, and a forward repeats the same eight layer calls.
 using Key = std::tuple<int, int, const void*, const void*, const void*, void*, int64_t, int64_t,
-                       int64_t, const void*, const void*, int64_t, int64_t>;
+                       int64_t>;
 
 template <class G>
 cudaError_t Run(const Key& key, const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
-                __nv_bfloat16* c, int m, int n, int k, const PageStoreArgs& pages, int device,
-                cudaStream_t stream) {
+                __nv_bfloat16* c, int m, int n, int k, int device, cudaStream_t stream) {
   static std::mutex mu;
   static std::map<Key, typename G::Params> cache;
   static std::map<int, int> sm_counts;  // devices whose kernel attribute is set → SM count
@@ -236,7 +132,7 @@ cudaError_t Run(const Key& key, const __nv_bfloat16* a, const __nv_bfloat16* b, 
     }
     auto it = cache.find(key);
     if (it == cache.end()) {
-      const auto args = G::MakeArguments(a, b, bias, c, m, n, k, pages, sm->second);
+      const auto args = G::MakeArguments(a, b, bias, c, m, n, k, sm->second);
       if (G::Gemm::can_implement(args) != cutlass::Status::kSuccess ||
           G::Gemm::get_workspace_size(args) != 0) {
         return cudaErrorInvalidValue;
@@ -276,26 +172,22 @@ bool GemmBiasSiluAvailable() {
 
 cudaError_t LaunchGemmBiasSilu(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
                                __nv_bfloat16* c, int64_t m, int64_t n, int64_t k, int config,
-                               const PageStoreArgs& pages, cudaStream_t stream) {
+                               cudaStream_t stream) {
   constexpr int64_t kMax = 0x7fffffff;
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (a == nullptr || b == nullptr || bias == nullptr || c == nullptr || m < 0 || n <= 0 ||
       k <= 0 || m > kMax || n > kMax || k > kMax || n % 8 != 0 || k % 8 != 0 || !aligned(a) ||
       !aligned(b) || !aligned(bias) || !aligned(c) || config < 0 ||
-      config >= kGemmBiasSiluConfigs ||
-      (pages.pool != nullptr &&
-       (pages.row_slot == nullptr || pages.hd <= 0 || n != 4 * pages.hd || pages.kv_stride < 0))) {
+      config >= kGemmBiasSiluConfigs) {
     return cudaErrorInvalidValue;
   }
   if (m == 0) return cudaSuccess;
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  const Key key{config, device, a, b, bias, c, m, n, k, pages.pool, pages.row_slot,
-                pages.kv_stride, pages.hd};
+  const Key key{config, device, a, b, bias, c, m, n, k};
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
-  return config == 0
-             ? Run<Cooperative128x256>(key, a, b, bias, c, mi, ni, ki, pages, device, stream)
-             : Run<Pingpong128x128>(key, a, b, bias, c, mi, ni, ki, pages, device, stream);
+  return config == 0 ? Run<Cooperative128x256>(key, a, b, bias, c, mi, ni, ki, device, stream)
+                     : Run<Pingpong128x128>(key, a, b, bias, c, mi, ni, ki, device, stream);
 }
 
 #else  // no CUTLASS headers at build time
@@ -303,8 +195,7 @@ cudaError_t LaunchGemmBiasSilu(const __nv_bfloat16* a, const __nv_bfloat16* b, c
 bool GemmBiasSiluAvailable() { return false; }
 
 cudaError_t LaunchGemmBiasSilu(const __nv_bfloat16*, const __nv_bfloat16*, const float*,
-                               __nv_bfloat16*, int64_t, int64_t, int64_t, int,
-                               const PageStoreArgs&, cudaStream_t) {
+                               __nv_bfloat16*, int64_t, int64_t, int64_t, int, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 
