@@ -393,7 +393,7 @@ absl::Status CudaBackendImpl::Forward(const ForwardBatch& batch, bool keep_hidde
   HSTU_RETURN_IF_ERROR(FlushOnloads());
   auto graphed = StageStep(batch, /*use_graph=*/true);
   if (!graphed.ok()) return graphed.status();
-  if (!*graphed) step_.keep_hidden = keep_hidden;
+  step_.keep_hidden = keep_hidden;
   HSTU_RETURN_IF_ERROR(EnqueueStep());
   const int64_t d = config_.hidden_dim;
   const int32_t tasks = head_.empty() ? 0 : head_.back().out;

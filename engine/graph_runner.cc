@@ -74,11 +74,12 @@ absl::Status CudaBackendImpl::StageGraph(const ForwardBatch& batch, int slot,
   step_.layout = g.layout;
   step_.num_users = g.bucket.max_users;
   step_.num_rows = g.bucket.max_rows;
-  step_.num_cand = g.bucket.max_rows;
-  step_.real_cand = static_cast<int32_t>(cand_rows.size());
+  // The head runs after the graph, eagerly, on the real candidate rows only (cuBLAS bakes its row
+  // count into a captured GEMM, so a captured head would run on every padding row too).
+  step_.num_cand = static_cast<int32_t>(cand_rows.size());
+  step_.real_cand = step_.num_cand;
   step_.num_items = static_cast<int32_t>(plan_.items.size());
   step_.slot = slot;
-  step_.keep_hidden = true;  // the graphs always gather the raw hidden rows
   staged_ = true;
   return absl::OkStatus();
 }
@@ -137,7 +138,7 @@ absl::Status CudaBackendImpl::EnqueueStep() {
     graph_replays_.fetch_add(1, std::memory_order_relaxed);
     if (waits) graph_wait_replays_.fetch_add(1, std::memory_order_relaxed);
     onload_waits_ = false;  // the graph's wait nodes covered them; later work is ordered after it
-    return absl::OkStatus();
+    return EnqueueHead(step_.keep_hidden);
   }
   HSTU_RETURN_IF_ERROR(EnqueueLayerStack());
   return EnqueueHead(step_.keep_hidden);
@@ -195,8 +196,7 @@ absl::Status CudaBackendImpl::CaptureStep(bool waits, CapturedStep* c) {
   HSTU_CUDA_RETURN(cudaStreamBeginCapture(stream_.get(), cudaStreamCaptureModeThreadLocal));
   capturing_ = true;
   capture_waits_ = waits;
-  absl::Status st = EnqueueLayerStack();
-  if (st.ok()) st = EnqueueHead(true);
+  const absl::Status st = EnqueueLayerStack();  // the head stays out of the graph (StageGraph)
   capturing_ = false;
   cudaGraph_t graph = nullptr;
   const cudaError_t end = cudaStreamEndCapture(stream_.get(), &graph);
