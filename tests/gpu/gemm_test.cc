@@ -40,18 +40,34 @@ TEST(CudaGemmTuner, RowClassesFollowTheGraphBuckets) {
   EXPECT_EQ(cuda::GemmTuner::RowClass(34816), 49152);
 }
 
+// A stream and a cuBLAS handle bound to it with a 32 MiB workspace, as the backend sets them up.
+struct BlasOnStream {
+  cuda::Stream stream;
+  cublasHandle_t blas = nullptr;
+  cuda::DeviceBuffer ws;
+  BlasOnStream() = default;
+  BlasOnStream(const BlasOnStream&) = delete;
+  BlasOnStream& operator=(const BlasOnStream&) = delete;
+  ~BlasOnStream() {
+    if (blas != nullptr) cublasDestroy(blas);
+  }
+  void Init() {
+    HSTU_ASSERT_CUDA(stream.Create());
+    ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+    ASSERT_EQ(cublasSetStream(blas, stream.get()), CUBLAS_STATUS_SUCCESS);
+    HSTU_ASSERT_CUDA(ws.Reserve(32u << 20));
+    ASSERT_EQ(cublasSetWorkspace(blas, ws.get(), ws.bytes()), CUBLAS_STATUS_SUCCESS);
+  }
+};
+
 TEST(CudaGemmTuner, MatchesGemmExAndAccumulatesOnce) {
   HSTU_SKIP_WITHOUT_GPU();
-  cuda::Stream stream;
-  HSTU_ASSERT_CUDA(stream.Create());
-  cublasHandle_t blas = nullptr;
-  ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
-  ASSERT_EQ(cublasSetStream(blas, stream.get()), CUBLAS_STATUS_SUCCESS);
-  cuda::DeviceBuffer ws;
-  HSTU_ASSERT_CUDA(ws.Reserve(32u << 20));
-  ASSERT_EQ(cublasSetWorkspace(blas, ws.get(), ws.bytes()), CUBLAS_STATUS_SUCCESS);
+  BlasOnStream env;
+  ASSERT_NO_FATAL_FAILURE(env.Init());
+  cublasHandle_t blas = env.blas;
+  cuda::Stream& stream = env.stream;
   cuda::GemmTuner tuner;
-  ASSERT_EQ(tuner.Init(blas, ws.get(), ws.bytes()), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(tuner.Init(blas, env.ws.get(), env.ws.bytes()), CUBLAS_STATUS_SUCCESS);
 
   struct Shape { int64_t m, n, k; bool f32; float beta; };
   // The engine's two GEMMs at batch 1 / batch 8 / odd row counts, and a second call of a tuned
@@ -91,7 +107,6 @@ TEST(CudaGemmTuner, MatchesGemmExAndAccumulatesOnce) {
   if (tuner.enabled()) {
     EXPECT_EQ(tuner.num_tuned(), 5);  // 384/300 and 3072/3071 share their classes
   }
-  cublasDestroy(blas);
 }
 
 // c = SiLU(a·b + bias) on bf16-rounded inputs, in double.
@@ -198,13 +213,11 @@ TEST(CudaGemmBiasSilu, MatchesReferenceInEveryConfig) {
 // and −1 when the fused kernel is turned off (HSTU_GEMM_FUSED=0) or unavailable.
 TEST(CudaGemmBiasSilu, TunerRouteIsStablePerClassAndCanBeTurnedOff) {
   HSTU_SKIP_WITHOUT_GPU();
-  cuda::Stream stream;
-  HSTU_ASSERT_CUDA(stream.Create());
-  cublasHandle_t blas = nullptr;
-  ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
-  ASSERT_EQ(cublasSetStream(blas, stream.get()), CUBLAS_STATUS_SUCCESS);
-  cuda::DeviceBuffer ws;
-  HSTU_ASSERT_CUDA(ws.Reserve(32u << 20));
+  BlasOnStream env;
+  ASSERT_NO_FATAL_FAILURE(env.Init());
+  cublasHandle_t blas = env.blas;
+  cuda::Stream& stream = env.stream;
+  cuda::DeviceBuffer& ws = env.ws;
   std::mt19937 rng(23);
   const int64_t m = 384, n = 4096, k = 1024;
   DeviceArray<bf16> a(ToBf16(RandomVector(rng, m * k)));
@@ -240,7 +253,6 @@ TEST(CudaGemmBiasSilu, TunerRouteIsStablePerClassAndCanBeTurnedOff) {
               route);
     std::printf("[ route ] 384 x 4096 x 1024, fused %s: %d\n", off ? "off" : "on", route);
   }
-  cublasDestroy(blas);
 }
 
 }  // namespace
