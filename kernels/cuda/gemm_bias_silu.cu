@@ -71,7 +71,7 @@ struct FusedGemm {
 
   static typename Gemm::Arguments MakeArguments(const __nv_bfloat16* a, const __nv_bfloat16* b,
                                                 const float* bias, __nv_bfloat16* c, int m, int n,
-                                                int k, int sm_count) {
+                                                int k, int device, int sm_count) {
     using StrideA = typename Kernel::StrideA;
     using StrideB = typename Kernel::StrideB;
     using StrideD = typename Kernel::StrideD;
@@ -86,7 +86,7 @@ struct FusedGemm {
     args.epilogue.thread.alpha = 1.f;
     args.epilogue.thread.beta = 0.f;
     args.epilogue.thread.bias_ptr = bias;
-    args.hw_info.device_id = 0;
+    args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
     return args;
   }
@@ -132,7 +132,7 @@ cudaError_t Run(const Key& key, const __nv_bfloat16* a, const __nv_bfloat16* b, 
     }
     auto it = cache.find(key);
     if (it == cache.end()) {
-      const auto args = G::MakeArguments(a, b, bias, c, m, n, k, sm->second);
+      const auto args = G::MakeArguments(a, b, bias, c, m, n, k, device, sm->second);
       if (G::Gemm::can_implement(args) != cutlass::Status::kSuccess ||
           G::Gemm::get_workspace_size(args) != 0) {
         return cudaErrorInvalidValue;
