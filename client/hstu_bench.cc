@@ -535,6 +535,7 @@ json BenchStepGraphs(int reps, int page_size, const std::vector<int>& batches) {
               static_cast<unsigned long long>(be.graph_fallbacks()), create_ms, be.num_graphs(),
               create_eager_ms);
   std::printf("captured graphs: %s\n", be.graph_summary().c_str());
+  std::printf("UVQK GEMM route per row class: %s\n", be.gemm_routes().c_str());
   rows.push_back({{"backend_create_ms", create_ms}, {"backend_create_no_graphs_ms", create_eager_ms},
                   {"graphs", be.num_graphs()}, {"graph_summary", be.graph_summary()}});
   return rows;

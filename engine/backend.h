@@ -62,6 +62,8 @@ class Backend {
   virtual std::string name() const = 0;  // "cpu" or "cuda:0 (NVIDIA H100 ...)"
   // The attention implementation in use, and why when it is not the fastest one (start-up logs).
   virtual std::string attention_kernel() const { return "CPU reference"; }
+  // The UVQK projection's route per row class (fused GEMM or GEMM + pass), for the same logs.
+  virtual std::string gemm_routes() const { return "CPU reference"; }
   virtual int64_t num_pages() const = 0;
   virtual int64_t kv_pool_bytes() const = 0;
   virtual int64_t device_memory_bytes() const = 0;

@@ -199,6 +199,7 @@ class CudaBackendImpl final : public CudaBackend {
   std::string name() const override { return absl::StrCat("cuda:", device_, " (", gpu_name_, ")"); }
   std::string gpu_name() const override { return gpu_name_; }
   std::string attention_kernel() const override { return attention_kernel_; }
+  std::string gemm_routes() const override { return gemm_.BiasSiluRoutes(); }
   int64_t num_pages() const override { return num_pages_; }
   int64_t kv_pool_bytes() const override { return static_cast<int64_t>(pool_.bytes()); }
   int64_t device_memory_bytes() const override {

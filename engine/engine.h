@@ -92,6 +92,7 @@ class Engine {
   const EngineOptions& options() const { return options_; }
   std::string device_name() const { return backend_->name(); }
   std::string attention_kernel() const { return backend_->attention_kernel(); }
+  std::string gemm_routes() const { return backend_->gemm_routes(); }
   EngineStats Stats() const;
 
  private:

@@ -110,6 +110,8 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
     }
     spdlog::info("engine: warm-up request done");
   }
+  // After the graph warm-up and the warm-up request: the row classes seen so far are tuned.
+  spdlog::info("engine: UVQK GEMM route per row class: {}", s->engine_->gemm_routes());
 
   SchedulerOptions sched = options.scheduler;
   if (!sched.token_cost) {

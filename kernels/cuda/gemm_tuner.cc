@@ -199,6 +199,24 @@ cublasStatus_t GemmTuner::Run(const __nv_bfloat16* a, const __nv_bfloat16* b, vo
   return GemmBf16(blas_, a, b, c, c_is_f32, m, n, k, beta);
 }
 
+std::string GemmTuner::BiasSiluRoutes() const {
+  if (!enabled_) return "cuBLAS + bias/SiLU/append pass (GEMM tuning off: HSTU_GEMM_TUNE=0)";
+  if (!fused_available_) {
+    return GemmBiasSiluAvailable()
+               ? "cuBLAS + bias/SiLU/append pass (fused GEMM off: HSTU_GEMM_FUSED=0)"
+               : "cuBLAS + bias/SiLU/append pass (fused GEMM not in this build or not a compute "
+                 "capability 9.0 GPU)";
+  }
+  if (silu_route_.empty()) return "none chosen yet (chosen per row class on first use)";
+  std::string out;
+  for (const auto& [key, route] : silu_route_) {
+    if (!out.empty()) out += ", ";
+    const char* fused = route == 0 ? "fused (128x256 cooperative)" : "fused (128x128 ping-pong)";
+    out += std::to_string(std::get<0>(key)) + " rows: " + (route < 0 ? "cuBLAS + pass" : fused);
+  }
+  return out;
+}
+
 bool GemmTuner::HasBiasSiluRoute(int64_t m, int64_t n, int64_t k) const {
   return !fused_available_ || m <= 0 || silu_route_.count({RowClass(m), n, k}) > 0;
 }

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <map>
+#include <string>
 #include <tuple>
 
 #include "kernels/cuda/device_buffer.h"
@@ -68,6 +69,9 @@ class GemmTuner {
 
   int num_tuned() const { return static_cast<int>(choice_.size()); }
   bool fused_available() const { return fused_available_; }
+  // The UVQK routes chosen so far, one per row class ("3072 rows: fused (config 1)"), or why the
+  // fused route is not in play; for start-up logs and benchmark reports.
+  std::string BiasSiluRoutes() const;
   bool enabled() const { return enabled_; }
 
  private:

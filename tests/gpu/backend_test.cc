@@ -178,6 +178,14 @@ TEST_P(CudaBackendParity, MatchesCpuBackendCachedAndUncached) {
   auto st = (*gpu)->Forward(fb, true, &g1);
   ASSERT_TRUE(st.ok()) << st;
   ExpectClose(g1, c1, "step 1 (no cache)", score_tol);
+  // The route the step took is reported (start-up logs): the forced fused route by name, else at
+  // least the row class it was chosen for.
+  const std::string routes = (*gpu)->gemm_routes();
+  if (p.fused_gemm) {
+    EXPECT_NE(routes.find("rows: fused (128x128 ping-pong)"), std::string::npos) << routes;
+  } else if (cuda::GemmBiasSiluAvailable()) {
+    EXPECT_NE(routes.find(" rows: "), std::string::npos) << routes;
+  }
 
   // Step 2: every user returns with a few more events; the cached prefix is reused.
   const std::vector<int> more = {12, 40, 0, 2, 66, 9};
