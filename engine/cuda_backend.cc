@@ -196,7 +196,6 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
   const size_t R = std::max(rows, 1);
   HSTU_CUDA_RETURN(ws->x.Reserve(R * d * sizeof(float)));
   HSTU_CUDA_RETURN(ws->n.Reserve(R * d * sizeof(bf16)));
-  HSTU_CUDA_RETURN(ws->row_slot.Reserve(R * sizeof(int64_t)));
   HSTU_CUDA_RETURN(ws->uvqk.Reserve(R * 4 * hd * sizeof(bf16)));
   HSTU_CUDA_RETURN(ws->a.Reserve(R * hd * sizeof(bf16)));
   HSTU_CUDA_RETURN(ws->y.Reserve(R * hd * sizeof(bf16)));
@@ -314,20 +313,6 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
       fuse_norm ? layers_[0].in_b.as<float>() : nullptr, kLayerNormEps,
       fuse_norm ? ws.n.as<bf16>() : nullptr, s));
 
-  // The append's batch metadata, and (when the fused UVQK route may run) each row's page slot, the
-  // same for every layer.
-  AppendKvParams<bf16> append;
-  append.uvqk = ws.uvqk.as<bf16>();
-  append.uvqk_row_stride = 4 * hd;
-  append.row_offsets = reinterpret_cast<const int32_t*>(m + step_.layout.row_offsets);
-  append.num_new = reinterpret_cast<const int32_t*>(m + step_.layout.num_new);
-  const int64_t* row_slot = nullptr;
-  if (gemm_.fused_available() && config_.num_layers > 0) {
-    append.kv = View(0);
-    HSTU_CUDA_RETURN(cuda::LaunchRowSlots(rows, append, ws.row_slot.as<int64_t>(), s));
-    row_slot = ws.row_slot.as<int64_t>();
-  }
-
   for (int l = 0; l < config_.num_layers; ++l) {
     const LayerBuffers& w = layers_[l];
     if (l > 0) {
@@ -335,30 +320,32 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
                                              w.in_b.as<float>(), kLayerNormEps, ws.n.as<bf16>(), s));
     }
     // UVQK projection, then bias + SiLU and the append of the new history rows' K/V: either the
-    // fused GEMM (bias + SiLU and the page stores in its epilogue), or cuBLAS and one pass for
+    // fused GEMM (bias + SiLU in its epilogue) and the append alone, or cuBLAS and one pass for
     // both — whichever the tuner timed faster for this row class (gemm_tuner.h).
     bf16* uvqk = ws.uvqk.as<bf16>();
-    AppendKvParams<bf16> ap = append;
+    AppendKvParams<bf16> ap;
+    ap.uvqk = uvqk;
+    ap.uvqk_row_stride = 4 * hd;
+    ap.row_offsets = reinterpret_cast<const int32_t*>(m + step_.layout.row_offsets);
+    ap.num_new = reinterpret_cast<const int32_t*>(m + step_.layout.num_new);
     ap.kv = View(l);
     // The route's first call of a row class times both routes, appends included, so layer l's
-    // onloaded pages must be there first; the fused route writes pages from the GEMM on.
+    // onloaded pages must be there first; otherwise they are needed from the append on.
     if (!gemm_.HasBiasSiluRoute(rows, 4 * hd, d)) HSTU_RETURN_IF_ERROR(WaitForLayer(l));
     const int route = gemm_.BiasSiluRoute(ws.n.as<bf16>(), w.uvqk_w.as<bf16>(),
-                                          w.uvqk_b.as<float>(), ap, row_slot, rows, 4 * hd, d, s);
+                                          w.uvqk_b.as<float>(), ap, rows, 4 * hd, d, s);
     if (route >= 0) {
-      HSTU_RETURN_IF_ERROR(WaitForLayer(l));
-      cuda::PageStoreArgs pages;
-      pages.pool = ap.kv.base;
-      pages.row_slot = row_slot;
-      pages.kv_stride = ap.kv.kv_stride;
-      pages.hd = hd;
       HSTU_CUDA_RETURN(cuda::LaunchGemmBiasSilu(ws.n.as<bf16>(), w.uvqk_w.as<bf16>(),
                                                 w.uvqk_b.as<float>(), uvqk, rows, 4 * hd, d,
-                                                route, pages, s));
+                                                route, s));
     } else {
       HSTU_CUBLAS_RETURN(gemm_.Run(ws.n.as<bf16>(), w.uvqk_w.as<bf16>(), uvqk,
                                    /*c_is_f32=*/false, rows, 4 * hd, d, 0.f, s));
-      HSTU_RETURN_IF_ERROR(WaitForLayer(l));
+    }
+    HSTU_RETURN_IF_ERROR(WaitForLayer(l));
+    if (route >= 0) {
+      HSTU_CUDA_RETURN(cuda::LaunchAppendKvFromRows(rows, ap, s));
+    } else {
       HSTU_CUDA_RETURN(
           cuda::LaunchBiasSiluAppendKv(uvqk, rows, 4 * hd, w.uvqk_b.as<float>(), ap, s));
     }

@@ -122,12 +122,11 @@ inline MetaLayout PlaceMeta(size_t B, size_t rows, size_t pages, size_t cands, s
 // graphs' buffers are sized once at creation, so the pointers baked into the graphs stay valid.
 struct Workspace {
   DeviceBuffer x, n, uvqk, a, y, meta, partials, counters, cand_raw, cand_norm, head_a, head_b;
-  DeviceBuffer row_slot;  // [rows] int64: page slot of each new history row (LaunchRowSlots)
   size_t counters_ready = 0;  // bytes of counters known to be zero
   size_t bytes() const {
     return x.bytes() + n.bytes() + uvqk.bytes() + a.bytes() + y.bytes() + meta.bytes() +
            partials.bytes() + counters.bytes() + cand_raw.bytes() + cand_norm.bytes() +
-           head_a.bytes() + head_b.bytes() + row_slot.bytes();
+           head_a.bytes() + head_b.bytes();
   }
   std::vector<DeviceBuffer*> activations() {
     return {&x, &n, &uvqk, &a, &y, &partials, &cand_raw, &cand_norm, &head_a, &head_b};

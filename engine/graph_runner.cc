@@ -42,7 +42,6 @@ absl::Status CudaBackendImpl::SizeGraphWorkspace() {
   Workspace& ws = graph_ws_;
   HSTU_CUDA_RETURN(ws.x.Reserve(rows * d * sizeof(float)));
   HSTU_CUDA_RETURN(ws.n.Reserve(rows * d * sizeof(bf16)));
-  HSTU_CUDA_RETURN(ws.row_slot.Reserve(rows * sizeof(int64_t)));
   HSTU_CUDA_RETURN(ws.uvqk.Reserve(rows * 4 * hd * sizeof(bf16)));
   HSTU_CUDA_RETURN(ws.a.Reserve(rows * hd * sizeof(bf16)));
   HSTU_CUDA_RETURN(ws.y.Reserve(rows * hd * sizeof(bf16)));

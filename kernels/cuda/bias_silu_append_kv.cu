@@ -104,26 +104,44 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// slot[r] = element offset (from the pool base) of row r's K slot when r is a new history row of
-// its user, else −1: one thread per row, the owner found by binary search over row_offsets.
-__global__ void RowSlotsKernel(int64_t rows, AppendKvParams<bf16> p, int64_t* __restrict__ slot) {
-  WaitForPredecessor();
+// The append alone, for uvqk rows that already hold their post-SiLU values (the fused UVQK GEMM):
+// warp w takes segment w % segs of the v block (first segs) or the k block of row w / (2·segs) and,
+// when the row is a new history row of its user, copies it to the row's page slot (K block, or V
+// at kv_stride). As in the fused pass, the loads are issued before the owner lookup, whose
+// dependent loads then hide behind them (a candidate row's loads, L2 hits, are simply dropped).
+__global__ void __launch_bounds__(kWarps * 32)
+    AppendKvFromRowsKernel(int64_t rows, int64_t segs, AppendKvParams<bf16> p) {
+  WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
   AllowDependents();
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const int64_t r = warp / (2 * segs);
   if (r >= rows) return;
-  // The last b in [0, B) with row_offsets[b] <= r.
-  int lo = 0, hi = p.kv.batch_size - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (p.row_offsets[mid] <= r) lo = mid; else hi = mid - 1;
+  const int64_t rem = warp - r * 2 * segs;
+  const bool is_v = rem < segs;
+  const int64_t seg = is_v ? rem : rem - segs;
+  const int64_t hd = p.kv.num_heads * static_cast<int64_t>(p.kv.head_dim);
+  const bf16* src = p.uvqk + r * p.uvqk_row_stride + (is_v ? kV : kK) * hd;
+  Bf16x8 in[kLaneGroups];
+#pragma unroll
+  for (int k = 0; k < kLaneGroups; ++k) {
+    const int64_t c = seg * kSegCols + k * 256 + lane * 8;
+    if (c < hd) in[k] = *reinterpret_cast<const Bf16x8*>(src + c);
   }
-  const int i = static_cast<int>(r) - p.row_offsets[lo];
-  int64_t out = -1;
-  if (i >= 0 && i < p.num_new[lo]) {
-    const int t = p.kv.num_tokens[lo] - p.num_new[lo] + i;
-    out = p.kv.SlotOffset(p.kv.page_ids[p.kv.indptr[lo] + t / p.kv.page_size], t, 0);
+  const int ri = static_cast<int>(r);
+  const int b = RowOwner(p.row_offsets, p.kv.batch_size, ri, lane);
+  const int first = p.row_offsets[b], num_new = p.num_new[b];
+  const int num_tokens = p.kv.num_tokens[b], page_idx = p.kv.indptr[b];
+  const int i = ri - first;
+  if (i >= num_new) return;
+  const int t = num_tokens - num_new + i;
+  bf16* dst = p.kv.base + p.kv.SlotOffset(p.kv.page_ids[page_idx + t / p.kv.page_size], t, 0) +
+              (is_v ? p.kv.kv_stride : 0);
+#pragma unroll
+  for (int k = 0; k < kLaneGroups; ++k) {
+    const int64_t c = seg * kSegCols + k * 256 + lane * 8;
+    if (c < hd) *reinterpret_cast<Bf16x8*>(dst + c) = in[k];
   }
-  slot[r] = out;
 }
 
 // Grid of the row pass; 0 when it would not fit a launch.
@@ -156,21 +174,25 @@ cudaError_t LaunchBiasSiluAppendKv(bf16* uvqk, int64_t rows, int64_t cols, const
                          uvqk, rows, cols, segs_per_row, bias, p);
 }
 
-cudaError_t LaunchRowSlots(int64_t rows, const AppendKvParams<bf16>& p, int64_t* row_slot,
-                           cudaStream_t stream) {
+cudaError_t LaunchAppendKvFromRows(int64_t rows, const AppendKvParams<bf16>& p,
+                                   cudaStream_t stream) {
   const auto& kv = p.kv;
-  if (rows < 0 || rows > 0x7fffffff || row_slot == nullptr || kv.batch_size < 0 ||
-      kv.page_size <= 0 ||
+  const int64_t hd = static_cast<int64_t>(kv.num_heads) * kv.head_dim;
+  if (rows < 0 || rows > 0x7fffffff || p.uvqk == nullptr || kv.batch_size < 0 ||
+      kv.head_dim <= 0 || kv.head_dim % 8 != 0 || kv.num_heads <= 0 || kv.page_size <= 0 ||
+      kv.base == nullptr || p.uvqk_row_stride != 4 * hd || kv.page_stride % 8 != 0 ||
+      kv.kv_stride % 8 != 0 || !Aligned16(p.uvqk) || !Aligned16(kv.base) ||
       (kv.batch_size > 0 && (p.row_offsets == nullptr || p.num_new == nullptr ||
                              kv.indptr == nullptr || kv.page_ids == nullptr ||
                              kv.num_tokens == nullptr))) {
     return cudaErrorInvalidValue;
   }
-  if (rows == 0) return cudaSuccess;
-  if (kv.batch_size == 0) return cudaMemsetAsync(row_slot, 0xFF, rows * sizeof(int64_t), stream);
-  constexpr int kThreads = 256;
-  return LaunchDependent(RowSlotsKernel, dim3(static_cast<unsigned>((rows + kThreads - 1) / kThreads)),
-                         dim3(kThreads), 0, stream, rows, p, row_slot);
+  if (rows == 0 || kv.batch_size == 0) return cudaSuccess;
+  const int64_t segs = (hd + kSegCols - 1) / kSegCols;
+  const int64_t blocks = (rows * 2 * segs + kWarps - 1) / kWarps;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  return LaunchDependent(AppendKvFromRowsKernel, dim3(static_cast<unsigned>(blocks)),
+                         dim3(kWarps * 32), 0, stream, rows, segs, p);
 }
 
 cudaError_t LaunchBiasSilu(bf16* x, int64_t rows, int64_t cols, const float* bias,

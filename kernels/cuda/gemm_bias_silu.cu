@@ -46,195 +46,6 @@ struct SiluActivation<cutlass::Array<T, N>> {
 
 using namespace cute;
 
-// Epilogue-visitor node that passes its child's output (the activated bf16 fragment) through and
-// also stores the v and k columns of appended rows into their page slots (PageStoreArgs): the
-// K/V append of the decode step, done from the registers instead of a pass over the rows. A
-// fragment's elements are addressed by their coordinates (the epilogue's thread-partitioned
-// coordinate tensor, relative to the thread's first element, whose absolute position is
-// (M, N) − residue).
-struct Sm90PageStore {
-  struct SharedStorage {};
-  using Arguments = PageStoreArgs;
-  using Params = PageStoreArgs;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,
-                                                  void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
-    return args.pool == nullptr ||
-           (args.row_slot != nullptr && args.hd > 0 && get<1>(problem_shape) == 4 * args.hd);
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
-                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-
-  CUTLASS_HOST_DEVICE Sm90PageStore() {}
-  CUTLASS_HOST_DEVICE Sm90PageStore(Params const& params, SharedStorage const&) : params(params) {}
-  Params params;
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(
-      cutlass::epilogue::fusion::detail::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
-
-  template <class CoordTensor, class Residue>
-  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor tc, Residue residue, int first_m,
-                                          int first_n, Params const& params)
-        : tCcD(tc), residue(residue), first_m(first_m), first_n(first_n), params(params) {
-      // The wgmma accumulator layout: the 4 lanes of a quad hold the same rows, lane q the column
-      // pair 2q, 2q + 1 of each 8-column group. Checked here (and per fragment in visit), so that
-      // another layout takes the element-wise path instead of storing wrong values.
-      const int lane = threadIdx.x & 31, q = lane & 3;
-      const int m0 = __shfl_sync(0xffffffffu, first_m, lane & ~3);
-      const int n0 = __shfl_sync(0xffffffffu, first_n, lane & ~3);
-      quad_layout = __all_sync(0xffffffffu, first_m == m0 && first_n == n0 + 2 * q);
-      quad_n0 = n0;
-    }
-    CoordTensor tCcD;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N): coordinates relative to the first
-    Residue residue;   // (M, N) − the first element's coordinates
-    int first_m, first_n;
-    Params const& params;
-    bool quad_layout = false;  // warp-uniform
-    int quad_n0 = 0;           // the first column of lane 0 of this lane's quad
-
-    // Element-wise: a 2-byte store per v/k element of an appended row (any layout).
-    template <class CTensor, typename ElementInput, int FragmentSize>
-    CUTLASS_DEVICE void StoreElements(CTensor const& c, int epi_v,
-                                      cutlass::Array<ElementInput, FragmentSize> const& frg) {
-      const int hd = static_cast<int>(params.hd);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) {
-        const auto rel = c(epi_v * FragmentSize + i);
-        if (!elem_less(rel, residue)) continue;
-        const int n = first_n + static_cast<int>(get<1>(rel));
-        const bool is_v = n >= hd && n < 2 * hd;
-        if (!is_v && n < 3 * hd) continue;  // u and q: nothing to append
-        const int64_t slot = params.row_slot[first_m + static_cast<int>(get<0>(rel))];
-        if (slot < 0) continue;  // not a new history row
-        reinterpret_cast<ElementInput*>(
-            params.pool)[slot + (is_v ? params.kv_stride + (n - hd) : n - 3 * hd)] = frg[i];
-      }
-    }
-
-    // By quads: pair p (elements 2p, 2p + 1) of the 4 lanes of a quad is one row's 8 consecutive
-    // columns. A transpose across the quad (3 xor-shuffle rounds) gives lane q the whole 8 columns
-    // of the pairs p ≡ q (mod 4), stored as one 16-byte vector.
-    template <class CTensor, typename ElementInput, int FragmentSize>
-    CUTLASS_DEVICE void StoreQuads(CTensor const& c, int epi_v,
-                                   cutlass::Array<ElementInput, FragmentSize> const& frg) {
-      constexpr int kPairs = FragmentSize / 2;
-      const int lane = threadIdx.x & 31, q = lane & 3;
-      const int hd = static_cast<int>(params.hd);
-      uint32_t w[kPairs];
-      CUTLASS_PRAGMA_UNROLL
-      for (int p = 0; p < kPairs; ++p) w[p] = reinterpret_cast<const uint32_t*>(frg.data())[p];
-      CUTLASS_PRAGMA_UNROLL
-      for (int h = 0; h < kPairs / 4; ++h) {
-        uint32_t v[4];
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < 4; ++j) v[j] = 0;
-        CUTLASS_PRAGMA_UNROLL
-        for (int x = 0; x < 4; ++x) {
-          // This lane sends pair (lane ^ x) & 3 of group h, and receives its own pair q of group
-          // h from lane q ^ x, which is column pair q ^ x of the vector.
-          const int send = (q ^ x) & 3;
-          uint32_t out = w[4 * h];
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 1; j < 4; ++j) out = send == j ? w[4 * h + j] : out;
-          const uint32_t in = x == 0 ? out : __shfl_xor_sync(0xffffffffu, out, x);
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < 4; ++j) v[j] = (q ^ x) == j ? in : v[j];
-        }
-        // The vector is pair p = 4h + q: its row and its first column (lane 0 of the quad's).
-        int row_rel = 0, col_rel = 0;
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < 4; ++j) {
-          const auto rel = c(epi_v * FragmentSize + 2 * (4 * h + j));
-          if (j == q) {
-            row_rel = static_cast<int>(get<0>(rel));
-            col_rel = static_cast<int>(get<1>(rel));
-          }
-        }
-        if (row_rel >= static_cast<int>(get<0>(residue))) continue;  // a row past M
-        const int n = quad_n0 + col_rel;
-        if (n >= 4 * hd) continue;  // a column past N (the last tile's padding)
-        const bool is_v = n >= hd && n < 2 * hd;
-        if (!is_v && n < 3 * hd) continue;
-        const int64_t slot = params.row_slot[first_m + row_rel];
-        if (slot < 0) continue;
-        *reinterpret_cast<uint4*>(reinterpret_cast<ElementInput*>(params.pool) + slot +
-                                  (is_v ? params.kv_stride + (n - hd) : n - 3 * hd)) =
-            make_uint4(v[0], v[1], v[2], v[3]);
-      }
-    }
-
-    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
-    CUTLASS_DEVICE cutlass::Array<ElementInput, FragmentSize> visit(
-        cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int epi_n,
-        cutlass::Array<ElementInput, FragmentSize> const& frg) {
-      if (params.pool == nullptr) return frg;
-      Tensor c = tCcD(_, _, _, epi_m, epi_n);
-      if constexpr (FragmentSize % 8 == 0 && sizeof(ElementInput) == 2) {
-        // The pairs must be adjacent columns of one row, starting at a multiple of 8 on lane 0, and
-        // an 8-column vector must not straddle two blocks (H·D % 8 == 0, true for every head dim
-        // the attention takes).
-        bool pairs = quad_layout && params.hd % 8 == 0;
-        CUTLASS_PRAGMA_UNROLL
-        for (int p = 0; p < FragmentSize / 2; ++p) {
-          const auto a = c(epi_v * FragmentSize + 2 * p), b = c(epi_v * FragmentSize + 2 * p + 1);
-          pairs = pairs && get<0>(a) == get<0>(b) && get<1>(b) == get<1>(a) + 1 &&
-                  (quad_n0 + static_cast<int>(get<1>(a))) % 8 == 0;
-        }
-        if (__all_sync(0xffffffffu, pairs)) {
-          StoreQuads(c, epi_v, frg);
-          return frg;
-        }
-      }
-      StoreElements(c, epi_v, frg);
-      return frg;
-    }
-  };
-
-  template <bool ReferenceSrc, class... Args>
-  CUTLASS_DEVICE auto get_consumer_store_callbacks(
-      cutlass::epilogue::fusion::detail::ConsumerStoreArgs<Args...> const& args) {
-    const auto [M, N, K, L] = args.problem_shape_mnkl;
-    const int first_m = static_cast<int>(M) - static_cast<int>(get<0>(args.residue_tCcD));
-    const int first_n = static_cast<int>(N) - static_cast<int>(get<1>(args.residue_tCcD));
-    return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(
-        args.tCcD, args.residue_tCcD, first_m, first_n, params);
-  }
-};
-
-// The epilogue: D = SiLU(acc + bias[col]) in bf16, with the appended rows' v and k also stored to
-// their pages.
-template <class CtaTileShapeMNK>
-using BiasSiluPageStore = cutlass::epilogue::fusion::Sm90EVT<
-    Sm90PageStore,
-    cutlass::epilogue::fusion::Sm90EVT<
-        cutlass::epilogue::fusion::Sm90Compute<SiluActivation, cutlass::bfloat16_t, float,
-                                               cutlass::FloatRoundStyle::round_to_nearest>,
-        cutlass::epilogue::fusion::Sm90EVT<
-            cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, float, float,
-                                                   cutlass::FloatRoundStyle::round_to_nearest>,
-            cutlass::epilogue::fusion::Sm90AccFetch,
-            cutlass::epilogue::fusion::Sm90RowBroadcast<0, CtaTileShapeMNK, float, float,
-                                                        Stride<_0, _1, int64_t>, 4>>>>;
-
 template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
 struct FusedGemm {
   using Element = cutlass::bfloat16_t;
@@ -242,7 +53,8 @@ struct FusedGemm {
   using LayoutB = cutlass::layout::RowMajor;     // [k, n], n contiguous (N-major B)
   using LayoutD = cutlass::layout::RowMajor;     // [m, n]
   static constexpr int kAlign = 8;               // 16 bytes of bf16
-  using FusionOp = BiasSiluPageStore<TileShape>;
+  using FusionOp = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<
+      SiluActivation, Element, float, /*bias*/ float, /*source*/ Element, /*scalar*/ float>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, /*C*/ void, LayoutD, kAlign,
@@ -259,8 +71,7 @@ struct FusedGemm {
 
   static typename Gemm::Arguments MakeArguments(const __nv_bfloat16* a, const __nv_bfloat16* b,
                                                 const float* bias, __nv_bfloat16* c, int m, int n,
-                                                int k, const PageStoreArgs& pages, int device,
-                                                int sm_count) {
+                                                int k, int device, int sm_count) {
     using StrideA = typename Kernel::StrideA;
     using StrideB = typename Kernel::StrideB;
     using StrideD = typename Kernel::StrideD;
@@ -272,10 +83,9 @@ struct FusedGemm {
         {m, n, k, 1},
         {reinterpret_cast<const Element*>(a), sa, reinterpret_cast<const Element*>(b), sb},
         {{}, nullptr, sd, reinterpret_cast<Element*>(c), sd}};
-    // {silu{plus{acc, bias}}, pages}: children first, then the node's own arguments.
-    args.epilogue.thread = {
-        {{{}, {bias, 0.f, {_0{}, _1{}, int64_t{0}}}, {}}, {}},
-        pages};
+    args.epilogue.thread.alpha = 1.f;
+    args.epilogue.thread.beta = 0.f;
+    args.epilogue.thread.bias_ptr = bias;
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
     return args;
@@ -294,12 +104,11 @@ using Pingpong128x128 =
 // Launch parameters (with their TMA descriptors) per call shape and device: building them costs
 // several host microseconds, and a forward repeats the same eight layer calls.
 using Key = std::tuple<int, int, const void*, const void*, const void*, void*, int64_t, int64_t,
-                       int64_t, const void*, const void*, int64_t, int64_t>;
+                       int64_t>;
 
 template <class G>
 cudaError_t Run(const Key& key, const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
-                __nv_bfloat16* c, int m, int n, int k, const PageStoreArgs& pages, int device,
-                cudaStream_t stream) {
+                __nv_bfloat16* c, int m, int n, int k, int device, cudaStream_t stream) {
   static std::mutex mu;
   static std::map<Key, typename G::Params> cache;
   static std::map<int, int> sm_counts;  // devices whose kernel attribute is set → SM count
@@ -323,7 +132,7 @@ cudaError_t Run(const Key& key, const __nv_bfloat16* a, const __nv_bfloat16* b, 
     }
     auto it = cache.find(key);
     if (it == cache.end()) {
-      const auto args = G::MakeArguments(a, b, bias, c, m, n, k, pages, device, sm->second);
+      const auto args = G::MakeArguments(a, b, bias, c, m, n, k, device, sm->second);
       if (G::Gemm::can_implement(args) != cutlass::Status::kSuccess ||
           G::Gemm::get_workspace_size(args) != 0) {
         return cudaErrorInvalidValue;
@@ -363,26 +172,22 @@ bool GemmBiasSiluAvailable() {
 
 cudaError_t LaunchGemmBiasSilu(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
                                __nv_bfloat16* c, int64_t m, int64_t n, int64_t k, int config,
-                               const PageStoreArgs& pages, cudaStream_t stream) {
+                               cudaStream_t stream) {
   constexpr int64_t kMax = 0x7fffffff;
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (a == nullptr || b == nullptr || bias == nullptr || c == nullptr || m < 0 || n <= 0 ||
       k <= 0 || m > kMax || n > kMax || k > kMax || n % 8 != 0 || k % 8 != 0 || !aligned(a) ||
       !aligned(b) || !aligned(bias) || !aligned(c) || config < 0 ||
-      config >= kGemmBiasSiluConfigs ||
-      (pages.pool != nullptr &&
-       (pages.row_slot == nullptr || pages.hd <= 0 || n != 4 * pages.hd || pages.kv_stride < 0))) {
+      config >= kGemmBiasSiluConfigs) {
     return cudaErrorInvalidValue;
   }
   if (m == 0) return cudaSuccess;
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  const Key key{config, device, a, b, bias, c, m, n, k, pages.pool, pages.row_slot,
-                pages.kv_stride, pages.hd};
+  const Key key{config, device, a, b, bias, c, m, n, k};
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
-  return config == 0
-             ? Run<Cooperative128x256>(key, a, b, bias, c, mi, ni, ki, pages, device, stream)
-             : Run<Pingpong128x128>(key, a, b, bias, c, mi, ni, ki, pages, device, stream);
+  return config == 0 ? Run<Cooperative128x256>(key, a, b, bias, c, mi, ni, ki, device, stream)
+                     : Run<Pingpong128x128>(key, a, b, bias, c, mi, ni, ki, device, stream);
 }
 
 #else  // no CUTLASS headers at build time
@@ -390,8 +195,7 @@ cudaError_t LaunchGemmBiasSilu(const __nv_bfloat16* a, const __nv_bfloat16* b, c
 bool GemmBiasSiluAvailable() { return false; }
 
 cudaError_t LaunchGemmBiasSilu(const __nv_bfloat16*, const __nv_bfloat16*, const float*,
-                               __nv_bfloat16*, int64_t, int64_t, int64_t, int,
-                               const PageStoreArgs&, cudaStream_t) {
+                               __nv_bfloat16*, int64_t, int64_t, int64_t, int, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 

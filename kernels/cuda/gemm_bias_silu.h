@@ -27,25 +27,13 @@ inline constexpr int kGemmBiasSiluConfigs = 2;
 // True when this build has the fused kernel and the current device is compute capability 9.0.
 bool GemmBiasSiluAvailable();
 
-// Where the fused GEMM also writes the new history rows' K and V (the append of the decode step,
-// from the epilogue's registers): row r's k columns [3·hd, 4·hd) go to pool + row_slot[r] and its
-// v columns [hd, 2·hd) to pool + row_slot[r] + kv_stride (row_slot[r] < 0: row r is not appended;
-// LaunchRowSlots fills the table). n must be 4·hd. pool == nullptr: no page stores.
-struct PageStoreArgs {
-  __nv_bfloat16* pool = nullptr;
-  const int64_t* row_slot = nullptr;
-  int64_t kv_stride = 0;
-  int64_t hd = 0;
-};
-
-// c[m, n] = SiLU(a[m, k] · b[k, n] + bias[n]), all row-major, plus the page stores of `pages`;
-// a, b, c bf16, bias fp32; SiLU as x / (1 + e^−x) in fp32 (the same formula as the bias + SiLU
-// pass); a page gets exactly the bf16 value its row gets. Needs n % 8 == 0,
+// c[m, n] = SiLU(a[m, k] · b[k, n] + bias[n]), all row-major; a, b, c bf16, bias fp32; SiLU as
+// x / (1 + e^−x) in fp32 (the same formula as the bias + SiLU pass). Needs n % 8 == 0,
 // k % 8 == 0, 16-byte aligned pointers, m, n, k < 2^31. Does not synchronise; capturable (the
 // launch parameters, with their TMA descriptors, are built on the host and cached per call shape).
 // cudaErrorInvalidValue for bad arguments, cudaErrorNotSupported when unavailable.
 cudaError_t LaunchGemmBiasSilu(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
                                __nv_bfloat16* c, int64_t m, int64_t n, int64_t k, int config,
-                               const PageStoreArgs& pages, cudaStream_t stream);
+                               cudaStream_t stream);
 
 }  // namespace hstu::cuda

@@ -222,9 +222,8 @@ bool GemmTuner::HasBiasSiluRoute(int64_t m, int64_t n, int64_t k) const {
 }
 
 int GemmTuner::BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
-                             const AppendKvParams<__nv_bfloat16>& append,
-                             const int64_t* row_slot, int64_t m, int64_t n, int64_t k,
-                             cudaStream_t stream) {
+                             const AppendKvParams<__nv_bfloat16>& append, int64_t m, int64_t n,
+                             int64_t k, cudaStream_t stream) {
   if (!fused_available_ || m <= 0) return -1;
   const std::tuple<int64_t, int64_t, int64_t> key{RowClass(m), n, k};
   if (auto it = silu_route_.find(key); it != silu_route_.end()) return it->second;
@@ -235,22 +234,16 @@ int GemmTuner::BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, con
     return -1;  // no timing inside a capture
   }
   // Candidate 0: the plain GEMM (Run: cuBLAS, itself tuned on the warm-up round) + the fused
-  // bias + SiLU + append pass; candidate 1 + i: fused config i, its epilogue appending.
+  // bias + SiLU + append pass; candidate 1 + i: fused config i + the append alone.
   __nv_bfloat16* c = const_cast<__nv_bfloat16*>(append.uvqk);
-  PageStoreArgs pages;
-  if (append.kv.batch_size > 0) {
-    pages.pool = append.kv.base;
-    pages.row_slot = row_slot;
-    pages.kv_stride = append.kv.kv_stride;
-    pages.hd = static_cast<int64_t>(append.kv.num_heads) * append.kv.head_dim;
-  }
   const std::vector<float> ms = TimeCandidates(1 + kGemmBiasSiluConfigs, stream, [&](size_t i) {
     if (i == 0) {
       return Run(a, b, c, /*c_is_f32=*/false, m, n, k, 0.f, stream) == CUBLAS_STATUS_SUCCESS &&
              LaunchBiasSiluAppendKv(c, m, n, bias, append, stream) == cudaSuccess;
     }
-    return LaunchGemmBiasSilu(a, b, bias, c, m, n, k, static_cast<int>(i) - 1, pages, stream) ==
-           cudaSuccess;
+    return LaunchGemmBiasSilu(a, b, bias, c, m, n, k, static_cast<int>(i) - 1, stream) ==
+               cudaSuccess &&
+           LaunchAppendKvFromRows(m, append, stream) == cudaSuccess;
   });
   const int route = static_cast<int>(Fastest(ms)) - 1;
   silu_route_.emplace(key, route);

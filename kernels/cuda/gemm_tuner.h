@@ -50,19 +50,18 @@ class GemmTuner {
                      int64_t m, int64_t n, int64_t k, float beta, cudaStream_t stream);
 
   // The UVQK projection's route for this call, c = append.uvqk [m, n]: a config of
-  // LaunchGemmBiasSilu (≥ 0: c = SiLU(a·b + bias) in one kernel whose epilogue also stores the new
-  // history rows' K/V into their pages, through `row_slot` — LaunchRowSlots of this batch) or −1
+  // LaunchGemmBiasSilu (≥ 0: c = SiLU(a·b + bias) in one kernel, then LaunchAppendKvFromRows) or −1
   // (Run() for c = a·b, then LaunchBiasSiluAppendKv). Chosen per (row class, n, k) by timing both
-  // whole routes, append included, on this call's operands (same interleaved rounds and 2 % margin
+  // whole routes, GEMM and append, on this call's operands (same interleaved rounds and 2 % margin
   // as Run's tuning); −1 when tuning is off, when the fused kernel is unavailable or turned off
   // (HSTU_GEMM_FUSED=0 in the environment when the tuner is initialised), and for a class first
   // seen inside a capture. HSTU_GEMM_FUSED=force takes the last fused config for every class
-  // without timing (tests, A/B runs). The timing runs write c and the page slots with the values
-  // the real call then writes again, so the pages must be ready for the append
-  // (HasBiasSiluRoute says whether this call will time).
+  // without timing (tests, A/B runs). The
+  // timing runs write c and append's page slots with the values the real call then writes again,
+  // so the pages must be ready for the append (HasBiasSiluRoute says whether this call will time).
   int BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
-                    const AppendKvParams<__nv_bfloat16>& append, const int64_t* row_slot,
-                    int64_t m, int64_t n, int64_t k, cudaStream_t stream);
+                    const AppendKvParams<__nv_bfloat16>& append, int64_t m, int64_t n, int64_t k,
+                    cudaStream_t stream);
   bool HasBiasSiluRoute(int64_t m, int64_t n, int64_t k) const;
 
   // The class bound of m rows.

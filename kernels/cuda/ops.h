@@ -48,13 +48,12 @@ cudaError_t LaunchLayerNorm(const float* x, int64_t rows, int64_t cols, const fl
 cudaError_t LaunchBiasSiluAppendKv(bf16* uvqk, int64_t rows, int64_t cols, const float* bias,
                                    const AppendKvParams<bf16>& p, cudaStream_t stream);
 
-// row_slot[r] = the element offset from p.kv.base of row r's K slot (SlotOffset; V is kv_stride
-// further on) when row r is a new history row of its user, else −1 (candidates, padding rows past
-// row_offsets[B], every row of a batch of no users). The page-store table of LaunchGemmBiasSilu
-// (gemm_bias_silu.h): the same slots LaunchBiasSiluAppendKv writes. Only p.row_offsets,
-// p.num_new and p.kv's page table are read; the offsets do not depend on the layer.
-cudaError_t LaunchRowSlots(int64_t rows, const AppendKvParams<bf16>& p, int64_t* row_slot,
-                           cudaStream_t stream);
+// The append of LaunchBiasSiluAppendKv alone, for uvqk rows that already hold their post-SiLU
+// values (written by LaunchGemmBiasSilu): each new history row's v and k columns are copied into
+// its page slot; the rows are not modified. Same arguments and checks as LaunchBiasSiluAppendKv
+// (p.uvqk: [rows, 4·H·D], p.uvqk_row_stride = 4·H·D).
+cudaError_t LaunchAppendKvFromRows(int64_t rows, const AppendKvParams<bf16>& p,
+                                   cudaStream_t stream);
 
 // x = SiLU(x + bias) in place, for rows that have no pages (the materialised attention baseline).
 // x: [rows, cols] bf16 (row stride cols, cols % 8 == 0); bias: [cols] fp32. Same kernel and

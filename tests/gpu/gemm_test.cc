@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <numeric>
 #include <random>
 #include <string>
 
@@ -167,7 +166,7 @@ TEST(CudaGemmBiasSilu, MatchesReferenceInEveryConfig) {
       dc.Poison();
       HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
       HSTU_ASSERT_CUDA(cuda::LaunchGemmBiasSilu(da.get(), db.get(), dbias.get(), dc.get(), s.m,
-                                                s.n, s.k, config, {}, nullptr));
+                                                s.n, s.k, config, nullptr));
       HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
       auto all = dc.Download();
       const std::vector<bf16> past(all.begin() + s.m * s.n, all.end());
@@ -182,69 +181,30 @@ TEST(CudaGemmBiasSilu, MatchesReferenceInEveryConfig) {
       const auto poison = ToF32(past);
       EXPECT_TRUE(std::all_of(poison.begin(), poison.end(), [](float v) { return std::isnan(v); }))
           << at << ": wrote past row m";
-      // Again with page stores (hd = n / 4): every row but each third one is "appended" to a
-      // shuffled slot of a poisoned pool (K region, then the V region kv_stride on). The rows
-      // are the same bits as before; each appended row's k and v columns are in its slots, bit
-      // for bit; the slots of the rows not appended keep their poison.
-      const int64_t hd = s.n / 4;
-      std::vector<int64_t> slot(s.m), perm(s.m);
-      std::iota(perm.begin(), perm.end(), 0);
-      std::shuffle(perm.begin(), perm.end(), rng);
-      for (int64_t r = 0; r < s.m; ++r) slot[r] = r % 3 == 1 ? -1 : perm[r] * hd;
-      DeviceArray<int64_t> dslot(slot);
-      DeviceArray<bf16> pool(2 * s.m * hd);
-      pool.Poison();
-      HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
-      cuda::PageStoreArgs pages;
-      pages.pool = pool.get();
-      pages.row_slot = dslot.get();
-      pages.kv_stride = s.m * hd;
-      pages.hd = hd;
+      // Deterministic: the same call again gives the same bits.
       HSTU_ASSERT_CUDA(cuda::LaunchGemmBiasSilu(da.get(), db.get(), dbias.get(), dc.get(), s.m,
-                                                s.n, s.k, config, pages, nullptr));
+                                                s.n, s.k, config, nullptr));
       HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
       auto again = dc.Download();
       again.resize(s.m * s.n);
       EXPECT_EQ(std::memcmp(again.data(), all.data(), all.size() * sizeof(bf16)), 0) << at;
-      const auto stored = pool.Download();
-      int64_t wrong = 0, untouched_wrong = 0;
-      for (int64_t r = 0; r < s.m; ++r) {
-        const int64_t at_k = perm[r] * hd, at_v = s.m * hd + perm[r] * hd;
-        for (int64_t j = 0; j < hd; ++j) {
-          const bf16 k = stored[at_k + j], v = stored[at_v + j];
-          if (slot[r] < 0) {
-            untouched_wrong += !std::isnan(ToF32({k})[0]) || !std::isnan(ToF32({v})[0]);
-          } else {
-            wrong += std::memcmp(&k, &all[r * s.n + 3 * hd + j], sizeof(bf16)) != 0;
-            wrong += std::memcmp(&v, &all[r * s.n + hd + j], sizeof(bf16)) != 0;
-          }
-        }
-      }
-      EXPECT_EQ(wrong, 0) << at << ": page stores differ from the rows";
-      EXPECT_EQ(untouched_wrong, 0) << at << ": slots of rows not appended were written";
     }
   }
   // Rejected with nothing launched: n or k not a multiple of 8, a misaligned operand, a config
   // that does not exist, no bias.
   DeviceArray<bf16> x(64 * 64);
   DeviceArray<float> bias(64);
-  EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get(), x.get(), bias.get(), x.get(), 8, 60, 64, 0, {}, nullptr),
+  EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get(), x.get(), bias.get(), x.get(), 8, 60, 64, 0, nullptr),
             cudaErrorInvalidValue);
-  EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get(), x.get(), bias.get(), x.get(), 8, 64, 60, 0, {}, nullptr),
+  EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get(), x.get(), bias.get(), x.get(), 8, 64, 60, 0, nullptr),
             cudaErrorInvalidValue);
-  EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get() + 1, x.get(), bias.get(), x.get(), 8, 64, 64, 0, {},
+  EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get() + 1, x.get(), bias.get(), x.get(), 8, 64, 64, 0,
                                      nullptr),
             cudaErrorInvalidValue);
   EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get(), x.get(), bias.get(), x.get(), 8, 64, 64,
-                                     cuda::kGemmBiasSiluConfigs, {}, nullptr),
+                                     cuda::kGemmBiasSiluConfigs, nullptr),
             cudaErrorInvalidValue);
-  EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get(), x.get(), nullptr, x.get(), 8, 64, 64, 0, {}, nullptr),
-            cudaErrorInvalidValue);
-  cuda::PageStoreArgs no_table;  // a pool without its slot table
-  no_table.pool = x.get();
-  no_table.hd = 16;
-  EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get(), x.get(), bias.get(), x.get(), 8, 64, 64, 0, no_table,
-                                     nullptr),
+  EXPECT_EQ(cuda::LaunchGemmBiasSilu(x.get(), x.get(), nullptr, x.get(), 8, 64, 64, 0, nullptr),
             cudaErrorInvalidValue);
   cublasDestroy(blas);
 }
@@ -280,7 +240,7 @@ TEST(CudaGemmBiasSilu, TunerRouteIsStablePerClassAndCanBeTurnedOff) {
     none.kv.page_size = 16;
     none.kv.base = c.get();
     EXPECT_FALSE(tuner.HasBiasSiluRoute(m, n, k) && tuner.fused_available());
-    const int route = tuner.BiasSiluRoute(a.get(), b.get(), bias.get(), none, nullptr, m, n, k,
+    const int route = tuner.BiasSiluRoute(a.get(), b.get(), bias.get(), none, m, n, k,
                                           stream.get());
     EXPECT_TRUE(tuner.HasBiasSiluRoute(300, n, k));
     EXPECT_GE(route, -1);
@@ -289,8 +249,7 @@ TEST(CudaGemmBiasSilu, TunerRouteIsStablePerClassAndCanBeTurnedOff) {
       EXPECT_EQ(route, -1) << "off=" << off;
     }
     // Another row count of the same class (300 → 384) keeps the route without timing again.
-    EXPECT_EQ(tuner.BiasSiluRoute(a.get(), b.get(), bias.get(), none, nullptr, 300, n, k,
-                                  stream.get()),
+    EXPECT_EQ(tuner.BiasSiluRoute(a.get(), b.get(), bias.get(), none, 300, n, k, stream.get()),
               route);
     std::printf("[ route ] 384 x 4096 x 1024, fused %s: %d\n", off ? "off" : "on", route);
   }

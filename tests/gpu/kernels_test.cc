@@ -398,7 +398,7 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
       << what << ": split counters not reset";
 }
 
-// Bias + SiLU fused with the append, and the rows' page slots (LaunchRowSlots). The rows of a batch of no users (nothing appended) against
+// Bias + SiLU fused with the append, and the append alone from activated rows. The rows of a batch of no users (nothing appended) against
 // the CPU's fp32 SiLU (one bf16 rounding, per element); the rows with users equal those bit for
 // bit except the appended rows' v and k, which keep the GEMM output; the pages bit for bit
 // against cpu::AppendKv over the activated rows, which also proves every other slot untouched.
@@ -444,6 +444,7 @@ TEST(CudaKernels, BiasSiluAppendKvMatchesCpu) {
     const PagedKvView<float> cv = c.CpuView();
 
     DeviceArray<bf16> d_pool(ToBf16(c.pool)), d_uvqk(ToBf16(x)), d_uvqk2(ToBf16(x));
+    DeviceArray<bf16> d_pool2(ToBf16(c.pool));  // for the append alone (LaunchAppendKvFromRows)
     DeviceArray<float> d_bias(bias);
     DeviceArray<int32_t> d_ro(c.row_offsets), d_nn(c.num_new), d_nt(c.num_tokens),
         d_pi(c.page_indptr), d_pids(c.page_ids);
@@ -483,25 +484,19 @@ TEST(CudaKernels, BiasSiluAppendKvMatchesCpu) {
     ASSERT_TRUE(AllFinite(got2)) << what;
     EXPECT_LT(test::RelL2(got2, want), test::kBf16RoundRelL2) << what;
     EXPECT_LE(test::MaxRelDiff(got2, want), test::kBf16RoundRelElement) << what;
-    // The page slot of every row (the fused GEMM's page-store table): the K slot of a new history
-    // row, as the CPU view addresses it, and −1 for candidates and padding rows.
-    {
-      std::vector<int64_t> want_slot(rows, -1);
-      for (int b = 0; b < c.B; ++b) {
-        for (int i = 0; i < c.num_new[b]; ++i) {
-          const int t = c.num_tokens[b] - c.num_new[b] + i;
-          want_slot[c.row_offsets[b] + i] = cv.K(b, t, 0) - cv.base;
-        }
-      }
-      DeviceArray<int64_t> d_slot(std::vector<int64_t>(rows, 12345));  // unwritten rows show
-      EXPECT_EQ(cuda::LaunchRowSlots(rows, gp, nullptr, nullptr), cudaErrorInvalidValue);
-      HSTU_ASSERT_CUDA(cuda::LaunchRowSlots(rows, gp, d_slot.get(), nullptr));
-      HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
-      EXPECT_EQ(d_slot.Download(), want_slot) << what << ": row slots";
-      HSTU_ASSERT_CUDA(cuda::LaunchRowSlots(rows, none, d_slot.get(), nullptr));
-      HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
-      EXPECT_EQ(d_slot.Download(), std::vector<int64_t>(rows, -1)) << what << ": no users";
-    }
+    // The append alone from the activated rows (the fused-GEMM route): the rows stay as they are,
+    // the pages (checked below) get what the fused pass wrote.
+    AppendKvParams<bf16> from_rows = gp;
+    from_rows.uvqk = d_uvqk2.get();
+    from_rows.kv.base = d_pool2.get();
+    AppendKvParams<bf16> bad_stride = from_rows;
+    bad_stride.uvqk_row_stride = cols + 8;
+    EXPECT_EQ(cuda::LaunchAppendKvFromRows(rows, bad_stride, nullptr), cudaErrorInvalidValue);
+    HSTU_ASSERT_CUDA(cuda::LaunchAppendKvFromRows(rows, from_rows, nullptr));
+    HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+    const auto rows_after = ToF32(d_uvqk2.Download());
+    EXPECT_EQ(std::memcmp(rows_after.data(), got2.data(), got2.size() * sizeof(float)), 0)
+        << what << ": LaunchAppendKvFromRows modified the rows";
     std::vector<float> expect = got2;
     int64_t appended_rows = 0;
     for (int b = 0; b < c.B; ++b) {
@@ -526,6 +521,9 @@ TEST(CudaKernels, BiasSiluAppendKvMatchesCpu) {
     ASSERT_EQ(pool_after.size(), c.pool.size());
     EXPECT_EQ(std::memcmp(pool_after.data(), c.pool.data(), c.pool.size() * sizeof(float)), 0)
         << what << ": pages differ from cpu::AppendKv of the post-SiLU rows";
+    const auto pool2_after = ToF32(d_pool2.Download());
+    EXPECT_EQ(std::memcmp(pool2_after.data(), c.pool.data(), c.pool.size() * sizeof(float)), 0)
+        << what << ": LaunchAppendKvFromRows pages differ from cpu::AppendKv";
   }
 }
 
