@@ -45,6 +45,10 @@ ABSL_FLAG(std::string, batches, "1,8", "batch sizes (users)");
 ABSL_FLAG(int32_t, cached, 3968,
           "kernels: history tokens per user already in the pages, of 4096 (0 = the no-cache block's "
           "layer: 4096 new history rows + 256 candidates per user)");
+ABSL_FLAG(std::string, attn_slots, "0",
+          "attention: CTA slots the work plan assumes, a list (0 = the GPU's SMs x CTAs per SM); "
+          "smaller values give fewer, longer chunks per tile, to separate a CTA's fixed cost from "
+          "its per-block cost");
 
 namespace {
 
@@ -183,25 +187,30 @@ json BenchAttention(int reps, int page_size, const std::vector<int>& batches) {
   hstu::cuda::Stream stream;
   HSTU_BENCH_CHECK_CUDA(stream.Create());
   struct HD { int H, D; };
+  const std::vector<int> slot_list = ParseList(absl::GetFlag(FLAGS_attn_slots));
   for (HD hd : {HD{4, 256}, HD{8, 128}, HD{16, 64}}) {
     for (int B : batches) {
-      AttnSetup a;
-      a.B = B;
-      a.H = hd.H;
-      a.D = hd.D;
-      a.page_size = page_size;
-      BuildAttention(a, ConcurrentCtas(hd.D));
-      const float ms = TimeMs(stream.get(), reps, a.sets, [&] { RunAttention(a, stream.get()); });
-      const double us = ms * 1e3;
-      const double tflops = a.flops / (ms * 1e-3) / 1e12;
-      const double gbs = a.min_bytes / (ms * 1e-3) / 1e9;
-      const int ctas = static_cast<int>(a.plan.items.size()) * a.H;
-      std::printf("| %d | %d x %d | %d x %d | %.1f | %.1f | %.0f | %d | %d |\n", B, hd.H, hd.D,
-                  a.num_new + a.cand, a.cached + a.num_new, us, tflops, gbs, ctas,
-                  a.plan.chunk_blocks * hstu::cuda::kAttnBlockN);
-      rows.push_back({{"batch", B}, {"heads", hd.H}, {"head_dim", hd.D}, {"queries", a.num_new + a.cand},
-                      {"keys", a.cached + a.num_new}, {"time_us", us}, {"tflops", tflops},
-                      {"gbps_min_bytes", gbs}, {"ctas", ctas}, {"kv_sets_rotated", a.sets}});
+      for (int slots : slot_list) {
+        if (slots > 0 && hd.D != 256) continue;
+        AttnSetup a;
+        a.B = B;
+        a.H = hd.H;
+        a.D = hd.D;
+        a.page_size = page_size;
+        BuildAttention(a, slots > 0 ? slots : ConcurrentCtas(hd.D));
+        const float ms = TimeMs(stream.get(), reps, a.sets, [&] { RunAttention(a, stream.get()); });
+        const double us = ms * 1e3;
+        const double tflops = a.flops / (ms * 1e-3) / 1e12;
+        const double gbs = a.min_bytes / (ms * 1e-3) / 1e9;
+        const int ctas = static_cast<int>(a.plan.items.size()) * a.H;
+        std::printf("| %d | %d x %d | %d x %d | %.1f | %.1f | %.0f | %d | %d |\n", B, hd.H, hd.D,
+                    a.num_new + a.cand, a.cached + a.num_new, us, tflops, gbs, ctas,
+                    a.plan.chunk_blocks * hstu::cuda::kAttnBlockN);
+        rows.push_back({{"batch", B}, {"heads", hd.H}, {"head_dim", hd.D}, {"queries", a.num_new + a.cand},
+                        {"keys", a.cached + a.num_new}, {"time_us", us}, {"tflops", tflops},
+                        {"gbps_min_bytes", gbs}, {"ctas", ctas}, {"kv_sets_rotated", a.sets},
+                        {"chunk_keys", a.plan.chunk_blocks * hstu::cuda::kAttnBlockN}});
+      }
     }
   }
   return rows;
