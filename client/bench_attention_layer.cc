@@ -64,7 +64,7 @@ double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
 struct FusedAttention {
   int B = 1, T = 0, H = 0, D = 0, page_size = 64;
   float alpha = 0, inv_norm = 0;
-  cuda::DeviceBuffer pool, meta, partials, counters, zero_bias;
+  cuda::DeviceBuffer pool, meta, partials, zero_bias;
   bf16* rows = nullptr;  // p.uvqk, writable: bias + SiLU runs on it in place
   AttentionParams<bf16> p;
   cuda::AttentionPlan plan;
@@ -111,8 +111,6 @@ struct FusedAttention {
       HSTU_BENCH_CHECK_CUDA(partials.Reserve(static_cast<size_t>(plan.num_partials) * H *
                                         cuda::kAttnBlockM * D * 4));
     }
-    HSTU_BENCH_CHECK_CUDA(counters.Reserve(std::max(1, plan.num_split_tiles * H) * 4));
-    HSTU_BENCH_CHECK_CUDA(cudaMemset(counters.get(), 0, counters.bytes()));
     p.uvqk = uvqk;
     p.uvqk_row_stride = 4 * hd;
     p.out = out;
@@ -153,9 +151,9 @@ struct FusedAttention {
                                                        p.uvqk_row_stride, bias, ap, s));
   }
   void Run(cudaStream_t s) {
-    HSTU_BENCH_CHECK_CUDA(cuda::LaunchHstuAttention(p, items, static_cast<int32_t>(plan.items.size()),
-                                               plan.num_partials > 0 ? partials.as<float>() : nullptr,
-                                               counters.as<int32_t>(), s));
+    HSTU_BENCH_CHECK_CUDA(cuda::LaunchHstuAttention(
+        p, items, static_cast<int32_t>(plan.items.size()), plan.num_split_tiles,
+        plan.num_partials > 0 ? partials.as<float>() : nullptr, s));
   }
 };
 

@@ -80,7 +80,7 @@ std::vector<int> ParseList(const std::string& s) {
 // `num_new` new history rows and `cand` candidates; base model heads (4 × 256).
 struct AttnSetup {
   int B = 1, H = 4, D = 256, cached = 3968, num_new = 128, cand = 256, page_size = 32, sets = 0;
-  hstu::cuda::DeviceBuffer pool, uvqk, out, meta, partials, counters;
+  hstu::cuda::DeviceBuffer pool, uvqk, out, meta, partials;
   std::vector<hstu::AttentionParams<bf16>> params;  // one per KV set
   std::vector<const hstu::cuda::AttentionWorkItem*> items;
   hstu::cuda::AttentionPlan plan;
@@ -138,8 +138,6 @@ void BuildAttention(AttnSetup& a, int concurrent_ctas) {
   const int32_t* m = a.meta.as<int32_t>();
   HSTU_BENCH_CHECK_CUDA(a.partials.Reserve(std::max<size_t>(1, static_cast<size_t>(a.plan.num_partials) * a.H *
                                                         hstu::cuda::kAttnBlockM * a.D) * 4));
-  HSTU_BENCH_CHECK_CUDA(a.counters.Reserve(std::max(1, a.plan.num_split_tiles * a.H) * 4));
-  HSTU_BENCH_CHECK_CUDA(cudaMemset(a.counters.get(), 0, a.counters.bytes()));
   for (int s = 0; s < a.sets; ++s) {
     hstu::AttentionParams<bf16> p;
     p.uvqk = a.uvqk.as<bf16>();
@@ -167,7 +165,7 @@ void RunAttention(AttnSetup& a, cudaStream_t s) {
   for (int k = 0; k < a.sets; ++k) {
     HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchHstuAttention(a.params[k], a.items[0],
                                                static_cast<int32_t>(a.plan.items.size()),
-                                               a.partials.as<float>(), a.counters.as<int32_t>(), s));
+                                               a.plan.num_split_tiles, a.partials.as<float>(), s));
   }
 }
 
@@ -211,6 +209,81 @@ json BenchAttention(int reps, int page_size, const std::vector<int>& batches) {
                         {"gbps_min_bytes", gbs}, {"ctas", ctas}, {"kv_sets_rotated", a.sets},
                         {"chunk_keys", a.plan.chunk_blocks * hstu::cuda::kAttnBlockN}});
       }
+    }
+  }
+  return rows;
+}
+
+// Where a CTA of the warp-specialised attention kernel spends its time (builds configured with
+// -DHSTU_ATTN_TRACE=ON): one launch per configuration is stamped (ReadHstuAttentionTrace) and
+// summarised per CTA — waiting for the previous kernel, Q load, first K/V tile, the key loop (per
+// 64-key block), the epilogue — with the kernel's span and the event-timed attention (kernel +
+// split reduction, back to back as in `attention`). `cached` of 4096 history tokens are in the pages.
+json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batches, int cached) {
+  json rows = json::array();
+  std::vector<uint64_t> trace;
+  if (hstu::cuda::ReadHstuAttentionTrace(&trace) == cudaErrorNotSupported) {
+    std::fprintf(stderr, "hstu_bench attention_trace: build with -DHSTU_ATTN_TRACE=ON\n");
+    std::exit(2);
+  }
+  hstu::cuda::Stream stream;
+  HSTU_BENCH_CHECK_CUDA(stream.Create());
+  std::printf("\n### attention timeline per CTA (4 x 256, %d cached + %d new + 256 candidates per user; "
+              "us, mean / max over CTAs)\n\n", cached, 4096 - cached);
+  std::printf("| batch | slots | CTAs | blocks / CTA | event time | kernel span | PDL wait | Q | first K/V "
+              "| loop | per block | epilogue | CTA total | CTAs' busy share of span |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (int B : batches) {
+    for (int slots : ParseList(absl::GetFlag(FLAGS_attn_slots))) {
+      AttnSetup a;
+      a.B = B;
+      a.cached = cached;
+      a.num_new = 4096 - cached;
+      a.page_size = page_size;
+      BuildAttention(a, slots > 0 ? slots : ConcurrentCtas(256));
+      const float ms = TimeMs(stream.get(), reps, a.sets, [&] { RunAttention(a, stream.get()); });
+      HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
+      HSTU_BENCH_CHECK_CUDA(hstu::cuda::ReadHstuAttentionTrace(&trace));  // zeroes it
+      HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchHstuAttention(
+          a.params[0], a.items[0], static_cast<int32_t>(a.plan.items.size()), a.plan.num_split_tiles,
+          a.partials.as<float>(), stream.get()));
+      HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
+      HSTU_BENCH_CHECK_CUDA(hstu::cuda::ReadHstuAttentionTrace(&trace));
+      const int ctas = std::min<int>(static_cast<int>(a.plan.items.size()) * a.H, hstu::cuda::kAttnTraceCtas);
+      auto at = [&](int cta, int f) { return trace[static_cast<size_t>(cta) * hstu::cuda::kAttnTraceFields + f]; };
+      uint64_t first = UINT64_MAX, last = 0;
+      double sum[6] = {}, mx[6] = {}, blocks = 0, busy = 0;
+      for (int c = 0; c < ctas; ++c) {
+        first = std::min(first, at(c, hstu::cuda::kTraceEntry));
+        last = std::max(last, at(c, hstu::cuda::kTraceEnd));
+        const double d[6] = {
+            1e-3 * (at(c, hstu::cuda::kTraceReady) - at(c, hstu::cuda::kTraceEntry)),
+            1e-3 * (at(c, hstu::cuda::kTraceQ) - at(c, hstu::cuda::kTraceReady)),
+            1e-3 * (at(c, hstu::cuda::kTraceFirstKv) - at(c, hstu::cuda::kTraceReady)),
+            1e-3 * (at(c, hstu::cuda::kTraceLoopEnd) - at(c, hstu::cuda::kTraceFirstKv)),
+            1e-3 * (at(c, hstu::cuda::kTraceEnd) - at(c, hstu::cuda::kTraceLoopEnd)),
+            1e-3 * (at(c, hstu::cuda::kTraceEnd) - at(c, hstu::cuda::kTraceEntry))};
+        for (int k = 0; k < 6; ++k) sum[k] += d[k], mx[k] = std::max(mx[k], d[k]);
+        blocks += static_cast<double>(at(c, hstu::cuda::kTraceSmAndBlocks) >> 32);
+        busy += d[5] - d[0];
+      }
+      const double span = 1e-3 * (last - first);
+      const double n = std::max(ctas, 1);
+      int sms = 0;
+      HSTU_BENCH_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+      std::printf("| %d | %d | %d | %.1f | %.1f | %.1f | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f | %.1f / %.1f "
+                  "| %.3f | %.2f / %.2f | %.1f / %.1f | %.0f %% |\n",
+                  B, slots, ctas, blocks / n, ms * 1e3, span, sum[0] / n, mx[0], sum[1] / n, mx[1],
+                  sum[2] / n, mx[2], sum[3] / n, mx[3], sum[3] / std::max(blocks, 1.0), sum[4] / n, mx[4],
+                  sum[5] / n, mx[5], 100.0 * busy / (span * std::min<double>(sms, n)));
+      json cta_rows = json::array();
+      for (int c = 0; c < ctas && c < 2048; ++c) {
+        json r = json::array();
+        for (int f = 0; f < hstu::cuda::kAttnTraceFields; ++f) r.push_back(at(c, f));
+        cta_rows.push_back(r);
+      }
+      rows.push_back({{"batch", B}, {"slots", slots}, {"ctas", ctas}, {"event_us", ms * 1e3},
+                      {"span_us", span}, {"trace", cta_rows}});
     }
   }
   return rows;
@@ -784,7 +857,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("hstu_bench attention|kernels|block [--json FILE] [--reps N] [--batches 1,8]");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
-    std::fprintf(stderr, "usage: hstu_bench attention|kernels|block|attention_sweep|layer|block_graphs|"
+    std::fprintf(stderr, "usage: hstu_bench attention|attention_trace|kernels|block|attention_sweep|layer|block_graphs|"
                          "e2e|offload|gemm_algos [--json FILE]\n");
     return 2;
   }
@@ -808,6 +881,8 @@ int main(int argc, char** argv) {
             {"cuda_runtime", runtime}, {"cuda_driver", driver}};
   if (mode == "attention") {
     j["results"] = BenchAttention(reps, page_size, batches);
+  } else if (mode == "attention_trace") {
+    j["results"] = BenchAttentionTrace(reps, page_size, batches, absl::GetFlag(FLAGS_cached));
   } else if (mode == "kernels") {
     j["results"] = BenchKernels(reps, page_size, batches, absl::GetFlag(FLAGS_cached));
   } else if (mode == "block") {
@@ -825,7 +900,7 @@ int main(int argc, char** argv) {
   } else if (mode == "gemm_algos") {
     j["results"] = hstu::bench::BenchGemmAlgos(reps);
   } else {
-    std::fprintf(stderr, "unknown mode '%s' (attention | kernels | block | attention_sweep | layer | "
+    std::fprintf(stderr, "unknown mode '%s' (attention | attention_trace | kernels | block | attention_sweep | layer | "
                          "block_graphs | e2e | offload | gemm_algos)\n", mode.c_str());
     return 2;
   }

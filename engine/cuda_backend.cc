@@ -202,12 +202,6 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
   const size_t partial_floats = static_cast<size_t>(plan_.num_partials) * config_.num_heads *
                                 cuda::kAttnBlockM * config_.head_dim;
   HSTU_CUDA_RETURN(ws->partials.Reserve(std::max<size_t>(partial_floats, 1) * sizeof(float)));
-  const size_t counter_bytes = std::max<size_t>(plan_.num_split_tiles * config_.num_heads, 1) * 4;
-  if (counter_bytes > ws->counters_ready) {
-    HSTU_CUDA_RETURN(ws->counters.Reserve(counter_bytes));
-    HSTU_CUDA_RETURN(cudaMemsetAsync(ws->counters.get(), 0, ws->counters.bytes(), stream_.get()));
-    ws->counters_ready = ws->counters.bytes();
-  }
   const size_t C = std::max<size_t>(cand_rows.size(), 1);
   int32_t widest = 1;
   for (const HeadBuffers& hb : head_) widest = std::max({widest, hb.in, hb.out});
@@ -228,6 +222,7 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
   step_.num_cand = static_cast<int32_t>(cand_rows.size());
   step_.real_cand = step_.num_cand;
   step_.num_items = static_cast<int32_t>(plan_.items.size());
+  step_.num_split_tiles = plan_.num_split_tiles;
   staged_ = true;
   return absl::OkStatus();
 }
@@ -247,21 +242,28 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
   att.alpha = 1.f / std::sqrt(static_cast<float>(config_.head_dim));
   att.inv_norm = 1.f / static_cast<float>(config_.attention_norm_len);
   att.max_attn_len = config_.max_attn_len;
-  // While capturing, the nodes this launch adds (the attention kernel and, as of now, its split
-  // reduction) get the batch's work-item count times H as gridDim.x before each replay: every
-  // kernel of LaunchHstuAttention has one block per work item and head (checked after capture).
+  // While capturing, the nodes this launch adds (the attention kernel, then the split reduction)
+  // are recorded: each replay resizes their grids to its plan (checked after capture).
   cudaGraphNode_t before = nullptr;
   if (capturing_) HSTU_RETURN_IF_ERROR(LastCapturedNode(&before));
+  // Without split tiles an eager step skips the split reduction (partials = nullptr): its grid of
+  // items × H × 8 blocks would only exit (8704 of them in the no-cache block at batch 8). A graph
+  // bucket's steps (warm-up, capture, eager runs of a staged bucket) keep it: a replay's plan may
+  // split.
+  float* partials = step_.slot >= 0 || capturing_ || step_.num_split_tiles > 0
+                        ? step_.ws->partials.as<float>()
+                        : nullptr;
   HSTU_CUDA_RETURN(cuda::LaunchHstuAttention(
       att, reinterpret_cast<const cuda::AttentionWorkItem*>(m + step_.layout.items),
-      step_.num_items, step_.ws->partials.as<float>(), step_.ws->counters.as<int32_t>(),
-      stream_.get()));
+      step_.num_items, step_.num_split_tiles, partials, stream_.get()));
   if (capturing_) {
     cudaGraphNode_t node = nullptr;
     HSTU_RETURN_IF_ERROR(LastCapturedNode(&node));
-    // Walk the (linear) chain back to the node before the launch.
+    // Walk the (linear) chain back to the node before the launch: the split reduction (launched
+    // last), then the attention kernel.
+    const size_t first = captured_attention_.size();
     while (node != nullptr && node != before) {
-      captured_attention_.push_back(node);
+      captured_attention_.push_back({node, false});
       size_t n = 0;
       HSTU_CUDA_RETURN(cudaGraphNodeGetDependencies(node, nullptr, nullptr, &n));
       if (n != 1) return absl::InternalError("graph capture: the attention launch is not a chain");
@@ -270,6 +272,10 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
       cudaGraphEdgeData edge{};
       HSTU_CUDA_RETURN(cudaGraphNodeGetDependencies(node, &node, &edge, &n));
     }
+    if (captured_attention_.size() - first != 2) {
+      return absl::InternalError("graph capture: expected the attention kernel and its split reduction");
+    }
+    captured_attention_[first].reduce = true;
   }
   return absl::OkStatus();
 }

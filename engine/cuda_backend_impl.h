@@ -121,11 +121,10 @@ inline MetaLayout PlaceMeta(size_t B, size_t rows, size_t pages, size_t cands, s
 // Per-batch device buffers (grown, never shrunk). The eager path and the graphs have one each: the
 // graphs' buffers are sized once at creation, so the pointers baked into the graphs stay valid.
 struct Workspace {
-  DeviceBuffer x, n, uvqk, a, y, meta, partials, counters, cand_raw, cand_norm, head_a, head_b;
-  size_t counters_ready = 0;  // bytes of counters known to be zero
+  DeviceBuffer x, n, uvqk, a, y, meta, partials, cand_raw, cand_norm, head_a, head_b;
   size_t bytes() const {
     return x.bytes() + n.bytes() + uvqk.bytes() + a.bytes() + y.bytes() + meta.bytes() +
-           partials.bytes() + counters.bytes() + cand_raw.bytes() + cand_norm.bytes() +
+           partials.bytes() + cand_raw.bytes() + cand_norm.bytes() +
            head_a.bytes() + head_b.bytes();
   }
   std::vector<DeviceBuffer*> activations() {
@@ -142,17 +141,26 @@ struct Step {
   int32_t num_cand = 0;   // candidate slots the head runs on (real + padding)
   int32_t real_cand = 0;  // real candidate rows: the first real_cand slots
   int32_t num_items = 0;  // attention work items
+  int32_t num_split_tiles = 0;  // attention tiles cut into chunks (the split reduction's work)
   int slot = -1;          // graph bucket, -1 = eager
   bool keep_hidden = false;
+};
+
+// A kernel node of a captured attention launch.
+struct CapturedAttentionNode {
+  cudaGraphNode_t node = nullptr;
+  bool reduce = false;  // the split reduction (else the attention kernel)
 };
 
 // One capture of a bucket's step.
 struct CapturedStep {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  std::vector<cudaGraphNode_t> attention_nodes;
+  // The attention launches' kernel nodes, whose grids follow the batch's plan on each replay:
+  // the attention kernel (items × H) and the split reduction (HstuAttentionReduceGridX).
+  std::vector<CapturedAttentionNode> attention_nodes;
   std::vector<cudaKernelNodeParams> attention_params;
-  int32_t grid_items = 0;  // gridDim.x of the attention nodes in `exec` now
+  int32_t grid_items = -1, grid_split_tiles = -1;  // the plan the nodes in `exec` are sized for
   size_t edges = 0, programmatic_edges = 0;  // of the captured graph (reports)
 };
 
@@ -162,7 +170,7 @@ struct CapturedStep {
 // and the activation pass, which otherwise launches as a programmatic dependent).
 struct GraphSlot {
   GraphBucket bucket;
-  int32_t page_cap = 0, item_cap = 0, partial_cap = 0, tile_cap = 0;
+  int32_t page_cap = 0, item_cap = 0, partial_cap = 0;
   MetaLayout layout{};
   CapturedStep with_waits, plain;
 };
@@ -231,6 +239,11 @@ class CudaBackendImpl final : public CudaBackend {
                                           int reps) override;
   int attention_items() const override { return static_cast<int>(plan_.items.size()); }
   int attention_chunk_blocks() const override { return plan_.chunk_blocks; }
+  // gridDim.x of the staged step's attention kernel, or of its split reduction.
+  int32_t AttentionGridX(bool reduce) const {
+    return reduce ? cuda::HstuAttentionReduceGridX(step_.num_split_tiles, config_.num_heads)
+                  : step_.num_items * config_.num_heads;
+  }
   absl::Status SetDebugPoison(bool on) override {
     HSTU_CUDA_RETURN(cudaSetDevice(device_));
     poison_ = on;
@@ -315,7 +328,7 @@ class CudaBackendImpl final : public CudaBackend {
   bool capture_waits_ = false;  // the capture in progress records the per-layer onload waits
   bool always_wait_nodes_ = false;  // HSTU_GRAPH_WAIT_NODES=1: replay the waiting graphs only (A/B)
   std::atomic<uint64_t> graph_wait_replays_{0};
-  std::vector<cudaGraphNode_t> captured_attention_;
+  std::vector<CapturedAttentionNode> captured_attention_;
   bool replay_ = true;
   std::atomic<uint64_t> graph_replays_{0};
   uint64_t graph_fallbacks_ = 0;

@@ -24,18 +24,17 @@ absl::Status CudaBackendImpl::SizeGraphWorkspace() {
   // Split-K adds work items only until the CTAs fill a few waves of the GPU (the plan's cost
   // model); a plan beyond these capacities runs eagerly (graph_fallbacks).
   const int32_t ctas_per_head = (concurrent_ctas_ + config_.num_heads - 1) / config_.num_heads;
-  size_t rows = 1, meta = 1, partials = 1, tiles = 1;
+  size_t rows = 1, meta = 1, partials = 1;
   for (GraphSlot& g : slots_) {
     const int32_t U = g.bucket.max_users, R = g.bucket.max_rows;
-    g.tile_cap = (R + cuda::kAttnBlockM - 1) / cuda::kAttnBlockM + U;
-    g.item_cap = g.tile_cap + 8 * ctas_per_head;
+    const int32_t tiles = (R + cuda::kAttnBlockM - 1) / cuda::kAttnBlockM + U;
+    g.item_cap = tiles + 8 * ctas_per_head;
     g.partial_cap = g.item_cap;
     g.page_cap = U * pages_per_user;
     g.layout = PlaceMeta(U, R, g.page_cap, R, g.item_cap);
     rows = std::max<size_t>(rows, R);
     meta = std::max(meta, g.layout.total);
     partials = std::max<size_t>(partials, g.partial_cap);
-    tiles = std::max<size_t>(tiles, g.tile_cap);
   }
   int32_t widest = 1;
   for (const HeadBuffers& hb : head_) widest = std::max({widest, hb.in, hb.out});
@@ -48,9 +47,6 @@ absl::Status CudaBackendImpl::SizeGraphWorkspace() {
   HSTU_CUDA_RETURN(ws.meta.Reserve(meta));
   HSTU_CUDA_RETURN(ws.partials.Reserve(partials * config_.num_heads * cuda::kAttnBlockM *
                                        config_.head_dim * sizeof(float)));
-  HSTU_CUDA_RETURN(ws.counters.Reserve(tiles * config_.num_heads * 4));
-  HSTU_CUDA_RETURN(cudaMemsetAsync(ws.counters.get(), 0, ws.counters.bytes(), stream_.get()));
-  ws.counters_ready = ws.counters.bytes();
   HSTU_CUDA_RETURN(ws.cand_raw.Reserve(rows * d * sizeof(float)));
   HSTU_CUDA_RETURN(ws.cand_norm.Reserve(rows * d * sizeof(float)));
   HSTU_CUDA_RETURN(ws.head_a.Reserve(rows * widest * sizeof(float)));
@@ -79,6 +75,7 @@ absl::Status CudaBackendImpl::StageGraph(const ForwardBatch& batch, int slot,
   step_.num_cand = static_cast<int32_t>(cand_rows.size());
   step_.real_cand = step_.num_cand;
   step_.num_items = static_cast<int32_t>(plan_.items.size());
+  step_.num_split_tiles = plan_.num_split_tiles;
   step_.slot = slot;
   staged_ = true;
   return absl::OkStatus();
@@ -108,7 +105,6 @@ absl::StatusOr<bool> CudaBackendImpl::StageStep(const ForwardBatch& batch, bool 
     const GraphSlot& g = slots_[best];
     const int32_t items = static_cast<int32_t>(plan_.items.size());
     if (items > 0 && items <= g.item_cap && plan_.num_partials <= g.partial_cap &&
-        plan_.num_split_tiles <= g.tile_cap &&
         static_cast<int64_t>(batch.page_ids.size()) <= g.page_cap) {
       HSTU_RETURN_IF_ERROR(StageGraph(batch, best, std::move(cand_rows)));
       return true;
@@ -126,13 +122,14 @@ absl::Status CudaBackendImpl::EnqueueStep() {
     // already complete for this stream's order, and the graph without wait nodes is equivalent.
     const bool waits = onload_waits_ || always_wait_nodes_;
     CapturedStep& g = waits ? slots_[step_.slot].with_waits : slots_[step_.slot].plain;
-    if (g.grid_items != step_.num_items) {
+    if (g.grid_items != step_.num_items || g.grid_split_tiles != step_.num_split_tiles) {
       for (size_t i = 0; i < g.attention_nodes.size(); ++i) {
         cudaKernelNodeParams p = g.attention_params[i];
-        p.gridDim.x = static_cast<unsigned>(step_.num_items * config_.num_heads);
-        HSTU_CUDA_RETURN(cudaGraphExecKernelNodeSetParams(g.exec, g.attention_nodes[i], &p));
+        p.gridDim.x = static_cast<unsigned>(AttentionGridX(g.attention_nodes[i].reduce));
+        HSTU_CUDA_RETURN(cudaGraphExecKernelNodeSetParams(g.exec, g.attention_nodes[i].node, &p));
       }
       g.grid_items = step_.num_items;
+      g.grid_split_tiles = step_.num_split_tiles;
     }
     HSTU_CUDA_RETURN(cudaGraphLaunch(g.exec, stream_.get()));
     graph_replays_.fetch_add(1, std::memory_order_relaxed);
@@ -215,23 +212,23 @@ absl::Status CudaBackendImpl::CaptureStep(bool waits, CapturedStep* c) {
       [](const cudaGraphEdgeData& e) { return e.type == cudaGraphDependencyTypeProgrammatic; }));
   HSTU_CUDA_RETURN(cudaGraphInstantiate(&c->exec, c->graph, 0));
   c->attention_nodes = captured_attention_;
-  if (static_cast<int>(c->attention_nodes.size()) < config_.num_layers) {
+  if (static_cast<int>(c->attention_nodes.size()) < 2 * config_.num_layers) {
     return absl::InternalError("graph capture: attention nodes not found");
   }
-  for (cudaGraphNode_t n : c->attention_nodes) {
+  for (const CapturedAttentionNode& n : c->attention_nodes) {
     cudaGraphNodeType type;
-    HSTU_CUDA_RETURN(cudaGraphNodeGetType(n, &type));
+    HSTU_CUDA_RETURN(cudaGraphNodeGetType(n.node, &type));
     cudaKernelNodeParams p{};
-    if (type == cudaGraphNodeTypeKernel) HSTU_CUDA_RETURN(cudaGraphKernelNodeGetParams(n, &p));
-    if (type != cudaGraphNodeTypeKernel ||
-        p.gridDim.x != static_cast<unsigned>(step_.num_items * config_.num_heads)) {
+    if (type == cudaGraphNodeTypeKernel) HSTU_CUDA_RETURN(cudaGraphKernelNodeGetParams(n.node, &p));
+    if (type != cudaGraphNodeTypeKernel || p.gridDim.x != static_cast<unsigned>(AttentionGridX(n.reduce))) {
       return absl::InternalError(
-          "graph capture: an attention launch node is not a kernel with one block per work item "
-          "and head; CUDA graphs cannot resize it (disable graphs or update the backend)");
+          "graph capture: an attention launch node is not a kernel with the grid of its plan; "
+          "CUDA graphs cannot resize it (disable graphs or update the backend)");
     }
     c->attention_params.push_back(p);
   }
   c->grid_items = step_.num_items;
+  c->grid_split_tiles = step_.num_split_tiles;
   return absl::OkStatus();
 }
 

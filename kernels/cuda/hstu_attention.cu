@@ -133,7 +133,7 @@ const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stre
 
 template <int kD>
 cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* items, int32_t num_items,
-                   float* partials, cudaStream_t stream) {
+                   int32_t num_split_tiles, float* partials, cudaStream_t stream) {
   const dim3 grid(num_items * p.kv.num_heads);  // x = item * H + head
   cudaError_t err = cudaSuccess;
   const CUtensorMap* kv_map = kD == 256 ? KvTensorMap(p, stream) : nullptr;
@@ -156,9 +156,10 @@ cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* item
     if (err != cudaSuccess) return err;
   }
   if (partials == nullptr) return cudaSuccess;
-  const dim3 reduce_grid(num_items * p.kv.num_heads, 1, kAttnBlockM / kReduceRows);
+  const dim3 reduce_grid(HstuAttentionReduceGridX(num_split_tiles, p.kv.num_heads), 1,
+                         kAttnBlockM / kReduceRows);
   return LaunchDependent(HstuAttentionReduceKernel<kD>, reduce_grid, dim3(256), 0, stream, items,
-                         partials, p.out, p.kv.num_heads);
+                         partials, p);
 }
 
 template <int kD>
@@ -196,25 +197,41 @@ std::string HstuAttentionKernelName(const AttentionParams<bf16>& p, cudaStream_t
   return std::string("2-warpgroup cp.async kernel (") + why + ")";
 }
 
+cudaError_t ReadHstuAttentionTrace(std::vector<uint64_t>* out) {
+#if defined(HSTU_ATTN_TRACE)
+  out->assign(static_cast<size_t>(kAttnTraceCtas) * kAttnTraceFields, 0);
+  const size_t bytes = out->size() * sizeof(uint64_t);
+  if (cudaError_t e = cudaMemcpyFromSymbol(out->data(), g_attn_trace, bytes); e != cudaSuccess) {
+    return e;
+  }
+  void* dev = nullptr;
+  if (cudaError_t e = cudaGetSymbolAddress(&dev, g_attn_trace); e != cudaSuccess) return e;
+  return cudaMemset(dev, 0, bytes);
+#else
+  (void)out;
+  return cudaErrorNotSupported;
+#endif
+}
+
 cudaError_t LaunchHstuAttention(const AttentionParams<bf16>& p, const AttentionWorkItem* items,
-                                int32_t num_items, float* partials, int32_t* tile_counters,
+                                int32_t num_items, int32_t num_split_tiles, float* partials,
                                 cudaStream_t stream) {
-  (void)tile_counters;  // kept for API stability; the split reduction is a second kernel now
   const auto& kv = p.kv;
   const int64_t hd = static_cast<int64_t>(kv.num_heads) * kv.head_dim;
   if (num_items < 0 || kv.num_heads <= 0 || kv.num_heads > 65535 || p.uvqk == nullptr ||
       p.out == nullptr || p.uvqk_row_stride < 4 * hd || p.uvqk_row_stride % 8 != 0 ||
       kv.page_size <= 0 || kv.page_stride % 8 != 0 || kv.kv_stride % 8 != 0 ||
-      (num_items > 0 && items == nullptr) ||
+      (num_items > 0 && items == nullptr) || num_split_tiles < 0 ||
+      num_split_tiles > num_items || (num_split_tiles > 0 && partials == nullptr) ||
       static_cast<int64_t>(num_items) * kv.num_heads > INT32_MAX) {
     return cudaErrorInvalidValue;
   }
   if (!HeadDimSupported(kv.head_dim)) return cudaErrorInvalidValue;  // allowed: 64, 128, 256
   if (num_items == 0) return cudaSuccess;
   switch (kv.head_dim) {
-    case 64: return Launch<64>(p, items, num_items, partials, stream);
-    case 128: return Launch<128>(p, items, num_items, partials, stream);
-    case 256: return Launch<256>(p, items, num_items, partials, stream);
+    case 64: return Launch<64>(p, items, num_items, num_split_tiles, partials, stream);
+    case 128: return Launch<128>(p, items, num_items, num_split_tiles, partials, stream);
+    case 256: return Launch<256>(p, items, num_items, num_split_tiles, partials, stream);
     default: return cudaErrorInvalidValue;
   }
 }

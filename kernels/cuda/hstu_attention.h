@@ -4,13 +4,13 @@
 // kAttnBlockM rows; each tile's key range (history tokens in the pages, bounded by the causal mask
 // and the window) is cut into chunks of whole kAttnBlockN-key blocks so that the grid fills the GPU
 // even for one user ("split-K"). A CTA computes one (work item, head): its Q tile against its key
-// chunk. Since HSTU attention has no softmax, partial results of a split tile simply add: each split
-// writes an fp32 partial, and the last CTA of the tile to finish (an atomic counter) sums the
-// partials in split order — deterministic — and writes the bf16 output. A candidate's own key (the
-// diagonal) is handled by split 0 as one extra key block read from the uvqk rows.
+// chunk. Since HSTU attention has no softmax, partial results of a split tile simply add: each chunk
+// writes an fp32 partial, and a second kernel sums a tile's partials in split order —
+// deterministic — adds the candidates' own keys (the diagonal, from the uvqk rows) and writes the
+// bf16 output; an unsplit tile's CTA adds its diagonal and writes the output itself.
 //
 // The plan is plain data (no device pointers), so it can be built into static buffers for CUDA
-// graphs; the counters reset themselves, so a plan can be replayed.
+// graphs, whose replays resize the two kernels' grids to the plan.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -36,13 +36,14 @@ struct AttentionWorkItem {
   int32_t kv_end = 0;
   int32_t split = 0;         // chunk index within the tile
   int32_t num_splits = 1;
-  int32_t tile = -1;         // index of the split tile (its counter), -1 when num_splits == 1
+  int32_t tile = -1;         // index of the split tile, -1 when num_splits == 1
   int32_t partial_base = 0;  // first partial slot of the split tile; slot = partial_base + split
 };
 
 struct AttentionPlan {
+  // Longest first; items[t] for t < num_split_tiles is the first chunk (split 0) of split tile t.
   std::vector<AttentionWorkItem> items;
-  int32_t num_split_tiles = 0;  // counters needed: num_split_tiles * H (int32, zero before 1st use)
+  int32_t num_split_tiles = 0;  // tiles cut into several chunks (each reduced by the 2nd kernel)
   int32_t num_partials = 0;     // partial slots: num_partials * H * kAttnBlockM * D floats
   int32_t chunk_blocks = 0;     // chosen chunk length in key blocks (for reports)
 };
@@ -62,16 +63,37 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
 // p.max_attn_len are read.
 std::string HstuAttentionKernelName(const AttentionParams<__nv_bfloat16>& p, cudaStream_t stream);
 
+// Diagnostic timeline of the warp-specialised kernel (D = 256), only in builds configured with
+// -DHSTU_ATTN_TRACE=ON: per CTA (block x < kAttnTraceCtas) kAttnTraceFields words — %globaltimer
+// in ns at entry, after the wait for the previous kernel, when Q has landed, when the first K tile
+// has landed, at the end of the key loop and after the epilogue, then (blocks << 32 | SM id).
+inline constexpr int kAttnTraceCtas = 16384, kAttnTraceFields = 8;
+enum AttnTraceField {
+  kTraceEntry = 0, kTraceReady, kTraceQ, kTraceFirstKv, kTraceLoopEnd, kTraceEnd, kTraceSmAndBlocks
+};
+// Copies the timeline out (kAttnTraceCtas * kAttnTraceFields words) and zeroes it.
+// cudaErrorNotSupported in builds without the trace.
+cudaError_t ReadHstuAttentionTrace(std::vector<uint64_t>* out);
+
 // CTAs of the attention kernel one SM runs at once for this head dim (occupancy API).
 cudaError_t HstuAttentionCtasPerSm(int head_dim, int* ctas_per_sm);
 
-// Runs the plan. p: AttentionParams (history K/V of every user already appended to the pages);
-// items: device copy of plan.items [num_items]; partials: [plan.num_partials, H, kAttnBlockM, D]
-// fp32 scratch (nullptr when num_partials == 0); tile_counters: [plan.num_split_tiles * H] int32,
-// zero on the first launch and left zero by every launch. Head dim must be 64, 128 or 256
-// (cudaErrorInvalidValue otherwise; see kSupportedHeadDimsText in ops.h).
+// Runs the plan: the attention kernel, one CTA per work item and head, then — when partials is
+// given — the split reduction, one block per split tile, head and kReduceRows rows (at least one
+// tile's worth of blocks, so that a captured graph keeps the node; its blocks find no split tile
+// and exit). p: AttentionParams (history K/V of every user already appended to the pages); items:
+// device copy of plan.items [num_items]; num_split_tiles: plan.num_split_tiles; partials:
+// [plan.num_partials, H, kAttnBlockM, D] fp32 scratch, nullptr only when num_split_tiles == 0.
+// Head dim must be 64, 128 or 256 (cudaErrorInvalidValue otherwise; see kSupportedHeadDimsText in
+// ops.h).
 cudaError_t LaunchHstuAttention(const AttentionParams<__nv_bfloat16>& p,
                                 const AttentionWorkItem* items, int32_t num_items,
-                                float* partials, int32_t* tile_counters, cudaStream_t stream);
+                                int32_t num_split_tiles, float* partials, cudaStream_t stream);
+
+// Blocks along x of the split reduction for a plan with num_split_tiles split tiles (a CUDA graph
+// resizes the captured node to this on each replay; the attention kernel's is num_items * H).
+inline int32_t HstuAttentionReduceGridX(int32_t num_split_tiles, int32_t num_heads) {
+  return (num_split_tiles > 0 ? num_split_tiles : 1) * num_heads;
+}
 
 }  // namespace hstu::cuda

@@ -57,37 +57,54 @@ __device__ __forceinline__ float SiluScaled(float s, float half_alpha, float inv
 // A thread holds two query rows of its warpgroup's wgmma accumulator, row0 and row0 + 8 of the
 // tile, and in each 8-column group jn the columns 8·jn + 2·t4 + {0, 1}: o[4·jn + 2·i + {0, 1}].
 
-// The candidates' own keys (the diagonal), added by split 0 of a tile with candidates:
-// p_ii = SiLU(alpha q_i·k_i)/N, o_i += p_ii v_i, in fp32 from the uvqk row (the 4 threads of a
-// quad hold the row's columns; two shuffles reduce the dot product).
+// The candidates' own keys (the diagonal) of an unsplit tile with candidates, added at the end of
+// its CTA (HstuAttentionReduceKernel adds a split tile's): p_ii = SiLU(alpha q_i·k_i)/N,
+// o_i += p_ii v_i, in fp32 from the uvqk row. The loads of a row are issued together: q and k as
+// the row's 16-byte chunks t4, t4 + 4, ... (the 4 threads of a quad cover the row; two shuffles
+// reduce the dot product), v at this thread's own accumulator columns.
 template <int kD>
 __device__ __forceinline__ void AddCandidateDiagonal(const AttentionParams<bf16>& p,
                                                      const AttentionWorkItem& it, int h, int row0,
                                                      int t4, const bool (&is_cand)[2],
                                                      float (&o)[kD / 2]) {
+  constexpr int kGroups = kD / 8;     // 8-column groups (16-byte chunks) of a row
+  constexpr int kOwn = kGroups / 4;   // chunks of q and k this thread reduces
   const int64_t hd = static_cast<int64_t>(p.kv.num_heads) * kD;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = min(row0 + 8 * i, it.num_q - 1);
     const bf16* row = p.uvqk + static_cast<int64_t>(it.q_row + r) * p.uvqk_row_stride + h * kD;
+    uint4 q[kOwn], k[kOwn];
+    uint32_t v[kGroups];
+#pragma unroll
+    for (int c = 0; c < kOwn; ++c) {
+      q[c] = __ldg(reinterpret_cast<const uint4*>(row + kQ * hd) + 4 * c + t4);
+      k[c] = __ldg(reinterpret_cast<const uint4*>(row + kK * hd) + 4 * c + t4);
+    }
+#pragma unroll
+    for (int jn = 0; jn < kGroups; ++jn) {
+      v[jn] = __ldg(reinterpret_cast<const unsigned int*>(row + kV * hd + 8 * jn + 2 * t4));
+    }
     float dot = 0.f;
-#pragma unroll 8
-    for (int jn = 0; jn < kD / 8; ++jn) {
-      const float2 q = __bfloat1622float2(
-          *reinterpret_cast<const __nv_bfloat162*>(row + kQ * hd + 8 * jn + 2 * t4));
-      const float2 k = __bfloat1622float2(
-          *reinterpret_cast<const __nv_bfloat162*>(row + kK * hd + 8 * jn + 2 * t4));
-      dot = fmaf(q.x, k.x, fmaf(q.y, k.y, dot));
+#pragma unroll
+    for (int c = 0; c < kOwn; ++c) {
+      const uint32_t qw[4] = {q[c].x, q[c].y, q[c].z, q[c].w};
+      const uint32_t kw[4] = {k[c].x, k[c].y, k[c].z, k[c].w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 qf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qw[w]));
+        const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kw[w]));
+        dot = fmaf(qf.x, kf.x, fmaf(qf.y, kf.y, dot));
+      }
     }
     dot += __shfl_xor_sync(0xffffffffu, dot, 1);
     dot += __shfl_xor_sync(0xffffffffu, dot, 2);
     const float pd = is_cand[i] ? Silu(p.alpha * dot) * p.inv_norm : 0.f;
 #pragma unroll
-    for (int jn = 0; jn < kD / 8; ++jn) {
-      const float2 v = __bfloat1622float2(
-          *reinterpret_cast<const __nv_bfloat162*>(row + kV * hd + 8 * jn + 2 * t4));
-      o[4 * jn + 2 * i] = fmaf(pd, v.x, o[4 * jn + 2 * i]);
-      o[4 * jn + 2 * i + 1] = fmaf(pd, v.y, o[4 * jn + 2 * i + 1]);
+    for (int jn = 0; jn < kGroups; ++jn) {
+      const float2 vf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[jn]));
+      o[4 * jn + 2 * i] = fmaf(pd, vf.x, o[4 * jn + 2 * i]);
+      o[4 * jn + 2 * i + 1] = fmaf(pd, vf.y, o[4 * jn + 2 * i + 1]);
     }
   }
 }
@@ -299,8 +316,9 @@ __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
     if (j + 2 < num_blocks && tid < kN) s_off[stage * kN + tid] = offset_of(t2, page2);
   }
 
-  // ---- The candidates' own keys (diagonal), split 0 of a tile that has candidates ----
-  if (it.split == 0 && it.q_local + it.num_q > num_new) {
+  // ---- The candidates' own keys (diagonal) of an unsplit tile (the reduction adds a split
+  // tile's: here it would lengthen the tile's longest chunk) ----
+  if (it.num_splits == 1 && it.q_local + it.num_q > num_new) {
     AddCandidateDiagonal<kD>(p, it, h, row0, t4, is_cand, o);
   }
 
@@ -334,59 +352,113 @@ __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
 #endif
 }
 
-// Sums the fp32 partials of every split tile in split order (deterministic) and writes bf16.
-// Grid: (num_items, H, kAttnBlockM / kReduceRows); blocks of items that are not split 0 of a split
-// tile exit at once. Each thread issues the loads of several splits before adding them.
-inline constexpr int kReduceRows = 16;
+// Sums the fp32 partials of every split tile in split order (deterministic), adds the candidates'
+// own keys (the diagonal: p_ii = SiLU(alpha q_i·k_i)/N times v_i, from the uvqk rows; the attention
+// kernels leave it out of a split tile, where it would sit on the longest chunk's critical path) and
+// writes bf16. Grid: (HstuAttentionReduceGridX, 1, kAttnBlockM / kReduceRows); items[t] is split 0
+// of split tile t (PlanHstuAttention orders them first), block x = t * H + head. Every load of a
+// block is issued before the first is used.
+inline constexpr int kReduceRows = 8;
 
 template <int kD>
 __global__ void __launch_bounds__(256)
     HstuAttentionReduceKernel(const AttentionWorkItem* __restrict__ items,
-                              const float* __restrict__ partials, bf16* __restrict__ out,
-                              int32_t num_heads) {
-  WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
+                              const float* __restrict__ partials, const AttentionParams<bf16> p) {
+  // Launched dependent on the attention kernel (LaunchDependent): the metadata (work item, token
+  // counts; written by a copy before the step's first kernel) is read before the wait, the
+  // partials and uvqk rows after it.
   AllowDependents();
-  // Block x = item * H + head: the heads of an item launch together, in the plan's order.
+  const int num_heads = p.kv.num_heads;
   const AttentionWorkItem it = items[blockIdx.x / num_heads];
-  if (it.num_splits <= 1 || it.split != 0) return;
+  if (it.num_splits <= 1 || it.split != 0) return;  // a graph's block for a plan without splits
   const int h = blockIdx.x % num_heads;
   const int row_begin = blockIdx.z * kReduceRows;
   if (row_begin >= it.num_q) return;
   constexpr int kVec = kReduceRows * kD / 4;     // float4 per block
   constexpr int kPer = (kVec + 255) / 256;       // float4 per thread
+  static_assert(kD / 8 <= 32 && kReduceRows == 8, "a warp per row, a lane per 16-byte chunk");
+  const int64_t hd = static_cast<int64_t>(num_heads) * kD;
+  const int num_new = p.num_new[it.user];
+  const bool has_cand = it.q_local + it.num_q > num_new;  // block-uniform
+  const bf16* rows = p.uvqk + static_cast<int64_t>(it.q_row) * p.uvqk_row_stride + h * kD;
+  WaitForPredecessor();
+
+  // The diagonal's q and k: warp w takes row row_begin + w, lane l its 16-byte chunk l.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool dcand = has_cand && row_begin + warp < it.num_q &&
+                     it.q_local + row_begin + warp >= num_new;  // warp-uniform
+  uint4 dq = make_uint4(0u, 0u, 0u, 0u), dk = dq;
+  if (dcand && lane < kD / 8) {
+    const bf16* row = rows + static_cast<int64_t>(row_begin + warp) * p.uvqk_row_stride;
+    dq = __ldg(reinterpret_cast<const uint4*>(row + kQ * hd) + lane);
+    dk = __ldg(reinterpret_cast<const uint4*>(row + kK * hd) + lane);
+  }
+  // This thread's 4 columns of v of each of its candidate rows.
+  bool valid[kPer];
+  uint2 v[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int idx = threadIdx.x + i * 256;
+    const int r = row_begin + idx / (kD / 4);
+    valid[i] = idx < kVec && r < it.num_q;
+    v[i] = make_uint2(0u, 0u);
+    if (has_cand && valid[i] && it.q_local + r >= num_new) {
+      v[i] = __ldg(reinterpret_cast<const uint2*>(rows + static_cast<int64_t>(r) * p.uvqk_row_stride +
+                                                  kV * hd + (idx % (kD / 4)) * 4));
+    }
+  }
+  // The partials, 8 splits' loads in flight.
   const int64_t split_stride = static_cast<int64_t>(num_heads) * kAttnBlockM * kD;
   const float* first = partials + (static_cast<int64_t>(it.partial_base) * num_heads + h) *
                                       kAttnBlockM * kD + row_begin * kD;
   float4 acc[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  bool valid[kPer];
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int idx = threadIdx.x + i * 256;
-    valid[i] = idx < kVec && row_begin + idx / (kD / 4) < it.num_q;
-  }
-#pragma unroll 4
+#pragma unroll 8
   for (int s = 0; s < it.num_splits; ++s) {
     const float4* src = reinterpret_cast<const float4*>(first + s * split_stride);
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       if (valid[i]) {
-        const float4 v = __ldcg(src + threadIdx.x + i * 256);
-        acc[i].x += v.x; acc[i].y += v.y; acc[i].z += v.z; acc[i].w += v.w;
+        const float4 pv = __ldcg(src + threadIdx.x + i * 256);
+        acc[i].x += pv.x; acc[i].y += pv.y; acc[i].z += pv.z; acc[i].w += pv.w;
       }
     }
   }
-  const int64_t hd = static_cast<int64_t>(num_heads) * kD;
+
+  // The diagonal's weights p_ii of the block's candidate rows.
+  __shared__ float s_pd[kReduceRows];
+  if (has_cand) {
+    const uint32_t qw[4] = {dq.x, dq.y, dq.z, dq.w}, kw[4] = {dk.x, dk.y, dk.z, dk.w};
+    float dot = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float2 qf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qw[w]));
+      const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kw[w]));
+      dot = fmaf(qf.x, kf.x, fmaf(qf.y, kf.y, dot));
+    }
+    dot = WarpSum(dot);
+    if (lane == 0) s_pd[warp] = dcand ? Silu(p.alpha * dot) * p.inv_norm : 0.f;
+    __syncthreads();
+  }
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     if (!valid[i]) continue;
     const int idx = threadIdx.x + i * 256;
     const int r = row_begin + idx / (kD / 4), c = (idx % (kD / 4)) * 4;
+    if (has_cand && it.q_local + r >= num_new) {
+      const float pd = s_pd[r - row_begin];
+      const float2 v01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[i].x));
+      const float2 v23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[i].y));
+      acc[i].x = fmaf(pd, v01.x, acc[i].x);
+      acc[i].y = fmaf(pd, v01.y, acc[i].y);
+      acc[i].z = fmaf(pd, v23.x, acc[i].z);
+      acc[i].w = fmaf(pd, v23.y, acc[i].w);
+    }
     uint2 packed;
     packed.x = PackBf16x2(acc[i].x, acc[i].y);
     packed.y = PackBf16x2(acc[i].z, acc[i].w);
-    *reinterpret_cast<uint2*>(out + static_cast<int64_t>(it.q_row + r) * hd + h * kD + c) = packed;
+    *reinterpret_cast<uint2*>(p.out + static_cast<int64_t>(it.q_row + r) * hd + h * kD + c) = packed;
   }
 }
 

@@ -170,11 +170,15 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
       plan.items.push_back(it);
     }
   }
-  // Longest first; equal lengths keep the order above (a tile's chunks, then the next tile of the
-  // same user, which reads the same keys).
+  // Longest first; among equal lengths the split tiles' first chunks lead (a split tile's first
+  // chunk is a whole chunk, as long as any item, so items[t] is split 0 of split tile t: the split
+  // reduction's grid covers exactly those), then the order above (a tile's chunks, then the next
+  // tile of the same user, which reads the same keys).
+  auto leads = [](const AttentionWorkItem& a) { return a.num_splits > 1 && a.split == 0; };
   std::stable_sort(plan.items.begin(), plan.items.end(),
-                   [](const AttentionWorkItem& a, const AttentionWorkItem& b) {
-                     return a.kv_end - a.kv_begin > b.kv_end - b.kv_begin;
+                   [&](const AttentionWorkItem& a, const AttentionWorkItem& b) {
+                     const int32_t la = a.kv_end - a.kv_begin, lb = b.kv_end - b.kv_begin;
+                     return la != lb ? la > lb : leads(a) && !leads(b);
                    });
   return plan;
 }

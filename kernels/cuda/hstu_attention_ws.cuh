@@ -57,6 +57,28 @@ __device__ __forceinline__ void SetMaxNRegInc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// ---- Optional per-CTA timeline (diagnostic builds: -DHSTU_ATTN_TRACE=ON) ----
+// Consumer thread 0 of each CTA stamps %globaltimer (ns) at fixed points; ReadHstuAttentionTrace
+// copies the stamps out (hstu_bench attention_trace). Compiled out otherwise.
+#if defined(HSTU_ATTN_TRACE)
+__device__ unsigned long long g_attn_trace[kAttnTraceCtas * kAttnTraceFields];
+__device__ __forceinline__ unsigned long long GlobalTimerNs() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#define HSTU_ATTN_TRACE_AT(field, value)                                         \
+  do {                                                                           \
+    if (threadIdx.x == 128 && blockIdx.x < kAttnTraceCtas) {                     \
+      g_attn_trace[blockIdx.x * kAttnTraceFields + (field)] = (value);           \
+    }                                                                            \
+  } while (0)
+#else
+#define HSTU_ATTN_TRACE_AT(field, value) \
+  do {                                   \
+  } while (0)
+#endif
+
 struct AttnWsTraits {
   static constexpr int kD = 256;
   static constexpr int kM = kAttnBlockM, kN = kAttnBlockN;
@@ -80,7 +102,12 @@ __global__ void __launch_bounds__(384, 1)
                           float* __restrict__ partials, const CUtensorMap* __restrict__ kv_map,
                           int box_rows) {
 #ifdef HSTU_WGMMA_ENABLED
-  WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
+  HSTU_ATTN_TRACE_AT(kTraceEntry, GlobalTimerNs());
+  // Launched dependent on the kernel before it (LaunchDependent). Until WaitForPredecessor this
+  // CTA reads only the step's metadata (work items, page table, token counts), which a copy wrote
+  // before the step's first kernel, so before any kernel of the chain could start: the page ids
+  // are in registers when the previous kernel ends. K/V pages (the new rows' appended by the
+  // previous kernel) and the uvqk rows are read after the wait, by each role.
   AllowDependents();
 
   using Tr = AttnWsTraits;
@@ -130,6 +157,7 @@ __global__ void __launch_bounds__(384, 1)
       return (box_lane && blk < num_blocks && t < kv_end) ? __ldg(pages + t / page_size) : -1;
     };
     int32_t page = page_of_group(0);
+    WaitForPredecessor();
     for (int i = 0; i < num_items; ++i) {
       const int blk = i >> 1, kv = i & 1, slot = i % kSlots;
       const int kstart = kv_begin + blk * kN;
@@ -173,6 +201,8 @@ __global__ void __launch_bounds__(384, 1)
     is_cand[i] = r < it.num_q && local >= num_new;
     hi[i] = r < it.num_q ? (local >= num_new ? hist - 1 : first_new + local) : -1;
   }
+  WaitForPredecessor();
+  HSTU_ATTN_TRACE_AT(kTraceReady, GlobalTimerNs());
 
   // This warpgroup's 64 Q rows.
   for (int idx = wg_tid; idx < 64 * kChunks; idx += 128) {
@@ -192,6 +222,7 @@ __global__ void __launch_bounds__(384, 1)
   CpAsyncWait<0>();
   FenceProxyAsync();
   NamedBarrierSync(1 + cw, 128);  // every warp's Q rows landed
+  HSTU_ATTN_TRACE_AT(kTraceQ, GlobalTimerNs());
 
   const uint32_t q_wg_addr = q_addr + cw * 64 * 128;
   // The first kQRegSteps k-steps (16 columns each) of this warp's 16 Q rows live in registers, in
@@ -284,6 +315,12 @@ __global__ void __launch_bounds__(384, 1)
     }
   };
 
+#if defined(HSTU_ATTN_TRACE)
+  if (num_blocks > 0) {
+    MbarWait(full_bar(slot_of(0)), parity_of(0));
+    HSTU_ATTN_TRACE_AT(kTraceFirstKv, GlobalTimerNs());
+  }
+#endif
   for (int j = 0; j < num_blocks; ++j) {
     MbarWait(full_bar(slot_of(2 * j)), parity_of(2 * j));
     float s[kN / 2];
@@ -300,8 +337,18 @@ __global__ void __launch_bounds__(384, 1)
     release(2 * j + 1);
   }
 
-  // ---- The candidates' own keys (diagonal), split 0 of a tile that has candidates ----
-  if (it.split == 0 && it.q_local + it.num_q > num_new) {
+  HSTU_ATTN_TRACE_AT(kTraceLoopEnd, GlobalTimerNs());
+#if defined(HSTU_ATTN_TRACE)
+  {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    HSTU_ATTN_TRACE_AT(kTraceSmAndBlocks, (static_cast<unsigned long long>(num_blocks) << 32) | smid);
+  }
+#endif
+
+  // ---- The candidates' own keys (diagonal) of an unsplit tile (the reduction adds a split
+  // tile's: here it would lengthen the tile's longest chunk) ----
+  if (it.num_splits == 1 && it.q_local + it.num_q > num_new) {
     AddCandidateDiagonal<kD>(p, it, h, row0, t4, is_cand, o);
   }
 
@@ -325,10 +372,12 @@ __global__ void __launch_bounds__(384, 1)
       *reinterpret_cast<Bf16x8*>(out + static_cast<int64_t>(it.q_row + r) * hd + c * 8) =
           *reinterpret_cast<const Bf16x8*>(s_q + TileOffset<kM>(r, c));
     }
+    HSTU_ATTN_TRACE_AT(kTraceEnd, GlobalTimerNs());
     return;
   }
 
   StorePartial<kD>(it, h, p.kv.num_heads, row0, t4, o, partials);
+  HSTU_ATTN_TRACE_AT(kTraceEnd, GlobalTimerNs());
 #else
   __trap();
 #endif

@@ -1,6 +1,7 @@
 // The paged attention's work plan (kernels/cuda/hstu_attention.h), on the CPU: every tile's keys are
 // covered exactly once by its chunks, the split bookkeeping is consistent, the items come longest
-// first, and the chunk length beats a uniform split of the decode-step shape.
+// first with the split tiles' first chunks leading, and the chunk length beats a uniform split of
+// the decode-step shape.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -82,6 +83,12 @@ void CheckPlan(const Batch& b, int32_t window, const AttentionPlan& plan, const 
   }
   EXPECT_EQ(static_cast<int32_t>(by_tile.size()), tiles) << what << ": items for tiles that do not exist";
   EXPECT_EQ(static_cast<int32_t>(split_tiles.size()), plan.num_split_tiles) << what;
+  // The split reduction's grid covers the first num_split_tiles items: split tile t's first chunk.
+  for (int32_t t = 0; t < plan.num_split_tiles && t < static_cast<int32_t>(plan.items.size()); ++t) {
+    EXPECT_EQ(plan.items[t].tile, t) << what << ": item " << t;
+    EXPECT_EQ(plan.items[t].split, 0) << what << ": item " << t;
+    EXPECT_GT(plan.items[t].num_splits, 1) << what << ": item " << t;
+  }
   for (size_t i = 1; i < plan.items.size(); ++i) {
     EXPECT_GE(plan.items[i - 1].kv_end - plan.items[i - 1].kv_begin,
               plan.items[i].kv_end - plan.items[i].kv_begin)
