@@ -215,7 +215,11 @@ TEST_P(CudaBackendParity, MatchesCpuBackendCachedAndUncached) {
   ASSERT_TRUE(st.ok()) << st;
   ASSERT_TRUE((*cpu)->Forward(full, true, &c_full).ok());
   EXPECT_LT(test::MaxAbsDiff(c_full.scores, c2.scores), test::kF32Abs * 10) << "CPU cached != full";
-  EXPECT_LT(test::MaxAbsDiff(g_full.scores, g2.scores), score_tol) << "GPU cached != full";
+  ExpectClose(g_full, c_full, "step 2 from scratch", score_tol);
+  // Two bf16 computations of one fp32 result (other plans, splits and GEMM row classes, so other
+  // roundings), each within score_tol of it: they agree to twice that. Without position encoding
+  // each side measured up to 2.8e-3 (H100, 8eafbbb), and the two differed by 4.05e-3.
+  EXPECT_LT(test::MaxAbsDiff(g_full.scores, g2.scores), 2 * score_tol) << "GPU cached != full";
   EXPECT_LT(test::RelL2(g_full.hidden, g2.hidden), test::kBf16RelL2) << "GPU cached != full";
 }
 
