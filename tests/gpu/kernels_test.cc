@@ -560,7 +560,7 @@ TEST(CudaKernels, PagedAttentionAndAppendMatchCpu) {
   }
 }
 
-TEST(CudaKernels, AttentionRejectsUnsupportedHeadDim) {
+TEST(CudaKernels, AttentionRejectsBadArguments) {
   HSTU_SKIP_WITHOUT_GPU();
   AttentionParams<bf16> p;
   DeviceArray<bf16> buf(4096);
@@ -575,6 +575,16 @@ TEST(CudaKernels, AttentionRejectsUnsupportedHeadDim) {
   EXPECT_EQ(cuda::LaunchHstuAttention(p, items, 0, 0, nullptr, nullptr), cudaErrorInvalidValue);
   EXPECT_FALSE(cuda::HeadDimSupported(96));
   EXPECT_TRUE(cuda::HeadDimSupported(256));
+  // A supported head dim, but split tiles without partials, or more split tiles than items.
+  p.kv.head_dim = 64;
+  p.uvqk_row_stride = 4 * 64;
+  p.kv.kv_stride = 16 * 64;
+  p.kv.page_stride = 2 * p.kv.kv_stride;
+  const auto* some_items = reinterpret_cast<const cuda::AttentionWorkItem*>(buf.get());
+  EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 2, 1, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 2, 3, reinterpret_cast<float*>(buf.get()),
+                                      nullptr),
+            cudaErrorInvalidValue);
 }
 
 }  // namespace
