@@ -59,6 +59,24 @@ __device__ __forceinline__ void Unpack8(const Bf16x8& v, float (&f)[8]) {
   }
 }
 
+// 8 bf16 values of read-only data (16-byte aligned) through the non-coherent cache, kept packed.
+__device__ __forceinline__ Bf16x8 Ldg8(const bf16* p) {
+  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+  Bf16x8 v;
+  memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+// acc + a·b over 8 bf16 pairs in fp32, element 2i + 1 then 2i of each pair.
+__device__ __forceinline__ float Dot8(const Bf16x8& a, const Bf16x8& b, float acc) {
+  float fa[8], fb[8];
+  Unpack8(a, fa);
+  Unpack8(b, fb);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc = fmaf(fa[2 * i], fb[2 * i], fmaf(fa[2 * i + 1], fb[2 * i + 1], acc));
+  return acc;
+}
+
 __device__ __forceinline__ Bf16x8 Pack8(const float (&f)[8]) {
   Bf16x8 v;
 #pragma unroll

@@ -74,12 +74,12 @@ __device__ __forceinline__ void AddCandidateDiagonal(const AttentionParams<bf16>
   for (int i = 0; i < 2; ++i) {
     const int r = min(row0 + 8 * i, it.num_q - 1);
     const bf16* row = p.uvqk + static_cast<int64_t>(it.q_row + r) * p.uvqk_row_stride + h * kD;
-    uint4 q[kOwn], k[kOwn];
+    Bf16x8 q[kOwn], k[kOwn];
     uint32_t v[kGroups];
 #pragma unroll
     for (int c = 0; c < kOwn; ++c) {
-      q[c] = __ldg(reinterpret_cast<const uint4*>(row + kQ * hd) + 4 * c + t4);
-      k[c] = __ldg(reinterpret_cast<const uint4*>(row + kK * hd) + 4 * c + t4);
+      q[c] = Ldg8(row + kQ * hd + 8 * (4 * c + t4));
+      k[c] = Ldg8(row + kK * hd + 8 * (4 * c + t4));
     }
 #pragma unroll
     for (int jn = 0; jn < kGroups; ++jn) {
@@ -87,16 +87,7 @@ __device__ __forceinline__ void AddCandidateDiagonal(const AttentionParams<bf16>
     }
     float dot = 0.f;
 #pragma unroll
-    for (int c = 0; c < kOwn; ++c) {
-      const uint32_t qw[4] = {q[c].x, q[c].y, q[c].z, q[c].w};
-      const uint32_t kw[4] = {k[c].x, k[c].y, k[c].z, k[c].w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float2 qf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qw[w]));
-        const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kw[w]));
-        dot = fmaf(qf.x, kf.x, fmaf(qf.y, kf.y, dot));
-      }
-    }
+    for (int c = 0; c < kOwn; ++c) dot = Dot8(q[c], k[c], dot);
     dot += __shfl_xor_sync(0xffffffffu, dot, 1);
     dot += __shfl_xor_sync(0xffffffffu, dot, 2);
     const float pd = is_cand[i] ? Silu(p.alpha * dot) * p.inv_norm : 0.f;
@@ -387,11 +378,11 @@ __global__ void __launch_bounds__(256)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool dcand = has_cand && row_begin + warp < it.num_q &&
                      it.q_local + row_begin + warp >= num_new;  // warp-uniform
-  uint4 dq = make_uint4(0u, 0u, 0u, 0u), dk = dq;
+  Bf16x8 dq{}, dk{};  // zeros: lanes past the row add nothing
   if (dcand && lane < kD / 8) {
     const bf16* row = rows + static_cast<int64_t>(row_begin + warp) * p.uvqk_row_stride;
-    dq = __ldg(reinterpret_cast<const uint4*>(row + kQ * hd) + lane);
-    dk = __ldg(reinterpret_cast<const uint4*>(row + kK * hd) + lane);
+    dq = Ldg8(row + kQ * hd + 8 * lane);
+    dk = Ldg8(row + kK * hd + 8 * lane);
   }
   // This thread's 4 columns of v of each of its candidate rows.
   bool valid[kPer];
@@ -429,15 +420,7 @@ __global__ void __launch_bounds__(256)
   // The diagonal's weights p_ii of the block's candidate rows.
   __shared__ float s_pd[kReduceRows];
   if (has_cand) {
-    const uint32_t qw[4] = {dq.x, dq.y, dq.z, dq.w}, kw[4] = {dk.x, dk.y, dk.z, dk.w};
-    float dot = 0.f;
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const float2 qf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qw[w]));
-      const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kw[w]));
-      dot = fmaf(qf.x, kf.x, fmaf(qf.y, kf.y, dot));
-    }
-    dot = WarpSum(dot);
+    const float dot = WarpSum(Dot8(dq, dk, 0.f));
     if (lane == 0) s_pd[warp] = dcand ? Silu(p.alpha * dot) * p.inv_norm : 0.f;
     __syncthreads();
   }
