@@ -1,5 +1,6 @@
 // hstu_bench gemm_algos: the two GEMMs of a layer (UVQK: bf16 out, beta 0; output projection: fp32
-// residual out, beta 1) at the decode step's row counts, timed as the engine runs them
+// residual out, beta 1; and the output projection without the residual, fp32 or bf16 out, to see
+// what accumulating into the fp32 residual costs) at the decode step's row counts, timed as the engine runs them
 // (cublasGemmEx, default algorithm) and with every algorithm cuBLASLt's heuristic offers for the
 // same shape (up to 16, 32 MiB workspace), each timed on its own: whether choosing the algorithm
 // ourselves would pay, before the engine does it.
@@ -52,7 +53,9 @@ nlohmann::json BenchGemmAlgos(int reps) {
   cuda::DeviceBuffer ws;
   HSTU_BENCH_CHECK_CUDA(ws.Reserve(ws_bytes));
   const Shape shapes[] = {{"UVQK (bf16 out)", 4096, 1024, false, 0.f},
-                          {"output + residual (fp32 out, beta 1)", 1024, 1024, true, 1.f}};
+                          {"output + residual (fp32 out, beta 1)", 1024, 1024, true, 1.f},
+                          {"output alone (fp32 out, beta 0)", 1024, 1024, true, 0.f},
+                          {"output alone (bf16 out, beta 0)", 1024, 1024, false, 0.f}};
   std::printf("\n### GEMM algorithms (row-major C[m, n] = A[m, k] · W[k, n]; bf16 in, fp32 accumulate; "
               "median of %d)\n\n", reps);
   std::printf("| rows m | GEMM | cublasGemmEx (us) | TFLOP/s | best cuBLASLt (us) | TFLOP/s | "
