@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -109,8 +110,17 @@ void BuildAttention(AttnSetup& a, int concurrent_ctas) {
     row_offsets.push_back(row_offsets.back() + a.num_new + a.cand);
     indptr.push_back(indptr.back() + pages_per_user);
   }
+  // Cluster plans as the engine makes them (HSTU_ATTN_CLUSTER=0 turns them off, for A/B runs).
+  int cluster = 0, max_clusters = 0;
+  const char* no_cluster = std::getenv("HSTU_ATTN_CLUSTER");
+  if (a.D == 256 && a.page_size % 8 == 0 && (no_cluster == nullptr || std::string(no_cluster) != "0") &&
+      hstu::cuda::HstuAttentionMaxClusters(hstu::cuda::kMaxAttnCluster, &max_clusters) == cudaSuccess &&
+      max_clusters > 0) {
+    cluster = hstu::cuda::kMaxAttnCluster;
+  }
+  cudaGetLastError();
   a.plan = hstu::cuda::PlanHstuAttention(row_offsets.data(), num_new.data(), num_tokens.data(), a.B,
-                                         0, a.H, concurrent_ctas);
+                                         0, a.H, concurrent_ctas, 64, cluster, max_clusters);
   // Meta: [row_offsets | num_new | num_tokens | indptr | items | page_ids per set].
   std::vector<int32_t> words;
   auto append = [&](const void* p, size_t bytes) {
@@ -163,9 +173,10 @@ void BuildAttention(AttnSetup& a, int concurrent_ctas) {
 
 void RunAttention(AttnSetup& a, cudaStream_t s) {
   for (int k = 0; k < a.sets; ++k) {
-    HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchHstuAttention(a.params[k], a.items[0],
-                                               static_cast<int32_t>(a.plan.items.size()),
-                                               a.plan.num_split_tiles, a.partials.as<float>(), s));
+    // As an eager engine step: no reduction kernel without split tiles.
+    HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchHstuAttention(
+        a.params[k], a.items[0], static_cast<int32_t>(a.plan.items.size()), a.plan.num_split_tiles,
+        a.plan.num_split_tiles > 0 ? a.partials.as<float>() : nullptr, s, a.plan.cluster));
   }
 }
 
@@ -201,12 +212,16 @@ json BenchAttention(int reps, int page_size, const std::vector<int>& batches) {
         const double tflops = a.flops / (ms * 1e-3) / 1e12;
         const double gbs = a.min_bytes / (ms * 1e-3) / 1e9;
         const int ctas = static_cast<int>(a.plan.items.size()) * a.H;
-        std::printf("| %d | %d x %d | %d x %d | %.1f | %.1f | %.0f | %d | %d |\n", B, hd.H, hd.D,
-                    a.num_new + a.cand, a.cached + a.num_new, us, tflops, gbs, ctas,
+        const std::string cta_text =
+            a.plan.cluster > 0 ? absl::StrFormat("%d (clusters of %d)", ctas, a.plan.cluster)
+                               : std::to_string(ctas);
+        std::printf("| %d | %d x %d | %d x %d | %.1f | %.1f | %.0f | %s | %d |\n", B, hd.H, hd.D,
+                    a.num_new + a.cand, a.cached + a.num_new, us, tflops, gbs, cta_text.c_str(),
                     a.plan.chunk_blocks * hstu::cuda::kAttnBlockN);
         rows.push_back({{"batch", B}, {"heads", hd.H}, {"head_dim", hd.D}, {"queries", a.num_new + a.cand},
                         {"keys", a.cached + a.num_new}, {"time_us", us}, {"tflops", tflops},
-                        {"gbps_min_bytes", gbs}, {"ctas", ctas}, {"kv_sets_rotated", a.sets},
+                        {"gbps_min_bytes", gbs}, {"ctas", ctas}, {"cluster", a.plan.cluster},
+                        {"kv_sets_rotated", a.sets},
                         {"chunk_keys", a.plan.chunk_blocks * hstu::cuda::kAttnBlockN}});
       }
     }

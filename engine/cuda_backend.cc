@@ -90,6 +90,18 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
                              nullptr, nullptr, nullptr);
   probe.max_attn_len = config_.max_attn_len;
   attention_kernel_ = cuda::HstuAttentionKernelName(probe, stream_.get());
+  if (const char* v = std::getenv("HSTU_ATTN_CLUSTER"); (v == nullptr || std::string(v) != "0") &&
+      attention_kernel_ == "warp-specialised TMA kernel") {
+    int max_clusters = 0;
+    HSTU_CUDA_RETURN(cuda::HstuAttentionMaxClusters(cuda::kMaxAttnCluster, &max_clusters));
+    if (max_clusters > 0) {
+      attn_cluster_ = cuda::kMaxAttnCluster;
+      attn_max_clusters_ = max_clusters;
+      attention_kernel_ += ", cluster reduction for one-wave steps (" +
+                           std::to_string(max_clusters) + " clusters of " +
+                           std::to_string(attn_cluster_) + ")";
+    }
+  }
   if (const char* v = std::getenv("HSTU_GRAPH_WAIT_NODES"); v != nullptr && std::string(v) == "1") {
     always_wait_nodes_ = true;  // A/B of the graphs without onload wait nodes
   }
@@ -185,9 +197,7 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
   HSTU_RETURN_IF_ERROR(Validate(batch, &cand_rows));
   const int32_t B = batch.num_users;
   const int32_t rows = batch.num_rows();
-  plan_ = cuda::PlanHstuAttention(batch.row_offsets.data(), batch.num_new.data(),
-                                  batch.num_tokens.data(), B, config_.max_attn_len,
-                                  config_.num_heads, concurrent_ctas_);
+  plan_ = PlanAttention(batch);
   Workspace* ws = &eager_ws_;
   const MetaLayout L = PlaceMeta(B, rows, batch.page_ids.size(), cand_rows.size(), plan_.items.size());
   HSTU_RETURN_IF_ERROR(UploadMeta(batch, cand_rows, L, B, rows, static_cast<int32_t>(cand_rows.size()), ws));
@@ -223,6 +233,7 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
   step_.real_cand = step_.num_cand;
   step_.num_items = static_cast<int32_t>(plan_.items.size());
   step_.num_split_tiles = plan_.num_split_tiles;
+  step_.cluster = plan_.cluster;
   staged_ = true;
   return absl::OkStatus();
 }
@@ -255,7 +266,7 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
                         : nullptr;
   HSTU_CUDA_RETURN(cuda::LaunchHstuAttention(
       att, reinterpret_cast<const cuda::AttentionWorkItem*>(m + step_.layout.items),
-      step_.num_items, step_.num_split_tiles, partials, stream_.get()));
+      step_.num_items, step_.num_split_tiles, partials, stream_.get(), step_.cluster));
   if (capturing_) {
     cudaGraphNode_t node = nullptr;
     HSTU_RETURN_IF_ERROR(LastCapturedNode(&node));

@@ -49,6 +49,8 @@ class CudaBackend : public Backend {
   // Attention work items and chosen key-chunk length of the staged batch (for reports).
   virtual int attention_items() const = 0;
   virtual int attention_chunk_blocks() const = 0;
+  // The staged batch's attention plan is a cluster plan of this many CTAs a cluster (0: not).
+  virtual int attention_cluster() const = 0;
   virtual std::string gpu_name() const = 0;
   // Tests: fill every activation buffer with NaN before each batch (and the KV pool now), so a
   // row or page that is read before it is written shows up as NaN.

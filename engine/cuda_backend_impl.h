@@ -142,6 +142,7 @@ struct Step {
   int32_t real_cand = 0;  // real candidate rows: the first real_cand slots
   int32_t num_items = 0;  // attention work items
   int32_t num_split_tiles = 0;  // attention tiles cut into chunks (the split reduction's work)
+  int32_t cluster = 0;    // > 0: a cluster plan (cuda::AttentionPlan::cluster)
   int slot = -1;          // graph bucket, -1 = eager
   bool keep_hidden = false;
 };
@@ -161,6 +162,7 @@ struct CapturedStep {
   std::vector<CapturedAttentionNode> attention_nodes;
   std::vector<cudaKernelNodeParams> attention_params;
   int32_t grid_items = -1, grid_split_tiles = -1;  // the plan the nodes in `exec` are sized for
+  int32_t cluster = 0;  // the captured plan's cluster size: replays need plans of the same kind
   size_t edges = 0, programmatic_edges = 0;  // of the captured graph (reports)
 };
 
@@ -239,10 +241,22 @@ class CudaBackendImpl final : public CudaBackend {
                                           int reps) override;
   int attention_items() const override { return static_cast<int>(plan_.items.size()); }
   int attention_chunk_blocks() const override { return plan_.chunk_blocks; }
-  // gridDim.x of the staged step's attention kernel, or of its split reduction.
-  int32_t AttentionGridX(bool reduce) const {
-    return reduce ? cuda::HstuAttentionReduceGridX(step_.num_split_tiles, config_.num_heads)
-                  : step_.num_items * config_.num_heads;
+  int attention_cluster() const override { return plan_.cluster; }
+  // Grid x and y of the staged step's attention kernel, or of its split reduction (see
+  // cuda::LaunchHstuAttention).
+  std::pair<int32_t, int32_t> AttentionGrid(bool reduce) const {
+    if (reduce) return {cuda::HstuAttentionReduceGridX(step_.num_split_tiles, config_.num_heads), 1};
+    if (step_.cluster > 0) {
+      return {step_.cluster, step_.num_items / step_.cluster * config_.num_heads};
+    }
+    return {step_.num_items * config_.num_heads, 1};
+  }
+  // The attention plan of a batch, for this GPU (cluster plans where they apply).
+  cuda::AttentionPlan PlanAttention(const ForwardBatch& batch) const {
+    return cuda::PlanHstuAttention(batch.row_offsets.data(), batch.num_new.data(),
+                                   batch.num_tokens.data(), batch.num_users, config_.max_attn_len,
+                                   config_.num_heads, concurrent_ctas_, /*max_split=*/64,
+                                   attn_cluster_, attn_max_clusters_);
   }
   absl::Status SetDebugPoison(bool on) override {
     HSTU_CUDA_RETURN(cudaSetDevice(device_));
@@ -300,6 +314,9 @@ class CudaBackendImpl final : public CudaBackend {
   std::string gpu_name_;
   std::string attention_kernel_;  // cuda::HstuAttentionKernelName of the pool, found at Init
   int concurrent_ctas_ = 0;
+  // Cluster plans (cuda::PlanHstuAttention): the cluster size, 0 = off (not the warp-specialised
+  // kernel, no cluster fits, or HSTU_ATTN_CLUSTER=0), and how many clusters the GPU runs at once.
+  int32_t attn_cluster_ = 0, attn_max_clusters_ = 0;
 
   cuda::Stream stream_;
   cublasHandle_t cublas_ = nullptr;

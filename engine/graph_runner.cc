@@ -76,6 +76,7 @@ absl::Status CudaBackendImpl::StageGraph(const ForwardBatch& batch, int slot,
   step_.real_cand = step_.num_cand;
   step_.num_items = static_cast<int32_t>(plan_.items.size());
   step_.num_split_tiles = plan_.num_split_tiles;
+  step_.cluster = plan_.cluster;
   step_.slot = slot;
   staged_ = true;
   return absl::OkStatus();
@@ -99,12 +100,12 @@ absl::StatusOr<bool> CudaBackendImpl::StageStep(const ForwardBatch& batch, bool 
     staged_ = false;
     std::vector<int32_t> cand_rows;
     HSTU_RETURN_IF_ERROR(Validate(batch, &cand_rows));
-    plan_ = cuda::PlanHstuAttention(batch.row_offsets.data(), batch.num_new.data(),
-                                    batch.num_tokens.data(), batch.num_users, config_.max_attn_len,
-                                    config_.num_heads, concurrent_ctas_);
+    plan_ = PlanAttention(batch);
     const GraphSlot& g = slots_[best];
     const int32_t items = static_cast<int32_t>(plan_.items.size());
+    // A captured attention node keeps its kind (cluster plan or not); the grid follows the plan.
     if (items > 0 && items <= g.item_cap && plan_.num_partials <= g.partial_cap &&
+        plan_.cluster == g.plain.cluster &&
         static_cast<int64_t>(batch.page_ids.size()) <= g.page_cap) {
       HSTU_RETURN_IF_ERROR(StageGraph(batch, best, std::move(cand_rows)));
       return true;
@@ -125,7 +126,9 @@ absl::Status CudaBackendImpl::EnqueueStep() {
     if (g.grid_items != step_.num_items || g.grid_split_tiles != step_.num_split_tiles) {
       for (size_t i = 0; i < g.attention_nodes.size(); ++i) {
         cudaKernelNodeParams p = g.attention_params[i];
-        p.gridDim.x = static_cast<unsigned>(AttentionGridX(g.attention_nodes[i].reduce));
+        const auto [x, y] = AttentionGrid(g.attention_nodes[i].reduce);
+        p.gridDim.x = static_cast<unsigned>(x);
+        p.gridDim.y = static_cast<unsigned>(y);
         HSTU_CUDA_RETURN(cudaGraphExecKernelNodeSetParams(g.exec, g.attention_nodes[i].node, &p));
       }
       g.grid_items = step_.num_items;
@@ -172,8 +175,7 @@ absl::Status CudaBackendImpl::CaptureGraphs() {
     fb.positions[0] = 0;
     std::vector<int32_t> cand_rows;
     HSTU_RETURN_IF_ERROR(Validate(fb, &cand_rows));
-    plan_ = cuda::PlanHstuAttention(fb.row_offsets.data(), fb.num_new.data(), fb.num_tokens.data(),
-                                    1, config_.max_attn_len, config_.num_heads, concurrent_ctas_);
+    plan_ = PlanAttention(fb);
     HSTU_RETURN_IF_ERROR(StageGraph(fb, i, std::move(cand_rows)));
     // Warm-up: loads every kernel module and lets cuBLAS pick its algorithms outside the capture.
     HSTU_RETURN_IF_ERROR(EnqueueLayerStack());
@@ -220,7 +222,9 @@ absl::Status CudaBackendImpl::CaptureStep(bool waits, CapturedStep* c) {
     HSTU_CUDA_RETURN(cudaGraphNodeGetType(n.node, &type));
     cudaKernelNodeParams p{};
     if (type == cudaGraphNodeTypeKernel) HSTU_CUDA_RETURN(cudaGraphKernelNodeGetParams(n.node, &p));
-    if (type != cudaGraphNodeTypeKernel || p.gridDim.x != static_cast<unsigned>(AttentionGridX(n.reduce))) {
+    const auto [x, y] = AttentionGrid(n.reduce);
+    if (type != cudaGraphNodeTypeKernel || p.gridDim.x != static_cast<unsigned>(x) ||
+        p.gridDim.y != static_cast<unsigned>(y)) {
       return absl::InternalError(
           "graph capture: an attention launch node is not a kernel with the grid of its plan; "
           "CUDA graphs cannot resize it (disable graphs or update the backend)");
@@ -229,6 +233,7 @@ absl::Status CudaBackendImpl::CaptureStep(bool waits, CapturedStep* c) {
   }
   c->grid_items = step_.num_items;
   c->grid_split_tiles = step_.num_split_tiles;
+  c->cluster = step_.cluster;
   return absl::OkStatus();
 }
 

@@ -133,18 +133,27 @@ const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stre
 
 template <int kD>
 cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* items, int32_t num_items,
-                   int32_t num_split_tiles, float* partials, cudaStream_t stream) {
+                   int32_t num_split_tiles, float* partials, cudaStream_t stream, int32_t cluster) {
   const dim3 grid(num_items * p.kv.num_heads);  // x = item * H + head
   cudaError_t err = cudaSuccess;
   const CUtensorMap* kv_map = kD == 256 ? KvTensorMap(p, stream) : nullptr;
+  if (cluster > 0 && kv_map == nullptr) return cudaErrorInvalidValue;  // the WS kernel only
   if (kv_map != nullptr) {
     constexpr int kSmem = AttnWsTraits::kSmemBytes;
     // Not a stream operation, so it is allowed while a stream is being captured.
     err = cudaFuncSetAttribute(HstuAttentionWsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                kSmem);
     if (err != cudaSuccess) return err;
-    err = LaunchDependent(HstuAttentionWsKernel, grid, dim3(AttnWsTraits::kThreads), kSmem, stream,
-                          p, items, partials, kv_map, KvBoxRows(p.kv.page_size));
+    if (cluster > 0) {
+      // x = chunk (the CTA's rank in its cluster), y = tile * H + head.
+      const dim3 cgrid(cluster, num_items / cluster * p.kv.num_heads);
+      err = LaunchDependentCluster(HstuAttentionWsKernel, cgrid, dim3(AttnWsTraits::kThreads),
+                                   kSmem, cluster, stream, p, items, partials, kv_map,
+                                   KvBoxRows(p.kv.page_size), static_cast<int>(cluster));
+    } else {
+      err = LaunchDependent(HstuAttentionWsKernel, grid, dim3(AttnWsTraits::kThreads), kSmem,
+                            stream, p, items, partials, kv_map, KvBoxRows(p.kv.page_size), 0);
+    }
     if (err != cudaSuccess) return err;
   } else {
     constexpr int kSmem = AttnTraits<kD>::kSmemBytes;
@@ -190,6 +199,34 @@ cudaError_t HstuAttentionCtasPerSm(int head_dim, int* ctas_per_sm) {
   }
 }
 
+cudaError_t HstuAttentionMaxClusters(int32_t cluster, int* max_clusters) {
+  *max_clusters = 0;
+  if (cluster < 2 || cluster > kMaxAttnCluster || kAttnBlockM % cluster != 0) {
+    return cudaErrorInvalidValue;
+  }
+  int device = 0, major = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err != cudaSuccess) return err;
+  if (major != 9) return cudaErrorInvalidDeviceFunction;
+  constexpr int kSmem = AttnWsTraits::kSmemBytes;
+  err = cudaFuncSetAttribute(HstuAttentionWsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             kSmem);
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(cluster, 64);
+  config.blockDim = dim3(AttnWsTraits::kThreads);
+  config.dynamicSmemBytes = kSmem;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  return cudaOccupancyMaxActiveClusters(max_clusters, HstuAttentionWsKernel, &config);
+}
+
 std::string HstuAttentionKernelName(const AttentionParams<bf16>& p, cudaStream_t stream) {
   if (!HeadDimSupported(p.kv.head_dim)) return "none (unsupported head dim)";
   const char* why = "";
@@ -215,7 +252,7 @@ cudaError_t ReadHstuAttentionTrace(std::vector<uint64_t>* out) {
 
 cudaError_t LaunchHstuAttention(const AttentionParams<bf16>& p, const AttentionWorkItem* items,
                                 int32_t num_items, int32_t num_split_tiles, float* partials,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, int32_t cluster) {
   const auto& kv = p.kv;
   const int64_t hd = static_cast<int64_t>(kv.num_heads) * kv.head_dim;
   if (num_items < 0 || kv.num_heads <= 0 || kv.num_heads > 65535 || p.uvqk == nullptr ||
@@ -226,12 +263,18 @@ cudaError_t LaunchHstuAttention(const AttentionParams<bf16>& p, const AttentionW
       static_cast<int64_t>(num_items) * kv.num_heads > INT32_MAX) {
     return cudaErrorInvalidValue;
   }
+  if (cluster != 0 && (cluster < 2 || cluster > kMaxAttnCluster || kAttnBlockM % cluster != 0 ||
+                       num_items % cluster != 0 ||
+                       num_split_tiles != 0 || kv.head_dim != 256 || p.max_attn_len > 0 ||
+                       static_cast<int64_t>(num_items) / cluster * kv.num_heads > 65535)) {
+    return cudaErrorInvalidValue;
+  }
   if (!HeadDimSupported(kv.head_dim)) return cudaErrorInvalidValue;  // allowed: 64, 128, 256
   if (num_items == 0) return cudaSuccess;
   switch (kv.head_dim) {
-    case 64: return Launch<64>(p, items, num_items, num_split_tiles, partials, stream);
-    case 128: return Launch<128>(p, items, num_items, num_split_tiles, partials, stream);
-    case 256: return Launch<256>(p, items, num_items, num_split_tiles, partials, stream);
+    case 64: return Launch<64>(p, items, num_items, num_split_tiles, partials, stream, cluster);
+    case 128: return Launch<128>(p, items, num_items, num_split_tiles, partials, stream, cluster);
+    case 256: return Launch<256>(p, items, num_items, num_split_tiles, partials, stream, cluster);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -7,7 +7,10 @@
 // chunk. Since HSTU attention has no softmax, partial results of a split tile simply add: each chunk
 // writes an fp32 partial, and a second kernel sums a tile's partials in split order —
 // deterministic — adds the candidates' own keys (the diagonal, from the uvqk rows) and writes the
-// bf16 output; an unsplit tile's CTA adds its diagonal and writes the output itself.
+// bf16 output; an unsplit tile's CTA adds its diagonal and writes the output itself. A cluster
+// plan (a decode step of a few users, one wave of clusters) makes each tile and head a thread
+// block cluster instead: its CTAs sum their chunks in distributed shared memory, with no partials
+// in global memory and no second kernel (docs/cuda_kernels.md, round 14).
 //
 // The plan is plain data (no device pointers), so it can be built into static buffers for CUDA
 // graphs, whose replays resize the two kernels' grids to the plan.
@@ -26,6 +29,7 @@ namespace hstu::cuda {
 
 inline constexpr int kAttnBlockM = 128;  // query rows per tile (2 warpgroups × 64)
 inline constexpr int kAttnBlockN = 64;   // keys per pipeline stage (2 stages)
+inline constexpr int kMaxAttnCluster = 8;  // portable thread block cluster size
 
 struct AttentionWorkItem {
   int32_t user = 0;
@@ -46,16 +50,25 @@ struct AttentionPlan {
   int32_t num_split_tiles = 0;  // tiles cut into several chunks (each reduced by the 2nd kernel)
   int32_t num_partials = 0;     // partial slots: num_partials * H * kAttnBlockM * D floats
   int32_t chunk_blocks = 0;     // chosen chunk length in key blocks (for reports)
+  // > 0: a cluster plan (LaunchHstuAttention's `cluster`): items are tile-major, `cluster` chunks
+  // a tile (empty ones included), items[t * cluster + s] = chunk s of tile t; no split tiles.
+  int32_t cluster = 0;
 };
 
 // Builds the work list from the host copy of the batch plan.
 //   row_offsets: [B + 1]; num_new, num_tokens: [B] (num_tokens after the append).
 //   concurrent_ctas: CTAs the GPU runs at once (SMs × CTAs per SM, see HstuAttentionCtasPerSm).
 //   max_split: upper bound on chunks per tile (bounds the workspace); >= 1.
+//   cluster, max_clusters: with cluster > 0 (2, 4 or 8; the warp-specialised kernel, no window)
+//   the plan is a cluster plan when the tiles × heads fit in max_clusters clusters at once
+//   (HstuAttentionMaxClusters) and tiles × heads × cluster CTAs fill at least two thirds of
+//   concurrent_ctas: each tile's keys in `cluster` chunks, summed in distributed shared memory
+//   instead of through partials and the reduction kernel (a one-wave decode step of a few users).
 AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_new,
                                 const int32_t* num_tokens, int32_t batch_size,
                                 int32_t max_attn_len, int32_t num_heads, int32_t concurrent_ctas,
-                                int32_t max_split = 64);
+                                int32_t max_split = 64, int32_t cluster = 0,
+                                int32_t max_clusters = 0);
 
 // Which kernel LaunchHstuAttention runs for p's pool and shape, and when it is not the
 // warp-specialised TMA kernel, why (builds and caches the pool's tensor map as a launch would; call
@@ -86,9 +99,21 @@ cudaError_t HstuAttentionCtasPerSm(int head_dim, int* ctas_per_sm);
 // [plan.num_partials, H, kAttnBlockM, D] fp32 scratch, nullptr only when num_split_tiles == 0.
 // Head dim must be 64, 128 or 256 (cudaErrorInvalidValue otherwise; see kSupportedHeadDimsText in
 // ops.h).
+//
+// cluster > 0 runs a cluster plan (PlanHstuAttention with a cluster size): items are tile-major,
+// `cluster` chunks a tile, and each tile and head is one thread block cluster whose CTAs sum
+// their results through distributed shared memory — no partials, no reduction kernel
+// (num_split_tiles must be 0; partials may still be given, the reduction's blocks then exit).
+// Warp-specialised kernel only (D = 256, no window; cudaErrorInvalidValue otherwise).
 cudaError_t LaunchHstuAttention(const AttentionParams<__nv_bfloat16>& p,
                                 const AttentionWorkItem* items, int32_t num_items,
-                                int32_t num_split_tiles, float* partials, cudaStream_t stream);
+                                int32_t num_split_tiles, float* partials, cudaStream_t stream,
+                                int32_t cluster = 0);
+
+// Clusters of `cluster` CTAs of the warp-specialised attention kernel the GPU runs at once
+// (cudaOccupancyMaxActiveClusters; 0 when none fit). cudaErrorInvalidDeviceFunction on a GPU
+// that is not compute capability 9.x.
+cudaError_t HstuAttentionMaxClusters(int32_t cluster, int* max_clusters);
 
 // Blocks along x of the split reduction for a plan with num_split_tiles split tiles (a CUDA graph
 // resizes the captured node to this on each replay; the attention kernel's is num_items * H).

@@ -361,7 +361,8 @@ __global__ void __launch_bounds__(256)
   AllowDependents();
   const int num_heads = p.kv.num_heads;
   const AttentionWorkItem it = items[blockIdx.x / num_heads];
-  if (it.num_splits <= 1 || it.split != 0) return;  // a graph's block for a plan without splits
+  // A graph's block for a plan without split tiles (unsplit items and cluster plans: tile < 0).
+  if (it.tile < 0 || it.split != 0) return;
   const int h = blockIdx.x % num_heads;
   const int row_begin = blockIdx.z * kReduceRows;
   if (row_begin >= it.num_q) return;

@@ -20,7 +20,7 @@ int32_t CeilDiv(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) 
 AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_new,
                                 const int32_t* num_tokens, int32_t batch_size,
                                 int32_t max_attn_len, int32_t num_heads, int32_t concurrent_ctas,
-                                int32_t max_split) {
+                                int32_t max_split, int32_t cluster, int32_t max_clusters) {
   std::vector<Tile> tiles;
   for (int32_t b = 0; b < batch_size; ++b) {
     const int32_t rows = row_offsets[b + 1] - row_offsets[b];
@@ -41,6 +41,34 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
       t.kv_begin = std::min(t.kv_begin, t.kv_end);
       tiles.push_back(t);
     }
+  }
+
+  // A cluster plan: one wave of clusters, a tile's keys in `cluster` chunks of whole blocks
+  // (trailing chunks may be empty), summed on chip.
+  const int64_t tile_heads = static_cast<int64_t>(tiles.size()) * num_heads;
+  if (cluster > 1 && max_attn_len <= 0 && !tiles.empty() && tile_heads <= max_clusters &&
+      3 * tile_heads * cluster >= 2LL * concurrent_ctas) {
+    AttentionPlan plan;
+    plan.cluster = cluster;
+    for (const Tile& t : tiles) {
+      const int32_t chunk_keys =
+          std::max(1, CeilDiv(CeilDiv(t.kv_end - t.kv_begin, kAttnBlockN), cluster)) * kAttnBlockN;
+      plan.chunk_blocks = std::max(plan.chunk_blocks, chunk_keys / kAttnBlockN);
+      for (int32_t s = 0; s < cluster; ++s) {
+        AttentionWorkItem it;
+        it.user = t.user;
+        it.q_row = t.q_row;
+        it.num_q = t.num_q;
+        it.q_local = t.q_local;
+        it.kv_begin = std::min(t.kv_end, t.kv_begin + s * chunk_keys);
+        it.kv_end = std::min(t.kv_end, t.kv_begin + (s + 1) * chunk_keys);
+        it.split = s;
+        it.num_splits = cluster;
+        it.tile = -1;  // no partials: the split reduction skips it
+        plan.items.push_back(it);
+      }
+    }
+    return plan;
   }
 
   // Chunk length (in key blocks): the GPU hands CTAs to SMs in launch order, so with the items

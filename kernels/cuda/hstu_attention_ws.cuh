@@ -3,7 +3,8 @@
 // spent on the gather); two consumer warpgroups run the same S / SiLU / P·V as HstuAttentionKernel
 // and hand each slot back as soon as their wgmma has read it. See docs/cuda_kernels.md, round 6.
 //
-// Same work items, grid (items × H), plan, partials and reduction as HstuAttentionKernel; it only
+// Same work items, grid (items × H), plan, partials and reduction as HstuAttentionKernel — and
+// cluster plans, which only this kernel runs (ClusterReduceEpilogue, round 14); it only
 // runs when a block never straddles a TMA box: no window (chunk starts are multiples of 64 keys),
 // page size a multiple of 8, the pool packed [pages, 2, page_size, H, D] (the launcher checks).
 #pragma once
@@ -57,6 +58,27 @@ __device__ __forceinline__ void SetMaxNRegInc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// ---- Thread block clusters (the cluster reduction) ----
+__device__ __forceinline__ void ClusterSync() {  // all non-exited threads of the cluster
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t ClusterCtaRank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// 4 floats of CTA `rank`'s shared memory at this CTA's shared address `addr`.
+__device__ __forceinline__ float4 LdClusterF4(uint32_t addr, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
+}
+
 // ---- Optional per-CTA timeline (diagnostic builds: -DHSTU_ATTN_TRACE=ON) ----
 // Consumer thread 0 of each CTA stamps %globaltimer (ns) at fixed points; ReadHstuAttentionTrace
 // copies the stamps out (hstu_bench attention_trace). Compiled out otherwise.
@@ -69,8 +91,9 @@ __device__ __forceinline__ unsigned long long GlobalTimerNs() {
 }
 #define HSTU_ATTN_TRACE_AT(field, value)                                         \
   do {                                                                           \
-    if (threadIdx.x == 128 && blockIdx.x < kAttnTraceCtas) {                     \
-      g_attn_trace[blockIdx.x * kAttnTraceFields + (field)] = (value);           \
+    const unsigned cta_ = blockIdx.y * gridDim.x + blockIdx.x;                   \
+    if (threadIdx.x == 128 && cta_ < kAttnTraceCtas) {                           \
+      g_attn_trace[cta_ * kAttnTraceFields + (field)] = (value);                 \
     }                                                                            \
   } while (0)
 #else
@@ -78,6 +101,90 @@ __device__ __forceinline__ unsigned long long GlobalTimerNs() {
   do {                                   \
   } while (0)
 #endif
+
+// The cluster plan's epilogue, run by the 256 consumer threads of each CTA of a cluster (the
+// tile's chunks, rank = split): each CTA puts its fp32 O in its own shared memory (the Q tile and
+// the ring are free once both consumer warpgroups have left the loop), the cluster syncs, and CTA
+// r sums rows [r·R, r·R + R) of all the cluster's O (R = 128 / cluster) in rank order — the split
+// order, deterministic — through distributed shared memory, adds the candidates' own keys (the
+// diagonal, as HstuAttentionReduceKernel does) and writes bf16. A second sync keeps every CTA's
+// shared memory alive until the others have read it.
+template <int kD = 256>
+__device__ __forceinline__ void ClusterReduceEpilogue(const AttentionParams<bf16>& p,
+                                                      const AttentionWorkItem& it, int h,
+                                                      int cluster, int row0, int t4,
+                                                      const float (&o)[kD / 2],
+                                                      unsigned char* smem) {
+  constexpr int kStride = kD + 4;  // floats per row of O in shared memory (bank spread)
+  static_assert(kAttnBlockM * kStride * 4 + kAttnBlockM * 4 <= kAttnBlockM * kD * 2 + 5 * kAttnBlockN * kD * 2,
+                "O of a tile and the diagonal weights fit in the Q tile and the ring");
+  float* s_o = reinterpret_cast<float*>(smem);
+  float* s_pd = s_o + kAttnBlockM * kStride;
+  const int ctid = threadIdx.x - 128, lane = threadIdx.x & 31, cwarp = ctid >> 5;
+  const int64_t hd = static_cast<int64_t>(p.kv.num_heads) * kD;
+  const int num_new = p.num_new[it.user];
+  const uint32_t rank = ClusterCtaRank();
+  const int rows = kAttnBlockM / cluster;  // rows this CTA reduces: 16 for clusters of 8
+  const int row_begin = static_cast<int>(rank) * rows;
+
+  NamedBarrierSync(3, 256);  // both consumer warpgroups are past their last wgmma
+#pragma unroll
+  for (int jn = 0; jn < kD / 8; ++jn) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      *reinterpret_cast<float2*>(s_o + (row0 + 8 * i) * kStride + jn * 8 + 2 * t4) =
+          make_float2(o[4 * jn + 2 * i], o[4 * jn + 2 * i + 1]);
+    }
+  }
+  // The diagonal's weights of this CTA's rows (warp w: rows row_begin + w + 8j), before the sync.
+  const bf16* rows_base = p.uvqk + static_cast<int64_t>(it.q_row) * p.uvqk_row_stride + h * kD;
+  for (int r = row_begin + cwarp; r < row_begin + rows; r += 8) {
+    const bool cand = r < it.num_q && it.q_local + r >= num_new;  // warp-uniform
+    float pd = 0.f;
+    if (cand) {
+      Bf16x8 q{}, k{};
+      if (lane < kD / 8) {
+        const bf16* row = rows_base + static_cast<int64_t>(r) * p.uvqk_row_stride;
+        q = Ldg8(row + kQ * hd + 8 * lane);
+        k = Ldg8(row + kK * hd + 8 * lane);
+      }
+      pd = Silu(p.alpha * WarpSum(Dot8(q, k, 0.f))) * p.inv_norm;
+    }
+    if (lane == 0) s_pd[r - row_begin] = pd;
+  }
+  ClusterSync();
+
+  const uint32_t o_addr = SmemAddr(s_o);
+  bf16* out = p.out + h * kD;
+  constexpr int kVec = kD / 4;  // float4 per row
+  for (int idx = ctid; idx < rows * kVec; idx += 256) {
+    const int r = row_begin + idx / kVec, c = (idx % kVec) * 4;
+    const uint32_t at = o_addr + static_cast<uint32_t>((r * kStride + c) * 4);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < cluster; ++s) {
+      const float4 v = LdClusterF4(at, static_cast<uint32_t>(s));
+      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+    }
+    if (r < it.num_q) {
+      if (it.q_local + r >= num_new) {
+        const float pd = s_pd[r - row_begin];
+        const uint2 vv = __ldg(reinterpret_cast<const uint2*>(
+            rows_base + static_cast<int64_t>(r) * p.uvqk_row_stride + kV * hd + c));
+        const float2 v01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&vv.x));
+        const float2 v23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&vv.y));
+        acc.x = fmaf(pd, v01.x, acc.x);
+        acc.y = fmaf(pd, v01.y, acc.y);
+        acc.z = fmaf(pd, v23.x, acc.z);
+        acc.w = fmaf(pd, v23.y, acc.w);
+      }
+      uint2 packed;
+      packed.x = PackBf16x2(acc.x, acc.y);
+      packed.y = PackBf16x2(acc.z, acc.w);
+      *reinterpret_cast<uint2*>(out + static_cast<int64_t>(it.q_row + r) * hd + c) = packed;
+    }
+  }
+  ClusterSync();  // the other CTAs have read this one's O
+}
 
 struct AttnWsTraits {
   static constexpr int kD = 256;
@@ -93,14 +200,17 @@ struct AttnWsTraits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
-// Grid (num_items, H), 384 threads. Each consumer warpgroup runs S, SiLU, P·V of a block in order;
+// Grid (items × H), or with cluster > 0 (a cluster plan, PlanHstuAttention) grid (cluster,
+// tiles × H) in clusters of (cluster, 1, 1): the chunks of one tile and head are one cluster, and
+// after the key loop they sum their O through distributed shared memory (ClusterReduceEpilogue)
+// instead of writing partials for the reduction kernel. 384 threads. Each consumer warpgroup runs S, SiLU, P·V of a block in order;
 // the two warpgroups overlap each other. (A FlashAttention-3 ping-pong of the two, with S(j) and
 // P(j-1)·V(j-1) issued in one turn, measured 30 % slower: docs/cuda_kernels.md, round 6.) kv_map: the pool's tensor map in global memory; box_rows: rows
 // of one TMA box (64, 32, 16 or 8, dividing the page size).
 __global__ void __launch_bounds__(384, 1)
     HstuAttentionWsKernel(const AttentionParams<bf16> p, const AttentionWorkItem* __restrict__ items,
                           float* __restrict__ partials, const CUtensorMap* __restrict__ kv_map,
-                          int box_rows) {
+                          int box_rows, int cluster) {
 #ifdef HSTU_WGMMA_ENABLED
   HSTU_ATTN_TRACE_AT(kTraceEntry, GlobalTimerNs());
   // Launched dependent on the kernel before it (LaunchDependent). Until WaitForPredecessor this
@@ -122,9 +232,13 @@ __global__ void __launch_bounds__(384, 1)
   auto full_bar = [&](int slot) { return bar_addr + 8 * slot; };
   auto empty_bar = [&](int slot) { return bar_addr + 8 * (kSlots + slot); };
 
-  // Block x = item * H + head: the heads of an item launch together, in the plan's order.
-  const AttentionWorkItem it = items[blockIdx.x / p.kv.num_heads];
-  const int h = blockIdx.x % p.kv.num_heads;
+  // Block x = item * H + head: the heads of an item launch together, in the plan's order. In a
+  // cluster plan block y = tile * H + head and block x = the chunk (= the CTA's rank).
+  const int H = p.kv.num_heads;
+  const int item = cluster > 0 ? static_cast<int>(blockIdx.y) / H * cluster + blockIdx.x
+                               : static_cast<int>(blockIdx.x) / H;
+  const AttentionWorkItem it = items[item];
+  const int h = static_cast<int>(cluster > 0 ? blockIdx.y : blockIdx.x) % H;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int b = it.user;
   const int kv_begin = it.kv_begin, kv_end = it.kv_end;
@@ -345,6 +459,11 @@ __global__ void __launch_bounds__(384, 1)
     HSTU_ATTN_TRACE_AT(kTraceSmAndBlocks, (static_cast<unsigned long long>(num_blocks) << 32) | smid);
   }
 #endif
+
+  if (cluster > 0) {
+    ClusterReduceEpilogue(p, it, h, cluster, row0, t4, o, smem);
+    return;
+  }
 
   // ---- The candidates' own keys (diagonal) of an unsplit tile (the reduction adds a split
   // tile's: here it would lengthen the tile's longest chunk) ----

@@ -12,6 +12,7 @@
 #include "engine/cuda_backend.h"
 #include "engine/engine.h"
 #include "engine/model_file.h"
+#include "kernels/cuda/hstu_attention.h"
 #include "kernels/params.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/util/tolerance.h"
@@ -176,6 +177,86 @@ TEST(CudaGraphs, ReplayEqualsEagerBitForBit) {
                 static_cast<unsigned long long>(wait_replays),
                 static_cast<unsigned long long>(g.graph_fallbacks()), bit_exact_plain, steps, worst);
   }
+}
+
+// Cluster plans (D = 256, one wave of clusters: the batch-1 decode step's shape) in a graph: the
+// captured attention node keeps its cluster launch when a replay resizes it to another number of
+// tiles, replays equal the padded eager step bit for bit, and a batch whose plan is of the other
+// kind (too few tiles to fill the GPU) runs eagerly.
+TEST(CudaGraphs, ClusterPlansReplayEqualEager) {
+  HSTU_SKIP_WITHOUT_GPU();
+  ModelConfig c = GraphConfig(256);
+  c.hidden_dim = 256;
+  c.num_heads = 4;
+  c.max_history_tokens = 2048;
+  c.max_candidates = 256;
+  c.attention_norm_len = 2048 + 256;
+  c.position_rows = 2048;
+  c.head_dims = {256, 32, 3};
+  const ModelWeights w = RandomModel(c, 77);
+  const int page_size = 32, num_pages = 400;
+  // 3 tiles × 4 heads = 12 clusters of 8 make a cluster plan (96 CTAs); 4 tiles only where the GPU
+  // holds 16 clusters at once, and then the bucket's capture (4 tiles) is resized to 3 and back.
+  int max_clusters = 0;
+  ASSERT_EQ(cuda::HstuAttentionMaxClusters(8, &max_clusters), cudaSuccess);
+  const bool four_tiles = max_clusters >= 16;
+  GraphOptions go;
+  go.enable = true;
+  go.buckets = {{2, four_tiles ? 512 : 384}};
+  auto graphed = CreateCudaBackendExt(w, page_size, num_pages, 0, go);
+  ASSERT_TRUE(graphed.ok()) << graphed.status();
+  CudaBackend& g = **graphed;
+  ASSERT_NE(g.attention_kernel().find("cluster reduction"), std::string::npos)
+      << g.attention_kernel();
+  ASSERT_TRUE(g.SetDebugPoison(true).ok());
+  std::mt19937 rng(9);
+  std::vector<User> users(2);
+  std::vector<int32_t> free_pages(num_pages);
+  std::iota(free_pages.begin(), free_pages.end(), 0);
+  std::shuffle(free_pages.begin(), free_pages.end(), rng);
+  // Histories of 900 and 1400 tokens, computed eagerly (beyond the bucket).
+  ForwardOutput out;
+  const ForwardBatch pre = Step(&users, {900, 1400}, {0, 0}, page_size, &free_pages, &rng);
+  ASSERT_TRUE(g.Forward(pre, false, &out).ok());
+  struct Visit { std::vector<int> who, nn, cand; };
+  const Visit visits[] = {
+      {{0}, {100}, {250}},          // 3 tiles × 4 heads: a cluster plan
+      {{0, 1}, {60, 90}, {100, 60}},  // 4 tiles (another grid) where 16 clusters fit
+      {{1}, {40}, {30}},            // 1 tile: too few CTAs, the other kind of plan
+      {{1}, {128}, {256}},          // 3 tiles again
+  };
+  int cluster_replays = 0;
+  for (size_t v = 0; v < std::size(visits); ++v) {
+    const Visit& vis = visits[v];
+    std::vector<User> sub;
+    for (int u : vis.who) sub.push_back(users[u]);
+    if (!four_tiles && v == 1) continue;  // beyond this GPU's clusters at once: not this bucket
+    const ForwardBatch fb = Step(&sub, vis.nn, vis.cand, page_size, &free_pages, &rng);
+    for (size_t i = 0; i < vis.who.size(); ++i) users[vis.who[i]] = sub[i];
+    ForwardOutput replay, eager;
+    g.SetGraphReplay(true);
+    const uint64_t r0 = g.graph_replays(), f0 = g.graph_fallbacks();
+    ASSERT_TRUE(g.Forward(fb, true, &replay).ok());
+    const bool replayed = g.graph_replays() > r0;
+    EXPECT_EQ(g.graph_replays() - r0 + g.graph_fallbacks() - f0, 1u) << "visit " << v;
+    const int cluster = g.attention_cluster();
+    if (cluster > 0 && replayed) ++cluster_replays;
+    if (vis.who.size() == 1 && vis.nn[0] + vis.cand[0] <= 128) {
+      EXPECT_EQ(cluster, 0) << "visit " << v << ": one tile fills too few SMs for clusters";
+      EXPECT_FALSE(replayed) << "visit " << v << ": a plan of the other kind replayed the graph";
+    }
+    g.SetGraphReplay(false);
+    ASSERT_TRUE(g.Forward(fb, true, &eager).ok());
+    const std::string what = "visit " + std::to_string(v) + (cluster ? " (cluster plan)" : "");
+    ASSERT_TRUE(test::AllFinite(replay.scores) && test::AllFinite(replay.hidden)) << what;
+    EXPECT_TRUE(BitEqual(replay.scores, eager.scores)) << what;
+    EXPECT_TRUE(BitEqual(replay.hidden, eager.hidden)) << what;
+  }
+  EXPECT_GE(cluster_replays, 2) << "cluster plans did not replay";
+  std::printf("  %d clusters of 8 at once; %d replays of cluster plans, %llu eager fallbacks\n",
+              max_clusters, cluster_replays,
+              static_cast<unsigned long long>(g.graph_fallbacks()));
+  g.SetGraphReplay(true);
 }
 
 TEST(CudaGraphs, EngineWithGraphsMatchesCpuEngine) {

@@ -279,8 +279,9 @@ PagedCase MakeCase(std::mt19937& rng, int B, int page_size, int H, int D, int W,
 // Fills the pages as the engine does (c.uvqk taken as the UVQK GEMM output: bias + SiLU fused with
 // the append), then both sides append and attend over the GPU's post-SiLU rows: the pages bit for
 // bit, attention within the bf16 tolerance.
+// cluster > 0: a cluster plan (summed in distributed shared memory), which the case must produce.
 void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, int max_split = 64,
-                  bool expect_two_chunks = false) {
+                  bool expect_two_chunks = false, int cluster = 0) {
   const int64_t hd = static_cast<int64_t>(c.H) * c.D;
   DeviceArray<bf16> d_pool(ToBf16(c.pool)), d_uvqk(ToBf16(c.uvqk)), d_out(c.rows() * hd);
   DeviceArray<int32_t> d_ro(c.row_offsets), d_nn(c.num_new), d_nt(c.num_tokens),
@@ -352,7 +353,8 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
 
   const cuda::AttentionPlan plan = cuda::PlanHstuAttention(
       c.row_offsets.data(), c.num_new.data(), c.num_tokens.data(), c.B, c.W, c.H, concurrent_ctas,
-      max_split);
+      max_split, cluster, /*max_clusters=*/cluster > 0 ? 1 << 20 : 0);
+  ASSERT_EQ(plan.cluster, cluster) << what << ": the case meant to make a cluster plan";
   if (expect_two_chunks) {
     EXPECT_TRUE(std::any_of(plan.items.begin(), plan.items.end(),
                             [](const cuda::AttentionWorkItem& it) { return it.num_splits == 2; }))
@@ -379,7 +381,8 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
     d_out.Poison();
     HSTU_ASSERT_CUDA(cuda::LaunchHstuAttention(
         gp, reinterpret_cast<const cuda::AttentionWorkItem*>(d_items.get()),
-        static_cast<int32_t>(plan.items.size()), plan.num_split_tiles, d_partials.get(), nullptr));
+        static_cast<int32_t>(plan.items.size()), plan.num_split_tiles, d_partials.get(), nullptr,
+        plan.cluster));
     HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
     const auto got = ToF32(d_out.Download());
     ASSERT_TRUE(AllFinite(got)) << what << ": NaN/Inf or unwritten rows (items "
@@ -560,6 +563,33 @@ TEST(CudaKernels, PagedAttentionAndAppendMatchCpu) {
   }
 }
 
+// Cluster plans (the warp-specialised kernel; each tile and head one cluster whose CTAs sum their
+// chunks in distributed shared memory): against the CPU, with empty chunks, users without history
+// or candidates, partial tiles and every cluster size. The split reduction is launched too (as in
+// a graph replay) and must leave the output alone.
+TEST(CudaKernels, ClusterAttentionMatchesCpu) {
+  HSTU_SKIP_WITHOUT_GPU();
+  int max_clusters = 0;
+  HSTU_ASSERT_CUDA(cuda::HstuAttentionMaxClusters(8, &max_clusters));
+  ASSERT_GT(max_clusters, 0) << "no cluster of 8 attention CTAs fits this GPU";
+  std::mt19937 rng(12);
+  struct Shape { int B, page_size, H, cached, nnew, cand, cluster; };
+  const Shape shapes[] = {
+      {1, 32, 4, 4000, 128, 256, 8},  // the batch-1 decode step
+      {17, 32, 2, 300, 90, 40, 8},    // 17 users with edge cases: empty chunks, no history
+      {3, 8, 1, 250, 60, 20, 4},      // 8-row boxes, clusters of 4
+      {2, 16, 4, 90, 20, 130, 2},     // clusters of 2
+      {4, 64, 2, 2000, 150, 3, 8},    // 64-row boxes, a 1-candidate user
+  };
+  for (const Shape& s : shapes) {
+    PagedCase c = MakeCase(rng, s.B, s.page_size, s.H, 256, 0, s.cached, s.nnew, s.cand);
+    RunPagedCase(c, /*concurrent_ctas=*/1,
+                 "cluster " + ::testing::PrintToString(std::vector<int>{s.B, s.page_size, s.H,
+                                                                       s.cached, s.cluster}),
+                 64, false, s.cluster);
+  }
+}
+
 TEST(CudaKernels, AttentionRejectsBadArguments) {
   HSTU_SKIP_WITHOUT_GPU();
   AttentionParams<bf16> p;
@@ -585,6 +615,23 @@ TEST(CudaKernels, AttentionRejectsBadArguments) {
   EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 2, 3, reinterpret_cast<float*>(buf.get()),
                                       nullptr),
             cudaErrorInvalidValue);
+  // Cluster plans: only D = 256 (the warp-specialised kernel), sizes 2/4/8 dividing the items, no
+  // split tiles.
+  EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 8, 0, nullptr, nullptr, 8),
+            cudaErrorInvalidValue);  // D = 64
+  p.kv.head_dim = 256;
+  p.uvqk_row_stride = 4 * 256;
+  p.kv.kv_stride = 16 * 256;
+  p.kv.page_stride = 2 * p.kv.kv_stride;
+  EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 9, 0, nullptr, nullptr, 3),
+            cudaErrorInvalidValue);  // 3 does not divide a 128-row tile
+  EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 12, 0, nullptr, nullptr, 8),
+            cudaErrorInvalidValue);  // 12 items are not whole clusters of 8
+  EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 8, 1, reinterpret_cast<float*>(buf.get()),
+                                      nullptr, 8),
+            cudaErrorInvalidValue);  // split tiles in a cluster plan
+  EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 16, 0, nullptr, nullptr, 16),
+            cudaErrorInvalidValue);  // beyond the portable cluster size
 }
 
 }  // namespace

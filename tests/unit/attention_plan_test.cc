@@ -1,7 +1,8 @@
 // The paged attention's work plan (kernels/cuda/hstu_attention.h), on the CPU: every tile's keys are
 // covered exactly once by its chunks, the split bookkeeping is consistent, the items come longest
 // first with the split tiles' first chunks leading, and the chunk length beats a uniform split of
-// the decode-step shape.
+// the decode-step shape; cluster plans are tile-major, `cluster` chunks a tile, and are made only
+// where the clusters run in one wave and fill the GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -138,6 +139,124 @@ TEST(AttentionPlanTest, DecodeStepOfEightUsersBeatsUniformSplits) {
       PlanHstuAttention(one.row_offsets.data(), one.num_new.data(), one.num_tokens.data(), 1, 0, 4, 132);
   CheckPlan(one, 0, p1, "decode b1");
   EXPECT_LE(Makespan(p1, 4, 132), 8.0);
+}
+
+// A cluster plan: items[t * cluster + s] is chunk s of tile t (tiles in user, then row order),
+// every chunk whole 64-key blocks but the last non-empty one, the tile's keys covered once, no
+// partials and no split tiles (tile = -1, so the split reduction skips every item).
+void CheckClusterPlan(const Batch& b, const AttentionPlan& plan, int32_t cluster,
+                      const std::string& what) {
+  ASSERT_EQ(plan.cluster, cluster) << what;
+  EXPECT_EQ(plan.num_split_tiles, 0) << what;
+  EXPECT_EQ(plan.num_partials, 0) << what;
+  size_t t = 0;
+  for (int32_t u = 0; u < b.size(); ++u) {
+    const int32_t rows = b.row_offsets[u + 1] - b.row_offsets[u];
+    for (int32_t q0 = 0; q0 < rows; q0 += kAttnBlockM, ++t) {
+      const int32_t last = q0 + std::min(kAttnBlockM, rows - q0) - 1;
+      const int32_t hist = b.num_tokens[u], first_new = hist - b.num_new[u];
+      const int32_t kv_end = last >= b.num_new[u] ? hist : first_new + last + 1;
+      int32_t next = 0;
+      for (int32_t s = 0; s < cluster; ++s) {
+        ASSERT_LT(t * cluster + s, plan.items.size()) << what;
+        const AttentionWorkItem& it = plan.items[t * cluster + s];
+        EXPECT_EQ(it.user, u) << what;
+        EXPECT_EQ(it.q_local, q0) << what;
+        EXPECT_EQ(it.q_row, b.row_offsets[u] + q0) << what;
+        EXPECT_EQ(it.split, s) << what;
+        EXPECT_EQ(it.num_splits, cluster) << what;
+        EXPECT_EQ(it.tile, -1) << what;
+        EXPECT_EQ(it.kv_begin, next) << what << ": chunks of a tile must be contiguous";
+        EXPECT_LE(it.kv_begin, it.kv_end) << what;
+        if (it.kv_end < kv_end) EXPECT_EQ((it.kv_end - it.kv_begin) % kAttnBlockN, 0) << what;
+        next = it.kv_end;
+      }
+      EXPECT_EQ(next, kv_end) << what << ": keys of user " << u << " rows " << q0;
+    }
+  }
+  EXPECT_EQ(plan.items.size(), t * cluster) << what;
+}
+
+TEST(AttentionPlanTest, ClusterPlanForAOneWaveDecodeStep) {
+  // One user of the decode-step shape: 3 tiles × 4 heads = 12 clusters of 8 (96 CTAs, ≥ 2/3 of
+  // 132), within the 16 the GPU holds at once.
+  Batch one;
+  one.Add(384, 128, 4096);
+  const AttentionPlan p1 = PlanHstuAttention(one.row_offsets.data(), one.num_new.data(),
+                                             one.num_tokens.data(), 1, 0, 4, 132, 64, 8, 16);
+  CheckClusterPlan(one, p1, 8, "decode b1");
+  EXPECT_EQ(p1.chunk_blocks, 8);  // 64 blocks (4096 keys) in 8 chunks
+  // A short history (the graph capture's warm-up batch: 1 key) still makes a cluster plan, with
+  // empty chunks, so a bucket's capture and its replays agree on the kind of plan.
+  Batch warm;
+  warm.Add(384, 1, 1);
+  CheckClusterPlan(warm,
+                   PlanHstuAttention(warm.row_offsets.data(), warm.num_new.data(),
+                                     warm.num_tokens.data(), 1, 0, 4, 132, 64, 8, 16),
+                   8, "warm-up");
+  // Not a cluster plan: too many clusters for one wave (8 users), too few CTAs to fill the GPU
+  // (1 tile: 4 × 8 = 32 CTAs), a window, or no cluster size.
+  Batch eight;
+  for (int u = 0; u < 8; ++u) eight.Add(384, 128, 4096);
+  EXPECT_EQ(PlanHstuAttention(eight.row_offsets.data(), eight.num_new.data(),
+                              eight.num_tokens.data(), 8, 0, 4, 132, 64, 8, 16)
+                .cluster,
+            0);
+  CheckPlan(eight, 0,
+            PlanHstuAttention(eight.row_offsets.data(), eight.num_new.data(),
+                              eight.num_tokens.data(), 8, 0, 4, 132, 64, 8, 16),
+            "b8 with clusters available");
+  Batch small;
+  small.Add(100, 0, 4096);
+  EXPECT_EQ(PlanHstuAttention(small.row_offsets.data(), small.num_new.data(),
+                              small.num_tokens.data(), 1, 0, 4, 132, 64, 8, 16)
+                .cluster,
+            0);
+  EXPECT_EQ(PlanHstuAttention(one.row_offsets.data(), one.num_new.data(), one.num_tokens.data(), 1,
+                              600, 4, 132, 64, 8, 16)
+                .cluster,
+            0);
+  EXPECT_EQ(PlanHstuAttention(one.row_offsets.data(), one.num_new.data(), one.num_tokens.data(), 1,
+                              0, 4, 132)
+                .cluster,
+            0);
+}
+
+TEST(AttentionPlanTest, RandomClusterPlansCoverEveryKeyOnce) {
+  std::mt19937 rng(11);
+  int made = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    Batch b;
+    const int32_t users = 1 + static_cast<int32_t>(rng() % 3);
+    for (int32_t u = 0; u < users; ++u) {
+      const int32_t new_tokens = static_cast<int32_t>(rng() % 300);
+      const int32_t cached = rng() % 4 == 0 ? 0 : static_cast<int32_t>(rng() % 5000);
+      const int32_t cands = 1 + static_cast<int32_t>(rng() % 200);
+      b.Add(new_tokens + cands, new_tokens, cached + new_tokens);
+    }
+    const int32_t cluster = 2 << (rng() % 3);  // 2, 4, 8
+    const int32_t heads = 1 << (rng() % 3);
+    const int32_t slots = 8 + static_cast<int32_t>(rng() % 132);
+    const int32_t max_clusters = 1 + static_cast<int32_t>(rng() % 40);
+    const AttentionPlan plan = PlanHstuAttention(b.row_offsets.data(), b.num_new.data(),
+                                                 b.num_tokens.data(), b.size(), 0, heads, slots,
+                                                 64, cluster, max_clusters);
+    int64_t tiles = 0;
+    for (int32_t u = 0; u < b.size(); ++u) {
+      tiles += (b.row_offsets[u + 1] - b.row_offsets[u] + kAttnBlockM - 1) / kAttnBlockM;
+    }
+    const bool expect = tiles * heads <= max_clusters && 3 * tiles * heads * cluster >= 2LL * slots;
+    const std::string what = "trial " + std::to_string(trial);
+    ASSERT_EQ(plan.cluster > 0, expect) << what;
+    if (expect) {
+      CheckClusterPlan(b, plan, cluster, what);
+      ++made;
+    } else {
+      CheckPlan(b, 0, plan, what);
+    }
+    if (HasFailure()) return;
+  }
+  EXPECT_GT(made, 20);  // the trials reach both kinds of plan
 }
 
 }  // namespace
