@@ -179,30 +179,33 @@ TEST(CudaGraphs, ReplayEqualsEagerBitForBit) {
   }
 }
 
-// Cluster plans (D = 256, one wave of clusters: the batch-1 decode step's shape) in a graph: the
-// captured attention node keeps its cluster launch when a replay resizes it to another number of
-// tiles, replays equal the padded eager step bit for bit, and a batch whose plan is of the other
-// kind (too few tiles to fill the GPU) runs eagerly.
+// Cluster plans (D = 256, one wave of clusters, as in the batch-1 decode step) in a graph: the
+// captured attention node keeps its cluster launch when a replay resizes it to fewer tiles,
+// replays equal the padded eager step bit for bit, and a batch whose plan is of the other kind
+// (too few tiles to fill two thirds of the GPU) runs eagerly. 2 heads, so that several tile counts
+// make cluster plans: from lo = ceil(2·SMs / (3 · 2 heads · 8)) to hi = clusters at once / 2.
 TEST(CudaGraphs, ClusterPlansReplayEqualEager) {
   HSTU_SKIP_WITHOUT_GPU();
+  int max_clusters = 0, device = 0, sms = 0;
+  ASSERT_EQ(cuda::HstuAttentionMaxClusters(8, &max_clusters), cudaSuccess);
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  const int heads = 2, lo = (2 * sms + 3 * heads * 8 - 1) / (3 * heads * 8),
+            hi = max_clusters / heads;
+  if (hi < lo + 1) GTEST_SKIP() << max_clusters << " clusters of 8 on " << sms << " SMs";
   ModelConfig c = GraphConfig(256);
   c.hidden_dim = 256;
-  c.num_heads = 4;
-  c.max_history_tokens = 2048;
+  c.num_heads = heads;
+  c.max_history_tokens = 4096;
   c.max_candidates = 256;
-  c.attention_norm_len = 2048 + 256;
-  c.position_rows = 2048;
+  c.attention_norm_len = 4096 + 256;
+  c.position_rows = 4096;
   c.head_dims = {256, 32, 3};
   const ModelWeights w = RandomModel(c, 77);
   const int page_size = 32, num_pages = 400;
-  // 3 tiles × 4 heads = 12 clusters of 8 make a cluster plan (96 CTAs); 4 tiles only where the GPU
-  // holds 16 clusters at once, and then the bucket's capture (4 tiles) is resized to 3 and back.
-  int max_clusters = 0;
-  ASSERT_EQ(cuda::HstuAttentionMaxClusters(8, &max_clusters), cudaSuccess);
-  const bool four_tiles = max_clusters >= 16;
   GraphOptions go;
   go.enable = true;
-  go.buckets = {{2, four_tiles ? 512 : 384}};
+  go.buckets = {{2, hi * cuda::kAttnBlockM}};  // captured with hi tiles: a cluster plan
   auto graphed = CreateCudaBackendExt(w, page_size, num_pages, 0, go);
   ASSERT_TRUE(graphed.ok()) << graphed.status();
   CudaBackend& g = **graphed;
@@ -214,48 +217,50 @@ TEST(CudaGraphs, ClusterPlansReplayEqualEager) {
   std::vector<int32_t> free_pages(num_pages);
   std::iota(free_pages.begin(), free_pages.end(), 0);
   std::shuffle(free_pages.begin(), free_pages.end(), rng);
-  // Histories of 900 and 1400 tokens, computed eagerly (beyond the bucket).
   ForwardOutput out;
-  const ForwardBatch pre = Step(&users, {900, 1400}, {0, 0}, page_size, &free_pages, &rng);
+  const ForwardBatch pre = Step(&users, {300, 500}, {0, 0}, page_size, &free_pages, &rng);
   ASSERT_TRUE(g.Forward(pre, false, &out).ok());
-  struct Visit { std::vector<int> who, nn, cand; };
+  // Rows of a user that make `tiles` query tiles: 256 candidates (fewer below 2 tiles), the rest
+  // new history.
+  auto rows_of = [](int tiles) { return tiles * cuda::kAttnBlockM - 30; };
+  struct Visit { std::vector<int> who, tiles; bool cluster; };
   const Visit visits[] = {
-      {{0}, {100}, {250}},          // 3 tiles × 4 heads: a cluster plan
-      {{0, 1}, {60, 90}, {100, 60}},  // 4 tiles (another grid) where 16 clusters fit
-      {{1}, {40}, {30}},            // 1 tile: too few CTAs, the other kind of plan
-      {{1}, {128}, {256}},          // 3 tiles again
+      {{0}, {hi}, true},                    // the captured grid
+      {{0}, {lo}, true},                    // fewer tiles: the cluster node resized
+      {{1}, {lo - 1}, false},               // too few CTAs: the other kind, eager
+      {{0, 1}, {hi / 2, hi - hi / 2}, true},  // two users
   };
   int cluster_replays = 0;
   for (size_t v = 0; v < std::size(visits); ++v) {
     const Visit& vis = visits[v];
     std::vector<User> sub;
-    for (int u : vis.who) sub.push_back(users[u]);
-    if (!four_tiles && v == 1) continue;  // beyond this GPU's clusters at once: not this bucket
-    const ForwardBatch fb = Step(&sub, vis.nn, vis.cand, page_size, &free_pages, &rng);
+    std::vector<int> nn, cand;
+    for (size_t i = 0; i < vis.who.size(); ++i) {
+      sub.push_back(users[vis.who[i]]);
+      const int rows = rows_of(vis.tiles[i]);
+      cand.push_back(std::min(256, rows - 1));
+      nn.push_back(rows - cand.back());
+    }
+    const ForwardBatch fb = Step(&sub, nn, cand, page_size, &free_pages, &rng);
     for (size_t i = 0; i < vis.who.size(); ++i) users[vis.who[i]] = sub[i];
+    const std::string what = "visit " + std::to_string(v);
     ForwardOutput replay, eager;
     g.SetGraphReplay(true);
     const uint64_t r0 = g.graph_replays(), f0 = g.graph_fallbacks();
-    ASSERT_TRUE(g.Forward(fb, true, &replay).ok());
-    const bool replayed = g.graph_replays() > r0;
-    EXPECT_EQ(g.graph_replays() - r0 + g.graph_fallbacks() - f0, 1u) << "visit " << v;
-    const int cluster = g.attention_cluster();
-    if (cluster > 0 && replayed) ++cluster_replays;
-    if (vis.who.size() == 1 && vis.nn[0] + vis.cand[0] <= 128) {
-      EXPECT_EQ(cluster, 0) << "visit " << v << ": one tile fills too few SMs for clusters";
-      EXPECT_FALSE(replayed) << "visit " << v << ": a plan of the other kind replayed the graph";
-    }
+    ASSERT_TRUE(g.Forward(fb, true, &replay).ok()) << what;
+    EXPECT_EQ(g.attention_cluster(), vis.cluster ? 8 : 0) << what;
+    EXPECT_EQ(g.graph_replays() - r0, vis.cluster ? 1u : 0u) << what;
+    EXPECT_EQ(g.graph_fallbacks() - f0, vis.cluster ? 0u : 1u) << what;
+    cluster_replays += g.graph_replays() > r0 && g.attention_cluster() > 0;
     g.SetGraphReplay(false);
-    ASSERT_TRUE(g.Forward(fb, true, &eager).ok());
-    const std::string what = "visit " + std::to_string(v) + (cluster ? " (cluster plan)" : "");
+    ASSERT_TRUE(g.Forward(fb, true, &eager).ok()) << what;
     ASSERT_TRUE(test::AllFinite(replay.scores) && test::AllFinite(replay.hidden)) << what;
     EXPECT_TRUE(BitEqual(replay.scores, eager.scores)) << what;
     EXPECT_TRUE(BitEqual(replay.hidden, eager.hidden)) << what;
   }
-  EXPECT_GE(cluster_replays, 2) << "cluster plans did not replay";
-  std::printf("  %d clusters of 8 at once; %d replays of cluster plans, %llu eager fallbacks\n",
-              max_clusters, cluster_replays,
-              static_cast<unsigned long long>(g.graph_fallbacks()));
+  EXPECT_EQ(cluster_replays, 3);
+  std::printf("  %d clusters of 8 at once on %d SMs: cluster plans of %d..%d tiles (2 heads)\n",
+              max_clusters, sms, lo, hi);
   g.SetGraphReplay(true);
 }
 
