@@ -29,23 +29,7 @@ __device__ __forceinline__ void AllowDependents() {
 
 // Launches `kernel` with programmatic stream serialization: it may begin while the previous kernel
 // on `stream` runs (see WaitForPredecessor). Every kernel launched this way must wait first thing.
-template <typename... Params, typename... Args>
-cudaError_t LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                            cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-}
-
-// LaunchDependent in thread block clusters of (cluster_x, 1, 1); grid.x must be a multiple.
+// cluster_x > 0 launches it in thread block clusters of (cluster_x, 1, 1) (grid.x a multiple).
 template <typename... Params, typename... Args>
 cudaError_t LaunchDependentCluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                                    unsigned cluster_x, cudaStream_t stream, Args&&... args) {
@@ -62,8 +46,13 @@ cudaError_t LaunchDependentCluster(void (*kernel)(Params...), dim3 grid, dim3 bl
   attr[1].val.clusterDim.y = 1;
   attr[1].val.clusterDim.z = 1;
   config.attrs = attr;
-  config.numAttrs = 2;
+  config.numAttrs = cluster_x > 0 ? 2 : 1;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+template <typename... Params, typename... Args>
+cudaError_t LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                            cudaStream_t stream, Args&&... args) {
+  return LaunchDependentCluster(kernel, grid, block, smem, 0, stream, std::forward<Args>(args)...);
 }
 
 // 8 bf16 values moved as one 16-byte access.

@@ -15,6 +15,23 @@ struct Tile {
 
 int32_t CeilDiv(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
+// Chunk s of `splits` of tile t, chunk_keys keys each (the last ones may be shorter or empty).
+AttentionWorkItem ChunkOf(const Tile& t, int32_t s, int32_t splits, int32_t chunk_keys,
+                          int32_t tile_idx, int32_t partial_base) {
+  AttentionWorkItem it;
+  it.user = t.user;
+  it.q_row = t.q_row;
+  it.num_q = t.num_q;
+  it.q_local = t.q_local;
+  it.kv_begin = std::min(t.kv_end, t.kv_begin + s * chunk_keys);
+  it.kv_end = std::min(t.kv_end, t.kv_begin + (s + 1) * chunk_keys);
+  it.split = s;
+  it.num_splits = splits;
+  it.tile = tile_idx;
+  it.partial_base = partial_base;
+  return it;
+}
+
 }  // namespace
 
 AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_new,
@@ -55,17 +72,8 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
           std::max(1, CeilDiv(CeilDiv(t.kv_end - t.kv_begin, kAttnBlockN), cluster)) * kAttnBlockN;
       plan.chunk_blocks = std::max(plan.chunk_blocks, chunk_keys / kAttnBlockN);
       for (int32_t s = 0; s < cluster; ++s) {
-        AttentionWorkItem it;
-        it.user = t.user;
-        it.q_row = t.q_row;
-        it.num_q = t.num_q;
-        it.q_local = t.q_local;
-        it.kv_begin = std::min(t.kv_end, t.kv_begin + s * chunk_keys);
-        it.kv_end = std::min(t.kv_end, t.kv_begin + (s + 1) * chunk_keys);
-        it.split = s;
-        it.num_splits = cluster;
-        it.tile = -1;  // no partials: the split reduction skips it
-        plan.items.push_back(it);
+        // tile -1: no partials, the split reduction skips it.
+        plan.items.push_back(ChunkOf(t, s, cluster, chunk_keys, -1, 0));
       }
     }
     return plan;
@@ -184,18 +192,7 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
     const int32_t base = plan.num_partials;
     if (splits > 1) plan.num_partials += splits;
     for (int32_t s = 0; s < splits; ++s) {
-      AttentionWorkItem it;
-      it.user = t.user;
-      it.q_row = t.q_row;
-      it.num_q = t.num_q;
-      it.q_local = t.q_local;
-      it.kv_begin = std::min(t.kv_end, t.kv_begin + s * chunk_keys);
-      it.kv_end = std::min(t.kv_end, t.kv_begin + (s + 1) * chunk_keys);
-      it.split = s;
-      it.num_splits = splits;
-      it.tile = tile_idx;
-      it.partial_base = base;
-      plan.items.push_back(it);
+      plan.items.push_back(ChunkOf(t, s, splits, chunk_keys, tile_idx, base));
     }
   }
   // Longest first; among equal lengths the split tiles' first chunks lead (a split tile's first
