@@ -27,6 +27,20 @@ struct Batch {
   int32_t size() const { return static_cast<int32_t>(num_new.size()); }
 };
 
+// 1..max_users users, each with < max_new new history tokens, a cache of < 5000 tokens (none for
+// a quarter of them) and 1..max_cand candidates.
+Batch RandomBatch(std::mt19937& rng, int32_t max_users, int32_t max_new, int32_t max_cand) {
+  Batch b;
+  const int32_t users = 1 + static_cast<int32_t>(rng() % max_users);
+  for (int32_t u = 0; u < users; ++u) {
+    const int32_t new_tokens = static_cast<int32_t>(rng() % max_new);
+    const int32_t cached = rng() % 4 == 0 ? 0 : static_cast<int32_t>(rng() % 5000);
+    const int32_t cands = 1 + static_cast<int32_t>(rng() % max_cand);
+    b.Add(new_tokens + cands, new_tokens, cached + new_tokens);
+  }
+  return b;
+}
+
 // Makespan of the launch (block x = item * H + head, handed to the first free SM) when a CTA
 // costs its key blocks plus two.
 double Makespan(const AttentionPlan& plan, int heads, int slots) {
@@ -100,14 +114,7 @@ void CheckPlan(const Batch& b, int32_t window, const AttentionPlan& plan, const 
 TEST(AttentionPlanTest, RandomBatchesCoverEveryKeyOnceWithConsistentSplits) {
   std::mt19937 rng(7);
   for (int trial = 0; trial < 300; ++trial) {
-    Batch b;
-    const int32_t users = 1 + static_cast<int32_t>(rng() % 17);
-    for (int32_t u = 0; u < users; ++u) {
-      const int32_t new_tokens = static_cast<int32_t>(rng() % 700);
-      const int32_t cached = rng() % 4 == 0 ? 0 : static_cast<int32_t>(rng() % 5000);
-      const int32_t cands = 1 + static_cast<int32_t>(rng() % 300);
-      b.Add(new_tokens + cands, new_tokens, cached + new_tokens);
-    }
+    const Batch b = RandomBatch(rng, 17, 700, 300);
     const int32_t window = rng() % 3 == 0 ? 1 + static_cast<int32_t>(rng() % 1500) : 0;
     const int32_t heads = 1 << (rng() % 4);
     const int32_t slots = rng() % 2 ? 132 : 1 + static_cast<int32_t>(rng() % 300);
@@ -226,14 +233,7 @@ TEST(AttentionPlanTest, RandomClusterPlansCoverEveryKeyOnce) {
   std::mt19937 rng(11);
   int made = 0;
   for (int trial = 0; trial < 300; ++trial) {
-    Batch b;
-    const int32_t users = 1 + static_cast<int32_t>(rng() % 3);
-    for (int32_t u = 0; u < users; ++u) {
-      const int32_t new_tokens = static_cast<int32_t>(rng() % 300);
-      const int32_t cached = rng() % 4 == 0 ? 0 : static_cast<int32_t>(rng() % 5000);
-      const int32_t cands = 1 + static_cast<int32_t>(rng() % 200);
-      b.Add(new_tokens + cands, new_tokens, cached + new_tokens);
-    }
+    const Batch b = RandomBatch(rng, 3, 300, 200);
     const int32_t cluster = 2 << (rng() % 3);  // 2, 4, 8
     const int32_t heads = 1 << (rng() % 3);
     const int32_t slots = 8 + static_cast<int32_t>(rng() % 132);
