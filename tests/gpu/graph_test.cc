@@ -264,6 +264,70 @@ TEST(CudaGraphs, ClusterPlansReplayEqualEager) {
   g.SetGraphReplay(true);
 }
 
+// Lean plans in a graph (D = 256, several users of 3 tiles, more CTAs than a wave): the bucket is
+// captured with a split plan (its reduction node included), and replays of lean plans resize the
+// attention node to the lean grid, the reduction's blocks exiting; each replay equals the eager
+// step bit for bit, and the arrival counters carry over correctly from replay to replay.
+TEST(CudaGraphs, LeanPlansReplayEqualEager) {
+  HSTU_SKIP_WITHOUT_GPU();
+  ModelConfig c = GraphConfig(256);
+  c.hidden_dim = 256;
+  c.num_heads = 2;
+  c.max_history_tokens = 4096;
+  c.max_candidates = 256;
+  c.attention_norm_len = 4096 + 256;
+  c.position_rows = 4096;
+  c.head_dims = {256, 32, 3};
+  const ModelWeights w = RandomModel(c, 78);
+  const int page_size = 32, num_pages = 900;
+  GraphOptions go;
+  go.enable = true;
+  go.buckets = {{8, 8 * 384}};
+  auto graphed = CreateCudaBackendExt(w, page_size, num_pages, 0, go);
+  ASSERT_TRUE(graphed.ok()) << graphed.status();
+  CudaBackend& g = **graphed;
+  ASSERT_NE(g.attention_kernel().find("lean plans"), std::string::npos) << g.attention_kernel();
+  ASSERT_TRUE(g.SetDebugPoison(true).ok());
+  std::mt19937 rng(10);
+  std::vector<User> users(8);
+  std::vector<int32_t> free_pages(num_pages);
+  std::iota(free_pages.begin(), free_pages.end(), 0);
+  std::shuffle(free_pages.begin(), free_pages.end(), rng);
+  std::vector<int> prefix(8), none(8, 0);
+  for (int& p : prefix) p = 1500 + static_cast<int>(rng() % 600);
+  ForwardOutput out;
+  const ForwardBatch pre = Step(&users, prefix, none, page_size, &free_pages, &rng);
+  ASSERT_TRUE(g.Forward(pre, false, &out).ok());  // eager: beyond the bucket
+  int lean_replays = 0;
+  for (int step = 0; step < 4; ++step) {
+    const int B = step == 2 ? 6 : 8;
+    std::vector<User> sub(users.begin(), users.begin() + B);
+    std::vector<int> nn(B), cand(B);
+    for (int b = 0; b < B; ++b) {
+      nn[b] = 100 + static_cast<int>(rng() % 28);
+      cand[b] = 384 - nn[b] - static_cast<int>(rng() % 20);
+    }
+    const ForwardBatch fb = Step(&sub, nn, cand, page_size, &free_pages, &rng);
+    std::copy(sub.begin(), sub.end(), users.begin());
+    const std::string what = "step " + std::to_string(step) + " (" + std::to_string(B) + " users)";
+    ForwardOutput replay, eager;
+    g.SetGraphReplay(true);
+    const uint64_t r0 = g.graph_replays();
+    ASSERT_TRUE(g.Forward(fb, true, &replay).ok()) << what;
+    const bool lean = g.attention_lean_ctas() > 0;
+    EXPECT_EQ(g.graph_replays() - r0, 1u) << what;
+    lean_replays += lean;
+    g.SetGraphReplay(false);
+    ASSERT_TRUE(g.Forward(fb, true, &eager).ok()) << what;
+    EXPECT_EQ(g.attention_lean_ctas() > 0, lean) << what;
+    ASSERT_TRUE(test::AllFinite(replay.scores) && test::AllFinite(replay.hidden)) << what;
+    EXPECT_TRUE(BitEqual(replay.scores, eager.scores)) << what;
+    EXPECT_TRUE(BitEqual(replay.hidden, eager.hidden)) << what;
+  }
+  EXPECT_GE(lean_replays, 3) << "the steps meant to make lean plans did not";
+  g.SetGraphReplay(true);
+}
+
 TEST(CudaGraphs, EngineWithGraphsMatchesCpuEngine) {
   HSTU_SKIP_WITHOUT_GPU();
   const ModelWeights w = RandomModel(GraphConfig(64), 77);

@@ -259,5 +259,167 @@ TEST(AttentionPlanTest, RandomClusterPlansCoverEveryKeyOnce) {
   EXPECT_GT(made, 20);  // the trials reach both kinds of plan
 }
 
+// A lean plan: lean_ctas CTAs, CTA c's items from items[c] along `next` (every item reached once),
+// each (tile, head)'s chunks covering its keys once in split order with block-aligned starts,
+// split tile-heads with a counter and partial slots of their own; no split tiles for the
+// reduction kernel. Returns the CTAs' item lists.
+std::vector<std::vector<AttentionWorkItem>> CheckLeanPlan(const Batch& b, const AttentionPlan& plan,
+                                                          int32_t heads, const std::string& what) {
+  std::vector<std::vector<AttentionWorkItem>> ctas;
+  EXPECT_GT(plan.lean_ctas, 0) << what;
+  EXPECT_EQ(plan.cluster, 0) << what;
+  EXPECT_EQ(plan.num_split_tiles, 0) << what;
+  EXPECT_LE(plan.lean_ctas, static_cast<int32_t>(plan.items.size())) << what;
+  std::vector<bool> seen(plan.items.size(), false);
+  std::map<std::tuple<int32_t, int32_t, int32_t>, std::vector<AttentionWorkItem>> by_tile_head;
+  for (int32_t c = 0; c < plan.lean_ctas; ++c) {
+    ctas.emplace_back();
+    for (int32_t i = c; i >= 0; i = plan.items[i].next) {
+      if (i >= static_cast<int32_t>(plan.items.size()) || seen[i]) {
+        ADD_FAILURE() << what << ": CTA " << c << " reaches item " << i << " again or out of range";
+        return ctas;
+      }
+      seen[i] = true;
+      const AttentionWorkItem& it = plan.items[i];
+      EXPECT_GE(it.head, 0) << what;
+      EXPECT_LT(it.head, heads) << what;
+      EXPECT_EQ(it.kv_begin % kAttnBlockN, 0) << what << ": chunk start not block-aligned";
+      ctas.back().push_back(it);
+      by_tile_head[{it.user, it.q_local, it.head}].push_back(it);
+    }
+  }
+  EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](bool s) { return s; }))
+      << what << ": items no CTA runs";
+  std::set<int32_t> counters, slots;
+  int32_t tile_heads = 0;
+  for (int32_t u = 0; u < b.size(); ++u) {
+    const int32_t rows = b.row_offsets[u + 1] - b.row_offsets[u];
+    for (int32_t q0 = 0; q0 < rows; q0 += kAttnBlockM) {
+      const int32_t last = q0 + std::min(kAttnBlockM, rows - q0) - 1;
+      const int32_t hist = b.num_tokens[u], first_new = hist - b.num_new[u];
+      const int32_t kv_end = last >= b.num_new[u] ? hist : first_new + last + 1;
+      for (int32_t h = 0; h < heads; ++h, ++tile_heads) {
+        auto found = by_tile_head.find({u, q0, h});
+        if (found == by_tile_head.end()) {
+          ADD_FAILURE() << what << ": no item for user " << u << " rows " << q0 << " head " << h;
+          continue;
+        }
+        std::vector<AttentionWorkItem> chunks = found->second;
+        std::sort(chunks.begin(), chunks.end(),
+                  [](const auto& x, const auto& y) { return x.split < y.split; });
+        const int32_t n = static_cast<int32_t>(chunks.size());
+        int32_t next = 0;
+        for (int32_t s = 0; s < n; ++s) {
+          const AttentionWorkItem& it = chunks[s];
+          EXPECT_EQ(it.split, s) << what;
+          EXPECT_EQ(it.num_splits, n) << what;
+          EXPECT_EQ(it.q_row, b.row_offsets[u] + q0) << what;
+          EXPECT_EQ(it.num_q, std::min(kAttnBlockM, rows - q0)) << what;
+          EXPECT_EQ(it.kv_begin, next) << what << ": chunks of a tile-head must be contiguous";
+          EXPECT_TRUE(it.kv_begin < it.kv_end || (n == 1 && kv_end == 0)) << what << ": empty chunk";
+          next = it.kv_end;
+          if (n > 1) {
+            EXPECT_EQ(it.tile, chunks[0].tile) << what;
+            EXPECT_EQ(it.partial_base, chunks[0].partial_base) << what;
+            EXPECT_TRUE(slots.insert(it.partial_base + s).second) << what << ": partial reused";
+            EXPECT_LT(it.partial_base + s, plan.num_partials * heads) << what;
+          } else {
+            EXPECT_EQ(it.tile, -1) << what;
+          }
+        }
+        EXPECT_EQ(next, kv_end) << what << ": keys of user " << u << " rows " << q0 << " not covered";
+        if (n > 1) {
+          EXPECT_TRUE(counters.insert(chunks[0].tile).second) << what << ": counter shared";
+          EXPECT_GE(chunks[0].tile, 0) << what;
+          EXPECT_LT(chunks[0].tile, plan.num_counters) << what;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(static_cast<int32_t>(by_tile_head.size()), tile_heads) << what << ": items for tiles that do not exist";
+  EXPECT_EQ(static_cast<int32_t>(counters.size()), plan.num_counters) << what;
+  return ctas;
+}
+
+TEST(AttentionPlanTest, LeanPlanForTheBatchEightDecodeStep) {
+  // 8 users × 3 tiles × 4 heads = 96 tile-heads of 64 blocks: the split plan runs two waves of
+  // 32-block chunks (68 cost units). A lean plan: 44 lanes of 3 CTAs, ~46.5 blocks each.
+  Batch eight;
+  for (int u = 0; u < 8; ++u) eight.Add(384, 128, 4096);
+  const AttentionPlan plan = PlanHstuAttention(eight.row_offsets.data(), eight.num_new.data(),
+                                               eight.num_tokens.data(), 8, 0, 4, 132, 64, 8, 16,
+                                               /*lean=*/true);
+  ASSERT_EQ(plan.lean_ctas, 132);
+  const auto ctas = CheckLeanPlan(eight, plan, 4, "decode b8");
+  int32_t most = 0;
+  for (const auto& items : ctas) {
+    int32_t blocks = 0;
+    for (const AttentionWorkItem& it : items) blocks += (it.kv_end - it.kv_begin) / kAttnBlockN;
+    most = std::max(most, blocks);
+    EXPECT_LE(items.size(), 3u);
+  }
+  EXPECT_LE(most, 50);  // 2048 blocks / 44 lanes, give or take the snapping to group edges
+  // The 3 CTAs of a lane run the same keys of one user's 3 tiles at the same time.
+  for (size_t j = 0; j + 2 < ctas.size(); j += 3) {
+    for (size_t k = 1; k < 3; ++k) {
+      ASSERT_EQ(ctas[j + k].size(), ctas[j].size()) << "lane " << j / 3;
+      for (size_t i = 0; i < ctas[j].size(); ++i) {
+        EXPECT_EQ(ctas[j + k][i].user, ctas[j][i].user) << "lane " << j / 3;
+        EXPECT_EQ(ctas[j + k][i].head, ctas[j][i].head) << "lane " << j / 3;
+        EXPECT_EQ(ctas[j + k][i].kv_begin, ctas[j][i].kv_begin) << "lane " << j / 3;
+        EXPECT_EQ(ctas[j + k][i].q_local, ctas[j][i].q_local + static_cast<int32_t>(k) * kAttnBlockM);
+      }
+    }
+  }
+  // Not lean: when not asked for, with a window, one user (a cluster or a one-wave split plan),
+  // or users of more than kMaxLeanTiles tiles (the no-cache block: 34 tiles a user).
+  EXPECT_EQ(PlanHstuAttention(eight.row_offsets.data(), eight.num_new.data(),
+                              eight.num_tokens.data(), 8, 0, 4, 132).lean_ctas, 0);
+  EXPECT_EQ(PlanHstuAttention(eight.row_offsets.data(), eight.num_new.data(),
+                              eight.num_tokens.data(), 8, 600, 4, 132, 64, 0, 0, true).lean_ctas, 0);
+  Batch one;
+  one.Add(384, 128, 4096);
+  EXPECT_EQ(PlanHstuAttention(one.row_offsets.data(), one.num_new.data(), one.num_tokens.data(), 1,
+                              0, 4, 132, 64, 8, 16, true).lean_ctas, 0);
+  EXPECT_EQ(PlanHstuAttention(one.row_offsets.data(), one.num_new.data(), one.num_tokens.data(), 1,
+                              0, 4, 132, 64, 0, 0, true).lean_ctas, 0);
+  Batch no_cache;
+  for (int u = 0; u < 8; ++u) no_cache.Add(4352, 4096, 4096);
+  EXPECT_EQ(PlanHstuAttention(no_cache.row_offsets.data(), no_cache.num_new.data(),
+                              no_cache.num_tokens.data(), 8, 0, 4, 132, 64, 8, 16, true).lean_ctas, 0);
+}
+
+TEST(AttentionPlanTest, RandomLeanPlansCoverEveryKeyOnce) {
+  // Lean plans made whatever their estimated span (PlanHstuAttentionLean), and the plans
+  // PlanHstuAttention picks with lean plans allowed.
+  std::mt19937 rng(19);
+  int made = 0, chosen = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const Batch b = RandomBatch(rng, 17, 400, 600);
+    const int32_t heads = 1 << (rng() % 4);
+    const int32_t slots = 8 + static_cast<int32_t>(rng() % 200);
+    const std::string what = "trial " + std::to_string(trial);
+    const AttentionPlan forced = PlanHstuAttentionLean(b.row_offsets.data(), b.num_new.data(),
+                                                       b.num_tokens.data(), b.size(), heads, slots);
+    if (forced.lean_ctas > 0) {
+      CheckLeanPlan(b, forced, heads, what + " (forced)");
+      EXPECT_LE(forced.lean_ctas, slots) << what;
+      ++made;
+    }
+    const AttentionPlan plan = PlanHstuAttention(b.row_offsets.data(), b.num_new.data(),
+                                                 b.num_tokens.data(), b.size(), 0, heads, slots,
+                                                 64, 0, 0, /*lean=*/true);
+    if (plan.lean_ctas > 0) {
+      CheckLeanPlan(b, plan, heads, what);
+      ++chosen;
+    } else {
+      CheckPlan(b, 0, plan, what);
+    }
+    if (HasFailure()) return;
+  }
+  EXPECT_GT(made, 250);  // users of < 8 tiles: lean plans can be made unless slots < 2 lanes
+  EXPECT_GT(chosen, 0);
+}
+
 }  // namespace
 }  // namespace hstu::cuda
