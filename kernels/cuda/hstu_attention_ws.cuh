@@ -309,7 +309,9 @@ __global__ void __launch_bounds__(384, 1)
 
   if (warp < 4) {
     // ---- Producer warpgroup: warp 0 issues every TMA box; the other three warps leave. ----
-    SetMaxNRegDec<32>();  // 32 + 2 · 240 = 512 registers a thread slot of the 3 warpgroups
+    // 24 + 2 · 240 = 504 = 3 · 168, the launch allocation: more would have to come from registers
+    // that a dependent kernel's early CTAs may hold while they wait for this one (a deadlock).
+    SetMaxNRegDec<24>();
     if (warp != 0) return;
     // The map was written to global memory by a host copy; order its reads by the TMA unit after it.
     asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(kv_map) : "memory");
