@@ -81,7 +81,7 @@ std::vector<int> ParseList(const std::string& s) {
 // `num_new` new history rows and `cand` candidates; base model heads (4 × 256).
 struct AttnSetup {
   int B = 1, H = 4, D = 256, cached = 3968, num_new = 128, cand = 256, page_size = 32, sets = 0;
-  hstu::cuda::DeviceBuffer pool, uvqk, out, meta, partials, counters;
+  hstu::cuda::DeviceBuffer pool, uvqk, out, meta, partials;
   std::vector<hstu::AttentionParams<bf16>> params;  // one per KV set
   std::vector<const hstu::cuda::AttentionWorkItem*> items;
   hstu::cuda::AttentionPlan plan;
@@ -119,13 +119,8 @@ void BuildAttention(AttnSetup& a, int concurrent_ctas) {
     cluster = hstu::cuda::kMaxAttnCluster;
   }
   cudaGetLastError();
-  // Lean plans likewise (HSTU_ATTN_LEAN=0 turns them off).
-  const char* no_lean = std::getenv("HSTU_ATTN_LEAN");
-  const bool lean = a.D == 256 && a.page_size % 8 == 0 && (no_lean == nullptr || std::string(no_lean) != "0");
   a.plan = hstu::cuda::PlanHstuAttention(row_offsets.data(), num_new.data(), num_tokens.data(), a.B,
-                                         0, a.H, concurrent_ctas, 64, cluster, max_clusters, lean);
-  HSTU_BENCH_CHECK_CUDA(a.counters.Reserve(std::max<size_t>(1, a.plan.num_counters) * sizeof(int32_t)));
-  HSTU_BENCH_CHECK_CUDA(cudaMemset(a.counters.get(), 0, a.counters.bytes()));
+                                         0, a.H, concurrent_ctas, 64, cluster, max_clusters);
   // Meta: [row_offsets | num_new | num_tokens | indptr | items | page_ids per set].
   std::vector<int32_t> words;
   auto append = [&](const void* p, size_t bytes) {
@@ -181,8 +176,7 @@ void RunAttention(AttnSetup& a, cudaStream_t s) {
     // As an eager engine step: no reduction kernel without split tiles.
     HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchHstuAttention(
         a.params[k], a.items[0], static_cast<int32_t>(a.plan.items.size()), a.plan.num_split_tiles,
-        a.plan.num_split_tiles > 0 || a.plan.lean_ctas > 0 ? a.partials.as<float>() : nullptr, s,
-        a.plan.cluster, a.plan.lean_ctas, a.counters.as<int32_t>()));
+        a.plan.num_split_tiles > 0 ? a.partials.as<float>() : nullptr, s, a.plan.cluster));
   }
 }
 
@@ -217,20 +211,16 @@ json BenchAttention(int reps, int page_size, const std::vector<int>& batches) {
         const double us = ms * 1e3;
         const double tflops = a.flops / (ms * 1e-3) / 1e12;
         const double gbs = a.min_bytes / (ms * 1e-3) / 1e9;
-        const int ctas = a.plan.lean_ctas > 0 ? a.plan.lean_ctas
-                                              : static_cast<int>(a.plan.items.size()) * a.H;
+        const int ctas = static_cast<int>(a.plan.items.size()) * a.H;
         const std::string cta_text =
-            a.plan.cluster > 0   ? absl::StrFormat("%d (clusters of %d)", ctas, a.plan.cluster)
-            : a.plan.lean_ctas > 0 ? absl::StrFormat("%d (lean, %d items)", ctas,
-                                                     static_cast<int>(a.plan.items.size()))
-                                 : std::to_string(ctas);
+            a.plan.cluster > 0 ? absl::StrFormat("%d (clusters of %d)", ctas, a.plan.cluster)
+                               : std::to_string(ctas);
         std::printf("| %d | %d x %d | %d x %d | %.1f | %.1f | %.0f | %s | %d |\n", B, hd.H, hd.D,
                     a.num_new + a.cand, a.cached + a.num_new, us, tflops, gbs, cta_text.c_str(),
                     a.plan.chunk_blocks * hstu::cuda::kAttnBlockN);
         rows.push_back({{"batch", B}, {"heads", hd.H}, {"head_dim", hd.D}, {"queries", a.num_new + a.cand},
                         {"keys", a.cached + a.num_new}, {"time_us", us}, {"tflops", tflops},
                         {"gbps_min_bytes", gbs}, {"ctas", ctas}, {"cluster", a.plan.cluster},
-                        {"lean", a.plan.lean_ctas > 0},
                         {"kv_sets_rotated", a.sets},
                         {"chunk_keys", a.plan.chunk_blocks * hstu::cuda::kAttnBlockN}});
       }
@@ -271,14 +261,10 @@ json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batche
       HSTU_BENCH_CHECK_CUDA(hstu::cuda::ReadHstuAttentionTrace(&trace));  // zeroes it
       HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchHstuAttention(
           a.params[0], a.items[0], static_cast<int32_t>(a.plan.items.size()), a.plan.num_split_tiles,
-          a.partials.as<float>(), stream.get(), a.plan.cluster, a.plan.lean_ctas,
-          a.counters.as<int32_t>()));
+          a.partials.as<float>(), stream.get()));
       HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
       HSTU_BENCH_CHECK_CUDA(hstu::cuda::ReadHstuAttentionTrace(&trace));
-      // A lean CTA's stamps are those of its last item (its blocks: that item's).
-      const int ctas = std::min<int>(a.plan.lean_ctas > 0 ? a.plan.lean_ctas
-                                                          : static_cast<int>(a.plan.items.size()) * a.H,
-                                     hstu::cuda::kAttnTraceCtas);
+      const int ctas = std::min<int>(static_cast<int>(a.plan.items.size()) * a.H, hstu::cuda::kAttnTraceCtas);
       auto at = [&](int cta, int f) { return trace[static_cast<size_t>(cta) * hstu::cuda::kAttnTraceFields + f]; };
       uint64_t first = UINT64_MAX, last = 0;
       double sum[6] = {}, mx[6] = {}, blocks = 0, busy = 0;

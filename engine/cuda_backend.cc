@@ -102,16 +102,6 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
                            std::to_string(attn_cluster_) + ")";
     }
   }
-  if (const char* v = std::getenv("HSTU_ATTN_LEAN"); (v == nullptr || std::string(v) != "0") &&
-      attention_kernel_.rfind("warp-specialised TMA kernel", 0) == 0) {
-    attn_lean_ = true;
-    attention_kernel_ += ", lean plans for multi-wave steps";
-  }
-  // A lean plan has at most one arrival counter per CTA; they start (and the kernel leaves them)
-  // zero.
-  attn_counter_cap_ = concurrent_ctas_ + 64;
-  HSTU_CUDA_RETURN(attn_counters_.Reserve(attn_counter_cap_ * sizeof(int32_t)));
-  HSTU_CUDA_RETURN(cudaMemset(attn_counters_.get(), 0, attn_counters_.bytes()));
   if (const char* v = std::getenv("HSTU_GRAPH_WAIT_NODES"); v != nullptr && std::string(v) == "1") {
     always_wait_nodes_ = true;  // A/B of the graphs without onload wait nodes
   }
@@ -244,7 +234,6 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
   step_.num_items = static_cast<int32_t>(plan_.items.size());
   step_.num_split_tiles = plan_.num_split_tiles;
   step_.cluster = plan_.cluster;
-  step_.lean_ctas = plan_.lean_ctas;
   staged_ = true;
   return absl::OkStatus();
 }
@@ -272,14 +261,12 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
   // items × H × 8 blocks would only exit (8704 of them in the no-cache block at batch 8). A graph
   // bucket's steps (warm-up, capture, eager runs of a staged bucket) keep it: a replay's plan may
   // split.
-  float* partials =
-      step_.slot >= 0 || capturing_ || step_.num_split_tiles > 0 || step_.lean_ctas > 0
-          ? step_.ws->partials.as<float>()
-          : nullptr;
+  float* partials = step_.slot >= 0 || capturing_ || step_.num_split_tiles > 0
+                        ? step_.ws->partials.as<float>()
+                        : nullptr;
   HSTU_CUDA_RETURN(cuda::LaunchHstuAttention(
       att, reinterpret_cast<const cuda::AttentionWorkItem*>(m + step_.layout.items),
-      step_.num_items, step_.num_split_tiles, partials, stream_.get(), step_.cluster,
-      step_.lean_ctas, attn_counters_.as<int32_t>()));
+      step_.num_items, step_.num_split_tiles, partials, stream_.get(), step_.cluster));
   if (capturing_) {
     cudaGraphNode_t node = nullptr;
     HSTU_RETURN_IF_ERROR(LastCapturedNode(&node));

@@ -51,8 +51,6 @@ class CudaBackend : public Backend {
   virtual int attention_chunk_blocks() const = 0;
   // The staged batch's attention plan is a cluster plan of this many CTAs a cluster (0: not).
   virtual int attention_cluster() const = 0;
-  // The staged batch's attention plan is a lean plan of this many CTAs (0: not).
-  virtual int attention_lean_ctas() const = 0;
   virtual std::string gpu_name() const = 0;
   // Tests: fill every activation buffer with NaN before each batch (and the KV pool now), so a
   // row or page that is read before it is written shows up as NaN.

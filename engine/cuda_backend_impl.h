@@ -143,7 +143,6 @@ struct Step {
   int32_t num_items = 0;  // attention work items
   int32_t num_split_tiles = 0;  // attention tiles cut into chunks (the split reduction's work)
   int32_t cluster = 0;    // > 0: a cluster plan (cuda::AttentionPlan::cluster)
-  int32_t lean_ctas = 0;  // > 0: a lean plan (cuda::AttentionPlan::lean_ctas)
   int slot = -1;          // graph bucket, -1 = eager
   bool keep_hidden = false;
 };
@@ -162,7 +161,7 @@ struct CapturedStep {
   // the attention kernel (items × H) and the split reduction (HstuAttentionReduceGridX).
   std::vector<CapturedAttentionNode> attention_nodes;
   std::vector<cudaKernelNodeParams> attention_params;
-  int32_t grid_items = -1, grid_split_tiles = -1, grid_lean = -1;  // the plan `exec` is sized for
+  int32_t grid_items = -1, grid_split_tiles = -1;  // the plan the nodes in `exec` are sized for
   int32_t cluster = 0;  // the captured plan's cluster size: replays need plans of the same kind
   size_t edges = 0, programmatic_edges = 0;  // of the captured graph (reports)
 };
@@ -243,7 +242,6 @@ class CudaBackendImpl final : public CudaBackend {
   int attention_items() const override { return static_cast<int>(plan_.items.size()); }
   int attention_chunk_blocks() const override { return plan_.chunk_blocks; }
   int attention_cluster() const override { return plan_.cluster; }
-  int attention_lean_ctas() const override { return plan_.lean_ctas; }
   // Grid x and y of the staged step's attention kernel, or of its split reduction (see
   // cuda::LaunchHstuAttention).
   std::pair<int32_t, int32_t> AttentionGrid(bool reduce) const {
@@ -251,20 +249,14 @@ class CudaBackendImpl final : public CudaBackend {
     if (step_.cluster > 0) {
       return {step_.cluster, step_.num_items / step_.cluster * config_.num_heads};
     }
-    if (step_.lean_ctas > 0) return {step_.lean_ctas, 1};
     return {step_.num_items * config_.num_heads, 1};
   }
-  // The attention plan of a batch, for this GPU (cluster and lean plans where they apply; no lean
-  // plan for a graph capture, whose reduction node must be captured, or beyond the counters).
-  cuda::AttentionPlan PlanAttention(const ForwardBatch& batch, bool allow_lean = true) const {
-    cuda::AttentionPlan plan = cuda::PlanHstuAttention(
-        batch.row_offsets.data(), batch.num_new.data(), batch.num_tokens.data(), batch.num_users,
-        config_.max_attn_len, config_.num_heads, concurrent_ctas_, /*max_split=*/64,
-        attn_cluster_, attn_max_clusters_, attn_lean_ && allow_lean);
-    if (plan.lean_ctas > 0 && plan.num_counters > attn_counter_cap_) {
-      return PlanAttention(batch, /*allow_lean=*/false);
-    }
-    return plan;
+  // The attention plan of a batch, for this GPU (cluster plans where they apply).
+  cuda::AttentionPlan PlanAttention(const ForwardBatch& batch) const {
+    return cuda::PlanHstuAttention(batch.row_offsets.data(), batch.num_new.data(),
+                                   batch.num_tokens.data(), batch.num_users, config_.max_attn_len,
+                                   config_.num_heads, concurrent_ctas_, /*max_split=*/64,
+                                   attn_cluster_, attn_max_clusters_);
   }
   absl::Status SetDebugPoison(bool on) override {
     HSTU_CUDA_RETURN(cudaSetDevice(device_));
@@ -325,10 +317,6 @@ class CudaBackendImpl final : public CudaBackend {
   // Cluster plans (cuda::PlanHstuAttention): the cluster size, 0 = off (not the warp-specialised
   // kernel, no cluster fits, or HSTU_ATTN_CLUSTER=0), and how many clusters the GPU runs at once.
   int32_t attn_cluster_ = 0, attn_max_clusters_ = 0;
-  // Lean plans (HSTU_ATTN_LEAN=0 turns them off) and their arrival counters.
-  bool attn_lean_ = false;
-  int32_t attn_counter_cap_ = 0;
-  DeviceBuffer attn_counters_;
 
   cuda::Stream stream_;
   cublasHandle_t cublas_ = nullptr;

@@ -28,8 +28,7 @@ absl::Status CudaBackendImpl::SizeGraphWorkspace() {
   for (GraphSlot& g : slots_) {
     const int32_t U = g.bucket.max_users, R = g.bucket.max_rows;
     const int32_t tiles = (R + cuda::kAttnBlockM - 1) / cuda::kAttnBlockM + U;
-    // A lean plan has an item per tile-head chunk: at most every tile-head plus a cut per CTA.
-    g.item_cap = std::max(tiles + 8 * ctas_per_head, tiles * config_.num_heads + concurrent_ctas_);
+    g.item_cap = tiles + 8 * ctas_per_head;
     g.partial_cap = g.item_cap;
     g.page_cap = U * pages_per_user;
     g.layout = PlaceMeta(U, R, g.page_cap, R, g.item_cap);
@@ -78,7 +77,6 @@ absl::Status CudaBackendImpl::StageGraph(const ForwardBatch& batch, int slot,
   step_.num_items = static_cast<int32_t>(plan_.items.size());
   step_.num_split_tiles = plan_.num_split_tiles;
   step_.cluster = plan_.cluster;
-  step_.lean_ctas = plan_.lean_ctas;
   step_.slot = slot;
   staged_ = true;
   return absl::OkStatus();
@@ -125,8 +123,7 @@ absl::Status CudaBackendImpl::EnqueueStep() {
     // already complete for this stream's order, and the graph without wait nodes is equivalent.
     const bool waits = onload_waits_ || always_wait_nodes_;
     CapturedStep& g = waits ? slots_[step_.slot].with_waits : slots_[step_.slot].plain;
-    if (g.grid_items != step_.num_items || g.grid_split_tiles != step_.num_split_tiles ||
-        g.grid_lean != step_.lean_ctas) {
+    if (g.grid_items != step_.num_items || g.grid_split_tiles != step_.num_split_tiles) {
       for (size_t i = 0; i < g.attention_nodes.size(); ++i) {
         cudaKernelNodeParams p = g.attention_params[i];
         const auto [x, y] = AttentionGrid(g.attention_nodes[i].reduce);
@@ -136,7 +133,6 @@ absl::Status CudaBackendImpl::EnqueueStep() {
       }
       g.grid_items = step_.num_items;
       g.grid_split_tiles = step_.num_split_tiles;
-      g.grid_lean = step_.lean_ctas;
     }
     HSTU_CUDA_RETURN(cudaGraphLaunch(g.exec, stream_.get()));
     graph_replays_.fetch_add(1, std::memory_order_relaxed);
@@ -179,7 +175,7 @@ absl::Status CudaBackendImpl::CaptureGraphs() {
     fb.positions[0] = 0;
     std::vector<int32_t> cand_rows;
     HSTU_RETURN_IF_ERROR(Validate(fb, &cand_rows));
-    plan_ = PlanAttention(fb, /*allow_lean=*/false);  // the reduction node must be captured
+    plan_ = PlanAttention(fb);
     HSTU_RETURN_IF_ERROR(StageGraph(fb, i, std::move(cand_rows)));
     // Warm-up: loads every kernel module and lets cuBLAS pick its algorithms outside the capture.
     HSTU_RETURN_IF_ERROR(EnqueueLayerStack());
@@ -237,7 +233,6 @@ absl::Status CudaBackendImpl::CaptureStep(bool waits, CapturedStep* c) {
   }
   c->grid_items = step_.num_items;
   c->grid_split_tiles = step_.num_split_tiles;
-  c->grid_lean = step_.lean_ctas;
   c->cluster = step_.cluster;
   return absl::OkStatus();
 }

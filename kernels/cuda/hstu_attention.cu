@@ -133,14 +133,11 @@ const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stre
 
 template <int kD>
 cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* items, int32_t num_items,
-                   int32_t num_split_tiles, float* partials, cudaStream_t stream, int32_t cluster,
-                   int32_t lean_ctas, int32_t* counters) {
-  // x = item * H + head, or a lean plan's CTA.
-  const dim3 grid(lean_ctas > 0 ? lean_ctas : num_items * p.kv.num_heads);
+                   int32_t num_split_tiles, float* partials, cudaStream_t stream, int32_t cluster) {
+  const dim3 grid(num_items * p.kv.num_heads);  // x = item * H + head
   cudaError_t err = cudaSuccess;
   const CUtensorMap* kv_map = kD == 256 ? KvTensorMap(p, stream) : nullptr;
-  // Cluster and lean plans: the WS kernel only.
-  if ((cluster > 0 || lean_ctas > 0) && kv_map == nullptr) return cudaErrorInvalidValue;
+  if (cluster > 0 && kv_map == nullptr) return cudaErrorInvalidValue;  // the WS kernel only
   if (kv_map != nullptr) {
     constexpr int kSmem = AttnWsTraits::kSmemBytes;
     // Not a stream operation, so it is allowed while a stream is being captured.
@@ -152,11 +149,10 @@ cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* item
       const dim3 cgrid(cluster, num_items / cluster * p.kv.num_heads);
       err = LaunchDependentCluster(HstuAttentionWsKernel, cgrid, dim3(AttnWsTraits::kThreads),
                                    kSmem, cluster, stream, p, items, partials, kv_map,
-                                   KvBoxRows(p.kv.page_size), static_cast<int>(cluster), counters);
+                                   KvBoxRows(p.kv.page_size), static_cast<int>(cluster));
     } else {
       err = LaunchDependent(HstuAttentionWsKernel, grid, dim3(AttnWsTraits::kThreads), kSmem,
-                            stream, p, items, partials, kv_map, KvBoxRows(p.kv.page_size), 0,
-                            counters);
+                            stream, p, items, partials, kv_map, KvBoxRows(p.kv.page_size), 0);
     }
     if (err != cudaSuccess) return err;
   } else {
@@ -168,8 +164,7 @@ cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* item
                           stream, p, items, partials);
     if (err != cudaSuccess) return err;
   }
-  // A lean plan sums its own partials; an eager lean step has no reduction to keep.
-  if (partials == nullptr || lean_ctas > 0) return cudaSuccess;
+  if (partials == nullptr) return cudaSuccess;
   const dim3 reduce_grid(HstuAttentionReduceGridX(num_split_tiles, p.kv.num_heads), 1,
                          kAttnBlockM / kReduceRows);
   return LaunchDependent(HstuAttentionReduceKernel<kD>, reduce_grid, dim3(256), 0, stream, items,
@@ -257,8 +252,7 @@ cudaError_t ReadHstuAttentionTrace(std::vector<uint64_t>* out) {
 
 cudaError_t LaunchHstuAttention(const AttentionParams<bf16>& p, const AttentionWorkItem* items,
                                 int32_t num_items, int32_t num_split_tiles, float* partials,
-                                cudaStream_t stream, int32_t cluster, int32_t lean_ctas,
-                                int32_t* counters) {
+                                cudaStream_t stream, int32_t cluster) {
   const auto& kv = p.kv;
   const int64_t hd = static_cast<int64_t>(kv.num_heads) * kv.head_dim;
   if (num_items < 0 || kv.num_heads <= 0 || kv.num_heads > 65535 || p.uvqk == nullptr ||
@@ -275,24 +269,12 @@ cudaError_t LaunchHstuAttention(const AttentionParams<bf16>& p, const AttentionW
                        static_cast<int64_t>(num_items) / cluster * kv.num_heads > 65535)) {
     return cudaErrorInvalidValue;
   }
-  if (lean_ctas < 0 || (lean_ctas > 0 && (cluster != 0 || num_split_tiles != 0 ||
-                                           lean_ctas > num_items || partials == nullptr ||
-                                           counters == nullptr || kv.head_dim != 256 ||
-                                           p.max_attn_len > 0))) {
-    return cudaErrorInvalidValue;
-  }
   if (!HeadDimSupported(kv.head_dim)) return cudaErrorInvalidValue;  // allowed: 64, 128, 256
   if (num_items == 0) return cudaSuccess;
   switch (kv.head_dim) {
-    case 64:
-      return Launch<64>(p, items, num_items, num_split_tiles, partials, stream, cluster, lean_ctas,
-                        counters);
-    case 128:
-      return Launch<128>(p, items, num_items, num_split_tiles, partials, stream, cluster, lean_ctas,
-                         counters);
-    case 256:
-      return Launch<256>(p, items, num_items, num_split_tiles, partials, stream, cluster, lean_ctas,
-                         counters);
+    case 64: return Launch<64>(p, items, num_items, num_split_tiles, partials, stream, cluster);
+    case 128: return Launch<128>(p, items, num_items, num_split_tiles, partials, stream, cluster);
+    case 256: return Launch<256>(p, items, num_items, num_split_tiles, partials, stream, cluster);
     default: return cudaErrorInvalidValue;
   }
 }

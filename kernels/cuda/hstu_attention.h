@@ -10,11 +10,7 @@
 // bf16 output; an unsplit tile's CTA adds its diagonal and writes the output itself. A cluster
 // plan (a decode step of a few users, one wave of clusters) makes each tile and head a thread
 // block cluster instead: its CTAs sum their chunks in distributed shared memory, with no partials
-// in global memory and no second kernel (docs/cuda_kernels.md, round 14). A lean plan (a
-// decode step of several users, more CTAs than one wave) launches one CTA per SM instead, each
-// running a short list of (tile, head, key range) items, balanced over the SMs; the CTAs of a
-// lane run the same key ranges of one user's tiles side by side (so they share K/V in L2), and the
-// last chunk of a split tile to finish sums its partials (round 17).
+// in global memory and no second kernel (docs/cuda_kernels.md, round 14).
 //
 // The plan is plain data (no device pointers), so it can be built into static buffers for CUDA
 // graphs, whose replays resize the two kernels' grids to the plan.
@@ -46,11 +42,6 @@ struct AttentionWorkItem {
   int32_t num_splits = 1;
   int32_t tile = -1;         // index of the split tile, -1 when num_splits == 1
   int32_t partial_base = 0;  // first partial slot of the split tile; slot = partial_base + split
-  // Lean plans only (-1 elsewhere): the item's head (other plans take it from the grid), and the
-  // index of the next item of the same CTA (-1: its last). `tile` then indexes the split
-  // tile-head's arrival counter, and partial slots are per head: slot = partial_base + split.
-  int32_t head = -1;
-  int32_t next = -1;
 };
 
 struct AttentionPlan {
@@ -62,19 +53,11 @@ struct AttentionPlan {
   // > 0: a cluster plan (LaunchHstuAttention's `cluster`): items are tile-major, `cluster` chunks
   // a tile (empty ones included), items[t * cluster + s] = chunk s of tile t; no split tiles.
   int32_t cluster = 0;
-  // > 0: a lean plan (PlanHstuAttention's `lean`): lean_ctas CTAs, CTA c runs items[c] and then
-  // follows `next`; every item has its head; no split tiles for the reduction kernel
-  // (num_split_tiles == 0): a split tile-head's chunks each write a partial and count themselves
-  // in counters[tile] (num_counters of them), and the last to arrive sums them.
-  int32_t lean_ctas = 0;
-  int32_t num_counters = 0;
 };
 
 // Builds the work list from the host copy of the batch plan.
 //   row_offsets: [B + 1]; num_new, num_tokens: [B] (num_tokens after the append).
 //   concurrent_ctas: CTAs the GPU runs at once (SMs × CTAs per SM, see HstuAttentionCtasPerSm).
-//   lean: allow a lean plan (the warp-specialised kernel, no window), made when its estimated
-//   span beats the split plan's (several users whose tiles take more than one wave).
 //   max_split: upper bound on chunks per tile (bounds the workspace); >= 1.
 //   cluster, max_clusters: with cluster > 0 (2, 4 or 8; the warp-specialised kernel, no window)
 //   the plan is a cluster plan when the tiles × heads fit in max_clusters clusters at once
@@ -85,16 +68,7 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
                                 const int32_t* num_tokens, int32_t batch_size,
                                 int32_t max_attn_len, int32_t num_heads, int32_t concurrent_ctas,
                                 int32_t max_split = 64, int32_t cluster = 0,
-                                int32_t max_clusters = 0, bool lean = false);
-
-// Largest number of query tiles per user in a lean plan (a lane is that many CTAs).
-inline constexpr int kMaxLeanTiles = 8;
-
-// The lean plan of a batch whatever its estimated span (tests, A/B runs); lean_ctas == 0 when
-// none can be made (a user of more than kMaxLeanTiles tiles, fewer than two lanes of CTAs).
-AttentionPlan PlanHstuAttentionLean(const int32_t* row_offsets, const int32_t* num_new,
-                                    const int32_t* num_tokens, int32_t batch_size,
-                                    int32_t num_heads, int32_t concurrent_ctas);
+                                int32_t max_clusters = 0);
 
 // Which kernel LaunchHstuAttention runs for p's pool and shape, and when it is not the
 // warp-specialised TMA kernel, why (builds and caches the pool's tensor map as a launch would; call
@@ -131,17 +105,10 @@ cudaError_t HstuAttentionCtasPerSm(int head_dim, int* ctas_per_sm);
 // their results through distributed shared memory — no partials, no reduction kernel
 // (num_split_tiles must be 0; partials may still be given, the reduction's blocks then exit).
 // Warp-specialised kernel only (D = 256, no window; cudaErrorInvalidValue otherwise).
-//
-// lean_ctas > 0 runs a lean plan (PlanHstuAttention with lean): grid lean_ctas, partials and
-// counters (>= plan.num_counters ints, zero before the first launch; the kernel leaves them zero)
-// required, num_split_tiles 0, no reduction kernel. Warp-specialised kernel only. A graph
-// captured with another kind of plan replays lean plans too (the kernel tells them apart by their
-// items; the reduction's blocks exit), given counters at capture.
 cudaError_t LaunchHstuAttention(const AttentionParams<__nv_bfloat16>& p,
                                 const AttentionWorkItem* items, int32_t num_items,
                                 int32_t num_split_tiles, float* partials, cudaStream_t stream,
-                                int32_t cluster = 0, int32_t lean_ctas = 0,
-                                int32_t* counters = nullptr);
+                                int32_t cluster = 0);
 
 // Clusters of `cluster` CTAs of the warp-specialised attention kernel the GPU runs at once
 // (cudaOccupancyMaxActiveClusters; 0 when none fit). cudaErrorInvalidDeviceFunction on a GPU

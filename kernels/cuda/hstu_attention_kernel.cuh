@@ -100,24 +100,14 @@ __device__ __forceinline__ void AddCandidateDiagonal(const AttentionParams<bf16>
   }
 }
 
-// Partial of chunk `split` of it's split tile (and head h): [kAttnBlockM, kD] fp32. Split plans
-// keep a slot of all H heads per chunk; a lean plan's items (head >= 0) a slot per tile-head chunk.
-template <int kD>
-__device__ __forceinline__ int64_t PartialOffset(const AttentionWorkItem& it, int split, int h,
-                                                 int num_heads) {
-  const int64_t slot = it.head >= 0
-                           ? static_cast<int64_t>(it.partial_base + split)
-                           : static_cast<int64_t>(it.partial_base + split) * num_heads + h;
-  return slot * kAttnBlockM * kD;
-}
-
 // A split tile's fp32 partial of this chunk (HstuAttentionReduceKernel sums them): rows past the
 // tile's end are not written.
 template <int kD>
 __device__ __forceinline__ void StorePartial(const AttentionWorkItem& it, int h, int num_heads,
                                              int row0, int t4, const float (&o)[kD / 2],
                                              float* __restrict__ partials) {
-  float* part = partials + PartialOffset<kD>(it, it.split, h, num_heads);
+  float* part = partials + (static_cast<int64_t>(it.partial_base + it.split) * num_heads + h) *
+                               kAttnBlockM * kD;
 #pragma unroll
   for (int jn = 0; jn < kD / 8; ++jn) {
 #pragma unroll
@@ -371,9 +361,8 @@ __global__ void __launch_bounds__(256)
   AllowDependents();
   const int num_heads = p.kv.num_heads;
   const AttentionWorkItem it = items[blockIdx.x / num_heads];
-  // A graph's block for a plan without split tiles (unsplit items and cluster plans: tile < 0;
-  // lean plans, head >= 0, whose kernel sums its own partials).
-  if (it.tile < 0 || it.split != 0 || it.head >= 0) return;
+  // A graph's block for a plan without split tiles (unsplit items and cluster plans: tile < 0).
+  if (it.tile < 0 || it.split != 0) return;
   const int h = blockIdx.x % num_heads;
   const int row_begin = blockIdx.z * kReduceRows;
   if (row_begin >= it.num_q) return;
@@ -412,7 +401,8 @@ __global__ void __launch_bounds__(256)
   }
   // The partials, 8 splits' loads in flight.
   const int64_t split_stride = static_cast<int64_t>(num_heads) * kAttnBlockM * kD;
-  const float* first = partials + PartialOffset<kD>(it, 0, h, num_heads) + row_begin * kD;
+  const float* first = partials + (static_cast<int64_t>(it.partial_base) * num_heads + h) *
+                                      kAttnBlockM * kD + row_begin * kD;
   float4 acc[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);

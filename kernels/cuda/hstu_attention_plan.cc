@@ -1,9 +1,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
-#include <map>
-#include <tuple>
-#include <utility>
 #include <vector>
 
 #include "kernels/cuda/hstu_attention.h"
@@ -35,9 +32,12 @@ AttentionWorkItem ChunkOf(const Tile& t, int32_t s, int32_t splits, int32_t chun
   return it;
 }
 
-// The query tiles of a batch: kAttnBlockM rows of one user, with their key range.
-std::vector<Tile> MakeTiles(const int32_t* row_offsets, const int32_t* num_new,
-                            const int32_t* num_tokens, int32_t batch_size, int32_t max_attn_len) {
+}  // namespace
+
+AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_new,
+                                const int32_t* num_tokens, int32_t batch_size,
+                                int32_t max_attn_len, int32_t num_heads, int32_t concurrent_ctas,
+                                int32_t max_split, int32_t cluster, int32_t max_clusters) {
   std::vector<Tile> tiles;
   for (int32_t b = 0; b < batch_size; ++b) {
     const int32_t rows = row_offsets[b + 1] - row_offsets[b];
@@ -59,200 +59,6 @@ std::vector<Tile> MakeTiles(const int32_t* row_offsets, const int32_t* num_new,
       tiles.push_back(t);
     }
   }
-  return tiles;
-}
-
-// ---- Lean plans ----
-// Cost units as in the split plan's model: a key block is 1, a CTA's fixed work (Q, first K/V,
-// epilogue) 2. A later item of the same CTA costs less (its K/V are prefetched while the previous
-// item's epilogue runs; its Q is not), and a chunk of a split tile adds its partial's round trip.
-constexpr double kCtaOverhead = 2.0;
-constexpr double kItemOverhead = 1.0;
-// A partial (128 rows × 256 fp32 = 128 KB) written or read by one CTA (~1.2 µs at an SM's share of
-// L2 bandwidth), and the split reduction kernel of a split plan: its launch, and its reads of all
-// partials spread over the GPU (measured on an H200: 7.1 µs for 132 partials, 13.4 for 192).
-constexpr double kPartialCost = 0.75;
-constexpr double kReduceLaunch = 2.0;
-constexpr double kReducePerPartial = 0.03;
-constexpr int32_t kMinLeanPiece = 4;  // key blocks: a lane boundary closer to a group edge snaps
-
-struct LeanResult {
-  AttentionPlan plan;
-  double span = 1e300;  // estimated, in cost units
-};
-
-// A lean plan: every user's tiles of one head form a group whose length is the longest tile's
-// key blocks; the groups, in (user, head) order, are cut into `lanes` ranges of about equal
-// length. Lane j is W CTAs (W = the most tiles a user has): CTA j·W + k runs tile k of each group
-// piece in the lane's range, so the lane's CTAs read the same keys at the same time. A lane runs
-// its partial group pieces first (their partials are summed while whole groups still run).
-LeanResult PlanLean(const std::vector<Tile>& tiles, int32_t num_heads, int32_t slots) {
-  LeanResult r;
-  // Tiles of each user (consecutive in `tiles`).
-  std::vector<std::pair<size_t, size_t>> users;  // [first, end) tile of each user with rows
-  for (size_t i = 0; i < tiles.size(); ++i) {
-    if (i == 0 || tiles[i].user != tiles[i - 1].user) users.push_back({i, i});
-    users.back().second = i + 1;
-  }
-  int32_t W = 0;
-  for (const auto& [first, end] : users) W = std::max(W, static_cast<int32_t>(end - first));
-  if (W == 0 || W > kMaxLeanTiles) return r;
-  const int32_t lanes = slots / W;
-  if (lanes < 2) return r;
-  std::vector<int32_t> blocks(tiles.size());
-  for (size_t i = 0; i < tiles.size(); ++i) {
-    if (tiles[i].kv_begin != 0) return r;  // a window (the kernel needs block-aligned chunks)
-    blocks[i] = CeilDiv(tiles[i].kv_end, kAttnBlockN);
-  }
-  struct Group {
-    size_t user;
-    int32_t head;
-    int64_t start, len;  // in key blocks of the concatenated groups
-  };
-  std::vector<Group> groups;
-  int64_t total = 0;
-  for (size_t u = 0; u < users.size(); ++u) {
-    int32_t len = 1;  // a group without keys still takes a unit (its tiles write the diagonal)
-    for (size_t t = users[u].first; t < users[u].second; ++t) len = std::max(len, blocks[t]);
-    for (int32_t h = 0; h < num_heads; ++h) {
-      groups.push_back({u, h, total, len});
-      total += len;
-    }
-  }
-  // Lane boundaries, snapped to a group edge when a piece would be shorter than kMinLeanPiece.
-  std::vector<int64_t> bound(lanes + 1);
-  size_t g = 0;
-  for (int32_t j = 0; j <= lanes; ++j) {
-    int64_t b = total * j / lanes;
-    while (g + 1 < groups.size() && groups[g].start + groups[g].len <= b) ++g;
-    const int64_t gs = groups[g].start, ge = gs + groups[g].len;
-    if (b > gs && b < ge) {
-      if (b - gs < kMinLeanPiece) b = gs;
-      else if (ge - b < kMinLeanPiece) b = ge;
-    }
-    bound[j] = j == 0 ? 0 : std::max(b, bound[j - 1]);
-  }
-  bound[lanes] = total;
-
-  // The pieces: per CTA (lane-major) a list of (tile, head, first block, end block).
-  struct Piece {
-    int32_t tile, head, b0, b1;
-  };
-  std::vector<std::vector<Piece>> cta_pieces(static_cast<size_t>(lanes) * W);
-  for (int32_t j = 0; j < lanes; ++j) {
-    const int64_t s = bound[j], e = bound[j + 1];
-    if (s >= e) continue;
-    std::vector<std::pair<size_t, std::pair<int32_t, int32_t>>> segs, whole;  // group, [a, b)
-    for (size_t gi = 0; gi < groups.size(); ++gi) {
-      const Group& gr = groups[gi];
-      const int64_t a = std::max(s, gr.start), b = std::min(e, gr.start + gr.len);
-      if (a >= b) continue;
-      const std::pair<int32_t, int32_t> ab{static_cast<int32_t>(a - gr.start),
-                                           static_cast<int32_t>(b - gr.start)};
-      (ab.first == 0 && ab.second == gr.len ? whole : segs).push_back({gi, ab});
-    }
-    segs.insert(segs.end(), whole.begin(), whole.end());  // partial pieces first
-    for (const auto& [gi, ab] : segs) {
-      const Group& gr = groups[gi];
-      const auto [first, end] = users[gr.user];
-      for (size_t t = first; t < end; ++t) {
-        const int32_t b0 = std::min(ab.first, blocks[t]), b1 = std::min(ab.second, blocks[t]);
-        // A tile without keys gets one empty piece, in the lane holding its group's start.
-        if (b0 < b1 || (blocks[t] == 0 && ab.first == 0)) {
-          cta_pieces[static_cast<size_t>(j) * W + (t - first)].push_back(
-              {static_cast<int32_t>(t), gr.head, b0, b1});
-        }
-      }
-    }
-  }
-
-  // Splits per tile-head (pieces in key order), partial slots and counters.
-  std::map<std::pair<int32_t, int32_t>, std::vector<std::pair<int32_t, size_t>>> by_tile_head;
-  for (size_t c = 0; c < cta_pieces.size(); ++c) {
-    for (const Piece& pc : cta_pieces[c]) by_tile_head[{pc.tile, pc.head}].push_back({pc.b0, c});
-  }
-  struct Split {
-    int32_t split, num_splits, counter, partial_base;
-  };
-  std::map<std::tuple<int32_t, int32_t, int32_t>, Split> splits;  // (tile, head, b0)
-  AttentionPlan& plan = r.plan;
-  int32_t slots_used = 0;
-  for (auto& [key, list] : by_tile_head) {
-    std::sort(list.begin(), list.end());
-    const int32_t n = static_cast<int32_t>(list.size());
-    const int32_t counter = n > 1 ? plan.num_counters++ : -1;
-    const int32_t base = slots_used;
-    if (n > 1) slots_used += n;
-    for (int32_t sidx = 0; sidx < n; ++sidx) {
-      splits[{key.first, key.second, list[sidx].first}] = {sidx, n, counter, base};
-    }
-  }
-
-  // Items: CTA c's first item at index c (CTAs with work only), later ones after, linked by next.
-  std::vector<size_t> busy;
-  for (size_t c = 0; c < cta_pieces.size(); ++c) {
-    if (!cta_pieces[c].empty()) busy.push_back(c);
-  }
-  plan.items.resize(busy.size());
-  double span = 0;
-  for (size_t k = 0; k < busy.size(); ++k) {
-    int32_t prev = -1;
-    double cost = kCtaOverhead - kItemOverhead;
-    for (const Piece& pc : cta_pieces[busy[k]]) {
-      const Tile& t = tiles[pc.tile];
-      const Split& sp = splits.at({pc.tile, pc.head, pc.b0});
-      AttentionWorkItem it;
-      it.user = t.user;
-      it.q_row = t.q_row;
-      it.num_q = t.num_q;
-      it.q_local = t.q_local;
-      it.kv_begin = std::min(t.kv_end, pc.b0 * kAttnBlockN);
-      it.kv_end = std::min(t.kv_end, pc.b1 * kAttnBlockN);
-      it.split = sp.split;
-      it.num_splits = sp.num_splits;
-      it.tile = sp.counter;
-      it.partial_base = sp.partial_base;
-      it.head = pc.head;
-      const int32_t idx = prev < 0 ? static_cast<int32_t>(k) : static_cast<int32_t>(plan.items.size());
-      if (prev < 0) {
-        plan.items[k] = it;
-      } else {
-        plan.items.push_back(it);
-        plan.items[prev].next = idx;
-      }
-      prev = idx;
-      // Two chunks: the first writes its partial, the second reads it. More: each writes its
-      // partial, and the last (any of them) reads them all.
-      const double partials = sp.num_splits == 1   ? 0.0
-                              : sp.num_splits == 2 ? 1.0
-                                                   : 1.0 + sp.num_splits;
-      cost += (pc.b1 - pc.b0) + kItemOverhead + partials * kPartialCost;
-    }
-    span = std::max(span, cost);
-  }
-  plan.lean_ctas = static_cast<int32_t>(busy.size());
-  plan.num_partials = (slots_used + num_heads - 1) / num_heads;
-  plan.chunk_blocks = static_cast<int32_t>((total + lanes - 1) / lanes);
-  r.span = span;
-  return r;
-}
-
-}  // namespace
-
-AttentionPlan PlanHstuAttentionLean(const int32_t* row_offsets, const int32_t* num_new,
-                                    const int32_t* num_tokens, int32_t batch_size,
-                                    int32_t num_heads, int32_t concurrent_ctas) {
-  return PlanLean(MakeTiles(row_offsets, num_new, num_tokens, batch_size, 0), num_heads,
-                  std::max(1, concurrent_ctas))
-      .plan;
-}
-
-AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_new,
-                                const int32_t* num_tokens, int32_t batch_size,
-                                int32_t max_attn_len, int32_t num_heads, int32_t concurrent_ctas,
-                                int32_t max_split, int32_t cluster, int32_t max_clusters,
-                                bool lean) {
-  const std::vector<Tile> tiles = MakeTiles(row_offsets, num_new, num_tokens, batch_size, max_attn_len);
 
   // A cluster plan: one wave of clusters, a tile's keys in `cluster` chunks of whole blocks
   // (trailing chunks may be empty), summed on chip.
@@ -287,6 +93,7 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
     max_blocks = std::max(max_blocks, blocks[i]);
   }
   const int32_t slots = std::max(1, concurrent_ctas);
+  constexpr double kCtaOverhead = 2.0;
   struct Candidate {
     int32_t chunk;
     double bound;  // lower bound on the makespan
@@ -374,21 +181,6 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
       best_span = span;
       best_chunk = chunk;
     }
-  }
-
-  // A lean plan where it should end sooner (by more than a block: the model is coarse), counting
-  // the split plan's reduction kernel.
-  if (lean && max_attn_len <= 0) {
-    int64_t partials = 0;
-    for (int32_t b : blocks) {
-      const int32_t splits = CeilDiv(b, best_chunk);
-      if (splits > 1) partials += splits;
-    }
-    const double reduce =
-        partials > 0 ? kReduceLaunch + kReducePerPartial * static_cast<double>(partials * num_heads)
-                     : 0.0;
-    LeanResult lr = PlanLean(tiles, num_heads, slots);
-    if (lr.span + 1.0 < best_span + reduce) return std::move(lr.plan);
   }
 
   AttentionPlan plan;

@@ -186,43 +186,6 @@ __device__ __forceinline__ void ClusterReduceEpilogue(const AttentionParams<bf16
   ClusterSync();  // the other CTAs have read this one's O
 }
 
-// A work item in (volatile) shared memory: the consumers keep theirs there through the key loop.
-__device__ __forceinline__ void StoreItem(volatile int* s, const AttentionWorkItem& it) {
-  s[0] = it.user; s[1] = it.q_row; s[2] = it.num_q; s[3] = it.q_local; s[4] = it.kv_begin;
-  s[5] = it.kv_end; s[6] = it.split; s[7] = it.num_splits; s[8] = it.tile; s[9] = it.partial_base;
-  s[10] = it.head; s[11] = it.next;
-}
-__device__ __forceinline__ AttentionWorkItem LoadItem(const volatile int* s) {
-  AttentionWorkItem it;
-  it.user = s[0]; it.q_row = s[1]; it.num_q = s[2]; it.q_local = s[3]; it.kv_begin = s[4];
-  it.kv_end = s[5]; it.split = s[6]; it.num_splits = s[7]; it.tile = s[8]; it.partial_base = s[9];
-  it.head = s[10]; it.next = s[11];
-  return it;
-}
-
-// o += a partial (StorePartial's layout), rows below num_q. The loads go in groups of 8 column
-// groups (32 registers), so that they do not all stay in flight beside O.
-template <int kD>
-__device__ __forceinline__ void AddPartial(const float* __restrict__ part, int row0, int t4,
-                                           int num_q, float (&o)[kD / 2]) {
-#pragma unroll
-  for (int j0 = 0; j0 < kD / 8; j0 += 8) {
-#pragma unroll
-    for (int jn = j0; jn < j0 + 8; ++jn) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = row0 + 8 * i;
-        if (r < num_q) {
-          const float2 v = __ldcg(reinterpret_cast<const float2*>(part + r * kD + jn * 8 + 2 * t4));
-          o[4 * jn + 2 * i] += v.x;
-          o[4 * jn + 2 * i + 1] += v.y;
-        }
-      }
-    }
-    asm volatile("" ::: "memory");
-  }
-}
-
 struct AttnWsTraits {
   static constexpr int kD = 256;
   static constexpr int kM = kAttnBlockM, kN = kAttnBlockN;
@@ -233,32 +196,21 @@ struct AttnWsTraits {
   static constexpr int kSlotBytes = kN * kD * 2; // one K or V tile: 32 KB
   static constexpr int kSlots = 5;               // the producer runs up to 2.5 key blocks ahead
   static constexpr int kConsumerWarps = 8;       // arrivals that free a slot
-  // Q, the ring, its full/empty barriers, one word (a lean chunk's "last to arrive" flag) and
-  // each consumer warpgroup's copy of its work item (read after the key loop, so that the item
-  // does not hold registers through it).
-  static constexpr int kItemWords = 12;
-  static_assert(sizeof(AttentionWorkItem) == kItemWords * 4, "StoreItem / LoadItem copy every field");
-  static constexpr int kSmemBytes =
-      1024 + kQBytes + kSlots * kSlotBytes + 2 * kSlots * 8 + 16 + 2 * kItemWords * 4;
+  static constexpr int kSmemBytes = 1024 + kQBytes + kSlots * kSlotBytes + 2 * kSlots * 8;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
 // Grid (items × H), or with cluster > 0 (a cluster plan, PlanHstuAttention) grid (cluster,
 // tiles × H) in clusters of (cluster, 1, 1): the chunks of one tile and head are one cluster, and
 // after the key loop they sum their O through distributed shared memory (ClusterReduceEpilogue)
-// instead of writing partials for the reduction kernel. A lean plan (its items carry their head)
-// has grid (lean CTAs): CTA c runs items[c], then the items linked by `next`; the ring and its
-// barrier phases run on across a CTA's items, so the producer loads the next item's first K/V
-// while the consumers finish the previous one. 384 threads. Each consumer warpgroup runs S, SiLU,
-// P·V of a block in order; the two warpgroups overlap each other. (A FlashAttention-3 ping-pong
-// of the two, with S(j) and P(j-1)·V(j-1) issued in one turn, measured 30 % slower:
-// docs/cuda_kernels.md, round 6.) kv_map: the pool's tensor map in global memory; box_rows: rows
-// of one TMA box (64, 32, 16 or 8, dividing the page size); counters: a lean plan's arrival
-// counters (zero between launches).
+// instead of writing partials for the reduction kernel. 384 threads. Each consumer warpgroup runs S, SiLU, P·V of a block in order;
+// the two warpgroups overlap each other. (A FlashAttention-3 ping-pong of the two, with S(j) and
+// P(j-1)·V(j-1) issued in one turn, measured 30 % slower: docs/cuda_kernels.md, round 6.) kv_map: the pool's tensor map in global memory; box_rows: rows
+// of one TMA box (64, 32, 16 or 8, dividing the page size).
 __global__ void __launch_bounds__(384, 1)
     HstuAttentionWsKernel(const AttentionParams<bf16> p, const AttentionWorkItem* __restrict__ items,
                           float* __restrict__ partials, const CUtensorMap* __restrict__ kv_map,
-                          int box_rows, int cluster, int32_t* __restrict__ counters) {
+                          int box_rows, int cluster) {
 #ifdef HSTU_WGMMA_ENABLED
   HSTU_ATTN_TRACE_AT(kTraceEntry, GlobalTimerNs());
   // Launched dependent on the kernel before it (LaunchDependent). Until WaitForPredecessor this
@@ -277,26 +229,21 @@ __global__ void __launch_bounds__(384, 1)
   unsigned char* s_ring = s_q + Tr::kQBytes;    // [kSlots][kSlabs][kN][64]
   const uint32_t q_addr = SmemAddr(s_q), ring_addr = SmemAddr(s_ring);
   const uint32_t bar_addr = ring_addr + kSlots * Tr::kSlotBytes;
-  volatile int* s_last = reinterpret_cast<volatile int*>(s_ring + kSlots * Tr::kSlotBytes + 2 * kSlots * 8);
-  volatile int* s_items = s_last + 4;  // [2][kItemWords]
   auto full_bar = [&](int slot) { return bar_addr + 8 * slot; };
   auto empty_bar = [&](int slot) { return bar_addr + 8 * (kSlots + slot); };
-  // Ring item r (K(j) and V(j) of the CTA's blocks in order, across its work items) lives in slot
-  // r % kSlots, in that slot's phase r / kSlots.
-  auto slot_of = [](int r) { return r % kSlots; };
-  auto parity_of = [](int r) { return static_cast<uint32_t>((r / kSlots) & 1); };
 
   // Block x = item * H + head: the heads of an item launch together, in the plan's order. In a
-  // cluster plan block y = tile * H + head and block x = the chunk (= the CTA's rank). A lean
-  // plan's items name their head; its CTA x starts at item x.
+  // cluster plan block y = tile * H + head and block x = the chunk (= the CTA's rank).
   const int H = p.kv.num_heads;
-  const int first = cluster > 0 ? static_cast<int>(blockIdx.y) / H * cluster + blockIdx.x
-                                : static_cast<int>(blockIdx.x) / H;
-  AttentionWorkItem it = items[first];
-  const bool lean = cluster == 0 && it.head >= 0;
-  if (lean) it = items[blockIdx.x];
-  int h = lean ? it.head : static_cast<int>(cluster > 0 ? blockIdx.y : blockIdx.x) % H;
+  const int item = cluster > 0 ? static_cast<int>(blockIdx.y) / H * cluster + blockIdx.x
+                               : static_cast<int>(blockIdx.x) / H;
+  const AttentionWorkItem it = items[item];
+  const int h = static_cast<int>(cluster > 0 ? blockIdx.y : blockIdx.x) % H;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int b = it.user;
+  const int kv_begin = it.kv_begin, kv_end = it.kv_end;
+  const int num_blocks = (kv_end - kv_begin + kN - 1) / kN;
+  const int num_items = 2 * num_blocks;  // ring items: K(j) = 2j, V(j) = 2j + 1
 
   if (tid == 0) {
     for (int s = 0; s < kSlots; ++s) {
@@ -309,47 +256,37 @@ __global__ void __launch_bounds__(384, 1)
 
   if (warp < 4) {
     // ---- Producer warpgroup: warp 0 issues every TMA box; the other three warps leave. ----
-    // 24 + 2 · 240 = 504 = 3 · 168, the launch allocation: more would have to come from registers
-    // that a dependent kernel's early CTAs may hold while they wait for this one (a deadlock).
     SetMaxNRegDec<24>();
     if (warp != 0) return;
     // The map was written to global memory by a host copy; order its reads by the TMA unit after it.
     asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(kv_map) : "memory");
+    const int32_t* pages = p.kv.page_ids + p.kv.indptr[b];
     const int page_size = p.kv.page_size;
     const int G = kN / box_rows;               // box groups per 64-key tile: 1, 2, 4, 8
     const int boxes = G * Tr::kSlabs;          // per K or V tile: 4 .. 32
     const int gi = lane % G, slab = lane / G;  // this lane's box
     const bool box_lane = lane < boxes;
-    int ring = 0;
-    for (bool first_item = true;; first_item = false) {
-      const int32_t* pages = p.kv.page_ids + p.kv.indptr[it.user];
-      const int kv_begin = it.kv_begin, kv_end = it.kv_end;
-      const int num_blocks = (kv_end - kv_begin + kN - 1) / kN;
-      auto page_of_group = [&](int blk) -> int32_t {
-        const int t = kv_begin + blk * kN + gi * box_rows;
-        return (box_lane && blk < num_blocks && t < kv_end) ? __ldg(pages + t / page_size) : -1;
-      };
-      int32_t page = page_of_group(0);
-      if (first_item) WaitForPredecessor();
-      for (int i = 0; i < 2 * num_blocks; ++i, ++ring) {
-        const int blk = i >> 1, kv = i & 1, slot = slot_of(ring);
-        const int kstart = kv_begin + blk * kN;
-        const int groups = min(G, (kv_end - kstart + box_rows - 1) / box_rows);
-        MbarWait(empty_bar(slot), parity_of(ring) ^ 1);
-        if (lane == 0) {
-          MbarArriveExpectTx(full_bar(slot), static_cast<uint32_t>(groups * box_rows * 128 * Tr::kSlabs));
-        }
-        __syncwarp();
-        if (box_lane && gi < groups) {
-          const int row_in_page = (kstart + gi * box_rows) % page_size;
-          const uint32_t dst = ring_addr + slot * Tr::kSlotBytes + slab * (kN * 128) + gi * box_rows * 128;
-          TmaLoad4d(dst, kv_map, full_bar(slot), 0, h * Tr::kSlabs + slab, row_in_page, 2 * page + kv);
-        }
-        if (kv == 1) page = page_of_group(blk + 1);  // the next block's pages, while this one flies
+    auto page_of_group = [&](int blk) -> int32_t {
+      const int t = kv_begin + blk * kN + gi * box_rows;
+      return (box_lane && blk < num_blocks && t < kv_end) ? __ldg(pages + t / page_size) : -1;
+    };
+    int32_t page = page_of_group(0);
+    WaitForPredecessor();
+    for (int i = 0; i < num_items; ++i) {
+      const int blk = i >> 1, kv = i & 1, slot = i % kSlots;
+      const int kstart = kv_begin + blk * kN;
+      const int groups = min(G, (kv_end - kstart + box_rows - 1) / box_rows);
+      MbarWait(empty_bar(slot), ((i / kSlots) & 1) ^ 1);
+      if (lane == 0) {
+        MbarArriveExpectTx(full_bar(slot), static_cast<uint32_t>(groups * box_rows * 128 * Tr::kSlabs));
       }
-      if (!lean || it.next < 0) break;
-      it = items[it.next];
-      h = it.head;
+      __syncwarp();
+      if (box_lane && gi < groups) {
+        const int row_in_page = (kstart + gi * box_rows) % page_size;
+        const uint32_t dst = ring_addr + slot * Tr::kSlotBytes + slab * (kN * 128) + gi * box_rows * 128;
+        TmaLoad4d(dst, kv_map, full_bar(slot), 0, h * Tr::kSlabs + slab, row_in_page, 2 * page + kv);
+      }
+      if (kv == 1) page = page_of_group(blk + 1);  // the next block's pages, while this one flies
     }
     return;
   }
@@ -362,271 +299,204 @@ __global__ void __launch_bounds__(384, 1)
   const int wg_tid = ctid & 127;
   const int g = lane >> 2, t4 = lane & 3;
   const int64_t hd = static_cast<int64_t>(p.kv.num_heads) * kD;
+  const int hist = p.kv.num_tokens[b];
+  const int num_new = p.num_new[b];
+  const int first_new = hist - num_new;
   const bf16* uvqk = p.uvqk;
-  const int row0 = cwarp * 16 + g;  // this thread's two rows: row0 and row0 + 8
-  const float half_alpha = 0.5f * p.alpha, inv_norm = p.inv_norm;
-  const uint32_t q_wg_addr = q_addr + cw * 64 * 128;
+
+  // Mask bounds of this thread's two rows (row0 and row0 + 8): allowed keys <= hi (no window here).
+  const int row0 = cwarp * 16 + g;
+  int hi[2];
+  bool is_cand[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = row0 + 8 * i;
+    const int local = it.q_local + r;
+    is_cand[i] = r < it.num_q && local >= num_new;
+    hi[i] = r < it.num_q ? (local >= num_new ? hist - 1 : first_new + local) : -1;
+  }
   WaitForPredecessor();
   HSTU_ATTN_TRACE_AT(kTraceReady, GlobalTimerNs());
 
-  int ring = 0;  // ring items consumed by the CTA's earlier work items
-  volatile int* s_item = s_items + cw * Tr::kItemWords;  // this warpgroup's copy of `it`
-  for (bool first_item = true;; first_item = false) {
-    const int b = it.user;
-    const int kv_begin = it.kv_begin, kv_end = it.kv_end;
-    const int num_blocks = (kv_end - kv_begin + kN - 1) / kN;
-    const int hist = p.kv.num_tokens[b];
-    const int num_new = p.num_new[b];
-    const int first_new = hist - num_new;
-    if (!first_item) NamedBarrierSync(1 + cw, 128);  // the warpgroup is done with s_q and s_item
-    if (wg_tid == 0) StoreItem(s_item, it);
+  // This warpgroup's 64 Q rows.
+  for (int idx = wg_tid; idx < 64 * kChunks; idx += 128) {
+    const int r = 64 * cw + idx / kChunks, c = idx % kChunks;
+    const bool valid = r < it.num_q;
+    const bf16* src = uvqk + static_cast<int64_t>(it.q_row + (valid ? r : 0)) * p.uvqk_row_stride +
+                      kQ * hd + h * kD + c * 8;
+    CpAsync16(s_q + TileOffset<kM>(r, c), src, valid);
+  }
+  CpAsyncCommit();
 
-    // Mask bounds of this thread's two rows: allowed keys <= hi (no window here).
-    int hi[2];
+  float o[kD / 2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = row0 + 8 * i;
-      const int local = it.q_local + r;
-      hi[i] = r < it.num_q ? (local >= num_new ? hist - 1 : first_new + local) : -1;
-    }
+  for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
+  const float half_alpha = 0.5f * p.alpha, inv_norm = p.inv_norm;
 
-    // This warpgroup's 64 Q rows (its half of s_q; the previous item's epilogue read it last).
-    for (int idx = wg_tid; idx < 64 * kChunks; idx += 128) {
-      const int r = 64 * cw + idx / kChunks, c = idx % kChunks;
-      const bool valid = r < it.num_q;
-      const bf16* src = uvqk + static_cast<int64_t>(it.q_row + (valid ? r : 0)) * p.uvqk_row_stride +
-                        kQ * hd + h * kD + c * 8;
-      CpAsync16(s_q + TileOffset<kM>(r, c), src, valid);
-    }
-    CpAsyncCommit();
+  CpAsyncWait<0>();
+  FenceProxyAsync();
+  NamedBarrierSync(1 + cw, 128);  // every warp's Q rows landed
+  HSTU_ATTN_TRACE_AT(kTraceQ, GlobalTimerNs());
 
-    float o[kD / 2];
+  const uint32_t q_wg_addr = q_addr + cw * 64 * 128;
+  // The first kQRegSteps k-steps (16 columns each) of this warp's 16 Q rows live in registers, in
+  // the wgmma register-A layout (ldmatrix once), so those S wgmmas read only K from shared memory.
+  // Measured 2 % faster at batch 8 than all of Q in shared memory; 12 steps gave the same, 16
+  // (all of Q) spills (docs/cuda_kernels.md, round 6).
+  constexpr int kQRegSteps = 8;
+  uint32_t qa[kQRegSteps][4];
 #pragma unroll
-    for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
-
-    CpAsyncWait<0>();
-    FenceProxyAsync();
-    NamedBarrierSync(1 + cw, 128);  // every warp's Q rows landed
-    HSTU_ATTN_TRACE_AT(kTraceQ, GlobalTimerNs());
-
-    // The first kQRegSteps k-steps (16 columns each) of this warp's 16 Q rows live in registers, in
-    // the wgmma register-A layout (ldmatrix once), so those S wgmmas read only K from shared memory.
-    // Measured 2 % faster at batch 8 than all of Q in shared memory; 12 steps gave the same, 16
-    // (all of Q) spills (docs/cuda_kernels.md, round 6).
-    constexpr int kQRegSteps = 8;
-    uint32_t qa[kQRegSteps][4];
+  for (int kk = 0; kk < kQRegSteps; ++kk) {
+    const int r = 64 * cw + 16 * (cwarp & 3) + (lane & 15);
+    LdMatrixX4(qa[kk], s_q + TileOffset<kM>(r, 2 * kk + (lane >> 4)));
+  }
+  auto slot_of = [](int item) { return item % kSlots; };
+  auto parity_of = [](int item) { return static_cast<uint32_t>((item / kSlots) & 1); };
+  auto tile_of = [&](int item) { return ring_addr + slot_of(item) * Tr::kSlotBytes; };
+  auto release = [&](int item) {  // this warp's wgmma has read the slot: one arrival per warp
+    __syncwarp();
+    if (lane == 0) MbarArrive(empty_bar(slot_of(item)));
+  };
+  auto issue_s = [&](float (&s)[kN / 2], int j) {  // S = Q·K(j)ᵀ, committed as one group
+    const uint32_t k_tile = tile_of(2 * j);
 #pragma unroll
-    for (int kk = 0; kk < kQRegSteps; ++kk) {
-      const int r = 64 * cw + 16 * (cwarp & 3) + (lane & 15);
-      LdMatrixX4(qa[kk], s_q + TileOffset<kM>(r, 2 * kk + (lane >> 4)));
-    }
-    auto tile_of = [&](int r) { return ring_addr + slot_of(r) * Tr::kSlotBytes; };
-    auto release = [&](int r) {  // this warp's wgmma has read the slot: one arrival per warp
-      __syncwarp();
-      if (lane == 0) MbarArrive(empty_bar(slot_of(r)));
+    for (int e = 0; e < kN / 2; ++e) s[e] = 0.f;
+    FenceRegs(s);
+    WgmmaFence();
+    auto desc_k = [&](int kk) {  // K-major: 16 columns = 32 bytes of a 128-byte slab row
+      return MakeSmemDesc(k_tile + (kk >> 2) * (kN * 128) + (kk & 3) * 32, 16, 1024);
     };
-    auto issue_s = [&](float (&s)[kN / 2], int j) {  // S = Q·K(j)ᵀ, committed as one group
-      const uint32_t k_tile = tile_of(ring + 2 * j);
 #pragma unroll
-      for (int e = 0; e < kN / 2; ++e) s[e] = 0.f;
-      FenceRegs(s);
-      WgmmaFence();
-      auto desc_k = [&](int kk) {  // K-major: 16 columns = 32 bytes of a 128-byte slab row
-        return MakeSmemDesc(k_tile + (kk >> 2) * (kN * 128) + (kk & 3) * 32, 16, 1024);
-      };
+    for (int kk = 0; kk < kQRegSteps; ++kk) WgmmaRS_m64n64k16_KMajorB(s, qa[kk], desc_k(kk));
 #pragma unroll
-      for (int kk = 0; kk < kQRegSteps; ++kk) WgmmaRS_m64n64k16_KMajorB(s, qa[kk], desc_k(kk));
-#pragma unroll
-      for (int kk = kQRegSteps; kk < kD / 16; ++kk) {
-        WgmmaSS_m64n64k16(
-            s, MakeSmemDesc(q_wg_addr + (kk >> 2) * (kM * 128) + (kk & 3) * 32, 16, 1024), desc_k(kk), 1);
-      }
-      WgmmaCommit();
-    };
-    auto issue_pv = [&](const uint32_t (&pa)[kN / 16][4], int j) {  // O += P(j)·V(j), one group
-      const uint32_t v_tile = tile_of(ring + 2 * j + 1);
-      WgmmaFence();
-#pragma unroll
-      for (int k2 = 0; k2 < kN / 16; ++k2) {
-        WgmmaRS<kD>(o, pa[k2], MakeSmemDesc(v_tile + k2 * 16 * 128, kN * 128, 1024));
-      }
-      WgmmaCommit();
-    };
-    // P = SiLU(alpha·S)/N, masked (keys past the chunk end or after the row's last key), as bf16 in
-    // the register-A layout of the P·V wgmma.
-    auto silu_pack = [&](const float (&s)[kN / 2], int j, uint32_t (&pa)[kN / 16][4]) {
-      const int kstart = kv_begin + j * kN;
-      const int klast = kstart + kN - 1;
-      const bool full = klast < kv_end && klast <= hi[0] && klast <= hi[1];
-      float pv[kN / 2];
-      if (__all_sync(0xffffffffu, full)) {
-#pragma unroll
-        for (int e = 0; e < kN / 2; ++e) pv[e] = SiluScaled(s[e], half_alpha, inv_norm);
-      } else {
-#pragma unroll
-        for (int e = 0; e < kN / 2; ++e) {
-          const int i = (e >> 1) & 1;
-          const int key = kstart + (e >> 2) * 8 + 2 * t4 + (e & 1);
-          const bool ok = key < kv_end && key <= hi[i];
-          pv[e] = ok ? SiluScaled(s[e], half_alpha, inv_norm) : 0.f;
-        }
-      }
-#pragma unroll
-      for (int k2 = 0; k2 < kN / 16; ++k2) {
-        pa[k2][0] = PackBf16x2(pv[8 * k2 + 0], pv[8 * k2 + 1]);
-        pa[k2][1] = PackBf16x2(pv[8 * k2 + 2], pv[8 * k2 + 3]);
-        pa[k2][2] = PackBf16x2(pv[8 * k2 + 4], pv[8 * k2 + 5]);
-        pa[k2][3] = PackBf16x2(pv[8 * k2 + 6], pv[8 * k2 + 7]);
-      }
-    };
-    // Waits for V(j); in a block that runs past the chunk end, zeroes the rows there before this
-    // warpgroup's wgmma reads them: they hold stale page rows or nothing copied, P is 0 there, but
-    // V must be finite (0 · NaN is NaN). The other warpgroup writes the same zeros.
-    auto wait_v = [&](int j) {
-      MbarWait(full_bar(slot_of(ring + 2 * j + 1)), parity_of(ring + 2 * j + 1));
-      const int kstart = kv_begin + j * kN;
-      if (kstart + kN > kv_end) {
-        const int r0 = kv_end - kstart;
-        unsigned char* vt = s_ring + slot_of(ring + 2 * j + 1) * Tr::kSlotBytes;
-        for (int idx = wg_tid; idx < (kN - r0) * kChunks; idx += 128) {
-          const int r = r0 + idx / kChunks, c = idx % kChunks;
-          *reinterpret_cast<uint4*>(vt + TileOffset<kN>(r, c)) = make_uint4(0, 0, 0, 0);
-        }
-        FenceProxyAsync();
-        NamedBarrierSync(1 + cw, 128);
-      }
-    };
-
-#if defined(HSTU_ATTN_TRACE)
-    if (num_blocks > 0 && first_item) {
-      MbarWait(full_bar(slot_of(ring)), parity_of(ring));
-      HSTU_ATTN_TRACE_AT(kTraceFirstKv, GlobalTimerNs());
+    for (int kk = kQRegSteps; kk < kD / 16; ++kk) {
+      WgmmaSS_m64n64k16(
+          s, MakeSmemDesc(q_wg_addr + (kk >> 2) * (kM * 128) + (kk & 3) * 32, 16, 1024), desc_k(kk), 1);
     }
-#endif
-    for (int j = 0; j < num_blocks; ++j) {
-      MbarWait(full_bar(slot_of(ring + 2 * j)), parity_of(ring + 2 * j));
-      float s[kN / 2];
-      issue_s(s, j);
-      WgmmaWait<0>();
-      FenceRegs(s);
-      release(ring + 2 * j);  // K(j) read: the producer may refill it
-      uint32_t pa[kN / 16][4];
-      silu_pack(s, j, pa);
-      wait_v(j);
-      issue_pv(pa, j);
-      WgmmaWait<0>();
-      FenceRegs(o);
-      release(ring + 2 * j + 1);
-    }
-    ring += 2 * num_blocks;
-    // The item again, from this warpgroup's copy (written before the Q barrier above), and what
-    // follows from it (recomputed rather than held in registers through the loop).
-    it = LoadItem(s_item);
-    h = it.head >= 0 ? it.head : static_cast<int>(cluster > 0 ? blockIdx.y : blockIdx.x) % H;
-    const bool lean_item = cluster == 0 && it.head >= 0;
-
-    HSTU_ATTN_TRACE_AT(kTraceLoopEnd, GlobalTimerNs());
-#if defined(HSTU_ATTN_TRACE)
-    {
-      unsigned smid;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-      HSTU_ATTN_TRACE_AT(kTraceSmAndBlocks, (static_cast<unsigned long long>(num_blocks) << 32) | smid);
-    }
-#endif
-
-    if (cluster > 0) {
-      ClusterReduceEpilogue(p, it, h, cluster, row0, t4, o, smem);
-      return;
-    }
-
-    bool finish = it.num_splits == 1;  // this CTA writes the tile's output
-    if (!finish && lean_item && it.num_splits == 2) {
-      // Two chunks: the second to arrive adds the first's partial to its own O — the same sum
-      // whichever arrives last (fp32 addition commutes). counters[tile] counts arrivals in its
-      // low 16 bits and written partials above; the first writes its partial and counts it, the
-      // second waits for that (the first is running: it arrived) and resets the counter.
-      NamedBarrierSync(3, 256);
-      if (ctid == 0) *s_last = (atomicAdd(counters + it.tile, 1) & 0xffff) == 1;
-      NamedBarrierSync(3, 256);
-      finish = *s_last != 0;
-      if (!finish) {
-        StorePartial<kD>(it, h, p.kv.num_heads, row0, t4, o, partials);
-        __threadfence();
-        NamedBarrierSync(3, 256);
-        if (ctid == 0) atomicAdd(counters + it.tile, 1 << 16);
-      } else {
-        if (ctid == 0) {
-          while ((atomicAdd(counters + it.tile, 0) >> 16) < 1) __nanosleep(64);
-          counters[it.tile] = 0;  // both chunks have counted: ready for the next launch
-        }
-        NamedBarrierSync(3, 256);
-        __threadfence();
-        AddPartial<kD>(partials + PartialOffset<kD>(it, 1 - it.split, h, p.kv.num_heads), row0, t4,
-                       it.num_q, o);
-      }
-    } else if (!finish) {
-      StorePartial<kD>(it, h, p.kv.num_heads, row0, t4, o, partials);
-      if (lean_item) {
-        // More chunks: each writes its partial, and the last to arrive sums them all in split
-        // order (its own from memory too: the same sums, whichever chunk arrives last).
-        __threadfence();
-        NamedBarrierSync(3, 256);
-        if (ctid == 0) {
-          const int arrived = atomicAdd(counters + it.tile, 1);
-          const bool last = arrived == it.num_splits - 1;
-          if (last) counters[it.tile] = 0;  // every chunk has counted: ready for the next launch
-          *s_last = last;
-        }
-        NamedBarrierSync(3, 256);
-        finish = *s_last != 0;
-        if (finish) {
-          __threadfence();
+    WgmmaCommit();
+  };
+  auto issue_pv = [&](const uint32_t (&pa)[kN / 16][4], int j) {  // O += P(j)·V(j), one group
+    const uint32_t v_tile = tile_of(2 * j + 1);
+    WgmmaFence();
 #pragma unroll
-          for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
-          for (int sp = 0; sp < it.num_splits; ++sp) {
-            AddPartial<kD>(partials + PartialOffset<kD>(it, sp, h, p.kv.num_heads), row0, t4,
-                           it.num_q, o);
-          }
-        }
+    for (int k2 = 0; k2 < kN / 16; ++k2) {
+      WgmmaRS<kD>(o, pa[k2], MakeSmemDesc(v_tile + k2 * 16 * 128, kN * 128, 1024));
+    }
+    WgmmaCommit();
+  };
+  // P = SiLU(alpha·S)/N, masked (keys past the chunk end or after the row's last key), as bf16 in
+  // the register-A layout of the P·V wgmma.
+  auto silu_pack = [&](const float (&s)[kN / 2], int j, uint32_t (&pa)[kN / 16][4]) {
+    const int kstart = kv_begin + j * kN;
+    const int klast = kstart + kN - 1;
+    const bool full = klast < kv_end && klast <= hi[0] && klast <= hi[1];
+    float pv[kN / 2];
+    if (__all_sync(0xffffffffu, full)) {
+#pragma unroll
+      for (int e = 0; e < kN / 2; ++e) pv[e] = SiluScaled(s[e], half_alpha, inv_norm);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kN / 2; ++e) {
+        const int i = (e >> 1) & 1;
+        const int key = kstart + (e >> 2) * 8 + 2 * t4 + (e & 1);
+        const bool ok = key < kv_end && key <= hi[i];
+        pv[e] = ok ? SiluScaled(s[e], half_alpha, inv_norm) : 0.f;
       }
     }
-
-    if (finish) {
-      // ---- The candidates' own keys (diagonal) of an unsplit tile (the reduction adds a split
-      // tile's in split plans: here it would lengthen the tile's longest chunk) ----
-      if (it.q_local + it.num_q > num_new) {
-        bool is_cand[2];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          is_cand[i] = row0 + 8 * i < it.num_q && it.q_local + row0 + 8 * i >= num_new;
-        }
-        AddCandidateDiagonal<kD>(p, it, h, row0, t4, is_cand, o);
+    for (int k2 = 0; k2 < kN / 16; ++k2) {
+      pa[k2][0] = PackBf16x2(pv[8 * k2 + 0], pv[8 * k2 + 1]);
+      pa[k2][1] = PackBf16x2(pv[8 * k2 + 2], pv[8 * k2 + 3]);
+      pa[k2][2] = PackBf16x2(pv[8 * k2 + 4], pv[8 * k2 + 5]);
+      pa[k2][3] = PackBf16x2(pv[8 * k2 + 6], pv[8 * k2 + 7]);
+    }
+  };
+  // Waits for V(j); in a block that runs past the chunk end, zeroes the rows there before this
+  // warpgroup's wgmma reads them: they hold stale page rows or nothing copied, P is 0 there, but V
+  // must be finite (0 · NaN is NaN). The other warpgroup writes the same zeros.
+  auto wait_v = [&](int j) {
+    MbarWait(full_bar(slot_of(2 * j + 1)), parity_of(2 * j + 1));
+    const int kstart = kv_begin + j * kN;
+    if (kstart + kN > kv_end) {
+      const int r0 = kv_end - kstart;
+      unsigned char* vt = s_ring + slot_of(2 * j + 1) * Tr::kSlotBytes;
+      for (int idx = wg_tid; idx < (kN - r0) * kChunks; idx += 128) {
+        const int r = r0 + idx / kChunks, c = idx % kChunks;
+        *reinterpret_cast<uint4*>(vt + TileOffset<kN>(r, c)) = make_uint4(0, 0, 0, 0);
       }
-      // Stage this warpgroup's bf16 rows in its half of s_q (only it reads those rows) for 16-byte
-      // stores.
-      bf16* out = p.out + h * kD;
-#pragma unroll
-      for (int jn = 0; jn < kD / 8; ++jn) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int r = row0 + 8 * i;
-          *reinterpret_cast<uint32_t*>(s_q + TileOffset<kM>(r, jn) + 4 * t4) =
-              PackBf16x2(o[4 * jn + 2 * i], o[4 * jn + 2 * i + 1]);
-        }
-      }
+      FenceProxyAsync();
       NamedBarrierSync(1 + cw, 128);
-      const int rows = min(64, it.num_q - 64 * cw);
-      for (int idx = wg_tid; idx < rows * kChunks; idx += 128) {
-        const int r = 64 * cw + idx / kChunks, c = idx % kChunks;
-        *reinterpret_cast<Bf16x8*>(out + static_cast<int64_t>(it.q_row + r) * hd + c * 8) =
-            *reinterpret_cast<const Bf16x8*>(s_q + TileOffset<kM>(r, c));
+    }
+  };
+
+#if defined(HSTU_ATTN_TRACE)
+  if (num_blocks > 0) {
+    MbarWait(full_bar(slot_of(0)), parity_of(0));
+    HSTU_ATTN_TRACE_AT(kTraceFirstKv, GlobalTimerNs());
+  }
+#endif
+  for (int j = 0; j < num_blocks; ++j) {
+    MbarWait(full_bar(slot_of(2 * j)), parity_of(2 * j));
+    float s[kN / 2];
+    issue_s(s, j);
+    WgmmaWait<0>();
+    FenceRegs(s);
+    release(2 * j);  // K(j) read: the producer may refill it
+    uint32_t pa[kN / 16][4];
+    silu_pack(s, j, pa);
+    wait_v(j);
+    issue_pv(pa, j);
+    WgmmaWait<0>();
+    FenceRegs(o);
+    release(2 * j + 1);
+  }
+
+  HSTU_ATTN_TRACE_AT(kTraceLoopEnd, GlobalTimerNs());
+#if defined(HSTU_ATTN_TRACE)
+  {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    HSTU_ATTN_TRACE_AT(kTraceSmAndBlocks, (static_cast<unsigned long long>(num_blocks) << 32) | smid);
+  }
+#endif
+
+  if (cluster > 0) {
+    ClusterReduceEpilogue(p, it, h, cluster, row0, t4, o, smem);
+    return;
+  }
+
+  // ---- The candidates' own keys (diagonal) of an unsplit tile (the reduction adds a split
+  // tile's: here it would lengthen the tile's longest chunk) ----
+  if (it.num_splits == 1 && it.q_local + it.num_q > num_new) {
+    AddCandidateDiagonal<kD>(p, it, h, row0, t4, is_cand, o);
+  }
+
+  bf16* out = p.out + h * kD;
+  if (it.num_splits == 1) {
+    // Stage this warpgroup's bf16 rows in its half of s_q (only it reads those rows) for 16-byte
+    // stores.
+#pragma unroll
+    for (int jn = 0; jn < kD / 8; ++jn) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = row0 + 8 * i;
+        *reinterpret_cast<uint32_t*>(s_q + TileOffset<kM>(r, jn) + 4 * t4) =
+            PackBf16x2(o[4 * jn + 2 * i], o[4 * jn + 2 * i + 1]);
       }
+    }
+    NamedBarrierSync(1 + cw, 128);
+    const int rows = min(64, it.num_q - 64 * cw);
+    for (int idx = wg_tid; idx < rows * kChunks; idx += 128) {
+      const int r = 64 * cw + idx / kChunks, c = idx % kChunks;
+      *reinterpret_cast<Bf16x8*>(out + static_cast<int64_t>(it.q_row + r) * hd + c * 8) =
+          *reinterpret_cast<const Bf16x8*>(s_q + TileOffset<kM>(r, c));
     }
     HSTU_ATTN_TRACE_AT(kTraceEnd, GlobalTimerNs());
-    if (!lean_item || it.next < 0) break;
-    it = items[it.next];
-    h = it.head;
+    return;
   }
+
+  StorePartial<kD>(it, h, p.kv.num_heads, row0, t4, o, partials);
+  HSTU_ATTN_TRACE_AT(kTraceEnd, GlobalTimerNs());
 #else
   __trap();
 #endif

@@ -280,10 +280,8 @@ PagedCase MakeCase(std::mt19937& rng, int B, int page_size, int H, int D, int W,
 // the append), then both sides append and attend over the GPU's post-SiLU rows: the pages bit for
 // bit, attention within the bf16 tolerance.
 // cluster > 0: a cluster plan (summed in distributed shared memory), which the case must produce.
-// lean: a lean plan (PlanHstuAttentionLean, whatever its estimated span), whose arrival counters
-// must be zero again after each launch.
 void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, int max_split = 64,
-                  bool expect_two_chunks = false, int cluster = 0, bool lean = false) {
+                  bool expect_two_chunks = false, int cluster = 0) {
   const int64_t hd = static_cast<int64_t>(c.H) * c.D;
   DeviceArray<bf16> d_pool(ToBf16(c.pool)), d_uvqk(ToBf16(c.uvqk)), d_out(c.rows() * hd);
   DeviceArray<int32_t> d_ro(c.row_offsets), d_nn(c.num_new), d_nt(c.num_tokens),
@@ -353,15 +351,10 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
   cp.max_attn_len = c.W;
   cpu::HstuAttention(cp);
 
-  const cuda::AttentionPlan plan =
-      lean ? cuda::PlanHstuAttentionLean(c.row_offsets.data(), c.num_new.data(),
-                                         c.num_tokens.data(), c.B, c.H, concurrent_ctas)
-           : cuda::PlanHstuAttention(c.row_offsets.data(), c.num_new.data(), c.num_tokens.data(),
-                                     c.B, c.W, c.H, concurrent_ctas, max_split, cluster,
-                                     /*max_clusters=*/cluster > 0 ? 1 << 20 : 0);
+  const cuda::AttentionPlan plan = cuda::PlanHstuAttention(
+      c.row_offsets.data(), c.num_new.data(), c.num_tokens.data(), c.B, c.W, c.H, concurrent_ctas,
+      max_split, cluster, /*max_clusters=*/cluster > 0 ? 1 << 20 : 0);
   ASSERT_EQ(plan.cluster, cluster) << what << ": the case meant to make a cluster plan";
-  ASSERT_EQ(plan.lean_ctas > 0, lean) << what << ": the case meant to make a lean plan";
-  DeviceArray<int32_t> d_counters(std::vector<int32_t>(std::max(1, plan.num_counters), 0));
   if (expect_two_chunks) {
     EXPECT_TRUE(std::any_of(plan.items.begin(), plan.items.end(),
                             [](const cuda::AttentionWorkItem& it) { return it.num_splits == 2; }))
@@ -389,13 +382,8 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
     HSTU_ASSERT_CUDA(cuda::LaunchHstuAttention(
         gp, reinterpret_cast<const cuda::AttentionWorkItem*>(d_items.get()),
         static_cast<int32_t>(plan.items.size()), plan.num_split_tiles, d_partials.get(), nullptr,
-        plan.cluster, plan.lean_ctas, d_counters.get()));
+        plan.cluster));
     HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
-    if (lean) {
-      const std::vector<int32_t> counters = d_counters.Download();
-      EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int32_t v) { return v == 0; }))
-          << what << ": arrival counters not reset";
-    }
     const auto got = ToF32(d_out.Download());
     ASSERT_TRUE(AllFinite(got)) << what << ": NaN/Inf or unwritten rows (items "
                                 << plan.items.size() << ")";
@@ -602,39 +590,6 @@ TEST(CudaKernels, ClusterAttentionMatchesCpu) {
   }
 }
 
-// Lean plans (the warp-specialised kernel; one CTA a lane slot, each running a list of (tile,
-// head, key range) items; split tile-heads summed by their last chunk to arrive): against the
-// CPU, with users without history or candidates, tile-heads of one, two and more chunks, and
-// slot counts that make several lanes of one to eight CTAs; twice, bit-equal (the counters reset).
-TEST(CudaKernels, LeanAttentionMatchesCpu) {
-  HSTU_SKIP_WITHOUT_GPU();
-  std::mt19937 rng(21);
-  struct Shape { int B, page_size, H, cached, nnew, cand, ctas; };
-  const Shape shapes[] = {
-      {8, 32, 4, 900, 128, 256, 132},   // the batch-8 decode step's shape, shorter histories
-      {17, 32, 2, 300, 90, 40, 40},     // 17 users with edge cases
-      {5, 8, 1, 250, 300, 500, 24},     // 8-row boxes, up to 7 tiles a user
-      {3, 64, 4, 2000, 150, 3, 16},     // 64-row boxes, a 1-candidate user, 16 slots
-      {6, 16, 2, 700, 20, 130, 132},    // 16-row boxes
-  };
-  int two = 0, more = 0;
-  for (const Shape& s : shapes) {
-    PagedCase c = MakeCase(rng, s.B, s.page_size, s.H, 256, 0, s.cached, s.nnew, s.cand);
-    const cuda::AttentionPlan plan = cuda::PlanHstuAttentionLean(
-        c.row_offsets.data(), c.num_new.data(), c.num_tokens.data(), c.B, c.H, s.ctas);
-    for (const cuda::AttentionWorkItem& it : plan.items) {
-      two += it.num_splits == 2;
-      more += it.num_splits > 2;
-    }
-    RunPagedCase(c, s.ctas,
-                 "lean " + ::testing::PrintToString(std::vector<int>{s.B, s.page_size, s.H,
-                                                                    s.cached, s.ctas}),
-                 64, false, 0, /*lean=*/true);
-  }
-  EXPECT_GT(two, 0) << "no two-chunk tile-head in the cases";
-  EXPECT_GT(more, 0) << "no tile-head of more chunks in the cases";
-}
-
 TEST(CudaKernels, AttentionRejectsBadArguments) {
   HSTU_SKIP_WITHOUT_GPU();
   AttentionParams<bf16> p;
@@ -677,19 +632,6 @@ TEST(CudaKernels, AttentionRejectsBadArguments) {
             cudaErrorInvalidValue);  // split tiles in a cluster plan
   EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 16, 0, nullptr, nullptr, 16),
             cudaErrorInvalidValue);  // beyond the portable cluster size
-  // Lean plans: partials and counters required, no split tiles, no more CTAs than items.
-  DeviceArray<int32_t> counters(std::vector<int32_t>(4, 0));
-  float* partials = reinterpret_cast<float*>(buf.get());
-  EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 4, 0, nullptr, nullptr, 0, 2, counters.get()),
-            cudaErrorInvalidValue);
-  EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 4, 0, partials, nullptr, 0, 2, nullptr),
-            cudaErrorInvalidValue);
-  EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 4, 1, partials, nullptr, 0, 2, counters.get()),
-            cudaErrorInvalidValue);
-  EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 4, 0, partials, nullptr, 0, 5, counters.get()),
-            cudaErrorInvalidValue);
-  EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 8, 0, partials, nullptr, 8, 2, counters.get()),
-            cudaErrorInvalidValue);  // a cluster plan is not a lean plan
 }
 
 }  // namespace
