@@ -81,7 +81,7 @@ std::vector<int> ParseList(const std::string& s) {
 // `num_new` new history rows and `cand` candidates; base model heads (4 × 256).
 struct AttnSetup {
   int B = 1, H = 4, D = 256, cached = 3968, num_new = 128, cand = 256, page_size = 32, sets = 0;
-  hstu::cuda::DeviceBuffer pool, uvqk, out, meta, partials, counters;
+  hstu::cuda::DeviceBuffer pool, uvqk, out, meta, partials;
   std::vector<hstu::AttentionParams<bf16>> params;  // one per KV set
   std::vector<const hstu::cuda::AttentionWorkItem*> items;
   hstu::cuda::AttentionPlan plan;
@@ -146,8 +146,6 @@ void BuildAttention(AttnSetup& a, int concurrent_ctas) {
   HSTU_BENCH_CHECK_CUDA(a.meta.Reserve(words.size() * 4));
   HSTU_BENCH_CHECK_CUDA(cudaMemcpy(a.meta.get(), words.data(), words.size() * 4, cudaMemcpyHostToDevice));
   const int32_t* m = a.meta.as<int32_t>();
-  HSTU_BENCH_CHECK_CUDA(a.counters.Reserve(std::max<size_t>(1, static_cast<size_t>(a.plan.num_split_tiles) * a.H) * 4));
-  HSTU_BENCH_CHECK_CUDA(cudaMemset(a.counters.get(), 0, a.counters.bytes()));
   HSTU_BENCH_CHECK_CUDA(a.partials.Reserve(std::max<size_t>(1, static_cast<size_t>(a.plan.num_partials) * a.H *
                                                         hstu::cuda::kAttnBlockM * a.D) * 4));
   for (int s = 0; s < a.sets; ++s) {
@@ -174,18 +172,11 @@ void BuildAttention(AttnSetup& a, int concurrent_ctas) {
 }
 
 void RunAttention(AttnSetup& a, cudaStream_t s) {
-  // Two-chunk tiles finished in the attention kernel as the engine does (HSTU_ATTN_TWO_CHUNKS=0:
-  // by the reduction, for A/B runs).
-  static const bool two_chunks = [] {
-    const char* v = std::getenv("HSTU_ATTN_TWO_CHUNKS");
-    return v == nullptr || std::string(v) != "0";
-  }();
   for (int k = 0; k < a.sets; ++k) {
     // As an eager engine step: no reduction kernel without split tiles.
     HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchHstuAttention(
         a.params[k], a.items[0], static_cast<int32_t>(a.plan.items.size()), a.plan.num_split_tiles,
-        a.plan.num_split_tiles > 0 ? a.partials.as<float>() : nullptr, s, a.plan.cluster,
-        two_chunks ? a.counters.as<int32_t>() : nullptr));
+        a.plan.num_split_tiles > 0 ? a.partials.as<float>() : nullptr, s, a.plan.cluster));
   }
 }
 
@@ -268,9 +259,11 @@ json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batche
       const float ms = TimeMs(stream.get(), reps, a.sets, [&] { RunAttention(a, stream.get()); });
       HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
       HSTU_BENCH_CHECK_CUDA(hstu::cuda::ReadHstuAttentionTrace(&trace));  // zeroes it
+      // As RunAttention launches it (a cluster plan's items launched without clusters would
+      // write partials past the buffer, which a cluster plan does not size).
       HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchHstuAttention(
           a.params[0], a.items[0], static_cast<int32_t>(a.plan.items.size()), a.plan.num_split_tiles,
-          a.partials.as<float>(), stream.get(), a.plan.cluster, a.counters.as<int32_t>()));
+          a.partials.as<float>(), stream.get(), a.plan.cluster));
       HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
       HSTU_BENCH_CHECK_CUDA(hstu::cuda::ReadHstuAttentionTrace(&trace));
       const int ctas = std::min<int>(static_cast<int>(a.plan.items.size()) * a.H, hstu::cuda::kAttnTraceCtas);

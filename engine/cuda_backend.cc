@@ -102,11 +102,6 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
                            std::to_string(attn_cluster_) + ")";
     }
   }
-  if (const char* v = std::getenv("HSTU_ATTN_TWO_CHUNKS"); (v == nullptr || std::string(v) != "0") &&
-      attention_kernel_.rfind("warp-specialised TMA kernel", 0) == 0) {
-    attn_two_chunks_ = true;
-    attention_kernel_ += ", two-chunk tiles finished in the kernel";
-  }
   if (const char* v = std::getenv("HSTU_GRAPH_WAIT_NODES"); v != nullptr && std::string(v) == "1") {
     always_wait_nodes_ = true;  // A/B of the graphs without onload wait nodes
   }
@@ -217,7 +212,6 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
   const size_t partial_floats = static_cast<size_t>(plan_.num_partials) * config_.num_heads *
                                 cuda::kAttnBlockM * config_.head_dim;
   HSTU_CUDA_RETURN(ws->partials.Reserve(std::max<size_t>(partial_floats, 1) * sizeof(float)));
-  HSTU_CUDA_RETURN(ws->ReserveCounters(static_cast<size_t>(plan_.num_split_tiles) * config_.num_heads));
   const size_t C = std::max<size_t>(cand_rows.size(), 1);
   int32_t widest = 1;
   for (const HeadBuffers& hb : head_) widest = std::max({widest, hb.in, hb.out});
@@ -272,8 +266,7 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
                         : nullptr;
   HSTU_CUDA_RETURN(cuda::LaunchHstuAttention(
       att, reinterpret_cast<const cuda::AttentionWorkItem*>(m + step_.layout.items),
-      step_.num_items, step_.num_split_tiles, partials, stream_.get(), step_.cluster,
-      attn_two_chunks_ ? step_.ws->counters.as<int32_t>() : nullptr));
+      step_.num_items, step_.num_split_tiles, partials, stream_.get(), step_.cluster));
   if (capturing_) {
     cudaGraphNode_t node = nullptr;
     HSTU_RETURN_IF_ERROR(LastCapturedNode(&node));

@@ -122,20 +122,10 @@ inline MetaLayout PlaceMeta(size_t B, size_t rows, size_t pages, size_t cands, s
 // graphs' buffers are sized once at creation, so the pointers baked into the graphs stay valid.
 struct Workspace {
   DeviceBuffer x, n, uvqk, a, y, meta, partials, cand_raw, cand_norm, head_a, head_b;
-  // The attention's arrival counters of split tiles (zero between launches; not an activation:
-  // never poisoned). See ReserveCounters.
-  DeviceBuffer counters;
   size_t bytes() const {
     return x.bytes() + n.bytes() + uvqk.bytes() + a.bytes() + y.bytes() + meta.bytes() +
            partials.bytes() + cand_raw.bytes() + cand_norm.bytes() +
-           head_a.bytes() + head_b.bytes() + counters.bytes();
-  }
-  // Grows the counters to `count` ints, zeroed when (re)allocated; callers outside a capture.
-  cudaError_t ReserveCounters(size_t count) {
-    const size_t bytes = std::max<size_t>(count, 1) * sizeof(int32_t);
-    if (bytes <= counters.bytes()) return cudaSuccess;
-    if (cudaError_t err = counters.Reserve(bytes); err != cudaSuccess) return err;
-    return cudaMemset(counters.get(), 0, counters.bytes());
+           head_a.bytes() + head_b.bytes();
   }
   std::vector<DeviceBuffer*> activations() {
     return {&x, &n, &uvqk, &a, &y, &partials, &cand_raw, &cand_norm, &head_a, &head_b};
@@ -327,9 +317,6 @@ class CudaBackendImpl final : public CudaBackend {
   // Cluster plans (cuda::PlanHstuAttention): the cluster size, 0 = off (not the warp-specialised
   // kernel, no cluster fits, or HSTU_ATTN_CLUSTER=0), and how many clusters the GPU runs at once.
   int32_t attn_cluster_ = 0, attn_max_clusters_ = 0;
-  // Two-chunk tiles finished in the attention kernel (warp-specialised kernel;
-  // HSTU_ATTN_TWO_CHUNKS=0 leaves them to the reduction, for A/B runs).
-  bool attn_two_chunks_ = false;
 
   cuda::Stream stream_;
   cublasHandle_t cublas_ = nullptr;

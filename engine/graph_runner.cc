@@ -47,8 +47,6 @@ absl::Status CudaBackendImpl::SizeGraphWorkspace() {
   HSTU_CUDA_RETURN(ws.meta.Reserve(meta));
   HSTU_CUDA_RETURN(ws.partials.Reserve(partials * config_.num_heads * cuda::kAttnBlockM *
                                        config_.head_dim * sizeof(float)));
-  // A split tile has at least two partial slots: at most partials / 2 split tiles.
-  HSTU_CUDA_RETURN(ws.ReserveCounters(partials * config_.num_heads));
   HSTU_CUDA_RETURN(ws.cand_raw.Reserve(rows * d * sizeof(float)));
   HSTU_CUDA_RETURN(ws.cand_norm.Reserve(rows * d * sizeof(float)));
   HSTU_CUDA_RETURN(ws.head_a.Reserve(rows * widest * sizeof(float)));

@@ -133,8 +133,7 @@ const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stre
 
 template <int kD>
 cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* items, int32_t num_items,
-                   int32_t num_split_tiles, float* partials, cudaStream_t stream, int32_t cluster,
-                   int32_t* counters) {
+                   int32_t num_split_tiles, float* partials, cudaStream_t stream, int32_t cluster) {
   const dim3 grid(num_items * p.kv.num_heads);  // x = item * H + head
   cudaError_t err = cudaSuccess;
   const CUtensorMap* kv_map = kD == 256 ? KvTensorMap(p, stream) : nullptr;
@@ -150,11 +149,10 @@ cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* item
       const dim3 cgrid(cluster, num_items / cluster * p.kv.num_heads);
       err = LaunchDependentCluster(HstuAttentionWsKernel, cgrid, dim3(AttnWsTraits::kThreads),
                                    kSmem, cluster, stream, p, items, partials, kv_map,
-                                   KvBoxRows(p.kv.page_size), static_cast<int>(cluster), counters);
+                                   KvBoxRows(p.kv.page_size), static_cast<int>(cluster));
     } else {
       err = LaunchDependent(HstuAttentionWsKernel, grid, dim3(AttnWsTraits::kThreads), kSmem,
-                            stream, p, items, partials, kv_map, KvBoxRows(p.kv.page_size), 0,
-                            counters);
+                            stream, p, items, partials, kv_map, KvBoxRows(p.kv.page_size), 0);
     }
     if (err != cudaSuccess) return err;
   } else {
@@ -169,10 +167,8 @@ cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* item
   if (partials == nullptr) return cudaSuccess;
   const dim3 reduce_grid(HstuAttentionReduceGridX(num_split_tiles, p.kv.num_heads), 1,
                          kAttnBlockM / kReduceRows);
-  // The warp-specialised kernel with counters finishes the tiles of two chunks itself.
-  const int two_chunks_done = kv_map != nullptr && counters != nullptr ? 1 : 0;
   return LaunchDependent(HstuAttentionReduceKernel<kD>, reduce_grid, dim3(256), 0, stream, items,
-                         partials, p, two_chunks_done);
+                         partials, p);
 }
 
 template <int kD>
@@ -256,7 +252,7 @@ cudaError_t ReadHstuAttentionTrace(std::vector<uint64_t>* out) {
 
 cudaError_t LaunchHstuAttention(const AttentionParams<bf16>& p, const AttentionWorkItem* items,
                                 int32_t num_items, int32_t num_split_tiles, float* partials,
-                                cudaStream_t stream, int32_t cluster, int32_t* counters) {
+                                cudaStream_t stream, int32_t cluster) {
   const auto& kv = p.kv;
   const int64_t hd = static_cast<int64_t>(kv.num_heads) * kv.head_dim;
   if (num_items < 0 || kv.num_heads <= 0 || kv.num_heads > 65535 || p.uvqk == nullptr ||
@@ -276,12 +272,9 @@ cudaError_t LaunchHstuAttention(const AttentionParams<bf16>& p, const AttentionW
   if (!HeadDimSupported(kv.head_dim)) return cudaErrorInvalidValue;  // allowed: 64, 128, 256
   if (num_items == 0) return cudaSuccess;
   switch (kv.head_dim) {
-    case 64:
-      return Launch<64>(p, items, num_items, num_split_tiles, partials, stream, cluster, counters);
-    case 128:
-      return Launch<128>(p, items, num_items, num_split_tiles, partials, stream, cluster, counters);
-    case 256:
-      return Launch<256>(p, items, num_items, num_split_tiles, partials, stream, cluster, counters);
+    case 64: return Launch<64>(p, items, num_items, num_split_tiles, partials, stream, cluster);
+    case 128: return Launch<128>(p, items, num_items, num_split_tiles, partials, stream, cluster);
+    case 256: return Launch<256>(p, items, num_items, num_split_tiles, partials, stream, cluster);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -105,14 +105,10 @@ cudaError_t HstuAttentionCtasPerSm(int head_dim, int* ctas_per_sm);
 // their results through distributed shared memory — no partials, no reduction kernel
 // (num_split_tiles must be 0; partials may still be given, the reduction's blocks then exit).
 // Warp-specialised kernel only (D = 256, no window; cudaErrorInvalidValue otherwise).
-//
-// counters (optional): num_split_tiles × H ints, zero before the first launch (the kernels leave
-// them zero). With them the warp-specialised kernel finishes a tile of two chunks itself — the
-// second chunk to arrive adds the first's partial — and the reduction skips it (round 18).
 cudaError_t LaunchHstuAttention(const AttentionParams<__nv_bfloat16>& p,
                                 const AttentionWorkItem* items, int32_t num_items,
                                 int32_t num_split_tiles, float* partials, cudaStream_t stream,
-                                int32_t cluster = 0, int32_t* counters = nullptr);
+                                int32_t cluster = 0);
 
 // Clusters of `cluster` CTAs of the warp-specialised attention kernel the GPU runs at once
 // (cudaOccupancyMaxActiveClusters; 0 when none fit). cudaErrorInvalidDeviceFunction on a GPU

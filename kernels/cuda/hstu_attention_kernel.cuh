@@ -100,20 +100,14 @@ __device__ __forceinline__ void AddCandidateDiagonal(const AttentionParams<bf16>
   }
 }
 
-// Offset of the fp32 partial [kAttnBlockM, kD] of chunk `split` of it's split tile, head h.
-template <int kD>
-__device__ __forceinline__ int64_t PartialOffset(const AttentionWorkItem& it, int split, int h,
-                                                 int num_heads) {
-  return (static_cast<int64_t>(it.partial_base + split) * num_heads + h) * kAttnBlockM * kD;
-}
-
 // A split tile's fp32 partial of this chunk (HstuAttentionReduceKernel sums them): rows past the
 // tile's end are not written.
 template <int kD>
 __device__ __forceinline__ void StorePartial(const AttentionWorkItem& it, int h, int num_heads,
                                              int row0, int t4, const float (&o)[kD / 2],
                                              float* __restrict__ partials) {
-  float* part = partials + PartialOffset<kD>(it, it.split, h, num_heads);
+  float* part = partials + (static_cast<int64_t>(it.partial_base + it.split) * num_heads + h) *
+                               kAttnBlockM * kD;
 #pragma unroll
   for (int jn = 0; jn < kD / 8; ++jn) {
 #pragma unroll
@@ -354,15 +348,13 @@ __global__ void __launch_bounds__(256, AttnTraits<kD>::kMinBlocks)
 // kernels leave it out of a split tile, where it would sit on the longest chunk's critical path) and
 // writes bf16. Grid: (HstuAttentionReduceGridX, 1, kAttnBlockM / kReduceRows); items[t] is split 0
 // of split tile t (PlanHstuAttention orders them first), block x = t * H + head. Every load of a
-// block is issued before the first is used. two_chunks_done: the attention kernel finished the
-// tiles of two chunks itself (the warp-specialised kernel with counters); they are skipped.
+// block is issued before the first is used.
 inline constexpr int kReduceRows = 8;
 
 template <int kD>
 __global__ void __launch_bounds__(256)
     HstuAttentionReduceKernel(const AttentionWorkItem* __restrict__ items,
-                              const float* __restrict__ partials, const AttentionParams<bf16> p,
-                              int two_chunks_done) {
+                              const float* __restrict__ partials, const AttentionParams<bf16> p) {
   // Launched dependent on the attention kernel (LaunchDependent): the metadata (work item, token
   // counts; written by a copy before the step's first kernel) is read before the wait, the
   // partials and uvqk rows after it.
@@ -370,7 +362,7 @@ __global__ void __launch_bounds__(256)
   const int num_heads = p.kv.num_heads;
   const AttentionWorkItem it = items[blockIdx.x / num_heads];
   // A graph's block for a plan without split tiles (unsplit items and cluster plans: tile < 0).
-  if (it.tile < 0 || it.split != 0 || (two_chunks_done && it.num_splits == 2)) return;
+  if (it.tile < 0 || it.split != 0) return;
   const int h = blockIdx.x % num_heads;
   const int row_begin = blockIdx.z * kReduceRows;
   if (row_begin >= it.num_q) return;

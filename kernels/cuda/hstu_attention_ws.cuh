@@ -186,29 +186,6 @@ __device__ __forceinline__ void ClusterReduceEpilogue(const AttentionParams<bf16
   ClusterSync();  // the other CTAs have read this one's O
 }
 
-// o += a partial (StorePartial's layout), rows below num_q; the loads in groups of 8 column groups
-// (32 registers), so that they do not all stay in flight beside O.
-template <int kD>
-__device__ __forceinline__ void AddPartial(const float* __restrict__ part, int row0, int t4,
-                                           int num_q, float (&o)[kD / 2]) {
-#pragma unroll
-  for (int j0 = 0; j0 < kD / 8; j0 += 8) {
-#pragma unroll
-    for (int jn = j0; jn < j0 + 8; ++jn) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = row0 + 8 * i;
-        if (r < num_q) {
-          const float2 v = __ldcg(reinterpret_cast<const float2*>(part + r * kD + jn * 8 + 2 * t4));
-          o[4 * jn + 2 * i] += v.x;
-          o[4 * jn + 2 * i + 1] += v.y;
-        }
-      }
-    }
-    asm volatile("" ::: "memory");
-  }
-}
-
 struct AttnWsTraits {
   static constexpr int kD = 256;
   static constexpr int kM = kAttnBlockM, kN = kAttnBlockN;
@@ -219,8 +196,7 @@ struct AttnWsTraits {
   static constexpr int kSlotBytes = kN * kD * 2; // one K or V tile: 32 KB
   static constexpr int kSlots = 5;               // the producer runs up to 2.5 key blocks ahead
   static constexpr int kConsumerWarps = 8;       // arrivals that free a slot
-  // Q, the ring, its full/empty barriers and one word (a two-chunk tile's "second to arrive").
-  static constexpr int kSmemBytes = 1024 + kQBytes + kSlots * kSlotBytes + 2 * kSlots * 8 + 16;
+  static constexpr int kSmemBytes = 1024 + kQBytes + kSlots * kSlotBytes + 2 * kSlots * 8;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
@@ -234,7 +210,7 @@ struct AttnWsTraits {
 __global__ void __launch_bounds__(384, 1)
     HstuAttentionWsKernel(const AttentionParams<bf16> p, const AttentionWorkItem* __restrict__ items,
                           float* __restrict__ partials, const CUtensorMap* __restrict__ kv_map,
-                          int box_rows, int cluster, int32_t* __restrict__ counters) {
+                          int box_rows, int cluster) {
 #ifdef HSTU_WGMMA_ENABLED
   HSTU_ATTN_TRACE_AT(kTraceEntry, GlobalTimerNs());
   // Launched dependent on the kernel before it (LaunchDependent). Until WaitForPredecessor this
@@ -255,7 +231,6 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t bar_addr = ring_addr + kSlots * Tr::kSlotBytes;
   auto full_bar = [&](int slot) { return bar_addr + 8 * slot; };
   auto empty_bar = [&](int slot) { return bar_addr + 8 * (kSlots + slot); };
-  volatile int* s_second = reinterpret_cast<volatile int*>(s_ring + kSlots * Tr::kSlotBytes + 2 * kSlots * 8);
 
   // Block x = item * H + head: the heads of an item launch together, in the plan's order. In a
   // cluster plan block y = tile * H + head and block x = the chunk (= the CTA's rank).
@@ -490,45 +465,14 @@ __global__ void __launch_bounds__(384, 1)
     return;
   }
 
-  // ---- A tile of two chunks (with counters): the second chunk to arrive finishes it ----
-  // counters[tile · H + h] counts arrivals in its low 16 bits and written partials above. The first
-  // to arrive writes its partial and counts it; the second waits for that (the first is running:
-  // it arrived), adds the partial to its own O (fp32 addition commutes: the same sum whichever
-  // arrives second, and the one the reduction kernel would make) and resets the counter for the
-  // next launch. The reduction kernel skips these tiles (docs/cuda_kernels.md, round 18).
-  bool finish = it.num_splits == 1;
-  if (it.num_splits == 2 && counters != nullptr) {
-    int32_t* counter = counters + it.tile * H + h;
-    NamedBarrierSync(3, 256);
-    if (ctid == 0) *s_second = (atomicAdd(counter, 1) & 0xffff) == 1;
-    NamedBarrierSync(3, 256);
-    finish = *s_second != 0;
-    if (finish) {
-      if (ctid == 0) {
-        while ((atomicAdd(counter, 0) >> 16) < 1) __nanosleep(32);
-        *counter = 0;
-      }
-      NamedBarrierSync(3, 256);
-      __threadfence();
-      AddPartial<kD>(partials + PartialOffset<kD>(it, 1 - it.split, h, H), row0, t4, it.num_q, o);
-    } else {
-      StorePartial<kD>(it, h, H, row0, t4, o, partials);
-      __threadfence();
-      NamedBarrierSync(3, 256);
-      if (ctid == 0) atomicAdd(counter, 1 << 16);
-      HSTU_ATTN_TRACE_AT(kTraceEnd, GlobalTimerNs());
-      return;
-    }
-  }
-
-  // ---- The candidates' own keys (diagonal) of a tile this CTA finishes (the reduction adds a
-  // split tile's: here it would lengthen the tile's longest chunk) ----
-  if (finish && it.q_local + it.num_q > num_new) {
+  // ---- The candidates' own keys (diagonal) of an unsplit tile (the reduction adds a split
+  // tile's: here it would lengthen the tile's longest chunk) ----
+  if (it.num_splits == 1 && it.q_local + it.num_q > num_new) {
     AddCandidateDiagonal<kD>(p, it, h, row0, t4, is_cand, o);
   }
 
   bf16* out = p.out + h * kD;
-  if (finish) {
+  if (it.num_splits == 1) {
     // Stage this warpgroup's bf16 rows in its half of s_q (only it reads those rows) for 16-byte
     // stores.
 #pragma unroll
