@@ -90,6 +90,8 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
                              nullptr, nullptr, nullptr);
   probe.max_attn_len = config_.max_attn_len;
   attention_kernel_ = cuda::HstuAttentionKernelName(probe, stream_.get());
+  fresh_rows_ = attention_kernel_ == "warp-specialised TMA kernel" &&
+                cuda::HstuAttentionFreshRowsEnabled();
   if (const char* v = std::getenv("HSTU_ATTN_CLUSTER"); (v == nullptr || std::string(v) != "0") &&
       attention_kernel_ == "warp-specialised TMA kernel") {
     int max_clusters = 0;
@@ -234,6 +236,8 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
   step_.num_items = static_cast<int32_t>(plan_.items.size());
   step_.num_split_tiles = plan_.num_split_tiles;
   step_.cluster = plan_.cluster;
+  step_.all_fresh = true;
+  for (int32_t b = 0; b < B; ++b) step_.all_fresh &= batch.num_tokens[b] == batch.num_new[b];
   staged_ = true;
   return absl::OkStatus();
 }
@@ -245,6 +249,8 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
   AttentionParams<bf16> att;
   att.uvqk = step_.ws->uvqk.as<bf16>();
   att.uvqk_row_stride = 4 * hd;
+  att.uvqk_rows = static_cast<int64_t>(step_.ws->uvqk.bytes() / (4 * hd * sizeof(bf16)));
+  att.fresh_kv_from_rows = fresh_rows_;
   att.out = step_.ws->a.as<bf16>();
   att.num_rows = step_.num_rows;
   att.row_offsets = reinterpret_cast<const int32_t*>(m + step_.layout.row_offsets);
@@ -346,6 +352,7 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
     ap.row_offsets = reinterpret_cast<const int32_t*>(m + step_.layout.row_offsets);
     ap.num_new = reinterpret_cast<const int32_t*>(m + step_.layout.num_new);
     ap.kv = View(l);
+    ap.fresh_kv_from_rows = fresh_rows_;
     // The route's first call of a row class times both routes, appends included, so layer l's
     // onloaded pages must be there first; otherwise they are needed from the append on.
     if (!gemm_.HasBiasSiluRoute(rows, 4 * hd, d)) HSTU_RETURN_IF_ERROR(WaitForLayer(l));
@@ -361,7 +368,11 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
     }
     HSTU_RETURN_IF_ERROR(WaitForLayer(l));
     if (route >= 0) {
-      HSTU_CUDA_RETURN(cuda::LaunchAppendKvFromRows(rows, ap, s));
+      // Nothing to append when every user is fresh (the attention stores their K/V); a captured
+      // step keeps the node, whose replays may have users with cached tokens.
+      if (!(fresh_rows_ && step_.all_fresh && !capturing_)) {
+        HSTU_CUDA_RETURN(cuda::LaunchAppendKvFromRows(rows, ap, s));
+      }
     } else {
       HSTU_CUDA_RETURN(
           cuda::LaunchBiasSiluAppendKv(uvqk, rows, 4 * hd, w.uvqk_b.as<float>(), ap, s));

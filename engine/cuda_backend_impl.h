@@ -145,6 +145,7 @@ struct Step {
   int32_t cluster = 0;    // > 0: a cluster plan (cuda::AttentionPlan::cluster)
   int slot = -1;          // graph bucket, -1 = eager
   bool keep_hidden = false;
+  bool all_fresh = false;  // eager step whose users all have no cached tokens (no append to run)
 };
 
 // A kernel node of a captured attention launch.
@@ -313,6 +314,10 @@ class CudaBackendImpl final : public CudaBackend {
   const int device_;
   std::string gpu_name_;
   std::string attention_kernel_;  // cuda::HstuAttentionKernelName of the pool, found at Init
+  // Fresh users' K/V go from their rows straight into the attention, which stores them to the
+  // pages (AttentionParams::fresh_kv_from_rows): the warp-specialised kernel runs, and
+  // HSTU_ATTN_FRESH_ROWS is not 0.
+  bool fresh_rows_ = false;
   int concurrent_ctas_ = 0;
   // Cluster plans (cuda::PlanHstuAttention): the cluster size, 0 = off (not the warp-specialised
   // kernel, no cluster fits, or HSTU_ATTN_CLUSTER=0), and how many clusters the GPU runs at once.

@@ -32,10 +32,17 @@ struct EmbeddingParams {
 
 // HSTU attention over a paged cache (DESIGN §2.2). History K/V of every user, the new rows included,
 // must already be in the pages (append runs first); a candidate's own K/V come from its uvqk row.
+// With fresh_kv_from_rows (CUDA, warp-specialised kernel only) a *fresh* user — no cached tokens,
+// kv.num_tokens[b] == num_new[b] — is the exception: its history K/V are read from its uvqk rows
+// (the append skipped it, AppendKvParams::fresh_kv_from_rows), and the attention kernel stores
+// them to the user's pages from shared memory as it goes. Slots at or past num_tokens[b] of that
+// user's last page may then be overwritten (they hold no token).
 template <typename T>
 struct AttentionParams {
   const T* uvqk = nullptr;       // [T, 4 * H * D]: u | v | q | k, head h at columns h*D .. (h+1)*D
   int64_t uvqk_row_stride = 0;   // elements between rows (= 4 * H * D)
+  int64_t uvqk_rows = 0;         // rows the uvqk allocation holds (>= T; fresh_kv_from_rows only)
+  bool fresh_kv_from_rows = false;
   T* out = nullptr;              // [T, H * D]
   int32_t num_rows = 0;          // T
   const int32_t* row_offsets = nullptr;  // [B + 1]
@@ -54,6 +61,10 @@ struct AppendKvParams {
   const int32_t* row_offsets = nullptr;  // [B + 1]
   const int32_t* num_new = nullptr;      // [B]
   PagedKvView<T> kv;                     // kv.num_tokens[b] = cached + new (after the append)
+  // Skip fresh users (kv.num_tokens[b] == num_new[b]): the attention reads their K/V from the rows
+  // and stores them to the pages itself (AttentionParams::fresh_kv_from_rows). The CUDA bias +
+  // SiLU pass then writes their v and k back to the rows. The CPU ops ignore it.
+  bool fresh_kv_from_rows = false;
 };
 
 // Column offsets of u, v, q, k inside a uvqk row, in units of H * D.

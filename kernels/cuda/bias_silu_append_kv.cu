@@ -40,7 +40,8 @@ __device__ __forceinline__ int RowOwner(const int32_t* __restrict__ row_offsets,
 // the batch metadata then hide behind them. x: [rows, cols] bf16, row stride cols; bias: [cols].
 // kAppend: cols = 4·H·D (u | v | q | k); a row that is a new history row of its user (the same
 // search as the attention's: last user b with row_offsets[b] <= r) also writes its v and k
-// columns to the K and V blocks of its page slot, which for one token are H·D contiguous elements.
+// columns to the K and V blocks of its page slot, which for one token are H·D contiguous elements
+// — except a fresh user's with p.fresh_kv_from_rows, whose rows are written back whole.
 // Rows at or past row_offsets[B] (padding) belong to no user's new rows and are never appended.
 template <bool kAppend>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -74,7 +75,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int first = p.row_offsets[b], num_new = p.num_new[b];
       const int num_tokens = p.kv.num_tokens[b], page_idx = p.kv.indptr[b];
       const int i = ri - first;
-      if (i < num_new) {
+      // A fresh user's rows keep their v and k (the attention reads them there and stores them
+      // to the pages: AppendKvParams::fresh_kv_from_rows).
+      if (i < num_new && !(p.fresh_kv_from_rows && num_tokens == num_new)) {
         const int t = num_tokens - num_new + i;
         k_dst = p.kv.base + p.kv.SlotOffset(p.kv.page_ids[page_idx + t / p.kv.page_size], t, 0);
       }
@@ -106,8 +109,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 // The append alone, for uvqk rows that already hold their post-SiLU values (the fused UVQK GEMM):
 // warp w takes segment w % segs of the v block (first segs) or the k block of row w / (2·segs) and,
-// when the row is a new history row of its user, copies it to the row's page slot (K block, or V
-// at kv_stride). As in the fused pass, the loads are issued before the owner lookup, whose
+// when the row is a new history row of its user (not a fresh one with p.fresh_kv_from_rows),
+// copies it to the row's page slot (K block, or V at kv_stride). As in the fused pass, the loads are issued before the owner lookup, whose
 // dependent loads then hide behind them (a candidate row's loads, L2 hits, are simply dropped).
 __global__ void __launch_bounds__(kWarps * 32)
     AppendKvFromRowsKernel(int64_t rows, int64_t segs, AppendKvParams<bf16> p) {
@@ -133,7 +136,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int first = p.row_offsets[b], num_new = p.num_new[b];
   const int num_tokens = p.kv.num_tokens[b], page_idx = p.kv.indptr[b];
   const int i = ri - first;
-  if (i >= num_new) return;
+  if (i >= num_new || (p.fresh_kv_from_rows && num_tokens == num_new)) return;
   const int t = num_tokens - num_new + i;
   bf16* dst = p.kv.base + p.kv.SlotOffset(p.kv.page_ids[page_idx + t / p.kv.page_size], t, 0) +
               (is_v ? p.kv.kv_stride : 0);

@@ -131,6 +131,73 @@ const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stre
   return dev;
 }
 
+// The device copy of the tensor map of p's uvqk rows for fresh users (fresh_kv_from_rows): the
+// rows [uvqk_rows, 4·H·D] bf16 viewed as {64 columns, 4·H·D/64 slabs of 128 bytes, uvqk_rows
+// rows, 1}, box {64, 1, 64, 1} — a 64-key block of one slab in the swizzled layout of the pool
+// map's boxes. Rows past the allocation read as zeros. Cached per (device, base, rows, stride)
+// as KvTensorMap; nullptr when it cannot be built (*why says why).
+const CUtensorMap* RowsTensorMap(const AttentionParams<bf16>& p, cudaStream_t stream,
+                                 const char** why) {
+  auto fail = [why](const char* reason) -> const CUtensorMap* {
+    *why = reason;
+    return nullptr;
+  };
+  const int64_t cols = 4LL * p.kv.num_heads * p.kv.head_dim;
+  if (p.uvqk_rows < p.num_rows || p.uvqk_rows <= 0 || p.uvqk_rows > INT32_MAX ||
+      p.uvqk_row_stride != cols || reinterpret_cast<uintptr_t>(p.uvqk) % 16 != 0) {
+    return fail("uvqk rows are not packed, or uvqk_rows < num_rows");
+  }
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return fail("cudaGetDevice failed");
+  }
+  struct Entry {
+    int device;
+    const void* base;
+    int64_t rows, cols;
+    CUtensorMap* map;
+  };
+  static std::mutex mu;
+  static std::vector<Entry>* cache = new std::vector<Entry>();
+  std::lock_guard<std::mutex> lock(mu);
+  for (const Entry& e : *cache) {
+    if (e.device == device && e.base == p.uvqk && e.rows == p.uvqk_rows && e.cols == cols) return e.map;
+  }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+      capture != cudaStreamCaptureStatusNone) {
+    cudaGetLastError();
+    return fail("first launch for these uvqk rows is inside a stream capture");
+  }
+  const EncodeTiledFn encode = GetEncodeTiled();
+  if (encode == nullptr) return fail("the driver has no cuTensorMapEncodeTiled");
+  CUtensorMap host{};
+  const cuuint64_t dims[4] = {64, static_cast<cuuint64_t>(cols / 64),
+                              static_cast<cuuint64_t>(p.uvqk_rows), 1};
+  const cuuint64_t strides[3] = {128, static_cast<cuuint64_t>(cols * 2),
+                                 static_cast<cuuint64_t>(p.uvqk_rows * cols * 2)};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(kAttnBlockN), 1};
+  const cuuint32_t elem[4] = {1, 1, 1, 1};
+  if (encode(&host, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<bf16*>(p.uvqk), dims, strides,
+             box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+    return fail("cuTensorMapEncodeTiled refused the uvqk rows");
+  }
+  CUtensorMap* dev = nullptr;
+  if (cudaMalloc(&dev, sizeof(CUtensorMap)) != cudaSuccess) {
+    cudaGetLastError();
+    return fail("no device memory for the tensor map");
+  }
+  if (cudaMemcpy(dev, &host, sizeof(host), cudaMemcpyHostToDevice) != cudaSuccess) {
+    cudaGetLastError();
+    cudaFree(dev);
+    return fail("copying the tensor map failed");
+  }
+  cache->push_back(Entry{device, p.uvqk, p.uvqk_rows, cols, dev});
+  return dev;
+}
+
 template <int kD>
 cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* items, int32_t num_items,
                    int32_t num_split_tiles, float* partials, cudaStream_t stream, int32_t cluster) {
@@ -138,6 +205,11 @@ cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* item
   cudaError_t err = cudaSuccess;
   const CUtensorMap* kv_map = kD == 256 ? KvTensorMap(p, stream) : nullptr;
   if (cluster > 0 && kv_map == nullptr) return cudaErrorInvalidValue;  // the WS kernel only
+  // Fresh users' K/V are in no page yet: only the WS kernel reads them from the rows.
+  const char* why = "";
+  const CUtensorMap* rows_map =
+      p.fresh_kv_from_rows && kv_map != nullptr ? RowsTensorMap(p, stream, &why) : nullptr;
+  if (p.fresh_kv_from_rows && rows_map == nullptr) return cudaErrorInvalidValue;
   if (kv_map != nullptr) {
     constexpr int kSmem = AttnWsTraits::kSmemBytes;
     // Not a stream operation, so it is allowed while a stream is being captured.
@@ -148,11 +220,12 @@ cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* item
       // x = chunk (the CTA's rank in its cluster), y = tile * H + head.
       const dim3 cgrid(cluster, num_items / cluster * p.kv.num_heads);
       err = LaunchDependentCluster(HstuAttentionWsKernel, cgrid, dim3(AttnWsTraits::kThreads),
-                                   kSmem, cluster, stream, p, items, partials, kv_map,
+                                   kSmem, cluster, stream, p, items, partials, kv_map, rows_map,
                                    KvBoxRows(p.kv.page_size), static_cast<int>(cluster));
     } else {
       err = LaunchDependent(HstuAttentionWsKernel, grid, dim3(AttnWsTraits::kThreads), kSmem,
-                            stream, p, items, partials, kv_map, KvBoxRows(p.kv.page_size), 0);
+                            stream, p, items, partials, kv_map, rows_map,
+                            KvBoxRows(p.kv.page_size), 0);
     }
     if (err != cudaSuccess) return err;
   } else {
@@ -232,6 +305,14 @@ std::string HstuAttentionKernelName(const AttentionParams<bf16>& p, cudaStream_t
   const char* why = "";
   if (KvTensorMap(p, stream, &why) != nullptr) return "warp-specialised TMA kernel";
   return std::string("2-warpgroup cp.async kernel (") + why + ")";
+}
+
+bool HstuAttentionFreshRowsEnabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("HSTU_ATTN_FRESH_ROWS");
+    return e == nullptr || std::strcmp(e, "0") != 0;
+  }();
+  return on;
 }
 
 cudaError_t ReadHstuAttentionTrace(std::vector<uint64_t>* out) {

@@ -46,6 +46,21 @@ __device__ __forceinline__ void TmaLoad4d(uint32_t dst, const CUtensorMap* map, 
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
+// The reverse, shared memory to global (a fresh user's K/V to its pages), in the CTA's bulk group;
+// the smem tile must not be rewritten before BulkWaitRead, nor the CTA exit before BulkWaitAll.
+__device__ __forceinline__ void TmaStore4d(const CUtensorMap* map, uint32_t src, int c0, int c1,
+                                           int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+      : "memory");
+}
+__device__ __forceinline__ void BulkCommit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void BulkWaitRead() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void BulkWaitAll() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 __device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -207,10 +222,18 @@ struct AttnWsTraits {
 // the two warpgroups overlap each other. (A FlashAttention-3 ping-pong of the two, with S(j) and
 // P(j-1)·V(j-1) issued in one turn, measured 30 % slower: docs/cuda_kernels.md, round 6.) kv_map: the pool's tensor map in global memory; box_rows: rows
 // of one TMA box (64, 32, 16 or 8, dividing the page size).
+//
+// Fresh users (p.fresh_kv_from_rows, no cached tokens; round 19): the producer loads their K/V
+// blocks from the uvqk rows through rows_map (box {64 columns, 1 slab, 64 rows, 1}: rows
+// [T, 4·H·D/64 slabs of 128 bytes]), in the same swizzled layout, and the append has skipped
+// them. A key block of the tile's own rows (key index = row index for a fresh user) is loaded
+// by this tile only among all tiles whose causal range covers it, and it is one of the CTA's
+// last two blocks, still in the ring after the loop: the consumers store it from there to the
+// pages with TMA (the pool map's boxes), which costs the CTA no loads and no kernel.
 __global__ void __launch_bounds__(384, 1)
     HstuAttentionWsKernel(const AttentionParams<bf16> p, const AttentionWorkItem* __restrict__ items,
                           float* __restrict__ partials, const CUtensorMap* __restrict__ kv_map,
-                          int box_rows, int cluster) {
+                          const CUtensorMap* __restrict__ rows_map, int box_rows, int cluster) {
 #ifdef HSTU_WGMMA_ENABLED
   HSTU_ATTN_TRACE_AT(kTraceEntry, GlobalTimerNs());
   // Launched dependent on the kernel before it (LaunchDependent). Until WaitForPredecessor this
@@ -244,6 +267,11 @@ __global__ void __launch_bounds__(384, 1)
   const int kv_begin = it.kv_begin, kv_end = it.kv_end;
   const int num_blocks = (kv_end - kv_begin + kN - 1) / kN;
   const int num_items = 2 * num_blocks;  // ring items: K(j) = 2j, V(j) = 2j + 1
+  // A fresh user's keys come from its rows (key t = row row_offsets[b] + t); the CTA's blocks
+  // from first_owned on are its tile's own rows, which it stores to the pages (at most 2 blocks:
+  // kv_begin and q_local are multiples of 64 keys).
+  const bool fresh = p.fresh_kv_from_rows && p.kv.num_tokens[b] == p.num_new[b];
+  const int first_owned = fresh ? max(0, (it.q_local - kv_begin + kN - 1) / kN) : num_blocks;
 
   if (tid == 0) {
     for (int s = 0; s < kSlots; ++s) {
@@ -260,6 +288,9 @@ __global__ void __launch_bounds__(384, 1)
     if (warp != 0) return;
     // The map was written to global memory by a host copy; order its reads by the TMA unit after it.
     asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(kv_map) : "memory");
+    if (fresh) {
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(rows_map) : "memory");
+    }
     const int32_t* pages = p.kv.page_ids + p.kv.indptr[b];
     const int page_size = p.kv.page_size;
     const int G = kN / box_rows;               // box groups per 64-key tile: 1, 2, 4, 8
@@ -270,13 +301,25 @@ __global__ void __launch_bounds__(384, 1)
       const int t = kv_begin + blk * kN + gi * box_rows;
       return (box_lane && blk < num_blocks && t < kv_end) ? __ldg(pages + t / page_size) : -1;
     };
-    int32_t page = page_of_group(0);
+    int32_t page = fresh ? -1 : page_of_group(0);
+    const int row_base = p.row_offsets[b];
+    const int part_slab = static_cast<int>(p.kv.num_heads) * Tr::kSlabs;  // slabs of u, v, q or k
     WaitForPredecessor();
     for (int i = 0; i < num_items; ++i) {
       const int blk = i >> 1, kv = i & 1, slot = i % kSlots;
       const int kstart = kv_begin + blk * kN;
       const int groups = min(G, (kv_end - kstart + box_rows - 1) / box_rows);
       MbarWait(empty_bar(slot), ((i / kSlots) & 1) ^ 1);
+      if (fresh) {  // one 64-row box a slab; rows past the user's keys are masked as in a page
+        if (lane == 0) MbarArriveExpectTx(full_bar(slot), static_cast<uint32_t>(Tr::kSlotBytes));
+        __syncwarp();
+        if (lane < Tr::kSlabs) {
+          const uint32_t dst = ring_addr + slot * Tr::kSlotBytes + lane * (kN * 128);
+          TmaLoad4d(dst, rows_map, full_bar(slot), 0,
+                    (kv == 1 ? kV : kK) * part_slab + h * Tr::kSlabs + lane, row_base + kstart, 0);
+        }
+        continue;
+      }
       if (lane == 0) {
         MbarArriveExpectTx(full_bar(slot), static_cast<uint32_t>(groups * box_rows * 128 * Tr::kSlabs));
       }
@@ -460,8 +503,40 @@ __global__ void __launch_bounds__(384, 1)
   }
 #endif
 
+  // A fresh user's own blocks, still in the ring (no load follows the last), to its pages: warp 0
+  // of the consumers issues the boxes of the producer's page layout once both warpgroups are past
+  // their last wgmma and the tail rows of the last V are zeroed (wait_v fenced them).
+  const bool stores = first_owned < num_blocks;  // CTA-uniform
+  if (stores) {
+    NamedBarrierSync(3, 256);
+    if (cwarp == 0) {
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(kv_map) : "memory");
+      const int32_t* pages = p.kv.page_ids + p.kv.indptr[b];
+      const int page_size = p.kv.page_size;
+      const int G = kN / box_rows;
+      const int gi = lane % G, slab = lane / G;
+      if (lane < G * Tr::kSlabs) {
+        for (int i = 2 * first_owned; i < num_items; ++i) {
+          const int blk = i >> 1, kv = i & 1;
+          const int t = kv_begin + blk * kN + gi * box_rows;
+          if (t < kv_end) {
+            const int32_t page = __ldg(pages + t / page_size);
+            TmaStore4d(kv_map, tile_of(i) + slab * (kN * 128) + gi * box_rows * 128, 0,
+                       h * Tr::kSlabs + slab, t % page_size, 2 * page + kv);
+          }
+        }
+      }
+      BulkCommit();
+      if (cluster > 0) BulkWaitRead();  // the cluster epilogue reuses the ring (after a barrier)
+    }
+  }
+  auto drain_stores = [&] {  // the pages are written before the grid completes
+    if (stores && cwarp == 0) BulkWaitAll();
+  };
+
   if (cluster > 0) {
     ClusterReduceEpilogue(p, it, h, cluster, row0, t4, o, smem);
+    drain_stores();
     return;
   }
 
@@ -492,11 +567,13 @@ __global__ void __launch_bounds__(384, 1)
           *reinterpret_cast<const Bf16x8*>(s_q + TileOffset<kM>(r, c));
     }
     HSTU_ATTN_TRACE_AT(kTraceEnd, GlobalTimerNs());
+    drain_stores();
     return;
   }
 
   StorePartial<kD>(it, h, p.kv.num_heads, row0, t4, o, partials);
   HSTU_ATTN_TRACE_AT(kTraceEnd, GlobalTimerNs());
+  drain_stores();
 #else
   __trap();
 #endif

@@ -280,9 +280,14 @@ PagedCase MakeCase(std::mt19937& rng, int B, int page_size, int H, int D, int W,
 // the append), then both sides append and attend over the GPU's post-SiLU rows: the pages bit for
 // bit, attention within the bf16 tolerance.
 // cluster > 0: a cluster plan (summed in distributed shared memory), which the case must produce.
+// fresh_rows: fresh users (no cached tokens) go through AttentionParams::fresh_kv_from_rows — the
+// pass leaves their v and k in the rows and the attention stores them to the pages; the pages are
+// then compared after the attention, every slot bit for bit except those past a fresh user's
+// tokens (which hold no token and may be overwritten).
 void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, int max_split = 64,
-                  bool expect_two_chunks = false, int cluster = 0) {
+                  bool expect_two_chunks = false, int cluster = 0, bool fresh_rows = false) {
   const int64_t hd = static_cast<int64_t>(c.H) * c.D;
+  auto fresh = [&](int b) { return fresh_rows && c.num_tokens[b] == c.num_new[b]; };
   DeviceArray<bf16> d_pool(ToBf16(c.pool)), d_uvqk(ToBf16(c.uvqk)), d_out(c.rows() * hd);
   DeviceArray<int32_t> d_ro(c.row_offsets), d_nn(c.num_new), d_nt(c.num_tokens),
       d_pi(c.page_indptr), d_pids(c.page_ids);
@@ -298,6 +303,7 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
   ga.row_offsets = d_ro.get();
   ga.num_new = d_nn.get();
   ga.kv = gv;
+  ga.fresh_kv_from_rows = fresh_rows;
   // Every row activated in place (LaunchBiasSilu, same rounding) as the reference of the append.
   DeviceArray<bf16> d_all(d_uvqk.Download());
   HSTU_ASSERT_CUDA(cuda::LaunchBiasSilu(d_all.get(), c.rows(), 4 * hd, d_bias.get(), nullptr));
@@ -314,7 +320,7 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
     int64_t wrong = 0;
     for (int b = 0; b < c.B; ++b) {
       for (int32_t r = c.row_offsets[b]; r < c.row_offsets[b + 1]; ++r) {
-        const bool appended = r - c.row_offsets[b] < c.num_new[b];
+        const bool appended = r - c.row_offsets[b] < c.num_new[b] && !fresh(b);
         for (int64_t col = 0; col < 4 * hd; ++col) {
           const bool vk = (col >= kV * hd && col < (kV + 1) * hd) || col >= kK * hd;
           const int64_t at = static_cast<int64_t>(r) * 4 * hd + col;
@@ -332,10 +338,31 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
   ca.num_new = c.num_new.data();
   ca.kv = c.CpuView();
   cpu::AppendKv(ca);
-  const auto pool_after = ToF32(d_pool.Download());
-  ASSERT_EQ(pool_after.size(), c.pool.size());
-  EXPECT_EQ(std::memcmp(pool_after.data(), c.pool.data(), c.pool.size() * sizeof(float)), 0)
-      << what << ": append is not bit-exact";
+  // The pages against cpu::AppendKv, bit for bit; with fresh_rows the slots past a fresh user's
+  // tokens are not compared.
+  auto check_pool = [&](const char* when) {
+    const auto pool_after = ToF32(d_pool.Download());
+    ASSERT_EQ(pool_after.size(), c.pool.size());
+    std::vector<char> compare(c.pool.size(), 1);
+    for (int b = 0; b < c.B; ++b) {
+      if (!fresh(b)) continue;
+      for (int32_t i = c.page_indptr[b]; i < c.page_indptr[b + 1]; ++i) {
+        for (int slot = 0; slot < c.page_size; ++slot) {
+          if ((i - c.page_indptr[b]) * c.page_size + slot < c.num_tokens[b]) continue;
+          for (int kv = 0; kv < 2; ++kv) {
+            std::fill_n(compare.begin() + c.page_ids[i] * c.page_elems() +
+                            (kv * c.page_size + slot) * hd, hd, 0);
+          }
+        }
+      }
+    }
+    int64_t wrong = 0;
+    for (size_t e = 0; e < c.pool.size(); ++e) {
+      wrong += compare[e] && std::memcmp(&pool_after[e], &c.pool[e], sizeof(float)) != 0;
+    }
+    EXPECT_EQ(wrong, 0) << what << ": pages " << when << " differ from cpu::AppendKv";
+  };
+  if (!fresh_rows) check_pool("after the append");
 
   AttentionParams<float> cp;
   cp.uvqk = c.uvqk.data();
@@ -368,6 +395,8 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
   AttentionParams<bf16> gp;
   gp.uvqk = d_uvqk.get();
   gp.uvqk_row_stride = 4 * hd;
+  gp.uvqk_rows = c.rows();
+  gp.fresh_kv_from_rows = fresh_rows;
   gp.out = d_out.get();
   gp.num_rows = c.rows();
   gp.row_offsets = d_ro.get();
@@ -395,6 +424,7 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
           << what << ": attention is not deterministic";
     }
   }
+  if (fresh_rows) check_pool("after the attention");
 }
 
 // Bias + SiLU fused with the append, and the append alone from activated rows. The rows of a batch of no users (nothing appended) against
@@ -509,6 +539,32 @@ TEST(CudaKernels, BiasSiluAppendKvMatchesCpu) {
     EXPECT_EQ(std::memcmp(got.data(), expect.data(), got.size() * sizeof(float)), 0)
         << what << " (" << appended_rows << " appended rows)";
 
+    // With fresh_kv_from_rows the append alone skips fresh users (no cached tokens): their new
+    // slots keep the poison; the fused pass writes their v and k back to the rows instead.
+    const std::vector<float> pool_before = c.pool;
+    DeviceArray<bf16> d_pool3(ToBf16(c.pool)), d_uvqk3(ToBf16(x));
+    AppendKvParams<bf16> skip = from_rows;
+    skip.kv.base = d_pool3.get();
+    skip.fresh_kv_from_rows = true;
+    HSTU_ASSERT_CUDA(cuda::LaunchAppendKvFromRows(rows, skip, nullptr));
+    skip.uvqk = d_uvqk3.get();
+    HSTU_ASSERT_CUDA(cuda::LaunchBiasSiluAppendKv(d_uvqk3.get(), rows, cols, d_bias.get(), skip,
+                                                  nullptr));
+    HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+    std::vector<float> expect3 = got;
+    int fresh_users = 0;
+    for (int b = 0; b < c.B; ++b) {
+      if (c.num_new[b] == 0 || c.num_tokens[b] != c.num_new[b]) continue;
+      ++fresh_users;
+      for (int64_t r = c.row_offsets[b]; r < c.row_offsets[b] + c.num_new[b]; ++r) {
+        std::copy_n(got2.begin() + r * cols, cols, expect3.begin() + r * cols);
+      }
+    }
+    const auto got3 = ToF32(d_uvqk3.Download());
+    EXPECT_EQ(std::memcmp(got3.data(), expect3.data(), got3.size() * sizeof(float)), 0)
+        << what << ": the pass with fresh_kv_from_rows (" << fresh_users
+        << " fresh users) must write their rows whole";
+
     AppendKvParams<float> ca;
     ca.uvqk = got2.data();
     ca.uvqk_row_stride = cols;
@@ -516,6 +572,21 @@ TEST(CudaKernels, BiasSiluAppendKvMatchesCpu) {
     ca.num_new = c.num_new.data();
     ca.kv = cv;
     cpu::AppendKv(ca);
+    {
+      std::vector<float> want3 = c.pool;  // cpu::AppendKv, fresh users' new slots as before
+      for (int b = 0; b < c.B; ++b) {
+        if (c.num_tokens[b] != c.num_new[b]) continue;
+        for (int t = 0; t < c.num_tokens[b]; ++t) {
+          for (const float* row : {c.CpuView().K(b, t, 0), c.CpuView().V(b, t, 0)}) {
+            const int64_t at = row - c.pool.data();
+            std::copy_n(pool_before.begin() + at, hd, want3.begin() + at);
+          }
+        }
+      }
+      const auto pool3 = ToF32(d_pool3.Download());
+      EXPECT_EQ(std::memcmp(pool3.data(), want3.data(), want3.size() * sizeof(float)), 0)
+          << what << ": the append with fresh_kv_from_rows must leave fresh users' pages alone";
+    }
     const auto pool_after = ToF32(d_pool.Download());
     ASSERT_EQ(pool_after.size(), c.pool.size());
     EXPECT_EQ(std::memcmp(pool_after.data(), c.pool.data(), c.pool.size() * sizeof(float)), 0)
@@ -588,6 +659,75 @@ TEST(CudaKernels, ClusterAttentionMatchesCpu) {
                                                                        s.cached, s.cluster}),
                  64, false, s.cluster);
   }
+}
+
+// Fresh users through the rows (AttentionParams::fresh_kv_from_rows, the warp-specialised kernel):
+// the attention against the CPU and the pages it stores against cpu::AppendKv. All-fresh batches
+// (the no-cache block), mixed ones (every 5th user fresh, MakeCase), every TMA box height, split,
+// unsplit and cluster plans, partial last blocks.
+TEST(CudaKernels, FreshUsersReadRowsAndStorePages) {
+  HSTU_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(19);
+  struct Shape { int B, page_size, H, cached, nnew, cand, ctas, cluster; };
+  const Shape shapes[] = {
+      {4, 32, 2, 0, 700, 50, 264, 0},    // all fresh, long histories, split tiles
+      {3, 64, 4, 0, 1000, 256, 1, 0},    // all fresh, no split (the no-cache block's plan)
+      {17, 32, 2, 300, 90, 40, 264, 0},  // mixed users with edge cases
+      {5, 8, 1, 0, 333, 7, 264, 0},      // 8-row boxes, partial last blocks
+      {6, 16, 2, 120, 200, 30, 4096, 0}, // 16-row boxes, many chunks
+      {2, 128, 2, 0, 515, 60, 264, 0},   // pages of two 64-key blocks
+      {1, 32, 4, 0, 128, 256, 1, 8},     // a fresh decode-size user in a cluster plan
+      {3, 16, 2, 100, 150, 20, 1, 4},    // mixed, clusters of 4
+  };
+  for (const Shape& s : shapes) {
+    PagedCase c = MakeCase(rng, s.B, s.page_size, s.H, 256, 0, s.cached, s.nnew, s.cand);
+    RunPagedCase(c, s.ctas,
+                 "fresh " + ::testing::PrintToString(std::vector<int>{s.B, s.page_size, s.H,
+                                                                     s.cached, s.nnew, s.cluster}),
+                 64, false, s.cluster, /*fresh_rows=*/true);
+  }
+  // Refused where the users' K/V would be read from nowhere: the 2-warpgroup kernel (D = 128, or
+  // a window), and rows the allocation does not hold.
+  PagedCase c = MakeCase(rng, 2, 16, 2, 128, 0, 0, 50, 5);
+  DeviceArray<bf16> d_pool(ToBf16(c.pool)), d_uvqk(ToBf16(c.uvqk)), d_out(c.rows() * 256);
+  DeviceArray<int32_t> d_ro(c.row_offsets), d_nn(c.num_new), d_nt(c.num_tokens),
+      d_pi(c.page_indptr), d_pids(c.page_ids);
+  const cuda::AttentionPlan plan = cuda::PlanHstuAttention(
+      c.row_offsets.data(), c.num_new.data(), c.num_tokens.data(), c.B, 0, c.H, 1, 1);
+  std::vector<int32_t> item_words(plan.items.size() * sizeof(cuda::AttentionWorkItem) / 4);
+  std::memcpy(item_words.data(), plan.items.data(), item_words.size() * 4);
+  DeviceArray<int32_t> d_items(item_words);
+  AttentionParams<bf16> gp;
+  gp.uvqk = d_uvqk.get();
+  gp.uvqk_row_stride = 4 * 256;
+  gp.uvqk_rows = c.rows();
+  gp.fresh_kv_from_rows = true;
+  gp.out = d_out.get();
+  gp.num_rows = c.rows();
+  gp.row_offsets = d_ro.get();
+  gp.num_new = d_nn.get();
+  gp.kv = MakePagedKvView(d_pool.get(), c.page_size, c.H, c.D, c.B, d_pi.get(), d_pids.get(),
+                          d_nt.get());
+  gp.alpha = 0.1f;
+  gp.inv_norm = 0.01f;
+  const auto* items = reinterpret_cast<const cuda::AttentionWorkItem*>(d_items.get());
+  const int32_t n = static_cast<int32_t>(plan.items.size());
+  EXPECT_EQ(cuda::LaunchHstuAttention(gp, items, n, 0, nullptr, nullptr), cudaErrorInvalidValue)
+      << "head dim 128 has no fresh-rows kernel";
+  AttentionParams<bf16> g256 = gp;
+  g256.kv = MakePagedKvView(d_pool.get(), c.page_size, 1, 256, c.B, d_pi.get(), d_pids.get(),
+                            d_nt.get());
+  g256.uvqk_row_stride = 4 * 256;
+  g256.max_attn_len = 16;
+  EXPECT_EQ(cuda::LaunchHstuAttention(g256, items, n, 0, nullptr, nullptr), cudaErrorInvalidValue)
+      << "a window has no fresh-rows kernel";
+  g256.max_attn_len = 0;
+  g256.uvqk_rows = c.rows() - 1;
+  EXPECT_EQ(cuda::LaunchHstuAttention(g256, items, n, 0, nullptr, nullptr), cudaErrorInvalidValue)
+      << "uvqk_rows below num_rows";
+  g256.uvqk_rows = c.rows();
+  HSTU_ASSERT_CUDA(cuda::LaunchHstuAttention(g256, items, n, 0, nullptr, nullptr));
+  HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
 }
 
 TEST(CudaKernels, AttentionRejectsBadArguments) {

@@ -175,7 +175,9 @@ void CheckClusterPlan(const Batch& b, const AttentionPlan& plan, int32_t cluster
         EXPECT_EQ(it.tile, -1) << what;
         EXPECT_EQ(it.kv_begin, next) << what << ": chunks of a tile must be contiguous";
         EXPECT_LE(it.kv_begin, it.kv_end) << what;
-        if (it.kv_end < kv_end) EXPECT_EQ((it.kv_end - it.kv_begin) % kAttnBlockN, 0) << what;
+        if (it.kv_end < kv_end) {
+          EXPECT_EQ((it.kv_end - it.kv_begin) % kAttnBlockN, 0) << what;
+        }
         next = it.kv_end;
       }
       EXPECT_EQ(next, kv_end) << what << ": keys of user " << u << " rows " << q0;
