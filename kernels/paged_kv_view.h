@@ -6,7 +6,8 @@
 //
 // Per user b of a batch, `page_ids[indptr[b] .. indptr[b+1])` lists its pages in token order; token t
 // of user b lives in page `page_ids[indptr[b] + t / page_size]`, slot `t % page_size`.
-// `num_tokens[b]` is how many history tokens of user b are valid in the pages (cached + appended).
+// `num_tokens[b]` is how many history tokens of user b are valid in the pages (cached + appended);
+// slots past them hold no token (a kernel may write them while the user owns the page).
 //
 // The view holds pointers only while a batch runs; KV metadata in kvcache/ never does.
 #pragma once
