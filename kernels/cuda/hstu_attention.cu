@@ -1,6 +1,7 @@
 // Launcher of the paged HSTU attention: argument checks and head-dim dispatch over an explicit list.
 #include "kernels/cuda/hstu_attention.h"
 
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -59,14 +60,83 @@ int KvBoxRows(int page_size) {
   return 0;
 }
 
+// A 4-D bf16 tensor map with the 128-byte swizzle over `base` (dims and box fastest first, byte
+// strides of dims 1..3), encoded and copied to device memory once per (device, base, dims) and kept
+// for the life of the process: 128 bytes each, and a CUDA graph may hold the address. So it is
+// never built while `stream` is being captured. nullptr with *why set when it cannot be had.
+const CUtensorMap* DeviceTensorMap(const void* base, const cuuint64_t (&dims)[4],
+                                   const cuuint64_t (&strides)[3], const cuuint32_t (&box)[4],
+                                   cudaStream_t stream, const char** why) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    *why = "cudaGetDevice failed";
+    return nullptr;
+  }
+  struct Entry {
+    int device;
+    const void* base;
+    std::array<cuuint64_t, 7> shape;  // dims, strides
+    std::array<cuuint32_t, 4> box;
+    CUtensorMap* map;
+  };
+  const std::array<cuuint64_t, 7> shape = {dims[0], dims[1], dims[2], dims[3],
+                                           strides[0], strides[1], strides[2]};
+  const std::array<cuuint32_t, 4> box_key = {box[0], box[1], box[2], box[3]};
+  static std::mutex mu;
+  static std::vector<Entry>* cache = new std::vector<Entry>();
+  std::lock_guard<std::mutex> lock(mu);
+  for (const Entry& e : *cache) {
+    if (e.device == device && e.base == base && e.shape == shape && e.box == box_key) return e.map;
+  }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+      capture != cudaStreamCaptureStatusNone) {
+    cudaGetLastError();
+    *why = "its first launch is inside a stream capture";
+    return nullptr;
+  }
+  const EncodeTiledFn encode = GetEncodeTiled();
+  if (encode == nullptr) {
+    *why = "the driver has no cuTensorMapEncodeTiled";
+    return nullptr;
+  }
+  CUtensorMap host{};
+  const cuuint32_t elem[4] = {1, 1, 1, 1};
+  if (encode(&host, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(base), dims, strides,
+             box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+    *why = "cuTensorMapEncodeTiled refused the layout";
+    return nullptr;
+  }
+  CUtensorMap* dev = nullptr;
+  if (cudaMalloc(&dev, sizeof(CUtensorMap)) != cudaSuccess) {
+    cudaGetLastError();
+    *why = "no device memory for the tensor map";
+    return nullptr;
+  }
+  if (cudaMemcpy(dev, &host, sizeof(host), cudaMemcpyHostToDevice) != cudaSuccess) {
+    cudaGetLastError();
+    cudaFree(dev);
+    *why = "copying the tensor map failed";
+    return nullptr;
+  }
+  cache->push_back(Entry{device, base, shape, box_key, dev});
+  return dev;
+}
+
 // The device copy of p's K/V tensor map, or nullptr when the warp-specialised kernel does not apply
-// (*why, when given, then says why).
+// (*why, when given, then says why). The pool is viewed as {64 columns, H·D/64 slabs, page_size
+// rows, 2·num_pages K|V halves}, the last dimension bounded past any pool (its size is not known
+// here; the kernel only asks for pages of the page table).
 const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stream,
                                const char** why = nullptr) {
   const auto& kv = p.kv;
   const int64_t hd = static_cast<int64_t>(kv.num_heads) * kv.head_dim;
+  const char* ignored = nullptr;
+  if (why == nullptr) why = &ignored;
   auto fail = [why](const char* reason) -> const CUtensorMap* {
-    if (why != nullptr) *why = reason;
+    *why = reason;
     return nullptr;
   };
   if (kv.head_dim != 256) return fail("head dim is not 256");
@@ -77,125 +147,32 @@ const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stre
       kv.page_stride != 2 * kv.kv_stride || reinterpret_cast<uintptr_t>(kv.base) % 16 != 0) {
     return fail("pool layout is not packed K|V pages");
   }
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();
-    return fail("cudaGetDevice failed");
-  }
-  struct Entry {
-    int device;
-    const void* base;
-    int32_t page_size, heads, dim;
-    CUtensorMap* map;
-  };
-  static std::mutex mu;
-  static std::vector<Entry>* cache = new std::vector<Entry>();
-  std::lock_guard<std::mutex> lock(mu);
-  for (const Entry& e : *cache) {
-    if (e.device == device && e.base == kv.base && e.page_size == kv.page_size &&
-        e.heads == kv.num_heads && e.dim == kv.head_dim) {
-      return e.map;
-    }
-  }
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
-      capture != cudaStreamCaptureStatusNone) {
-    cudaGetLastError();
-    return fail("first launch for this pool is inside a stream capture");
-  }
-  const EncodeTiledFn encode = GetEncodeTiled();
-  if (encode == nullptr) return fail("the driver has no cuTensorMapEncodeTiled");
-  CUtensorMap host{};
   const cuuint64_t dims[4] = {64, static_cast<cuuint64_t>(hd / 64),
                               static_cast<cuuint64_t>(kv.page_size), cuuint64_t{1} << 24};
   const cuuint64_t strides[3] = {128, static_cast<cuuint64_t>(hd * 2),
                                  static_cast<cuuint64_t>(kv.kv_stride * 2)};
   const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(KvBoxRows(kv.page_size)), 1};
-  const cuuint32_t elem[4] = {1, 1, 1, 1};
-  if (encode(&host, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<bf16*>(kv.base), dims, strides,
-             box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
-    return fail("cuTensorMapEncodeTiled refused the pool");
-  }
-  CUtensorMap* dev = nullptr;
-  if (cudaMalloc(&dev, sizeof(CUtensorMap)) != cudaSuccess) {
-    cudaGetLastError();
-    return fail("no device memory for the tensor map");
-  }
-  if (cudaMemcpy(dev, &host, sizeof(host), cudaMemcpyHostToDevice) != cudaSuccess) {
-    cudaGetLastError();
-    cudaFree(dev);
-    return fail("copying the tensor map failed");
-  }
-  cache->push_back(Entry{device, kv.base, kv.page_size, kv.num_heads, kv.head_dim, dev});
-  return dev;
+  return DeviceTensorMap(kv.base, dims, strides, box, stream, why);
 }
 
-// The device copy of the tensor map of p's uvqk rows for fresh users (fresh_kv_from_rows): the
-// rows [uvqk_rows, 4·H·D] bf16 viewed as {64 columns, 4·H·D/64 slabs of 128 bytes, uvqk_rows
-// rows, 1}, box {64, 1, 64, 1} — a 64-key block of one slab in the swizzled layout of the pool
-// map's boxes. Rows past the allocation read as zeros. Cached per (device, base, rows, stride)
-// as KvTensorMap; nullptr when it cannot be built (*why says why).
+// The tensor map of p's uvqk rows for fresh users (fresh_kv_from_rows): the rows [uvqk_rows,
+// 4·H·D] bf16 viewed as {64 columns, 4·H·D/64 slabs of 128 bytes, uvqk_rows rows, 1}, box
+// {64, 1, 64, 1} — a 64-key block of one slab in the swizzled layout of the pool map's boxes. Rows
+// past the allocation read as zeros. nullptr when it cannot be had (*why says why).
 const CUtensorMap* RowsTensorMap(const AttentionParams<bf16>& p, cudaStream_t stream,
                                  const char** why) {
-  auto fail = [why](const char* reason) -> const CUtensorMap* {
-    *why = reason;
-    return nullptr;
-  };
   const int64_t cols = 4LL * p.kv.num_heads * p.kv.head_dim;
   if (p.uvqk_rows < p.num_rows || p.uvqk_rows <= 0 || p.uvqk_rows > INT32_MAX ||
       p.uvqk_row_stride != cols || reinterpret_cast<uintptr_t>(p.uvqk) % 16 != 0) {
-    return fail("uvqk rows are not packed, or uvqk_rows < num_rows");
+    *why = "uvqk rows are not packed, or uvqk_rows < num_rows";
+    return nullptr;
   }
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();
-    return fail("cudaGetDevice failed");
-  }
-  struct Entry {
-    int device;
-    const void* base;
-    int64_t rows, cols;
-    CUtensorMap* map;
-  };
-  static std::mutex mu;
-  static std::vector<Entry>* cache = new std::vector<Entry>();
-  std::lock_guard<std::mutex> lock(mu);
-  for (const Entry& e : *cache) {
-    if (e.device == device && e.base == p.uvqk && e.rows == p.uvqk_rows && e.cols == cols) return e.map;
-  }
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
-      capture != cudaStreamCaptureStatusNone) {
-    cudaGetLastError();
-    return fail("first launch for these uvqk rows is inside a stream capture");
-  }
-  const EncodeTiledFn encode = GetEncodeTiled();
-  if (encode == nullptr) return fail("the driver has no cuTensorMapEncodeTiled");
-  CUtensorMap host{};
   const cuuint64_t dims[4] = {64, static_cast<cuuint64_t>(cols / 64),
                               static_cast<cuuint64_t>(p.uvqk_rows), 1};
   const cuuint64_t strides[3] = {128, static_cast<cuuint64_t>(cols * 2),
                                  static_cast<cuuint64_t>(p.uvqk_rows * cols * 2)};
   const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(kAttnBlockN), 1};
-  const cuuint32_t elem[4] = {1, 1, 1, 1};
-  if (encode(&host, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<bf16*>(p.uvqk), dims, strides,
-             box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
-    return fail("cuTensorMapEncodeTiled refused the uvqk rows");
-  }
-  CUtensorMap* dev = nullptr;
-  if (cudaMalloc(&dev, sizeof(CUtensorMap)) != cudaSuccess) {
-    cudaGetLastError();
-    return fail("no device memory for the tensor map");
-  }
-  if (cudaMemcpy(dev, &host, sizeof(host), cudaMemcpyHostToDevice) != cudaSuccess) {
-    cudaGetLastError();
-    cudaFree(dev);
-    return fail("copying the tensor map failed");
-  }
-  cache->push_back(Entry{device, p.uvqk, p.uvqk_rows, cols, dev});
-  return dev;
+  return DeviceTensorMap(p.uvqk, dims, strides, box, stream, why);
 }
 
 template <int kD>
