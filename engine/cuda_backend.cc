@@ -185,6 +185,8 @@ absl::Status CudaBackendImpl::UploadMeta(const ForwardBatch& batch,
   put(L.cand_rows, cand_rows.data(), 4 * C);
   pad(L.cand_rows, C, cands, 0);
   put(L.items, plan_.items.data(), sizeof(cuda::AttentionWorkItem) * plan_.items.size());
+  put(L.last_items, last_plan_.items.data(),
+      sizeof(cuda::AttentionWorkItem) * last_plan_.items.size());
   put(L.token_ids, batch.token_ids.data(), 8 * R);
   if (rows > R) std::memset(h + L.token_ids + 8 * R, 0, 8 * static_cast<size_t>(rows - R));
   HSTU_CUDA_RETURN(ws->meta.Reserve(L.total));
@@ -199,9 +201,10 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
   HSTU_RETURN_IF_ERROR(Validate(batch, &cand_rows));
   const int32_t B = batch.num_users;
   const int32_t rows = batch.num_rows();
-  plan_ = PlanAttention(batch);
+  PlanAttention(batch);
   Workspace* ws = &eager_ws_;
-  const MetaLayout L = PlaceMeta(B, rows, batch.page_ids.size(), cand_rows.size(), plan_.items.size());
+  const MetaLayout L = PlaceMeta(B, rows, batch.page_ids.size(), cand_rows.size(),
+                                 plan_.items.size(), last_plan_.items.size());
   HSTU_RETURN_IF_ERROR(UploadMeta(batch, cand_rows, L, B, rows, static_cast<int32_t>(cand_rows.size()), ws));
 
   const int64_t d = config_.hidden_dim, hd = config_.hd();
@@ -211,8 +214,9 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
   HSTU_CUDA_RETURN(ws->uvqk.Reserve(R * 4 * hd * sizeof(bf16)));
   HSTU_CUDA_RETURN(ws->a.Reserve(R * hd * sizeof(bf16)));
   HSTU_CUDA_RETURN(ws->y.Reserve(R * hd * sizeof(bf16)));
-  const size_t partial_floats = static_cast<size_t>(plan_.num_partials) * config_.num_heads *
-                                cuda::kAttnBlockM * config_.head_dim;
+  const size_t partial_floats =
+      static_cast<size_t>(std::max(plan_.num_partials, last_plan_.num_partials)) *
+      config_.num_heads * cuda::kAttnBlockM * config_.head_dim;
   HSTU_CUDA_RETURN(ws->partials.Reserve(std::max<size_t>(partial_floats, 1) * sizeof(float)));
   const size_t C = std::max<size_t>(cand_rows.size(), 1);
   int32_t widest = 1;
@@ -233,9 +237,7 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
   step_.num_rows = rows;
   step_.num_cand = static_cast<int32_t>(cand_rows.size());
   step_.real_cand = step_.num_cand;
-  step_.num_items = static_cast<int32_t>(plan_.items.size());
-  step_.num_split_tiles = plan_.num_split_tiles;
-  step_.cluster = plan_.cluster;
+  SetStepPlans();
   step_.all_fresh = true;
   for (int32_t b = 0; b < B; ++b) step_.all_fresh &= batch.num_tokens[b] == batch.num_new[b];
   staged_ = true;
@@ -244,13 +246,23 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
 
 absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
   if (!staged_) return absl::FailedPreconditionError("no staged batch");
+  if (layer < 0 || layer >= config_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("no layer ", layer, " in a model of ",
+                                                   config_.num_layers, " layers"));
+  }
+  // The last layer's queries are the candidate rows only: its history rows' outputs feed nothing
+  // (their K/V, appended before, are all the cache keeps of them).
+  const AttentionPlanKind kind = layer + 1 == config_.num_layers ? kCandidateRows : kAllRows;
+  const AttentionLaunch& launch = step_.attn[kind];
   const int64_t hd = config_.hd();
   const uint8_t* m = step_.ws->meta.as<uint8_t>();
   AttentionParams<bf16> att;
   att.uvqk = step_.ws->uvqk.as<bf16>();
   att.uvqk_row_stride = 4 * hd;
   att.uvqk_rows = static_cast<int64_t>(step_.ws->uvqk.bytes() / (4 * hd * sizeof(bf16)));
-  att.fresh_kv_from_rows = fresh_rows_;
+  // Not in the last layer: the append has put every user's K/V in the pages there, and the
+  // cuBLAS route's pass left the rows of appended keys unactivated.
+  att.fresh_kv_from_rows = fresh_rows_ && kind == kAllRows;
   att.out = step_.ws->a.as<bf16>();
   att.num_rows = step_.num_rows;
   att.row_offsets = reinterpret_cast<const int32_t*>(m + step_.layout.row_offsets);
@@ -267,12 +279,13 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
   // items × H × 8 blocks would only exit (8704 of them in the no-cache block at batch 8). A graph
   // bucket's steps (warm-up, capture, eager runs of a staged bucket) keep it: a replay's plan may
   // split.
-  float* partials = step_.slot >= 0 || capturing_ || step_.num_split_tiles > 0
+  float* partials = step_.slot >= 0 || capturing_ || launch.split_tiles > 0
                         ? step_.ws->partials.as<float>()
                         : nullptr;
+  const size_t items = kind == kCandidateRows ? step_.layout.last_items : step_.layout.items;
   HSTU_CUDA_RETURN(cuda::LaunchHstuAttention(
-      att, reinterpret_cast<const cuda::AttentionWorkItem*>(m + step_.layout.items),
-      step_.num_items, step_.num_split_tiles, partials, stream_.get(), step_.cluster));
+      att, reinterpret_cast<const cuda::AttentionWorkItem*>(m + items), launch.items,
+      launch.split_tiles, partials, stream_.get(), launch.cluster));
   if (capturing_) {
     cudaGraphNode_t node = nullptr;
     HSTU_RETURN_IF_ERROR(LastCapturedNode(&node));
@@ -280,7 +293,7 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
     // last), then the attention kernel.
     const size_t first = captured_attention_.size();
     while (node != nullptr && node != before) {
-      captured_attention_.push_back({node, false});
+      captured_attention_.push_back({node, false, kind});
       size_t n = 0;
       HSTU_CUDA_RETURN(cudaGraphNodeGetDependencies(node, nullptr, nullptr, &n));
       if (n != 1) return absl::InternalError("graph capture: the attention launch is not a chain");
@@ -311,6 +324,11 @@ absl::Status CudaBackendImpl::WaitForLayer(int layer) {
 }
 
 absl::Status CudaBackendImpl::EnqueueLayerStack() {
+  HSTU_RETURN_IF_ERROR(EnqueueTrunk());
+  return EnqueueLastLayerTail();
+}
+
+absl::Status CudaBackendImpl::EnqueueTrunk() {
   if (!staged_) return absl::FailedPreconditionError("no staged batch");
   HSTU_CUDA_RETURN(cudaSetDevice(device_));
   const int64_t rows = step_.num_rows, d = config_.hidden_dim, hd = config_.hd();
@@ -338,6 +356,7 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
 
   for (int l = 0; l < config_.num_layers; ++l) {
     const LayerBuffers& w = layers_[l];
+    const bool last = l + 1 == config_.num_layers;
     if (l > 0) {
       HSTU_CUDA_RETURN(cuda::LaunchLayerNorm(ws.x.as<float>(), rows, d, w.in_w.as<float>(),
                                              w.in_b.as<float>(), kLayerNormEps, ws.n.as<bf16>(), s));
@@ -352,7 +371,9 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
     ap.row_offsets = reinterpret_cast<const int32_t*>(m + step_.layout.row_offsets);
     ap.num_new = reinterpret_cast<const int32_t*>(m + step_.layout.num_new);
     ap.kv = View(l);
-    ap.fresh_kv_from_rows = fresh_rows_;
+    // The last layer's attention runs no tile of history rows, so none stores a fresh user's K/V
+    // to the pages: the append does it there, for every user.
+    ap.fresh_kv_from_rows = fresh_rows_ && !last;
     // The route's first call of a row class times both routes, appends included, so layer l's
     // onloaded pages must be there first; otherwise they are needed from the append on.
     if (!gemm_.HasBiasSiluRoute(rows, 4 * hd, d)) HSTU_RETURN_IF_ERROR(WaitForLayer(l));
@@ -370,7 +391,7 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
     if (route >= 0) {
       // Nothing to append when every user is fresh (the attention stores their K/V); a captured
       // step keeps the node, whose replays may have users with cached tokens.
-      if (!(fresh_rows_ && step_.all_fresh && !capturing_)) {
+      if (!(ap.fresh_kv_from_rows && step_.all_fresh && !capturing_)) {
         HSTU_CUDA_RETURN(cuda::LaunchAppendKvFromRows(rows, ap, s));
       }
     } else {
@@ -378,6 +399,7 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
           cuda::LaunchBiasSiluAppendKv(uvqk, rows, 4 * hd, w.uvqk_b.as<float>(), ap, s));
     }
     HSTU_RETURN_IF_ERROR(EnqueueAttention(l));
+    if (last) break;  // the rest of it on the candidate rows: EnqueueLastLayerTail
     HSTU_CUDA_RETURN(cuda::LaunchNormMulU(ws.a.as<bf16>(), ws.uvqk.as<bf16>() + kU * hd, 4 * hd, rows, hd,
                                           w.out_norm_w.as<float>(), w.out_norm_b.as<float>(),
                                           kLayerNormEps, ws.y.as<bf16>(), s));
@@ -388,15 +410,39 @@ absl::Status CudaBackendImpl::EnqueueLayerStack() {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackendImpl::EnqueueHead(bool keep_hidden) {
+absl::Status CudaBackendImpl::EnqueueLastLayerTail() {
+  if (!staged_) return absl::FailedPreconditionError("no staged batch");
+  const int64_t d = config_.hidden_dim, hd = config_.hd();
+  cudaStream_t s = stream_.get();
+  Workspace& ws = *step_.ws;
+  const int32_t* cand_rows =
+      reinterpret_cast<const int32_t*>(ws.meta.as<uint8_t>() + step_.layout.cand_rows);
+  const int32_t C = step_.num_cand;
+  if (config_.num_layers == 0) {  // the embeddings are the final rows
+    HSTU_CUDA_RETURN(cuda::LaunchGatherL2Normalize(ws.x.as<float>(), cand_rows, C, d,
+                                                   ws.cand_raw.as<float>(),
+                                                   ws.cand_norm.as<float>(), s));
+    return absl::OkStatus();
+  }
+  // Candidate i's attention row, u and residual row are rows cand_rows[i]; the compact rows
+  // then take the output projection as every layer's rows do (y · W_o + x).
+  const LayerBuffers& w = layers_.back();
+  HSTU_CUDA_RETURN(cuda::LaunchNormMulUGather(
+      ws.a.as<bf16>(), ws.uvqk.as<bf16>() + kU * hd, 4 * hd, cand_rows, C, hd,
+      w.out_norm_w.as<float>(), w.out_norm_b.as<float>(), kLayerNormEps, ws.y.as<bf16>(),
+      ws.x.as<float>(), d, ws.cand_raw.as<float>(), s));
+  HSTU_CUBLAS_RETURN(gemm_.Run(ws.y.as<bf16>(), w.out_w.as<bf16>(), ws.cand_raw.get(),
+                               /*c_is_f32=*/true, C, d, hd, 1.f, s));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackendImpl::EnqueueHead() {
   const int64_t d = config_.hidden_dim;
   cudaStream_t s = stream_.get();
   Workspace& ws = *step_.ws;
-  const uint8_t* m = ws.meta.as<uint8_t>();
   const int32_t C = step_.num_cand;
-  HSTU_CUDA_RETURN(cuda::LaunchGatherL2Normalize(
-      ws.x.as<float>(), reinterpret_cast<const int32_t*>(m + step_.layout.cand_rows), C, d,
-      keep_hidden ? ws.cand_raw.as<float>() : nullptr, ws.cand_norm.as<float>(), s));
+  HSTU_CUDA_RETURN(cuda::LaunchGatherL2Normalize(ws.cand_raw.as<float>(), nullptr, C, d, nullptr,
+                                                 ws.cand_norm.as<float>(), s));
   const float* act = ws.cand_norm.as<float>();
   for (size_t j = 0; j < head_.size(); ++j) {
     float* next = (j % 2 == 0 ? ws.head_a : ws.head_b).as<float>();
@@ -421,7 +467,6 @@ absl::Status CudaBackendImpl::Forward(const ForwardBatch& batch, bool keep_hidde
   HSTU_RETURN_IF_ERROR(FlushOnloads());
   auto graphed = StageStep(batch, /*use_graph=*/true);
   if (!graphed.ok()) return graphed.status();
-  step_.keep_hidden = keep_hidden;
   HSTU_RETURN_IF_ERROR(EnqueueStep());
   const int64_t d = config_.hidden_dim;
   const int32_t tasks = head_.empty() ? 0 : head_.back().out;

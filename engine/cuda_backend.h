@@ -39,7 +39,9 @@ class CudaBackend : public Backend {
  public:
   // Validates and uploads the plan of `batch` (no compute).
   virtual absl::Status Stage(const ForwardBatch& batch) = 0;
-  // Enqueues embedding gather + all layers for the staged batch (appends K/V to the pages).
+  // Enqueues embedding gather + all layers for the staged batch (appends K/V to the pages). The
+  // last layer's attention, LayerNorm · u and output projection run on the candidate rows only
+  // (DESIGN §2.3 reads nothing else), the result compacted to one row per candidate.
   virtual absl::Status EnqueueLayerStack() = 0;
   // Enqueues the attention of one layer alone (inputs: whatever the last layer stack left).
   virtual absl::Status EnqueueAttention(int layer) = 0;

@@ -93,14 +93,15 @@ struct HeadBuffers {
 // Byte layout of the per-batch metadata, uploaded with one copy.
 struct MetaLayout {
   size_t row_offsets, num_new, num_tokens, page_indptr, page_ids, token_types, positions,
-      cand_rows, items, token_ids, total;
+      cand_rows, items, last_items, token_ids, total;
 };
 
 inline size_t Align(size_t x) { return (x + 255) & ~size_t{255}; }
 
-// Places the metadata arrays for B users, `rows` rows, `pages` page ids, `cands` candidate slots
-// and `items` attention work items.
-inline MetaLayout PlaceMeta(size_t B, size_t rows, size_t pages, size_t cands, size_t items) {
+// Places the metadata arrays for B users, `rows` rows, `pages` page ids, `cands` candidate slots,
+// `items` attention work items of the layers before the last and `last_items` of the last layer.
+inline MetaLayout PlaceMeta(size_t B, size_t rows, size_t pages, size_t cands, size_t items,
+                            size_t last_items) {
   MetaLayout L{};
   size_t off = 0;
   auto place = [&](size_t bytes) { const size_t at = off; off = Align(off + bytes); return at; };
@@ -113,6 +114,7 @@ inline MetaLayout PlaceMeta(size_t B, size_t rows, size_t pages, size_t cands, s
   L.positions = place(4 * rows);
   L.cand_rows = place(4 * cands);
   L.items = place(sizeof(cuda::AttentionWorkItem) * items);
+  L.last_items = place(sizeof(cuda::AttentionWorkItem) * last_items);
   L.token_ids = place(8 * rows);
   L.total = off;
   return L;
@@ -132,6 +134,16 @@ struct Workspace {
   }
 };
 
+// An attention plan as launched: work items, split tiles, cluster size.
+struct AttentionLaunch {
+  int32_t items = 0;        // attention work items
+  int32_t split_tiles = 0;  // tiles cut into chunks (the split reduction's work)
+  int32_t cluster = 0;      // > 0: a cluster plan (cuda::AttentionPlan::cluster)
+};
+
+// Which attention plan a layer runs: every query row, or (the last layer) the candidate rows only.
+enum AttentionPlanKind : int { kAllRows = 0, kCandidateRows = 1 };
+
 // The shapes the kernels of the staged step are launched with.
 struct Step {
   Workspace* ws = nullptr;
@@ -140,11 +152,10 @@ struct Step {
   int32_t num_rows = 0;   // rows the row-wise kernels and GEMMs run on (real + padding)
   int32_t num_cand = 0;   // candidate slots the head runs on (real + padding)
   int32_t real_cand = 0;  // real candidate rows: the first real_cand slots
-  int32_t num_items = 0;  // attention work items
-  int32_t num_split_tiles = 0;  // attention tiles cut into chunks (the split reduction's work)
-  int32_t cluster = 0;    // > 0: a cluster plan (cuda::AttentionPlan::cluster)
+  // The attention plans: [kAllRows] for the layers before the last, [kCandidateRows] for the
+  // last, whose history rows feed nothing (DESIGN §2.3 reads the candidate rows only).
+  AttentionLaunch attn[2];
   int slot = -1;          // graph bucket, -1 = eager
-  bool keep_hidden = false;
   bool all_fresh = false;  // eager step whose users all have no cached tokens (no append to run)
 };
 
@@ -152,6 +163,7 @@ struct Step {
 struct CapturedAttentionNode {
   cudaGraphNode_t node = nullptr;
   bool reduce = false;  // the split reduction (else the attention kernel)
+  AttentionPlanKind plan = kAllRows;
 };
 
 // One capture of a bucket's step.
@@ -162,8 +174,9 @@ struct CapturedStep {
   // the attention kernel (items × H) and the split reduction (HstuAttentionReduceGridX).
   std::vector<CapturedAttentionNode> attention_nodes;
   std::vector<cudaKernelNodeParams> attention_params;
-  int32_t grid_items = -1, grid_split_tiles = -1;  // the plan the nodes in `exec` are sized for
-  int32_t cluster = 0;  // the captured plan's cluster size: replays need plans of the same kind
+  // The plans the nodes in `exec` are sized for (items = -1: not yet set), per AttentionPlanKind;
+  // the captured cluster sizes: replays need plans of the same kind.
+  AttentionLaunch grid[2] = {{-1, -1, 0}, {-1, -1, 0}};
   size_t edges = 0, programmatic_edges = 0;  // of the captured graph (reports)
 };
 
@@ -245,19 +258,33 @@ class CudaBackendImpl final : public CudaBackend {
   int attention_cluster() const override { return plan_.cluster; }
   // Grid x and y of the staged step's attention kernel, or of its split reduction (see
   // cuda::LaunchHstuAttention).
-  std::pair<int32_t, int32_t> AttentionGrid(bool reduce) const {
-    if (reduce) return {cuda::HstuAttentionReduceGridX(step_.num_split_tiles, config_.num_heads), 1};
-    if (step_.cluster > 0) {
-      return {step_.cluster, step_.num_items / step_.cluster * config_.num_heads};
-    }
-    return {step_.num_items * config_.num_heads, 1};
+  std::pair<int32_t, int32_t> AttentionGrid(bool reduce, AttentionPlanKind kind) const {
+    const AttentionLaunch& a = step_.attn[kind];
+    if (reduce) return {cuda::HstuAttentionReduceGridX(a.split_tiles, config_.num_heads), 1};
+    if (a.cluster > 0) return {a.cluster, a.items / a.cluster * config_.num_heads};
+    return {a.items * config_.num_heads, 1};
   }
-  // The attention plan of a batch, for this GPU (cluster plans where they apply).
-  cuda::AttentionPlan PlanAttention(const ForwardBatch& batch) const {
-    return cuda::PlanHstuAttention(batch.row_offsets.data(), batch.num_new.data(),
-                                   batch.num_tokens.data(), batch.num_users, config_.max_attn_len,
-                                   config_.num_heads, concurrent_ctas_, /*max_split=*/64,
-                                   attn_cluster_, attn_max_clusters_);
+  // The attention plans of a batch, for this GPU (cluster plans where they apply): every query
+  // row (plan_), and the candidate rows only (last_plan_, the last layer's).
+  // The last layer's plan is never a cluster plan: its few candidate tiles split over more CTAs
+  // than a cluster holds, and a CUDA graph's captured node keeps its kind (a cluster plan of the
+  // warm-up batch could not serve the decode steps).
+  void PlanAttention(const ForwardBatch& batch) {
+    plan_ = cuda::PlanHstuAttention(batch.row_offsets.data(), batch.num_new.data(),
+                                    batch.num_tokens.data(), batch.num_users,
+                                    config_.max_attn_len, config_.num_heads, concurrent_ctas_,
+                                    /*max_split=*/64, attn_cluster_, attn_max_clusters_);
+    last_plan_ = cuda::PlanHstuAttention(
+        batch.row_offsets.data(), batch.num_new.data(), batch.num_tokens.data(), batch.num_users,
+        config_.max_attn_len, config_.num_heads, concurrent_ctas_, /*max_split=*/64,
+        /*cluster=*/0, /*max_clusters=*/0, /*candidates_only=*/true);
+  }
+  // The staged plans as launched.
+  void SetStepPlans() {
+    step_.attn[kAllRows] = {static_cast<int32_t>(plan_.items.size()), plan_.num_split_tiles,
+                            plan_.cluster};
+    step_.attn[kCandidateRows] = {static_cast<int32_t>(last_plan_.items.size()),
+                                  last_plan_.num_split_tiles, last_plan_.cluster};
   }
   absl::Status SetDebugPoison(bool on) override {
     HSTU_CUDA_RETURN(cudaSetDevice(device_));
@@ -281,7 +308,14 @@ class CudaBackendImpl final : public CudaBackend {
 
  private:
   PagedKvView<bf16> View(int layer) const;
-  absl::Status EnqueueHead(bool keep_hidden);
+  // Embedding gather and every layer, the last one up to its attention (on the candidate rows):
+  // what a graph captures.
+  absl::Status EnqueueTrunk();
+  // The rest of the last layer, on the candidate rows only, compacted: LayerNorm · u of their
+  // attention rows, and their residual rows plus the output projection into ws.cand_raw.
+  absl::Status EnqueueLastLayerTail();
+  // L2 normalisation and the MLP head on ws.cand_raw (the final candidate rows).
+  absl::Status EnqueueHead();
   // Checks the batch and lists its candidate rows.
   absl::Status Validate(const ForwardBatch& batch, std::vector<int32_t>* cand_rows) const;
   // Writes the metadata of `batch` into the host staging buffer at `L`, padded to `users` users,
@@ -338,7 +372,7 @@ class CudaBackendImpl final : public CudaBackend {
   // Per-batch state.
   Workspace eager_ws_, graph_ws_;
   cuda::PinnedBuffer meta_host_, scores_host_, hidden_host_;
-  cuda::AttentionPlan plan_;
+  cuda::AttentionPlan plan_, last_plan_;  // see PlanAttention
   Step step_;
   bool staged_ = false;
   bool poison_ = false;

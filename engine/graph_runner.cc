@@ -31,7 +31,7 @@ absl::Status CudaBackendImpl::SizeGraphWorkspace() {
     g.item_cap = tiles + 8 * ctas_per_head;
     g.partial_cap = g.item_cap;
     g.page_cap = U * pages_per_user;
-    g.layout = PlaceMeta(U, R, g.page_cap, R, g.item_cap);
+    g.layout = PlaceMeta(U, R, g.page_cap, R, g.item_cap, g.item_cap);
     rows = std::max<size_t>(rows, R);
     meta = std::max(meta, g.layout.total);
     partials = std::max<size_t>(partials, g.partial_cap);
@@ -74,9 +74,7 @@ absl::Status CudaBackendImpl::StageGraph(const ForwardBatch& batch, int slot,
   // count into a captured GEMM, so a captured head would run on every padding row too).
   step_.num_cand = static_cast<int32_t>(cand_rows.size());
   step_.real_cand = step_.num_cand;
-  step_.num_items = static_cast<int32_t>(plan_.items.size());
-  step_.num_split_tiles = plan_.num_split_tiles;
-  step_.cluster = plan_.cluster;
+  SetStepPlans();
   step_.slot = slot;
   staged_ = true;
   return absl::OkStatus();
@@ -100,12 +98,15 @@ absl::StatusOr<bool> CudaBackendImpl::StageStep(const ForwardBatch& batch, bool 
     staged_ = false;
     std::vector<int32_t> cand_rows;
     HSTU_RETURN_IF_ERROR(Validate(batch, &cand_rows));
-    plan_ = PlanAttention(batch);
+    PlanAttention(batch);
     const GraphSlot& g = slots_[best];
-    const int32_t items = static_cast<int32_t>(plan_.items.size());
     // A captured attention node keeps its kind (cluster plan or not); the grid follows the plan.
-    if (items > 0 && items <= g.item_cap && plan_.num_partials <= g.partial_cap &&
-        plan_.cluster == g.plain.cluster &&
+    auto fits = [&](const cuda::AttentionPlan& plan, AttentionPlanKind kind) {
+      const int32_t items = static_cast<int32_t>(plan.items.size());
+      return items > 0 && items <= g.item_cap && plan.num_partials <= g.partial_cap &&
+             plan.cluster == g.plain.grid[kind].cluster;
+    };
+    if (fits(plan_, kAllRows) && fits(last_plan_, kCandidateRows) &&
         static_cast<int64_t>(batch.page_ids.size()) <= g.page_cap) {
       HSTU_RETURN_IF_ERROR(StageGraph(batch, best, std::move(cand_rows)));
       return true;
@@ -123,25 +124,32 @@ absl::Status CudaBackendImpl::EnqueueStep() {
     // already complete for this stream's order, and the graph without wait nodes is equivalent.
     const bool waits = onload_waits_ || always_wait_nodes_;
     CapturedStep& g = waits ? slots_[step_.slot].with_waits : slots_[step_.slot].plain;
-    if (g.grid_items != step_.num_items || g.grid_split_tiles != step_.num_split_tiles) {
+    for (AttentionPlanKind kind : {kAllRows, kCandidateRows}) {
+      AttentionLaunch& sized = g.grid[kind];
+      const AttentionLaunch& want = step_.attn[kind];
+      if (sized.items == want.items && sized.split_tiles == want.split_tiles) continue;
       for (size_t i = 0; i < g.attention_nodes.size(); ++i) {
+        if (g.attention_nodes[i].plan != kind) continue;
         cudaKernelNodeParams p = g.attention_params[i];
-        const auto [x, y] = AttentionGrid(g.attention_nodes[i].reduce);
+        const auto [x, y] = AttentionGrid(g.attention_nodes[i].reduce, kind);
         p.gridDim.x = static_cast<unsigned>(x);
         p.gridDim.y = static_cast<unsigned>(y);
         HSTU_CUDA_RETURN(cudaGraphExecKernelNodeSetParams(g.exec, g.attention_nodes[i].node, &p));
       }
-      g.grid_items = step_.num_items;
-      g.grid_split_tiles = step_.num_split_tiles;
+      sized.items = want.items;
+      sized.split_tiles = want.split_tiles;
     }
     HSTU_CUDA_RETURN(cudaGraphLaunch(g.exec, stream_.get()));
     graph_replays_.fetch_add(1, std::memory_order_relaxed);
     if (waits) graph_wait_replays_.fetch_add(1, std::memory_order_relaxed);
     onload_waits_ = false;  // the graph's wait nodes covered them; later work is ordered after it
-    return EnqueueHead(step_.keep_hidden);
+    // The last layer's tail and the head run eagerly on the real candidate rows (cuBLAS bakes a
+    // GEMM's row count into a capture).
+    HSTU_RETURN_IF_ERROR(EnqueueLastLayerTail());
+    return EnqueueHead();
   }
   HSTU_RETURN_IF_ERROR(EnqueueLayerStack());
-  return EnqueueHead(step_.keep_hidden);
+  return EnqueueHead();
 }
 
 absl::Status CudaBackendImpl::CaptureGraphs() {
@@ -175,11 +183,11 @@ absl::Status CudaBackendImpl::CaptureGraphs() {
     fb.positions[0] = 0;
     std::vector<int32_t> cand_rows;
     HSTU_RETURN_IF_ERROR(Validate(fb, &cand_rows));
-    plan_ = PlanAttention(fb);
+    PlanAttention(fb);
     HSTU_RETURN_IF_ERROR(StageGraph(fb, i, std::move(cand_rows)));
     // Warm-up: loads every kernel module and lets cuBLAS pick its algorithms outside the capture.
     HSTU_RETURN_IF_ERROR(EnqueueLayerStack());
-    HSTU_RETURN_IF_ERROR(EnqueueHead(true));
+    HSTU_RETURN_IF_ERROR(EnqueueHead());
     HSTU_CUDA_RETURN(cudaStreamSynchronize(stream_.get()));
 
     HSTU_RETURN_IF_ERROR(CaptureStep(/*waits=*/true, &g.with_waits));
@@ -195,7 +203,8 @@ absl::Status CudaBackendImpl::CaptureStep(bool waits, CapturedStep* c) {
   HSTU_CUDA_RETURN(cudaStreamBeginCapture(stream_.get(), cudaStreamCaptureModeThreadLocal));
   capturing_ = true;
   capture_waits_ = waits;
-  const absl::Status st = EnqueueLayerStack();  // the head stays out of the graph (StageGraph)
+  // The last layer's tail and the head stay out of the graph (StageGraph, EnqueueStep).
+  const absl::Status st = EnqueueTrunk();
   capturing_ = false;
   cudaGraph_t graph = nullptr;
   const cudaError_t end = cudaStreamEndCapture(stream_.get(), &graph);
@@ -222,7 +231,7 @@ absl::Status CudaBackendImpl::CaptureStep(bool waits, CapturedStep* c) {
     HSTU_CUDA_RETURN(cudaGraphNodeGetType(n.node, &type));
     cudaKernelNodeParams p{};
     if (type == cudaGraphNodeTypeKernel) HSTU_CUDA_RETURN(cudaGraphKernelNodeGetParams(n.node, &p));
-    const auto [x, y] = AttentionGrid(n.reduce);
+    const auto [x, y] = AttentionGrid(n.reduce, n.plan);
     if (type != cudaGraphNodeTypeKernel || p.gridDim.x != static_cast<unsigned>(x) ||
         p.gridDim.y != static_cast<unsigned>(y)) {
       return absl::InternalError(
@@ -231,9 +240,8 @@ absl::Status CudaBackendImpl::CaptureStep(bool waits, CapturedStep* c) {
     }
     c->attention_params.push_back(p);
   }
-  c->grid_items = step_.num_items;
-  c->grid_split_tiles = step_.num_split_tiles;
-  c->cluster = step_.cluster;
+  c->grid[kAllRows] = step_.attn[kAllRows];
+  c->grid[kCandidateRows] = step_.attn[kCandidateRows];
   return absl::OkStatus();
 }
 

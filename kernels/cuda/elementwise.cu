@@ -24,7 +24,7 @@ __global__ void GatherL2NormalizeKernel(const float* __restrict__ x,
                                         const int32_t* __restrict__ rows, int64_t cols,
                                         float* __restrict__ raw, float* __restrict__ normed) {
   __shared__ float scratch[32];
-  const float* xr = x + static_cast<int64_t>(rows[blockIdx.x]) * cols;
+  const float* xr = x + static_cast<int64_t>(rows != nullptr ? rows[blockIdx.x] : blockIdx.x) * cols;
   float s = 0.f;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += xr[c] * xr[c];
   const float inv = 1.f / fmaxf(sqrtf(BlockSum(s, scratch)), 1e-6f);
@@ -68,8 +68,7 @@ cudaError_t LaunchBiasActivation(float* x, int64_t rows, int64_t cols, const flo
 
 cudaError_t LaunchGatherL2Normalize(const float* x, const int32_t* rows, int64_t num_rows,
                                     int64_t cols, float* raw, float* normed, cudaStream_t stream) {
-  if (num_rows < 0 || num_rows > 0x7fffffff || cols <= 0 || x == nullptr || rows == nullptr ||
-      normed == nullptr) {
+  if (num_rows < 0 || num_rows > 0x7fffffff || cols <= 0 || x == nullptr || normed == nullptr) {
     return cudaErrorInvalidValue;
   }
   if (num_rows == 0) return cudaSuccess;

@@ -57,6 +57,9 @@ struct AttentionPlan {
 
 // Builds the work list from the host copy of the batch plan.
 //   row_offsets: [B + 1]; num_new, num_tokens: [B] (num_tokens after the append).
+//   candidates_only: tiles cover only each user's candidate rows (rows num_new.. of the user): the
+//   last layer's plan, whose history rows feed no later layer (DESIGN §2.3 reads the candidate
+//   rows only). Their output rows are left unwritten.
 //   concurrent_ctas: CTAs the GPU runs at once (SMs × CTAs per SM, see HstuAttentionCtasPerSm).
 //   max_split: upper bound on chunks per tile (bounds the workspace); >= 1.
 //   cluster, max_clusters: with cluster > 0 (2, 4 or 8; the warp-specialised kernel, no window)
@@ -68,7 +71,7 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
                                 const int32_t* num_tokens, int32_t batch_size,
                                 int32_t max_attn_len, int32_t num_heads, int32_t concurrent_ctas,
                                 int32_t max_split = 64, int32_t cluster = 0,
-                                int32_t max_clusters = 0);
+                                int32_t max_clusters = 0, bool candidates_only = false);
 
 // Which kernel LaunchHstuAttention runs for p's pool and shape, and when it is not the
 // warp-specialised TMA kernel, why (builds and caches the pool's tensor map as a launch would; call

@@ -43,6 +43,15 @@ __device__ __forceinline__ uint32_t TileOffset(int r, int c) {
   return (c >> 3) * (kRows * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
 }
 
+// SiLU(x) for x = alpha·s, as u + u·tanh u with u = x/2 (the warp-specialised kernel applies 1/N to
+// O after its loop instead).
+__device__ __forceinline__ float SiluHalf(float s, float half_alpha) {
+  const float u = s * half_alpha;
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(u));
+  return fmaf(u, t, u);
+}
+
 // P = SiLU(x) / N for x = alpha·s, as u·(1 + tanh u) / N with u = x/2: one MUFU op (tanh.approx,
 // relative error ~2^-11, below the bf16 rounding of P that follows).
 __device__ __forceinline__ float SiluScaled(float s, float half_alpha, float inv_norm) {

@@ -37,13 +37,14 @@ AttentionWorkItem ChunkOf(const Tile& t, int32_t s, int32_t splits, int32_t chun
 AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_new,
                                 const int32_t* num_tokens, int32_t batch_size,
                                 int32_t max_attn_len, int32_t num_heads, int32_t concurrent_ctas,
-                                int32_t max_split, int32_t cluster, int32_t max_clusters) {
+                                int32_t max_split, int32_t cluster, int32_t max_clusters,
+                                bool candidates_only) {
   std::vector<Tile> tiles;
   for (int32_t b = 0; b < batch_size; ++b) {
     const int32_t rows = row_offsets[b + 1] - row_offsets[b];
     const int32_t hist = num_tokens[b];
     const int32_t first_new = hist - num_new[b];
-    for (int32_t q0 = 0; q0 < rows; q0 += kAttnBlockM) {
+    for (int32_t q0 = candidates_only ? num_new[b] : 0; q0 < rows; q0 += kAttnBlockM) {
       Tile t;
       t.user = b;
       t.q_row = row_offsets[b] + q0;
@@ -59,6 +60,8 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
       tiles.push_back(t);
     }
   }
+
+  if (tiles.empty()) return AttentionPlan{};  // no query rows (the last layer without candidates)
 
   // A cluster plan: one wave of clusters, a tile's keys in `cluster` chunks of whole blocks
   // (trailing chunks may be empty), summed on chip.

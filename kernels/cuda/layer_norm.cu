@@ -13,6 +13,23 @@
 namespace hstu::cuda {
 namespace {
 
+// NormMulU's optional row gather: output row r comes from row src_rows[r] of a and u, and row
+// src_rows[r] of x (fp32, x_cols wide) is copied to row r of x_out on the way.
+struct NormRowGather {
+  const int32_t* src_rows = nullptr;  // nullptr: row r from row r
+  const float* x = nullptr;           // nullptr: no copy
+  float* x_out = nullptr;
+  int64_t x_cols = 0;                 // multiple of 4
+
+  // Threads t of `count` copy row src of x to row r of x_out, 16 bytes each at a time.
+  __device__ __forceinline__ void CopyX(int64_t r, int64_t src, int t, int count) const {
+    if (x == nullptr) return;
+    const float4* from = reinterpret_cast<const float4*>(x + src * x_cols);
+    float4* to = reinterpret_cast<float4*>(x_out + r * x_cols);
+    for (int64_t c = t; c < x_cols / 4; c += count) to[c] = from[c];
+  }
+};
+
 // ---- Warp per row (cols <= kNormMaxCols) --------------------------------------------------------
 
 __device__ __forceinline__ Bf16x8 ZeroBf16x8() {
@@ -56,14 +73,17 @@ template <int kGroups>
 __global__ void __launch_bounds__(kNormWarps * 32)
     NormMulUWarpKernel(const bf16* __restrict__ a, const bf16* __restrict__ u, int64_t u_stride,
                        int64_t rows, int hd, const float* __restrict__ w,
-                       const float* __restrict__ b, float eps, bf16* __restrict__ y) {
+                       const float* __restrict__ b, float eps, bf16* __restrict__ y,
+                       NormRowGather g) {
   WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
   AllowDependents();
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kNormWarps + (threadIdx.x >> 5);
   if (r >= rows) return;
-  const bf16* ar = a + r * hd;
-  const bf16* ur = u + r * u_stride;
+  const int64_t src = g.src_rows != nullptr ? g.src_rows[r] : r;
+  g.CopyX(r, src, lane, 32);
+  const bf16* ar = a + src * hd;
+  const bf16* ur = u + src * u_stride;
   Bf16x8 ap[kGroups], up[kGroups];
 #pragma unroll
   for (int j = 0; j < kGroups; ++j) {
@@ -167,12 +187,15 @@ __global__ void __launch_bounds__(kThreads) NormMulUKernel(const bf16* __restric
                                                            int64_t u_stride, int64_t hd,
                                                            const float* __restrict__ w,
                                                            const float* __restrict__ b, float eps,
-                                                           bf16* __restrict__ y) {
+                                                           bf16* __restrict__ y,
+                                                           NormRowGather g) {
   WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
   AllowDependents();
   __shared__ float scratch[32];
-  const bf16* ar = a + blockIdx.x * hd;
-  const bf16* ur = u + blockIdx.x * u_stride;
+  const int64_t src = g.src_rows != nullptr ? g.src_rows[blockIdx.x] : blockIdx.x;
+  g.CopyX(blockIdx.x, src, threadIdx.x, kThreads);
+  const bf16* ar = a + src * hd;
+  const bf16* ur = u + src * u_stride;
   const float2 st = RowStats(ar, hd, eps, scratch);
   bf16* o = y + blockIdx.x * hd;
   for (int64_t c = threadIdx.x * 8; c < hd; c += kThreads * 8) {
@@ -214,9 +237,11 @@ cudaError_t LaunchLayerNorm(const float* x, int64_t rows, int64_t cols, const fl
   return err != cudaSuccess ? err : cudaPeekAtLastError();
 }
 
-cudaError_t LaunchNormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64_t rows,
-                           int64_t hd, const float* w, const float* b, float eps, bf16* y,
-                           cudaStream_t stream) {
+namespace {
+
+cudaError_t NormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64_t rows, int64_t hd,
+                     const float* w, const float* b, float eps, bf16* y, const NormRowGather& g,
+                     cudaStream_t stream) {
   if (rows < 0 || hd <= 0 || hd % 8 != 0 || u_stride < hd || u_stride % 8 != 0 || a == nullptr ||
       u == nullptr || w == nullptr || b == nullptr || y == nullptr || rows > 0x7fffffff ||
       !Aligned16(a) || !Aligned16(u) || !Aligned16(w) || !Aligned16(b) || !Aligned16(y)) {
@@ -226,14 +251,38 @@ cudaError_t LaunchNormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64
   const int groups = NormLaneGroups(hd);
   if (groups == 0) {
     return LaunchDependent(NormMulUKernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0,
-                           stream, a, u, u_stride, hd, w, b, eps, y);
+                           stream, a, u, u_stride, hd, w, b, eps, y, g);
   }
-  const cudaError_t err = DispatchNormLaneGroups(groups, [&](auto g) {
-    return LaunchDependent(NormMulUWarpKernel<decltype(g)::value>, dim3(NormBlocks(rows)),
+  const cudaError_t err = DispatchNormLaneGroups(groups, [&](auto lanes) {
+    return LaunchDependent(NormMulUWarpKernel<decltype(lanes)::value>, dim3(NormBlocks(rows)),
                            dim3(kNormWarps * 32), 0, stream, a, u, u_stride, rows,
-                           static_cast<int>(hd), w, b, eps, y);
+                           static_cast<int>(hd), w, b, eps, y, g);
   });
   return err != cudaSuccess ? err : cudaPeekAtLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchNormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64_t rows,
+                           int64_t hd, const float* w, const float* b, float eps, bf16* y,
+                           cudaStream_t stream) {
+  return NormMulU(a, u, u_stride, rows, hd, w, b, eps, y, NormRowGather{}, stream);
+}
+
+cudaError_t LaunchNormMulUGather(const bf16* a, const bf16* u, int64_t u_stride,
+                                 const int32_t* src_rows, int64_t rows, int64_t hd, const float* w,
+                                 const float* b, float eps, bf16* y, const float* x,
+                                 int64_t x_cols, float* x_out, cudaStream_t stream) {
+  if (src_rows == nullptr || x == nullptr || x_out == nullptr || x_cols <= 0 || x_cols % 8 != 0 ||
+      !Aligned16(x) || !Aligned16(x_out)) {
+    return cudaErrorInvalidValue;
+  }
+  NormRowGather g;
+  g.src_rows = src_rows;
+  g.x = x;
+  g.x_out = x_out;
+  g.x_cols = x_cols;
+  return NormMulU(a, u, u_stride, rows, hd, w, b, eps, y, g, stream);
 }
 
 }  // namespace hstu::cuda

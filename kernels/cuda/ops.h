@@ -68,8 +68,17 @@ cudaError_t LaunchNormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64
                            int64_t hd, const float* w, const float* b, float eps, bf16* y,
                            cudaStream_t stream);
 
+// The same for gathered rows: y[r] = LayerNorm(a[src_rows[r]]; w, b) * u[src_rows[r]], and
+// x_out[r] = x[src_rows[r]] (fp32, x_cols wide, x_cols % 8 == 0), for r < rows. The last layer's
+// candidate rows, compacted for its output projection (the rows feed nothing else).
+cudaError_t LaunchNormMulUGather(const bf16* a, const bf16* u, int64_t u_stride,
+                                 const int32_t* src_rows, int64_t rows, int64_t hd, const float* w,
+                                 const float* b, float eps, bf16* y, const float* x,
+                                 int64_t x_cols, float* x_out, cudaStream_t stream);
+
 // For each i < num_rows: raw[i] = x[rows[i]] (when raw != nullptr) and
 // normed[i] = x[rows[i]] / max(|x[rows[i]]|_2, 1e-6).  x: [*, cols] fp32; raw, normed: [num_rows, cols].
+// rows == nullptr: row i of x itself.
 cudaError_t LaunchGatherL2Normalize(const float* x, const int32_t* rows, int64_t num_rows,
                                     int64_t cols, float* raw, float* normed, cudaStream_t stream);
 

@@ -221,6 +221,31 @@ TEST_P(CudaBackendParity, MatchesCpuBackendCachedAndUncached) {
   // each side measured up to 2.8e-3 (H100, 8eafbbb), and the two differed by 4.05e-3.
   EXPECT_LT(test::MaxAbsDiff(g_full.scores, g2.scores), 2 * score_tol) << "GPU cached != full";
   EXPECT_LT(test::RelL2(g_full.hidden, g2.hidden), test::kBf16RelL2) << "GPU cached != full";
+
+  // Step 3: users with new events and no candidates (the last layer's attention has no tile of
+  // theirs, yet their K/V reach every layer's pages), then a step without any candidate.
+  const std::vector<int> more3 = {3, 0, 5, 2, 0, 1};
+  const std::vector<int> cand3 = {0, 4, 0, 0, 2, 0};
+  ForwardBatch fb3 = builder.Step(&users, more3, builder.Candidates(cand3), /*cached=*/true);
+  ForwardOutput c3, g3;
+  ASSERT_TRUE((*cpu)->Forward(fb3, true, &c3).ok());
+  st = (*gpu)->Forward(fb3, true, &g3);
+  ASSERT_TRUE(st.ok()) << st;
+  ExpectClose(g3, c3, "step 3 (some users without candidates)", score_tol);
+  const std::vector<int> more4 = {2, 1, 0, 4, 1, 0};
+  ForwardBatch fb4 = builder.Step(&users, more4, builder.Candidates(std::vector<int>(B, 0)),
+                                  /*cached=*/true);
+  ForwardOutput c4, g4;
+  ASSERT_TRUE((*cpu)->Forward(fb4, true, &c4).ok());
+  st = (*gpu)->Forward(fb4, true, &g4);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_TRUE(g4.scores.empty() && g4.hidden.empty()) << "step 4 (no candidates)";
+  for (int b : {0, 2, 3, 4}) {
+    ASSERT_TRUE((*cpu)->ReadKv(users[b].pages, users[b].cached, &kv_cpu).ok());
+    ASSERT_TRUE((*gpu)->ReadKv(users[b].pages, users[b].cached, &kv_gpu).ok());
+    ASSERT_TRUE(test::AllFinite(kv_gpu)) << "user " << b;
+    EXPECT_LT(test::RelL2(kv_gpu, kv_cpu), test::kBf16RelL2) << "user " << b << " after step 4";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackendParity,

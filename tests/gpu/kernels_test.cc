@@ -141,6 +141,30 @@ TEST(CudaKernels, LayerNormAndNormMulUMatchCpu) {
       const auto got_y = ToF32(d_y.Download());
       ASSERT_TRUE(AllFinite(got_y)) << what;
       EXPECT_LT(test::RelL2(got_y, want_y), test::kBf16RoundRelL2) << what;
+
+      // The gathered form (the last layer's candidate rows): rows picked in any order, some
+      // twice, give the same bits as the rows above, and x's picked rows are copied alongside.
+      std::vector<int32_t> pick;
+      for (int i = 0; i < rows + 2; ++i) pick.push_back(static_cast<int32_t>(rng() % rows));
+      const int n = static_cast<int>(pick.size());
+      DeviceArray<int32_t> d_pick(pick);
+      DeviceArray<bf16> d_yg(n * cols);
+      DeviceArray<float> d_xg(n * cols);
+      d_yg.Poison();
+      d_xg.Poison();
+      HSTU_ASSERT_CUDA(cuda::LaunchNormMulUGather(d_a.get(), d_u.get() + cols, stride,
+                                                  d_pick.get(), n, cols, d_w.get(), d_b.get(),
+                                                  1e-5f, d_yg.get(), d_x.get(), cols, d_xg.get(),
+                                                  nullptr));
+      HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+      const auto got_yg = ToF32(d_yg.Download());
+      const auto got_xg = d_xg.Download();
+      for (int i = 0; i < n; ++i) {
+        for (int c = 0; c < cols; ++c) {
+          ASSERT_EQ(got_yg[i * cols + c], got_y[pick[i] * cols + c]) << what << " gathered row " << i;
+          ASSERT_EQ(got_xg[i * cols + c], x[pick[i] * cols + c]) << what << " gathered x row " << i;
+        }
+      }
     }
   }
   // Rejected with nothing launched: a width that is not a multiple of 8, a misaligned row.
@@ -154,6 +178,15 @@ TEST(CudaKernels, LayerNormAndNormMulUMatchCpu) {
   EXPECT_EQ(cuda::LaunchNormMulU(d_o.get(), d_o.get() + 4, 8, 1, 8, d_w.get(), d_w.get(), 1e-5f,
                                  d_o.get(), nullptr),
             cudaErrorInvalidValue);
+  DeviceArray<int32_t> d_rows(std::vector<int32_t>{0});
+  EXPECT_EQ(cuda::LaunchNormMulUGather(d_o.get(), d_o.get(), 8, nullptr, 1, 8, d_w.get(),
+                                       d_w.get(), 1e-5f, d_o.get(), d_x.get(), 8, d_x.get(),
+                                       nullptr),
+            cudaErrorInvalidValue);  // no row list
+  EXPECT_EQ(cuda::LaunchNormMulUGather(d_o.get(), d_o.get(), 8, d_rows.get(), 1, 8, d_w.get(),
+                                       d_w.get(), 1e-5f, d_o.get(), d_x.get(), 12, d_x.get(),
+                                       nullptr),
+            cudaErrorInvalidValue);  // x width not a multiple of 8
 }
 
 TEST(CudaKernels, BiasSiluHeadOpsMatchCpu) {
@@ -206,6 +239,13 @@ TEST(CudaKernels, BiasSiluHeadOpsMatchCpu) {
   HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_LT(test::RelL2(d_raw.Download(), want_raw), test::kF32RelL2);
   EXPECT_LT(test::RelL2(d_norm.Download(), want_norm), test::kF32RelL2);
+  // Without a row list: the rows of x themselves (the compacted candidate rows).
+  DeviceArray<float> d_norm2(pick.size() * d);
+  d_norm2.Poison();
+  HSTU_ASSERT_CUDA(cuda::LaunchGatherL2Normalize(d_raw.get(), nullptr, pick.size(), d, nullptr,
+                                                 d_norm2.get(), nullptr));
+  HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_EQ(d_norm2.Download(), d_norm.Download());
   EXPECT_LT(test::RelL2(d_relu.Download(), want_relu), test::kF32RelL2);
   EXPECT_LT(test::MaxAbsDiff(d_sig.Download(), want_sig), test::kF32Abs);
 }

@@ -54,7 +54,9 @@ double Makespan(const AttentionPlan& plan, int heads, int slots) {
   return *std::max_element(sm.begin(), sm.end());
 }
 
-void CheckPlan(const Batch& b, int32_t window, const AttentionPlan& plan, const std::string& what) {
+// candidates_only: the plan covers each user's candidate rows only (rows num_new..).
+void CheckPlan(const Batch& b, int32_t window, const AttentionPlan& plan, const std::string& what,
+               bool candidates_only = false) {
   // Tiles as the kernel sees them: 128 query rows of one user.
   std::map<std::pair<int32_t, int32_t>, std::vector<AttentionWorkItem>> by_tile;
   for (const AttentionWorkItem& it : plan.items) by_tile[{it.user, it.q_local}].push_back(it);
@@ -62,7 +64,7 @@ void CheckPlan(const Batch& b, int32_t window, const AttentionPlan& plan, const 
   int32_t tiles = 0;
   for (int32_t u = 0; u < b.size(); ++u) {
     const int32_t rows = b.row_offsets[u + 1] - b.row_offsets[u];
-    for (int32_t q0 = 0; q0 < rows; q0 += kAttnBlockM, ++tiles) {
+    for (int32_t q0 = candidates_only ? b.num_new[u] : 0; q0 < rows; q0 += kAttnBlockM, ++tiles) {
       auto found = by_tile.find({u, q0});
       ASSERT_NE(found, by_tile.end()) << what << ": no item for user " << u << " rows " << q0;
       std::vector<AttentionWorkItem> chunks = found->second;
@@ -259,6 +261,34 @@ TEST(AttentionPlanTest, RandomClusterPlansCoverEveryKeyOnce) {
     if (HasFailure()) return;
   }
   EXPECT_GT(made, 20);  // the trials reach both kinds of plan
+}
+
+// The last layer's plan (candidates_only): tiles over each user's candidate rows only, each seeing
+// the user's whole history (within the window).
+TEST(AttentionPlanTest, CandidateRowsOnlyCoverTheCandidatesAgainstTheWholeHistory) {
+  std::mt19937 rng(13);
+  for (int trial = 0; trial < 300; ++trial) {
+    Batch b = RandomBatch(rng, 17, 700, 300);
+    if (trial % 5 == 0) b.Add(40, 40, 900);  // a user without candidates: no tile
+    const int32_t window = rng() % 3 == 0 ? 1 + static_cast<int32_t>(rng() % 1500) : 0;
+    const int32_t heads = 1 << (rng() % 4);
+    const int32_t slots = rng() % 2 ? 132 : 1 + static_cast<int32_t>(rng() % 300);
+    const AttentionPlan plan =
+        PlanHstuAttention(b.row_offsets.data(), b.num_new.data(), b.num_tokens.data(), b.size(),
+                          window, heads, slots, 64, 0, 0, /*candidates_only=*/true);
+    const std::string what = "trial " + std::to_string(trial);
+    CheckPlan(b, window, plan, what, /*candidates_only=*/true);
+    for (const AttentionWorkItem& it : plan.items) {
+      ASSERT_GE(it.q_local, b.num_new[it.user]) << what << ": a tile of history rows";
+    }
+    if (HasFailure()) return;
+  }
+  // No candidates at all: an empty plan.
+  Batch none;
+  none.Add(50, 50, 3000);
+  EXPECT_TRUE(PlanHstuAttention(none.row_offsets.data(), none.num_new.data(),
+                                none.num_tokens.data(), 1, 0, 4, 132, 64, 0, 0, true)
+                  .items.empty());
 }
 
 }  // namespace
