@@ -168,13 +168,15 @@ absl::Status CudaBackendImpl::CaptureGraphs() {
   for (int i = 0; i < static_cast<int>(slots_.size()); ++i) {
     GraphSlot& g = slots_[i];
     // Warm-up batch of the bucket's row count: one user with one new token (written to page 0,
-    // which no user owns yet) and max_rows - 1 candidates.
+    // which no user owns yet) and max_rows - 1 candidates; a one-row bucket gets a candidate and
+    // no history, so that the last layer's plan (candidate rows) has a tile to capture too.
     const int32_t R = g.bucket.max_rows;
+    const int32_t warm_new = R > 1 ? 1 : 0;
     ForwardBatch fb;
     fb.num_users = 1;
     fb.row_offsets = {0, R};
-    fb.num_new = {1};
-    fb.num_tokens = {1};
+    fb.num_new = {warm_new};
+    fb.num_tokens = {warm_new};
     fb.page_indptr = {0, 1};
     fb.page_ids = {0};
     fb.token_ids.assign(R, 0);

@@ -84,6 +84,55 @@ bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// The last layer's attention has its own plan (candidate rows only): a one-row bucket still
+// captures it (its warm-up is one candidate without history), a batch whose users send no
+// candidates at all runs eagerly, and users without candidates beside users with some replay.
+TEST(CudaGraphs, LastLayerCandidatePlanInTinyBucketsAndWithoutCandidates) {
+  HSTU_SKIP_WITHOUT_GPU();
+  const ModelWeights w = RandomModel(GraphConfig(128), 17);
+  const int page_size = 16, num_pages = 64;
+  GraphOptions go;
+  go.enable = true;
+  go.buckets = {{1, 1}, {2, 40}};
+  auto graphed = CreateCudaBackendExt(w, page_size, num_pages, 0, go);
+  ASSERT_TRUE(graphed.ok()) << graphed.status();
+  CudaBackend& g = **graphed;
+  EXPECT_EQ(g.num_graphs(), 2);
+  ASSERT_TRUE(g.SetDebugPoison(true).ok());
+  std::mt19937 rng(5);
+  std::vector<User> users(2);
+  std::vector<int32_t> free_pages(num_pages);
+  std::iota(free_pages.begin(), free_pages.end(), 0);
+  struct Visit { std::vector<int> who, more, cand; bool replay; };
+  const Visit visits[] = {
+      {{0}, {0}, {1}, true},             // one row: a candidate without history
+      {{0, 1}, {10, 20}, {3, 0}, true},  // user 1 sends no candidate
+      {{1}, {1}, {0}, false},            // no candidate at all: the last plan is empty, eager
+  };
+  for (size_t v = 0; v < std::size(visits); ++v) {
+    const Visit& vis = visits[v];
+    std::vector<User> sub;
+    for (int who : vis.who) sub.push_back(users[who]);
+    const ForwardBatch fb = Step(&sub, vis.more, vis.cand, page_size, &free_pages, &rng);
+    for (size_t i = 0; i < vis.who.size(); ++i) users[vis.who[i]] = sub[i];
+    const std::string what = "visit " + std::to_string(v);
+    ForwardOutput replay, eager;
+    g.SetGraphReplay(true);
+    const uint64_t r0 = g.graph_replays(), f0 = g.graph_fallbacks();
+    ASSERT_TRUE(g.Forward(fb, true, &replay).ok()) << what;
+    EXPECT_EQ(g.graph_replays() - r0, vis.replay ? 1u : 0u) << what;
+    EXPECT_EQ(g.graph_fallbacks() - f0, vis.replay ? 0u : 1u) << what;
+    g.SetGraphReplay(false);
+    ASSERT_TRUE(g.Forward(fb, true, &eager).ok()) << what;
+    int cands = 0;
+    for (int c : vis.cand) cands += c;
+    ASSERT_EQ(replay.scores.size(), static_cast<size_t>(cands) * 3) << what;
+    ASSERT_TRUE(test::AllFinite(replay.scores) && test::AllFinite(replay.hidden)) << what;
+    EXPECT_TRUE(BitEqual(replay.scores, eager.scores)) << what;
+    EXPECT_TRUE(BitEqual(replay.hidden, eager.hidden)) << what;
+  }
+}
+
 TEST(CudaGraphs, ReplayEqualsEagerBitForBit) {
   HSTU_SKIP_WITHOUT_GPU();
   for (int head_dim : {64, 128}) {
