@@ -84,6 +84,25 @@ bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// Runs `fb` with graph replay on, then eagerly on the same padded inputs: the first run replays a
+// graph exactly when `replay` (else it falls back to eager execution), and both give the same
+// bits, finite. Leaves replay off. Returns the replayed run's output.
+ForwardOutput ReplayThenEager(CudaBackend& g, const ForwardBatch& fb, bool replay,
+                              const std::string& what) {
+  ForwardOutput replayed, eager;
+  g.SetGraphReplay(true);
+  const uint64_t r0 = g.graph_replays(), f0 = g.graph_fallbacks();
+  EXPECT_TRUE(g.Forward(fb, true, &replayed).ok()) << what;
+  EXPECT_EQ(g.graph_replays() - r0, replay ? 1u : 0u) << what;
+  EXPECT_EQ(g.graph_fallbacks() - f0, replay ? 0u : 1u) << what;
+  g.SetGraphReplay(false);
+  EXPECT_TRUE(g.Forward(fb, true, &eager).ok()) << what;
+  EXPECT_TRUE(test::AllFinite(replayed.scores) && test::AllFinite(replayed.hidden)) << what;
+  EXPECT_TRUE(BitEqual(replayed.scores, eager.scores)) << what;
+  EXPECT_TRUE(BitEqual(replayed.hidden, eager.hidden)) << what;
+  return replayed;
+}
+
 // The last layer's attention has its own plan (candidate rows only): a one-row bucket still
 // captures it (its warm-up is one candidate without history), a batch whose users send no
 // candidates at all runs eagerly, and users without candidates beside users with some replay.
@@ -116,20 +135,10 @@ TEST(CudaGraphs, LastLayerCandidatePlanInTinyBucketsAndWithoutCandidates) {
     const ForwardBatch fb = Step(&sub, vis.more, vis.cand, page_size, &free_pages, &rng);
     for (size_t i = 0; i < vis.who.size(); ++i) users[vis.who[i]] = sub[i];
     const std::string what = "visit " + std::to_string(v);
-    ForwardOutput replay, eager;
-    g.SetGraphReplay(true);
-    const uint64_t r0 = g.graph_replays(), f0 = g.graph_fallbacks();
-    ASSERT_TRUE(g.Forward(fb, true, &replay).ok()) << what;
-    EXPECT_EQ(g.graph_replays() - r0, vis.replay ? 1u : 0u) << what;
-    EXPECT_EQ(g.graph_fallbacks() - f0, vis.replay ? 0u : 1u) << what;
-    g.SetGraphReplay(false);
-    ASSERT_TRUE(g.Forward(fb, true, &eager).ok()) << what;
+    const ForwardOutput replay = ReplayThenEager(g, fb, vis.replay, what);
     int cands = 0;
     for (int c : vis.cand) cands += c;
-    ASSERT_EQ(replay.scores.size(), static_cast<size_t>(cands) * 3) << what;
-    ASSERT_TRUE(test::AllFinite(replay.scores) && test::AllFinite(replay.hidden)) << what;
-    EXPECT_TRUE(BitEqual(replay.scores, eager.scores)) << what;
-    EXPECT_TRUE(BitEqual(replay.hidden, eager.hidden)) << what;
+    EXPECT_EQ(replay.scores.size(), static_cast<size_t>(cands) * 3) << what;
   }
 }
 
@@ -293,19 +302,10 @@ TEST(CudaGraphs, ClusterPlansReplayEqualEager) {
     const ForwardBatch fb = Step(&sub, nn, cand, page_size, &free_pages, &rng);
     for (size_t i = 0; i < vis.who.size(); ++i) users[vis.who[i]] = sub[i];
     const std::string what = "visit " + std::to_string(v);
-    ForwardOutput replay, eager;
-    g.SetGraphReplay(true);
-    const uint64_t r0 = g.graph_replays(), f0 = g.graph_fallbacks();
-    ASSERT_TRUE(g.Forward(fb, true, &replay).ok()) << what;
-    EXPECT_EQ(g.attention_cluster(), vis.cluster ? 8 : 0) << what;
-    EXPECT_EQ(g.graph_replays() - r0, vis.cluster ? 1u : 0u) << what;
-    EXPECT_EQ(g.graph_fallbacks() - f0, vis.cluster ? 0u : 1u) << what;
+    const uint64_t r0 = g.graph_replays();
+    ReplayThenEager(g, fb, vis.cluster, what);
+    EXPECT_EQ(g.attention_cluster(), vis.cluster ? 8 : 0) << what;  // the same batch's plan
     cluster_replays += g.graph_replays() > r0 && g.attention_cluster() > 0;
-    g.SetGraphReplay(false);
-    ASSERT_TRUE(g.Forward(fb, true, &eager).ok()) << what;
-    ASSERT_TRUE(test::AllFinite(replay.scores) && test::AllFinite(replay.hidden)) << what;
-    EXPECT_TRUE(BitEqual(replay.scores, eager.scores)) << what;
-    EXPECT_TRUE(BitEqual(replay.hidden, eager.hidden)) << what;
   }
   EXPECT_EQ(cluster_replays, 3);
   std::printf("  %d clusters of 8 at once on %d SMs: cluster plans of %d..%d tiles (2 heads)\n",
