@@ -18,6 +18,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -46,6 +47,9 @@ ABSL_FLAG(std::string, batches, "1,8", "batch sizes (users)");
 ABSL_FLAG(int32_t, cached, 3968,
           "kernels: history tokens per user already in the pages, of 4096 (0 = the no-cache block's "
           "layer: 4096 new history rows + 256 candidates per user)");
+ABSL_FLAG(bool, no_cache_only, false,
+          "block: only the no-cache rows with 256 candidates (pages kept and not, alternated three "
+          "times), e.g. to profile or A/B them");
 ABSL_FLAG(std::string, attn_slots, "0",
           "attention: CTA slots the work plan assumes, a list (0 = the GPU's SMs x CTAs per SM); "
           "smaller values give fewer, longer chunks per tile, to separate a CTA's fixed cost from "
@@ -462,12 +466,21 @@ json BenchBlock(int reps, int page_size, const std::vector<int>& batches) {
   std::printf("\n### block (8 layers, eager; embedding gather included, head excluded; history 4096 tokens per user)\n\n");
   std::printf("| batch | cached | new | candidates | time (ms) | speedup vs 0 cached | attention / layer (us) |\n|---|---|---|---|---|---|---|\n");
   std::mt19937 rng(5);
+  const bool no_cache_only = absl::GetFlag(FLAGS_no_cache_only);
   for (int B : batches) {
     for (int cand : {0, 256}) {
+      if (no_cache_only && cand == 0) continue;
       double base_ms = 0;
-      for (int cached : {0, 2048, 3072, 3584, 3840, 3968}) {
+      // cached 0 twice: the pages kept (a miss with the cache on), then not (the cache off).
+      std::vector<std::pair<int, bool>> runs = {{0, true},    {0, false},   {2048, true},
+                                                {3072, true}, {3584, true}, {3840, true},
+                                                {3968, true}};
+      // Profiling or A/B timing: the two no-cache runs only, three times alternated.
+      if (no_cache_only) runs = {{0, true}, {0, false}, {0, true}, {0, false}, {0, true}, {0, false}};
+      for (const auto& [cached, keep] : runs) {
         hstu::ForwardBatch fb;
         fb.num_users = B;
+        fb.keep_kv = keep;
         fb.row_offsets = {0};
         fb.page_indptr = {0};
         for (int b = 0; b < B; ++b) {
@@ -495,10 +508,11 @@ json BenchBlock(int reps, int page_size, const std::vector<int>& batches) {
         auto ta = be.Time([&] { return be.EnqueueAttention(0); }, 2, reps);
         if (!ta.ok()) { std::fprintf(stderr, "%s\n", ta.status().ToString().c_str()); std::exit(1); }
         const double ms = Median(*t), att_us = Median(*ta) * 1e3;
-        if (cached == 0) base_ms = ms;
-        std::printf("| %d | %d | %d | %d | %.3f | %.2fx | %.1f |\n", B, cached, hist - cached, cand, ms,
-                    base_ms / ms, att_us);
-        rows.push_back({{"batch", B}, {"cached", cached}, {"new", hist - cached}, {"candidates", cand},
+        if (cached == 0 && keep) base_ms = ms;
+        std::printf("| %d | %d%s | %d | %d | %.3f | %.2fx | %.1f |\n", B, cached,
+                    keep ? "" : " (pages not kept)", hist - cached, cand, ms, base_ms / ms, att_us);
+        rows.push_back({{"batch", B}, {"cached", cached}, {"pages_kept", keep},
+                        {"new", hist - cached}, {"candidates", cand},
                         {"time_ms", ms}, {"speedup_vs_uncached", base_ms / ms},
                         {"attention_layer0_us", att_us}, {"attention_ctas", be.attention_items() * 4}});
       }

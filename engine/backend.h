@@ -26,6 +26,10 @@ struct ForwardBatch {
   std::vector<int64_t> token_ids;     // [rows]
   std::vector<int32_t> token_types;   // [rows], TokenType
   std::vector<int32_t> positions;     // [rows]
+  // false: nothing reads this pass's pages afterwards (the engine's cache is off), so a backend
+  // may leave the new K/V out of them. The CUDA backend then skips the page writes of an eager
+  // step whose users all have no cached tokens; the CPU backend writes them anyway.
+  bool keep_kv = true;
 
   int32_t num_rows() const { return row_offsets.empty() ? 0 : row_offsets.back(); }
   int32_t num_candidates(int b) const { return row_offsets[b + 1] - row_offsets[b] - num_new[b]; }

@@ -92,6 +92,8 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
   attention_kernel_ = cuda::HstuAttentionKernelName(probe, stream_.get());
   fresh_rows_ = attention_kernel_ == "warp-specialised TMA kernel" &&
                 cuda::HstuAttentionFreshRowsEnabled();
+  const char* drop = std::getenv("HSTU_DROP_KV");  // 0: write the pages anyway (A/B timing)
+  drop_kv_ok_ = fresh_rows_ && (drop == nullptr || std::string(drop) != "0");
   if (const char* v = std::getenv("HSTU_ATTN_CLUSTER"); (v == nullptr || std::string(v) != "0") &&
       attention_kernel_ == "warp-specialised TMA kernel") {
     int max_clusters = 0;
@@ -240,6 +242,7 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
   SetStepPlans();
   step_.all_fresh = true;
   for (int32_t b = 0; b < B; ++b) step_.all_fresh &= batch.num_tokens[b] == batch.num_new[b];
+  step_.drop_kv = step_.all_fresh && !batch.keep_kv && drop_kv_ok_;
   staged_ = true;
   return absl::OkStatus();
 }
@@ -260,9 +263,10 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
   att.uvqk = step_.ws->uvqk.as<bf16>();
   att.uvqk_row_stride = 4 * hd;
   att.uvqk_rows = static_cast<int64_t>(step_.ws->uvqk.bytes() / (4 * hd * sizeof(bf16)));
-  // Not in the last layer: the append has put every user's K/V in the pages there, and the
-  // cuBLAS route's pass left the rows of appended keys unactivated.
-  att.fresh_kv_from_rows = fresh_rows_ && kind == kAllRows;
+  // Not in the last layer (unless no page is written): the append has put every user's K/V in
+  // the pages there, and the cuBLAS route's pass left the rows of appended keys unactivated.
+  att.fresh_kv_from_rows = fresh_rows_ && (kind == kAllRows || step_.drop_kv);
+  att.store_fresh_kv = !step_.drop_kv;
   att.out = step_.ws->a.as<bf16>();
   att.num_rows = step_.num_rows;
   att.row_offsets = reinterpret_cast<const int32_t*>(m + step_.layout.row_offsets);
@@ -372,8 +376,9 @@ absl::Status CudaBackendImpl::EnqueueTrunk() {
     ap.num_new = reinterpret_cast<const int32_t*>(m + step_.layout.num_new);
     ap.kv = View(l);
     // The last layer's attention runs no tile of history rows, so none stores a fresh user's K/V
-    // to the pages: the append does it there, for every user.
-    ap.fresh_kv_from_rows = fresh_rows_ && !last;
+    // to the pages: the append does it there, for every user — unless the pages are not kept,
+    // when the pass activates the rows the attention reads them from.
+    ap.fresh_kv_from_rows = fresh_rows_ && (!last || step_.drop_kv);
     // The route's first call of a row class times both routes, appends included, so layer l's
     // onloaded pages must be there first; otherwise they are needed from the append on.
     if (!gemm_.HasBiasSiluRoute(rows, 4 * hd, d)) HSTU_RETURN_IF_ERROR(WaitForLayer(l));

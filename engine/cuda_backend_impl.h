@@ -157,6 +157,9 @@ struct Step {
   AttentionLaunch attn[2];
   int slot = -1;          // graph bucket, -1 = eager
   bool all_fresh = false;  // eager step whose users all have no cached tokens (no append to run)
+  // All fresh, pages not kept (ForwardBatch::keep_kv false) and the attention reads K/V from the
+  // rows: no layer writes a page, the last one reads its keys from the rows too.
+  bool drop_kv = false;
 };
 
 // A kernel node of a captured attention launch.
@@ -352,6 +355,9 @@ class CudaBackendImpl final : public CudaBackend {
   // pages (AttentionParams::fresh_kv_from_rows): the warp-specialised kernel runs, and
   // HSTU_ATTN_FRESH_ROWS is not 0.
   bool fresh_rows_ = false;
+  // Eager steps whose pages are not kept (ForwardBatch::keep_kv false) write none: fresh_rows_,
+  // and HSTU_DROP_KV is not 0.
+  bool drop_kv_ok_ = false;
   int concurrent_ctas_ = 0;
   // Cluster plans (cuda::PlanHstuAttention): the cluster size, 0 = off (not the warp-specialised
   // kernel, no cluster fits, or HSTU_ATTN_CLUSTER=0), and how many clusters the GPU runs at once.

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <unordered_map>
@@ -338,6 +339,9 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
   // Pass k scores candidate chunk k of every user; pass 0 also computes the new history.
   absl::Status failure;
   if (uses_prefetch) failure = backend_->MakePrefetchVisible();
+  const bool multi_pass = std::any_of(live.begin(), live.end(), [&](const Live& l) {
+    return static_cast<int32_t>(wave[l.idx]->candidate_item_ids.size()) > max_cand;
+  });
   for (int pass = 0; failure.ok(); ++pass) {
     ForwardBatch fb;
     std::vector<PassItem> items;
@@ -372,6 +376,8 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
     }
     if (items.empty()) break;
     fb.num_users = static_cast<int32_t>(items.size());
+    // With the cache off the pages are temporary: only this wave's later passes read them.
+    fb.keep_kv = options_.enable_cache || multi_pass;
 
     ForwardOutput out;
     const auto t0 = std::chrono::steady_clock::now();

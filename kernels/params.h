@@ -36,13 +36,15 @@ struct EmbeddingParams {
 // kv.num_tokens[b] == num_new[b] — is the exception: its history K/V are read from its uvqk rows
 // (the append skipped it, AppendKvParams::fresh_kv_from_rows), and the attention kernel stores
 // them to the user's pages from shared memory as it goes. Slots at or past num_tokens[b] of that
-// user's last page may then be overwritten (they hold no token).
+// user's last page may then be overwritten (they hold no token). With store_fresh_kv false as well
+// (a batch whose pages nobody reads again: the cache is off), fresh users' pages are not written.
 template <typename T>
 struct AttentionParams {
   const T* uvqk = nullptr;       // [T, 4 * H * D]: u | v | q | k, head h at columns h*D .. (h+1)*D
   int64_t uvqk_row_stride = 0;   // elements between rows (= 4 * H * D)
   int64_t uvqk_rows = 0;         // rows the uvqk allocation holds (>= T; fresh_kv_from_rows only)
   bool fresh_kv_from_rows = false;
+  bool store_fresh_kv = true;    // with fresh_kv_from_rows: store fresh users' K/V to their pages
   T* out = nullptr;              // [T, H * D]
   int32_t num_rows = 0;          // T
   const int32_t* row_offsets = nullptr;  // [B + 1]

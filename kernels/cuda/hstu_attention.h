@@ -117,7 +117,8 @@ cudaError_t HstuAttentionCtasPerSm(int head_dim, int* ctas_per_sm);
 // pages by the kernel (AttentionParams); the warp-specialised kernel only, with p.uvqk_rows >=
 // p.num_rows and packed rows — cudaErrorInvalidValue otherwise, since those users' K/V are in no
 // page yet. Inside a stream capture the rows' tensor map must already exist (an eager launch on
-// the same buffer built it).
+// the same buffer built it). With p.store_fresh_kv false the kernel stores nothing (pages nobody
+// reads again: the cache is off).
 cudaError_t LaunchHstuAttention(const AttentionParams<__nv_bfloat16>& p,
                                 const AttentionWorkItem* items, int32_t num_items,
                                 int32_t num_split_tiles, float* partials, cudaStream_t stream,

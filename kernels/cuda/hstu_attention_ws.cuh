@@ -269,9 +269,11 @@ __global__ void __launch_bounds__(384, 1)
   const int num_items = 2 * num_blocks;  // ring items: K(j) = 2j, V(j) = 2j + 1
   // A fresh user's keys come from its rows (key t = row row_offsets[b] + t); the CTA's blocks
   // from first_owned on are its tile's own rows, which it stores to the pages (at most 2 blocks:
-  // kv_begin and q_local are multiples of 64 keys).
+  // kv_begin and q_local are multiples of 64 keys) unless the pages are not kept.
   const bool fresh = p.fresh_kv_from_rows && p.kv.num_tokens[b] == p.num_new[b];
-  const int first_owned = fresh ? max(0, (it.q_local - kv_begin + kN - 1) / kN) : num_blocks;
+  const int first_owned = fresh && p.store_fresh_kv
+                              ? max(0, (it.q_local - kv_begin + kN - 1) / kN)
+                              : num_blocks;
 
   if (tid == 0) {
     for (int s = 0; s < kSlots; ++s) {

@@ -73,5 +73,45 @@ TEST(CudaEngine, MatchesCpuEngineAndCacheMatchesNoCache) {
               "abs %.2e\n", worst_hidden, worst_score);
 }
 
+// With the cache off the engine tells the backend that no page is read after the wave
+// (ForwardBatch::keep_kv), except when a user's candidates take more than one pass: the later
+// passes read the pages of the first. Head dim 256 runs the attention kernel that then skips
+// the page writes; scores against the CPU engine either way.
+TEST(CudaEngine, CacheOffScoresSingleAndMultiPassWaves) {
+  HSTU_SKIP_WITHOUT_GPU();
+  ModelConfig c = test::SmallGpuModelConfig();
+  c.head_dim = 256;
+  c.max_candidates = 8;
+  const ModelWeights w = RandomModel(c, 23);
+  auto cpu = MakeEngine("cpu", false, w);
+  auto gpu = MakeEngine("cuda:0", false, w);
+  ASSERT_TRUE(cpu && gpu);
+  std::mt19937 rng(31);
+  for (int max_cands : {8, 20}) {  // one pass for every user; then up to three passes
+    std::vector<RankRequest> batch(5);
+    for (size_t u = 0; u < batch.size(); ++u) {
+      RankRequest& r = batch[u];
+      r.user_id = 50 + u;
+      const int events = u == 1 ? 0 : 1 + static_cast<int>(rng() % 120);
+      for (int i = 0; i < events; ++i) {
+        r.history_item_ids.push_back(rng() % 500);
+        r.history_actions.push_back(rng() % 6);
+      }
+      const int nc = u == 0 ? max_cands : 1 + static_cast<int>(rng() % max_cands);
+      for (int i = 0; i < nc; ++i) r.candidate_item_ids.push_back(rng() % 500);
+    }
+    auto rc = cpu->Rank(batch);
+    auto rg = gpu->Rank(batch);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      ASSERT_TRUE(rc[i].ok() && rg[i].ok()) << rg[i].status();
+      const std::string what =
+          "max candidates " + std::to_string(max_cands) + " user " + std::to_string(i);
+      ASSERT_TRUE(test::AllFinite(rg[i]->scores)) << what;
+      EXPECT_LT(test::MaxAbsDiff(rg[i]->scores, rc[i]->scores), test::kBf16ScoreAbs) << what;
+      EXPECT_LT(test::RelL2(rg[i]->hidden, rc[i]->hidden), test::kBf16RelL2) << what;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace hstu

@@ -325,9 +325,11 @@ PagedCase MakeCase(std::mt19937& rng, int B, int page_size, int H, int D, int W,
 // then compared after the attention, every slot bit for bit except those past a fresh user's
 // tokens (which hold no token and may be overwritten).
 void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, int max_split = 64,
-                  bool expect_two_chunks = false, int cluster = 0, bool fresh_rows = false) {
+                  bool expect_two_chunks = false, int cluster = 0, bool fresh_rows = false,
+                  bool store_fresh = true) {
   const int64_t hd = static_cast<int64_t>(c.H) * c.D;
   auto fresh = [&](int b) { return fresh_rows && c.num_tokens[b] == c.num_new[b]; };
+  const std::vector<float> pool0 = c.pool;  // before any append
   DeviceArray<bf16> d_pool(ToBf16(c.pool)), d_uvqk(ToBf16(c.uvqk)), d_out(c.rows() * hd);
   DeviceArray<int32_t> d_ro(c.row_offsets), d_nn(c.num_new), d_nt(c.num_tokens),
       d_pi(c.page_indptr), d_pids(c.page_ids);
@@ -379,13 +381,22 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
   ca.kv = c.CpuView();
   cpu::AppendKv(ca);
   // The pages against cpu::AppendKv, bit for bit; with fresh_rows the slots past a fresh user's
-  // tokens are not compared.
+  // tokens are not compared, and without store_fresh a fresh user's pages must be as they were.
   auto check_pool = [&](const char* when) {
     const auto pool_after = ToF32(d_pool.Download());
     ASSERT_EQ(pool_after.size(), c.pool.size());
     std::vector<char> compare(c.pool.size(), 1);
+    int64_t written = 0;
     for (int b = 0; b < c.B; ++b) {
       if (!fresh(b)) continue;
+      if (!store_fresh) {
+        for (int32_t i = c.page_indptr[b]; i < c.page_indptr[b + 1]; ++i) {
+          const int64_t at = static_cast<int64_t>(c.page_ids[i]) * c.page_elems();
+          written += std::memcmp(&pool_after[at], &pool0[at], c.page_elems() * sizeof(float)) != 0;
+          std::fill_n(compare.begin() + at, c.page_elems(), 0);
+        }
+        continue;
+      }
       for (int32_t i = c.page_indptr[b]; i < c.page_indptr[b + 1]; ++i) {
         for (int slot = 0; slot < c.page_size; ++slot) {
           if ((i - c.page_indptr[b]) * c.page_size + slot < c.num_tokens[b]) continue;
@@ -401,6 +412,7 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
       wrong += compare[e] && std::memcmp(&pool_after[e], &c.pool[e], sizeof(float)) != 0;
     }
     EXPECT_EQ(wrong, 0) << what << ": pages " << when << " differ from cpu::AppendKv";
+    EXPECT_EQ(written, 0) << what << ": fresh users' pages written with store_fresh_kv off";
   };
   if (!fresh_rows) check_pool("after the append");
 
@@ -437,6 +449,7 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
   gp.uvqk_row_stride = 4 * hd;
   gp.uvqk_rows = c.rows();
   gp.fresh_kv_from_rows = fresh_rows;
+  gp.store_fresh_kv = store_fresh;
   gp.out = d_out.get();
   gp.num_rows = c.rows();
   gp.row_offsets = d_ro.get();
@@ -720,11 +733,16 @@ TEST(CudaKernels, FreshUsersReadRowsAndStorePages) {
       {3, 16, 2, 100, 150, 20, 1, 4},    // mixed, clusters of 4
   };
   for (const Shape& s : shapes) {
-    PagedCase c = MakeCase(rng, s.B, s.page_size, s.H, 256, 0, s.cached, s.nnew, s.cand);
-    RunPagedCase(c, s.ctas,
-                 "fresh " + ::testing::PrintToString(std::vector<int>{s.B, s.page_size, s.H,
-                                                                     s.cached, s.nnew, s.cluster}),
-                 64, false, s.cluster, /*fresh_rows=*/true);
+    // Then the same shape with the pages not kept (store_fresh_kv off): fresh users' pages
+    // untouched, the output as before.
+    for (bool store : {true, false}) {
+      PagedCase c = MakeCase(rng, s.B, s.page_size, s.H, 256, 0, s.cached, s.nnew, s.cand);
+      RunPagedCase(c, s.ctas,
+                   std::string(store ? "fresh " : "fresh, not stored ") +
+                       ::testing::PrintToString(std::vector<int>{s.B, s.page_size, s.H, s.cached,
+                                                                 s.nnew, s.cluster}),
+                   64, false, s.cluster, /*fresh_rows=*/true, store);
+    }
   }
   // Refused where the users' K/V would be read from nowhere: the 2-warpgroup kernel (D = 128, or
   // a window), and rows the allocation does not hold.
