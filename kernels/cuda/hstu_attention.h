@@ -73,6 +73,14 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
                                 int32_t max_split = 64, int32_t cluster = 0,
                                 int32_t max_clusters = 0, bool candidates_only = false);
 
+// The list schedule PlanHstuAttention times its chunk lengths with: costs (descending, >= 0; each
+// CTA's key blocks plus its fixed work) each taken `copies` times (the heads) in order, by the
+// first of `machines` (SM slots, all free at 0) to free up. Returns when the last one finishes.
+// O(costs · copies + makespan) with integer costs, where a heap of the machines' finish times
+// took O(log machines) a CTA; the result is the same. scratch: reused storage, may be nullptr.
+int64_t ListScheduleMakespan(const std::vector<int32_t>& costs, int32_t copies, int32_t machines,
+                             std::vector<int32_t>* scratch = nullptr);
+
 // Which kernel LaunchHstuAttention runs for p's pool and shape, and when it is not the
 // warp-specialised TMA kernel, why (builds and caches the pool's tensor map as a launch would; call
 // outside a stream capture). Only p.kv's base, page size, heads, head dim and strides and

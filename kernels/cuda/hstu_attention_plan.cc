@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/hstu_attention.h"
@@ -33,6 +34,35 @@ AttentionWorkItem ChunkOf(const Tile& t, int32_t s, int32_t splits, int32_t chun
 }
 
 }  // namespace
+
+int64_t ListScheduleMakespan(const std::vector<int32_t>& costs, int32_t copies, int32_t machines,
+                             std::vector<int32_t>* scratch) {
+  if (costs.empty() || copies <= 0) return 0;
+  machines = std::max(machines, 1);
+  // The least finish time never decreases (a machine taken at the minimum t finishes later), and
+  // it is at most the work assigned so far over the machines, so a count of machines per finish
+  // time up to total / machines + the longest cost holds the schedule: the minimum is found by a
+  // pointer that only moves forward.
+  int64_t total = 0;
+  for (int32_t c : costs) total += c;
+  total *= copies;
+  const int64_t cap = total / machines + costs.front() + 2;
+  std::vector<int32_t> local;
+  std::vector<int32_t>& count = scratch != nullptr ? *scratch : local;
+  count.assign(static_cast<size_t>(cap), 0);
+  count[0] = machines;
+  int64_t least = 0, last = 0;
+  for (int32_t c : costs) {
+    for (int32_t k = 0; k < copies; ++k) {
+      while (count[least] == 0) ++least;
+      --count[least];
+      const int64_t finish = least + c;
+      ++count[finish];
+      last = std::max(last, finish);
+    }
+  }
+  return last;
+}
 
 AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_new,
                                 const int32_t* num_tokens, int32_t batch_size,
@@ -89,11 +119,22 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   // few with the lowest bounds are scheduled exactly and the shortest schedule wins (ties: the
   // longer chunk, fewer partials). The kernels launch the H heads of an item next to each other
   // (block x = item * H + head).
-  std::vector<int32_t> blocks(tiles.size());
+  // The tiles' lengths in key blocks, as (length, tiles of that length): a batch's tiles share a
+  // few lengths (users at one history length, a user's candidate tiles), and the loops below run
+  // over each candidate chunk length.
+  std::vector<std::pair<int32_t, int32_t>> lengths;
   int32_t max_blocks = 1;
-  for (size_t i = 0; i < tiles.size(); ++i) {
-    blocks[i] = CeilDiv(tiles[i].kv_end - tiles[i].kv_begin, kAttnBlockN);
-    max_blocks = std::max(max_blocks, blocks[i]);
+  {
+    std::vector<int32_t> blocks(tiles.size());
+    for (size_t i = 0; i < tiles.size(); ++i) {
+      blocks[i] = CeilDiv(tiles[i].kv_end - tiles[i].kv_begin, kAttnBlockN);
+      max_blocks = std::max(max_blocks, blocks[i]);
+    }
+    std::sort(blocks.begin(), blocks.end(), std::greater<>());
+    for (int32_t b : blocks) {
+      if (lengths.empty() || lengths.back().first != b) lengths.push_back({b, 0});
+      ++lengths.back().second;
+    }
   }
   const int32_t slots = std::max(1, concurrent_ctas);
   constexpr double kCtaOverhead = 2.0;
@@ -107,11 +148,11 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
     int64_t ctas = 0, work = 0;
     int32_t longest = 0;
     bool too_many = false;
-    for (int32_t b : blocks) {
-      const int32_t splits = std::max(1, CeilDiv(b, chunk));
+    for (const auto& [b, n] : lengths) {
+      const int32_t splits = std::max(1, (b + chunk - 1) / chunk);
       too_many |= splits > max_split;
-      ctas += splits;
-      work += b;
+      ctas += static_cast<int64_t>(splits) * n;
+      work += static_cast<int64_t>(b) * n;
       longest = std::max(longest, std::min(b, chunk));
     }
     if (too_many) continue;
@@ -147,38 +188,29 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   add(*std::min_element(candidates.begin(), candidates.end(), [](const Candidate& x, const Candidate& y) {
         return x.waves < y.waves || (x.waves == y.waves && x.chunk > y.chunk);
       }));
-  std::vector<int32_t> costs;
-  std::vector<double> finish;
+  std::vector<int32_t> costs, finish;
   int32_t best_chunk = tried.front().chunk;
   double best_span = 1e300;
   for (const Candidate& candidate : tried) {
     const int32_t chunk = candidate.chunk;
     const double bound = candidate.bound;
     costs.clear();
-    for (int32_t b : blocks) {
-      for (int32_t k = 0; k < std::max(1, CeilDiv(b, chunk)); ++k) {
-        costs.push_back(std::min(chunk, b - k * chunk));
+    for (const auto& [b, n] : lengths) {
+      for (int32_t k = 0; k < std::max(1, (b + chunk - 1) / chunk); ++k) {
+        costs.insert(costs.end(), n, std::min(chunk, b - k * chunk));
       }
     }
     std::sort(costs.begin(), costs.end(), std::greater<>());
+    for (int32_t& c : costs) c += static_cast<int32_t>(kCtaOverhead);
     double span = 0;
     const int64_t launched = static_cast<int64_t>(costs.size()) * num_heads;
     if (launched <= slots) {
-      span = costs.front() + kCtaOverhead;  // one wave
+      span = costs.front();  // one wave
     } else if (launched > 16LL * slots) {
       // Many waves: the list schedule ends about half a CTA past the even spread.
       span = bound + 0.5 * (std::min(chunk, max_blocks) + kCtaOverhead);
     } else {
-      // Min-heap of the SMs' finish times.
-      finish.assign(static_cast<size_t>(slots), 0.0);
-      for (int32_t cost : costs) {
-        for (int32_t h = 0; h < num_heads; ++h) {
-          std::pop_heap(finish.begin(), finish.end(), std::greater<>());
-          finish.back() += cost + kCtaOverhead;
-          std::push_heap(finish.begin(), finish.end(), std::greater<>());
-        }
-      }
-      span = *std::max_element(finish.begin(), finish.end());
+      span = static_cast<double>(ListScheduleMakespan(costs, num_heads, slots, &finish));
     }
     if (span < best_span - 1e-9 || (span < best_span + 1e-9 && chunk > best_chunk)) {
       best_span = span;

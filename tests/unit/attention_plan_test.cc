@@ -131,6 +131,31 @@ TEST(AttentionPlanTest, RandomBatchesCoverEveryKeyOnceWithConsistentSplits) {
   }
 }
 
+TEST(AttentionPlanTest, ListScheduleMakespanMatchesTheFirstFreeMachineRule) {
+  // Against the rule itself, one CTA at a time to the machine that is free first.
+  std::mt19937 rng(3);
+  std::vector<int32_t> scratch;
+  for (int trial = 0; trial < 500; ++trial) {
+    std::vector<int32_t> costs(1 + rng() % 400);
+    const int32_t top = 1 + static_cast<int32_t>(rng() % 70);
+    for (int32_t& c : costs) c = static_cast<int32_t>(rng() % (top + 1));
+    std::sort(costs.begin(), costs.end(), std::greater<>());
+    const int32_t copies = 1 + static_cast<int32_t>(rng() % 8);
+    const int32_t machines = 1 + static_cast<int32_t>(rng() % 300);
+    std::vector<int64_t> free_at(machines, 0);
+    for (int32_t c : costs) {
+      for (int32_t k = 0; k < copies; ++k) *std::min_element(free_at.begin(), free_at.end()) += c;
+    }
+    const int64_t want = *std::max_element(free_at.begin(), free_at.end());
+    ASSERT_EQ(ListScheduleMakespan(costs, copies, machines, trial % 2 ? &scratch : nullptr), want)
+        << "trial " << trial << ": " << costs.size() << " costs up to " << top << ", " << copies
+        << " copies, " << machines << " machines";
+  }
+  EXPECT_EQ(ListScheduleMakespan({}, 4, 132), 0);
+  EXPECT_EQ(ListScheduleMakespan({5}, 3, 1), 15);
+  EXPECT_EQ(ListScheduleMakespan({7, 3, 3}, 1, 2), 7);
+}
+
 TEST(AttentionPlanTest, DecodeStepOfEightUsersBeatsUniformSplits) {
   // The decode-step benchmark: 8 users of 3968 cached + 128 new history tokens + 256 candidates,
   // 4 heads, 132 SMs. The best uniform split (16 blocks a chunk, tiles in batch order) ends at 54
