@@ -345,6 +345,17 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
   for (int pass = 0; failure.ok(); ++pass) {
     ForwardBatch fb;
     std::vector<PassItem> items;
+    {
+      size_t rows = 0, pages = 0;
+      for (const Live& l : live) {
+        rows += static_cast<size_t>(l.kept.length - l.res.reused_tokens) + max_cand;
+        pages += l.res.page_ids.size();
+      }
+      fb.token_ids.reserve(rows);
+      fb.token_types.reserve(rows);
+      fb.positions.reserve(rows);
+      fb.page_ids.reserve(pages);
+    }
     fb.row_offsets.push_back(0);
     fb.page_indptr.push_back(0);
     for (size_t u = 0; u < live.size(); ++u) {
