@@ -188,7 +188,7 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   add(*std::min_element(candidates.begin(), candidates.end(), [](const Candidate& x, const Candidate& y) {
         return x.waves < y.waves || (x.waves == y.waves && x.chunk > y.chunk);
       }));
-  std::vector<int32_t> costs, finish;
+  std::vector<int32_t> costs, counts;  // counts: ListScheduleMakespan's scratch
   int32_t best_chunk = tried.front().chunk;
   double best_span = 1e300;
   for (const Candidate& candidate : tried) {
@@ -210,7 +210,7 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
       // Many waves: the list schedule ends about half a CTA past the even spread.
       span = bound + 0.5 * (std::min(chunk, max_blocks) + kCtaOverhead);
     } else {
-      span = static_cast<double>(ListScheduleMakespan(costs, num_heads, slots, &finish));
+      span = static_cast<double>(ListScheduleMakespan(costs, num_heads, slots, &counts));
     }
     if (span < best_span - 1e-9 || (span < best_span + 1e-9 && chunk > best_chunk)) {
       best_span = span;

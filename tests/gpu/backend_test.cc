@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -212,10 +211,6 @@ TEST_P(CudaBackendParity, MatchesCpuBackendCachedAndUncached) {
   for (auto& u : fresh) u.pages.clear();
   const ForwardBatch full = builder.Step(&fresh, std::vector<int>(B, 0), cand2_ids, /*cached=*/false);
   ForwardOutput g_full, c_full;
-  // Bits, not values: a page nothing wrote may hold NaN patterns.
-  auto same_bits = [](const std::vector<float>& x, const std::vector<float>& y) {
-    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
-  };
   auto read_pages = [&](const std::vector<BatchBuilder::User>& us,
                         std::vector<std::vector<float>>* kv) {
     kv->resize(us.size());
@@ -230,7 +225,7 @@ TEST_P(CudaBackendParity, MatchesCpuBackendCachedAndUncached) {
   read_pages(fresh, &pages_after);
   for (int b = 0; b < B; ++b) {
     if (fresh[b].cached > 0) {
-      EXPECT_FALSE(same_bits(pages_after[b], pages_before[b])) << "user " << b << ": no page written";
+      EXPECT_FALSE(test::BitEqual(pages_after[b], pages_before[b])) << "user " << b << ": no page written";
     }
   }
   // The same users in other fresh pages, with the pages not kept (the engine's cache off): the
@@ -244,12 +239,12 @@ TEST_P(CudaBackendParity, MatchesCpuBackendCachedAndUncached) {
   ForwardOutput g_not_kept;
   st = (*gpu)->Forward(not_kept, true, &g_not_kept);
   ASSERT_TRUE(st.ok()) << st;
-  EXPECT_TRUE(same_bits(g_not_kept.scores, g_full.scores)) << "keep_kv off changed the scores";
-  EXPECT_TRUE(same_bits(g_not_kept.hidden, g_full.hidden)) << "keep_kv off changed the hidden rows";
+  EXPECT_TRUE(test::BitEqual(g_not_kept.scores, g_full.scores)) << "keep_kv off changed the scores";
+  EXPECT_TRUE(test::BitEqual(g_not_kept.hidden, g_full.hidden)) << "keep_kv off changed the hidden rows";
   read_pages(fresh2, &pages_after);
   const bool rows_kernel = kernel.rfind("warp-specialised TMA kernel", 0) == 0;
   for (int b = 0; rows_kernel && b < B; ++b) {
-    EXPECT_TRUE(same_bits(pages_after[b], pages_before[b]))
+    EXPECT_TRUE(test::BitEqual(pages_after[b], pages_before[b]))
         << "user " << b << ": a page written with keep_kv off";
   }
   ASSERT_TRUE((*cpu)->Forward(full, true, &c_full).ok());

@@ -111,4 +111,10 @@ inline ModelConfig SmallGpuModelConfig() {
   return c;
 }
 
+// Equal bit for bit (NaN patterns included, where == would fail): replays against eager runs,
+// pages that must be left as they were.
+inline bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
 }  // namespace hstu::test

@@ -80,10 +80,6 @@ ForwardBatch Step(std::vector<User>* users, const std::vector<int>& new_tokens,
   return fb;
 }
 
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 // Runs `fb` with graph replay on, then eagerly on the same padded inputs: the first run replays a
 // graph exactly when `replay` (else it falls back to eager execution), and both give the same
 // bits, finite. Leaves replay off. Returns the replayed run's output.
@@ -98,8 +94,8 @@ ForwardOutput ReplayThenEager(CudaBackend& g, const ForwardBatch& fb, bool repla
   g.SetGraphReplay(false);
   EXPECT_TRUE(g.Forward(fb, true, &eager).ok()) << what;
   EXPECT_TRUE(test::AllFinite(replayed.scores) && test::AllFinite(replayed.hidden)) << what;
-  EXPECT_TRUE(BitEqual(replayed.scores, eager.scores)) << what;
-  EXPECT_TRUE(BitEqual(replayed.hidden, eager.hidden)) << what;
+  EXPECT_TRUE(test::BitEqual(replayed.scores, eager.scores)) << what;
+  EXPECT_TRUE(test::BitEqual(replayed.hidden, eager.hidden)) << what;
   return replayed;
 }
 
@@ -218,12 +214,12 @@ TEST(CudaGraphs, ReplayEqualsEagerBitForBit) {
                                std::to_string(step) + " (" + std::to_string(fb.num_users) +
                                " users, " + std::to_string(fb.num_rows()) + " rows)";
       ASSERT_TRUE(test::AllFinite(replay.scores) && test::AllFinite(replay.hidden)) << what;
-      EXPECT_TRUE(BitEqual(replay.scores, eager_padded.scores)) << what;
-      EXPECT_TRUE(BitEqual(replay.hidden, eager_padded.hidden)) << what;
+      EXPECT_TRUE(test::BitEqual(replay.scores, eager_padded.scores)) << what;
+      EXPECT_TRUE(test::BitEqual(replay.hidden, eager_padded.hidden)) << what;
       EXPECT_LT(test::MaxAbsDiff(replay.scores, eager_plain.scores), test::kBf16ScoreAbs) << what;
       EXPECT_LT(test::RelL2(replay.hidden, eager_plain.hidden), test::kBf16RelL2) << what;
       worst = std::max(worst, test::MaxAbsDiff(replay.scores, eager_plain.scores));
-      bit_exact_plain += BitEqual(replay.scores, eager_plain.scores) ? 1 : 0;
+      bit_exact_plain += test::BitEqual(replay.scores, eager_plain.scores) ? 1 : 0;
       ++steps;
     }
     g.SetGraphReplay(true);

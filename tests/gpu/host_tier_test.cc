@@ -42,10 +42,6 @@ ForwardBatch OneUser(int hist, int cached, int cand, const std::vector<int32_t>&
   return fb;
 }
 
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 TEST(CudaHostTier, RoundTripIsBitExact) {
   HSTU_SKIP_WITHOUT_GPU();
   const ModelWeights w = RandomModel(test::SmallGpuModelConfig(), 3);
@@ -88,7 +84,7 @@ TEST(CudaHostTier, RoundTripIsBitExact) {
       ASSERT_TRUE(b.CopyPages(CopyKind::kHostToDevice, host, dst).ok()) << what;
       ASSERT_TRUE(b.WaitCopies().ok());
       ASSERT_TRUE(b.ReadKv(dst, hist, &got).ok());
-      EXPECT_TRUE(BitEqual(ref, got)) << what << ": onloaded pages differ from the offloaded ones";
+      EXPECT_TRUE(test::BitEqual(ref, got)) << what << ": onloaded pages differ from the offloaded ones";
 
       // A forward right after the onload (no WaitCopies) reads the onloaded pages: the same step
       // on the original and on the restored pages scores bit for bit alike.
@@ -101,8 +97,8 @@ TEST(CudaHostTier, RoundTripIsBitExact) {
       ASSERT_TRUE(b.Forward(step_b, true, &ob).ok());
       ASSERT_TRUE(b.Forward(step_a, true, &oa).ok());
       ASSERT_TRUE(test::AllFinite(ob.scores) && test::AllFinite(ob.hidden)) << what;
-      EXPECT_TRUE(BitEqual(oa.scores, ob.scores)) << what;
-      EXPECT_TRUE(BitEqual(oa.hidden, ob.hidden)) << what;
+      EXPECT_TRUE(test::BitEqual(oa.scores, ob.scores)) << what;
+      EXPECT_TRUE(test::BitEqual(oa.hidden, ob.hidden)) << what;
 
       EXPECT_FALSE(b.CopyPages(CopyKind::kHostToDevice, {host_pages}, {0}).ok());
       EXPECT_FALSE(b.CopyPages(CopyKind::kDeviceToHost, {0}, {host_pages}).ok());
