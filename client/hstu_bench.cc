@@ -250,8 +250,8 @@ json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batche
   std::printf("\n### attention timeline per CTA (4 x 256, %d cached + %d new + 256 candidates per user; "
               "us, mean / max over CTAs)\n\n", cached, 4096 - cached);
   std::printf("| batch | slots | CTAs | blocks / CTA | event time | kernel span | PDL wait | Q | first K/V "
-              "| loop | per block | epilogue | CTA total | CTAs' busy share of span |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+              "| loop | per block | epilogue | of it to the cluster sync | CTA total | CTAs' busy share of span |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int B : batches) {
     for (int slots : ParseList(absl::GetFlag(FLAGS_attn_slots))) {
       AttnSetup a;
@@ -273,7 +273,7 @@ json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batche
       const int ctas = std::min<int>(static_cast<int>(a.plan.items.size()) * a.H, hstu::cuda::kAttnTraceCtas);
       auto at = [&](int cta, int f) { return trace[static_cast<size_t>(cta) * hstu::cuda::kAttnTraceFields + f]; };
       uint64_t first = UINT64_MAX, last = 0;
-      double sum[6] = {}, mx[6] = {}, blocks = 0, busy = 0;
+      double sum[6] = {}, mx[6] = {}, blocks = 0, busy = 0, sync_sum = 0, sync_max = 0;
       for (int c = 0; c < ctas; ++c) {
         first = std::min(first, at(c, hstu::cuda::kTraceEntry));
         last = std::max(last, at(c, hstu::cuda::kTraceEnd));
@@ -285,6 +285,10 @@ json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batche
             1e-3 * (at(c, hstu::cuda::kTraceEnd) - at(c, hstu::cuda::kTraceLoopEnd)),
             1e-3 * (at(c, hstu::cuda::kTraceEnd) - at(c, hstu::cuda::kTraceEntry))};
         for (int k = 0; k < 6; ++k) sum[k] += d[k], mx[k] = std::max(mx[k], d[k]);
+        if (at(c, hstu::cuda::kTraceClusterSynced) != 0) {  // cluster plans only
+          const double to_sync = 1e-3 * (at(c, hstu::cuda::kTraceClusterSynced) - at(c, hstu::cuda::kTraceLoopEnd));
+          sync_sum += to_sync, sync_max = std::max(sync_max, to_sync);
+        }
         blocks += static_cast<double>(at(c, hstu::cuda::kTraceSmAndBlocks) >> 32);
         busy += d[5] - d[0];
       }
@@ -293,10 +297,10 @@ json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batche
       int sms = 0;
       HSTU_BENCH_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
       std::printf("| %d | %d | %d | %.1f | %.1f | %.1f | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f | %.1f / %.1f "
-                  "| %.3f | %.2f / %.2f | %.1f / %.1f | %.0f %% |\n",
+                  "| %.3f | %.2f / %.2f | %.2f / %.2f | %.1f / %.1f | %.0f %% |\n",
                   B, slots, ctas, blocks / n, ms * 1e3, span, sum[0] / n, mx[0], sum[1] / n, mx[1],
                   sum[2] / n, mx[2], sum[3] / n, mx[3], sum[3] / std::max(blocks, 1.0), sum[4] / n, mx[4],
-                  sum[5] / n, mx[5], 100.0 * busy / (span * std::min<double>(sms, n)));
+                  sync_sum / n, sync_max, sum[5] / n, mx[5], 100.0 * busy / (span * std::min<double>(sms, n)));
       json cta_rows = json::array();
       for (int c = 0; c < ctas && c < 2048; ++c) {
         json r = json::array();
@@ -411,6 +415,7 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
         {"output GEMM + residual (cuBLAS)", 2.0 * T * hd * d, T * hd * 2.0 + hd * d * 2.0 + T * d * 8.0, [&] { gemm.Run(y.as<bf16>(), w_out.as<bf16>(), x.get(), true, T, d, hd, 1.f, stream.get()); }, 1, true},
         {"UVQK GEMM + bias + SiLU, CUTLASS fused, 128x256 cooperative (alternative route, not in the sum)", 2.0 * T * d * 4 * hd, (T * d + d * 4.0 * hd + T * 4.0 * hd) * 2, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchGemmBiasSilu(n.as<bf16>(), w_uvqk.as<bf16>(), bias.as<float>(), a.uvqk.as<bf16>(), T, 4 * hd, d, 0, stream.get())); }, 1, false},
         {"UVQK GEMM + bias + SiLU, CUTLASS fused, 128x128 ping-pong (alternative route, not in the sum)", 2.0 * T * d * 4 * hd, (T * d + d * 4.0 * hd + T * 4.0 * hd) * 2, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchGemmBiasSilu(n.as<bf16>(), w_uvqk.as<bf16>(), bias.as<float>(), a.uvqk.as<bf16>(), T, 4 * hd, d, 1, stream.get())); }, 1, false},
+        {"UVQK GEMM + bias + SiLU, CUTLASS fused, 128x128 cooperative (alternative route, not in the sum)", 2.0 * T * d * 4 * hd, (T * d + d * 4.0 * hd + T * 4.0 * hd) * 2, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchGemmBiasSilu(n.as<bf16>(), w_uvqk.as<bf16>(), bias.as<float>(), a.uvqk.as<bf16>(), T, 4 * hd, d, 2, stream.get())); }, 1, false},
         {"append K/V from the rows (with the fused GEMM; not in the sum)", 0, static_cast<double>(a.B) * a.num_new * hd * 2.0 * 4, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchAppendKvFromRows(T, ap, stream.get())); }, 1, false},
         {"head layer 1, 1024 -> 512 fp32 (once per forward, candidate rows, not in the sum)", 2.0 * B * 256 * d * 512, B * 256.0 * (d + 512) * 4, [&] { if (hstu::cuda::GemmF32(h, x.as<float>(), head_w.as<float>(), head_out.as<float>(), B * 256, 512, d, 0.f, false) != CUBLAS_STATUS_SUCCESS) std::exit(1); }, 1, false},
         {"head layer 1, 1024 -> 512 TF32 (once per forward, candidate rows, not in the sum)", 2.0 * B * 256 * d * 512, B * 256.0 * (d + 512) * 4, [&] { if (hstu::cuda::GemmF32(h, x.as<float>(), head_w.as<float>(), head_out.as<float>(), B * 256, 512, d, 0.f, true) != CUBLAS_STATUS_SUCCESS) std::exit(1); }, 1, false},
@@ -419,7 +424,7 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
     };
     double total_us = 0;
     const bool fused_ok = hstu::cuda::GemmBiasSiluAvailable();
-    double unfused_us = 0, fused_us[2] = {0, 0}, append_us = 0;  // the two routes of the UVQK step
+    double unfused_us = 0, fused_us[3] = {0, 0, 0}, append_us = 0;  // the two routes of the UVQK step
     for (K& k : ks) {
       const std::string name = k.name;
       if (name.find("CUTLASS") != std::string::npos && !fused_ok) continue;
@@ -429,6 +434,7 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
       if (name.rfind("UVQK GEMM (cuBLAS)", 0) == 0 || name.rfind("bias + SiLU", 0) == 0) unfused_us += us;
       if (name.find("128x256 cooperative") != std::string::npos) fused_us[0] = us;
       if (name.find("128x128 ping-pong") != std::string::npos) fused_us[1] = us;
+      if (name.find("128x128 cooperative") != std::string::npos) fused_us[2] = us;
       if (name.rfind("append K/V from the rows", 0) == 0) append_us = us;
       std::printf("| %d | %s | %.1f | %s | %.0f |\n", B, k.name, us,
                   k.flops > 0 ? absl::StrFormat("%.1f", k.flops / (ms * 1e-3) / 1e12).c_str() : "-",
@@ -438,7 +444,7 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
     }
     std::printf("| %d | **sum of one layer** | %.1f | | |\n", B, total_us);
     if (fused_ok) {
-      const double fused = std::min(fused_us[0], fused_us[1]) + append_us;
+      const double fused = std::min({fused_us[0], fused_us[1], fused_us[2]}) + append_us;
       std::printf("| %d | **sum of one layer, fused UVQK route** (best CUTLASS config + append; cuBLAS + pass: %.1f) | %.1f | | |\n",
                   B, unfused_us, total_us - unfused_us + fused);
       rows.push_back({{"batch", B}, {"kernel", "sum of one layer, fused UVQK route"}, {"time_us", total_us - unfused_us + fused}});

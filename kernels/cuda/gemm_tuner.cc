@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "kernels/cuda/gemm.h"
@@ -83,6 +85,26 @@ size_t Fastest(const std::vector<float>& ms) {
     if (ms[i] < 0.98f * ms[best]) best = i;
   }
   return best;
+}
+
+// HSTU_GEMM_TUNE_LOG=1: each tuning decision to stderr (shape, every candidate's median, the
+// choice), to see whether two runs of one binary chose alike.
+void LogTuning(const char* what, int64_t m, int64_t n, int64_t k, const std::vector<float>& ms,
+               int chosen) {
+  static const bool on = [] {
+    const char* v = std::getenv("HSTU_GEMM_TUNE_LOG");
+    return v != nullptr && std::strcmp(v, "0") != 0;
+  }();
+  if (!on) return;
+  std::string line;
+  for (size_t i = 0; i < ms.size(); ++i) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%s%.1f", i == 0 ? "" : " ", ms[i] * 1e3f);
+    line += buf;
+  }
+  std::fprintf(stderr, "gemm tuning: %s m=%lld n=%lld k=%lld candidates (us) [%s] chose %d\n", what,
+               static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
+               line.c_str(), chosen);
 }
 
 }  // namespace
@@ -165,9 +187,11 @@ GemmTuner::Choice GemmTuner::Tune(const __nv_bfloat16* a, const __nv_bfloat16* b
                                   : RunLt(*algos[i], a, b, out, c_is_f32, m, n, k, beta, stream);
     return st == CUBLAS_STATUS_SUCCESS;
   });
-  if (const size_t i = Fastest(ms); i > 0) {
+  const size_t fastest = Fastest(ms);
+  LogTuning(beta != 0.f ? "GEMM (accumulating)" : "GEMM", m, n, k, ms, static_cast<int>(fastest));
+  if (fastest > 0) {
     best.use_lt = true;
-    best.algo = *algos[i];
+    best.algo = *algos[fastest];
   }
   scratch_ = DeviceBuffer();  // tuning is rare: give the memory back
   return best;
@@ -246,6 +270,7 @@ int GemmTuner::BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, con
            LaunchAppendKvFromRows(m, append, stream) == cudaSuccess;
   });
   const int route = static_cast<int>(Fastest(ms)) - 1;
+  LogTuning("UVQK route (0: cuBLAS + pass, i: fused config i-1)", m, n, k, ms, route + 1);
   silu_route_.emplace(key, route);
   return route;
 }

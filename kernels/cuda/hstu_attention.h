@@ -90,10 +90,12 @@ std::string HstuAttentionKernelName(const AttentionParams<__nv_bfloat16>& p, cud
 // Diagnostic timeline of the warp-specialised kernel (D = 256), only in builds configured with
 // -DHSTU_ATTN_TRACE=ON: per CTA (block x < kAttnTraceCtas) kAttnTraceFields words — %globaltimer
 // in ns at entry, after the wait for the previous kernel, when Q has landed, when the first K tile
-// has landed, at the end of the key loop and after the epilogue, then (blocks << 32 | SM id).
+// has landed, at the end of the key loop and after the epilogue, then (blocks << 32 | SM id), then
+// (cluster plans) when the cluster's first sync in the epilogue returned.
 inline constexpr int kAttnTraceCtas = 16384, kAttnTraceFields = 8;
 enum AttnTraceField {
-  kTraceEntry = 0, kTraceReady, kTraceQ, kTraceFirstKv, kTraceLoopEnd, kTraceEnd, kTraceSmAndBlocks
+  kTraceEntry = 0, kTraceReady, kTraceQ, kTraceFirstKv, kTraceLoopEnd, kTraceEnd, kTraceSmAndBlocks,
+  kTraceClusterSynced
 };
 // Copies the timeline out (kAttnTraceCtas * kAttnTraceFields words) and zeroes it.
 // cudaErrorNotSupported in builds without the trace.

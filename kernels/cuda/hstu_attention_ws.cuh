@@ -168,6 +168,7 @@ __device__ __forceinline__ void ClusterReduceEpilogue(const AttentionParams<bf16
     if (lane == 0) s_pd[r - row_begin] = pd;
   }
   ClusterSync();
+  HSTU_ATTN_TRACE_AT(kTraceClusterSynced, GlobalTimerNs());
 
   const uint32_t o_addr = SmemAddr(s_o);
   bf16* out = p.out + h * kD;
@@ -541,6 +542,7 @@ __global__ void __launch_bounds__(384, 1)
 
   if (cluster > 0) {
     ClusterReduceEpilogue(p, it, h, cluster, row0, t4, o, smem);
+    HSTU_ATTN_TRACE_AT(kTraceEnd, GlobalTimerNs());
     drain_stores();
     return;
   }

@@ -21,12 +21,28 @@ struct NormRowGather {
   float* x_out = nullptr;
   int64_t x_cols = 0;                 // multiple of 4
 
-  // Threads t of `count` copy row src of x to row r of x_out, 16 bytes each at a time.
+  // Threads t of `count` copy row src of x to row r of x_out, 16 bytes each, kBatch loads in
+  // flight before their stores (one memory round trip per kBatch · count · 16 bytes: a warp copies
+  // a 1024-column row in one, where a load-store loop took eight).
   __device__ __forceinline__ void CopyX(int64_t r, int64_t src, int t, int count) const {
     if (x == nullptr) return;
-    const float4* from = reinterpret_cast<const float4*>(x + src * x_cols);
-    float4* to = reinterpret_cast<float4*>(x_out + r * x_cols);
-    for (int64_t c = t; c < x_cols / 4; c += count) to[c] = from[c];
+    constexpr int kBatch = 8;
+    const float4* __restrict__ from = reinterpret_cast<const float4*>(x + src * x_cols);
+    float4* __restrict__ to = reinterpret_cast<float4*>(x_out + r * x_cols);
+    const int64_t n = x_cols / 4;
+    for (int64_t c0 = t; c0 < n; c0 += static_cast<int64_t>(kBatch) * count) {
+      float4 buf[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int64_t c = c0 + static_cast<int64_t>(k) * count;
+        if (c < n) buf[k] = __ldg(from + c);
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int64_t c = c0 + static_cast<int64_t>(k) * count;
+        if (c < n) to[c] = buf[k];
+      }
+    }
   }
 };
 
@@ -81,7 +97,6 @@ __global__ void __launch_bounds__(kNormWarps * 32)
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kNormWarps + (threadIdx.x >> 5);
   if (r >= rows) return;
   const int64_t src = g.src_rows != nullptr ? g.src_rows[r] : r;
-  g.CopyX(r, src, lane, 32);
   const bf16* ar = a + src * hd;
   const bf16* ur = u + src * u_stride;
   Bf16x8 ap[kGroups], up[kGroups];
@@ -96,6 +111,7 @@ __global__ void __launch_bounds__(kNormWarps * 32)
       up[j] = ap[j];
     }
   }
+  g.CopyX(r, src, lane, 32);  // its loads overlap a's and u's
   const NormAffine<kGroups> affine(w, b, hd, lane);
   // The same two passes as WarpRowStats, over the unpacked groups.
   float s = 0.f;
