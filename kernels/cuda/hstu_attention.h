@@ -30,6 +30,9 @@ namespace hstu::cuda {
 inline constexpr int kAttnBlockM = 128;  // query rows per tile (2 warpgroups × 64)
 inline constexpr int kAttnBlockN = 64;   // keys per pipeline stage (2 stages)
 inline constexpr int kMaxAttnCluster = 8;  // portable thread block cluster size
+// A CTA's fixed work outside its key loop, in 64-key blocks, as the planner counts it
+// (PlanHstuAttention; docs/cuda_kernels.md, round 26).
+inline constexpr int32_t kAttnCtaOverheadBlocks = 4;
 
 struct AttentionWorkItem {
   int32_t user = 0;

@@ -114,7 +114,7 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
 
   // Chunk length (in key blocks): the GPU hands CTAs to SMs in launch order, so with the items
   // emitted longest first (below) the launch is a longest-processing-time list schedule. A CTA
-  // costs its blocks plus two blocks' worth of fixed work (Q load, epilogue, reduction). Every
+  // costs its blocks plus kCtaOverhead blocks' worth of fixed work (Q load, epilogue). Every
   // chunk gets a lower bound on its makespan (its longest CTA, or the total spread evenly); the
   // few with the lowest bounds are scheduled exactly and the shortest schedule wins (ties: the
   // longer chunk, fewer partials). The kernels launch the H heads of an item next to each other
@@ -137,7 +137,11 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
     }
   }
   const int32_t slots = std::max(1, concurrent_ctas);
-  constexpr double kCtaOverhead = 2.0;
+  // A CTA's work outside its key loop: the Q tile and the first K/V tile (~3 µs) and the
+  // epilogue (~4 µs), against ~1.6 µs a block (round 12's timeline, H100/H200). Counted as two
+  // blocks, the batch-8 decode step got 49 + 15-block chunks and the SMs that ran three short
+  // chunks back to back finished last (110 µs); as four, 50 + 14 and 106 µs (round 26, H100).
+  constexpr double kCtaOverhead = kAttnCtaOverheadBlocks;
   struct Candidate {
     int32_t chunk;
     double bound;  // lower bound on the makespan

@@ -42,13 +42,13 @@ Batch RandomBatch(std::mt19937& rng, int32_t max_users, int32_t max_new, int32_t
 }
 
 // Makespan of the launch (block x = item * H + head, handed to the first free SM) when a CTA
-// costs its key blocks plus two.
+// costs its key blocks plus kAttnCtaOverheadBlocks.
 double Makespan(const AttentionPlan& plan, int heads, int slots) {
   std::vector<double> sm(slots, 0.0);
   for (const AttentionWorkItem& it : plan.items) {
     for (int h = 0; h < heads; ++h) {
       *std::min_element(sm.begin(), sm.end()) +=
-          (it.kv_end - it.kv_begin + kAttnBlockN - 1) / kAttnBlockN + 2.0;
+          (it.kv_end - it.kv_begin + kAttnBlockN - 1) / kAttnBlockN + kAttnCtaOverheadBlocks;
     }
   }
   return *std::max_element(sm.begin(), sm.end());
@@ -158,21 +158,22 @@ TEST(AttentionPlanTest, ListScheduleMakespanMatchesTheFirstFreeMachineRule) {
 
 TEST(AttentionPlanTest, DecodeStepOfEightUsersBeatsUniformSplits) {
   // The decode-step benchmark: 8 users of 3968 cached + 128 new history tokens + 256 candidates,
-  // 4 heads, 132 SMs. The best uniform split (16 blocks a chunk, tiles in batch order) ends at 54
-  // cost units; longest first with one long and one short chunk per tile ends at 51.
+  // 4 heads, 132 SMs, a CTA costing its blocks + 4. The best uniform split (16 blocks a chunk,
+  // tiles in batch order) ends at 60 cost units; longest first with one long (50) and one short
+  // (14) chunk per tile ends at 54: 96 SMs run a long chunk, 36 run three short ones.
   Batch b;
   for (int u = 0; u < 8; ++u) b.Add(384, 128, 4096);
   const AttentionPlan plan =
       PlanHstuAttention(b.row_offsets.data(), b.num_new.data(), b.num_tokens.data(), 8, 0, 4, 132);
   CheckPlan(b, 0, plan, "decode b8");
-  EXPECT_LE(Makespan(plan, 4, 132), 51.0);
+  EXPECT_LE(Makespan(plan, 4, 132), 54.0);
   // One user: every SM busy in one wave.
   Batch one;
   one.Add(384, 128, 4096);
   const AttentionPlan p1 =
       PlanHstuAttention(one.row_offsets.data(), one.num_new.data(), one.num_tokens.data(), 1, 0, 4, 132);
   CheckPlan(one, 0, p1, "decode b1");
-  EXPECT_LE(Makespan(p1, 4, 132), 8.0);
+  EXPECT_LE(Makespan(p1, 4, 132), 10.0);
 }
 
 // A cluster plan: items[t * cluster + s] is chunk s of tile t (tiles in user, then row order),
