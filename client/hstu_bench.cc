@@ -415,7 +415,6 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
         {"output GEMM + residual (cuBLAS)", 2.0 * T * hd * d, T * hd * 2.0 + hd * d * 2.0 + T * d * 8.0, [&] { gemm.Run(y.as<bf16>(), w_out.as<bf16>(), x.get(), true, T, d, hd, 1.f, stream.get()); }, 1, true},
         {"UVQK GEMM + bias + SiLU, CUTLASS fused, 128x256 cooperative (alternative route, not in the sum)", 2.0 * T * d * 4 * hd, (T * d + d * 4.0 * hd + T * 4.0 * hd) * 2, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchGemmBiasSilu(n.as<bf16>(), w_uvqk.as<bf16>(), bias.as<float>(), a.uvqk.as<bf16>(), T, 4 * hd, d, 0, stream.get())); }, 1, false},
         {"UVQK GEMM + bias + SiLU, CUTLASS fused, 128x128 ping-pong (alternative route, not in the sum)", 2.0 * T * d * 4 * hd, (T * d + d * 4.0 * hd + T * 4.0 * hd) * 2, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchGemmBiasSilu(n.as<bf16>(), w_uvqk.as<bf16>(), bias.as<float>(), a.uvqk.as<bf16>(), T, 4 * hd, d, 1, stream.get())); }, 1, false},
-        {"UVQK GEMM + bias + SiLU, CUTLASS fused, 128x128 cooperative (alternative route, not in the sum)", 2.0 * T * d * 4 * hd, (T * d + d * 4.0 * hd + T * 4.0 * hd) * 2, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchGemmBiasSilu(n.as<bf16>(), w_uvqk.as<bf16>(), bias.as<float>(), a.uvqk.as<bf16>(), T, 4 * hd, d, 2, stream.get())); }, 1, false},
         {"append K/V from the rows (with the fused GEMM; not in the sum)", 0, static_cast<double>(a.B) * a.num_new * hd * 2.0 * 4, [&] { HSTU_BENCH_CHECK_CUDA(hstu::cuda::LaunchAppendKvFromRows(T, ap, stream.get())); }, 1, false},
         {"head layer 1, 1024 -> 512 fp32 (once per forward, candidate rows, not in the sum)", 2.0 * B * 256 * d * 512, B * 256.0 * (d + 512) * 4, [&] { if (hstu::cuda::GemmF32(h, x.as<float>(), head_w.as<float>(), head_out.as<float>(), B * 256, 512, d, 0.f, false) != CUBLAS_STATUS_SUCCESS) std::exit(1); }, 1, false},
         {"head layer 1, 1024 -> 512 TF32 (once per forward, candidate rows, not in the sum)", 2.0 * B * 256 * d * 512, B * 256.0 * (d + 512) * 4, [&] { if (hstu::cuda::GemmF32(h, x.as<float>(), head_w.as<float>(), head_out.as<float>(), B * 256, 512, d, 0.f, true) != CUBLAS_STATUS_SUCCESS) std::exit(1); }, 1, false},
@@ -424,7 +423,7 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
     };
     double total_us = 0;
     const bool fused_ok = hstu::cuda::GemmBiasSiluAvailable();
-    double unfused_us = 0, fused_us[3] = {0, 0, 0}, append_us = 0;  // the two routes of the UVQK step
+    double unfused_us = 0, fused_us[2] = {0, 0}, append_us = 0;  // the two routes of the UVQK step
     for (K& k : ks) {
       const std::string name = k.name;
       if (name.find("CUTLASS") != std::string::npos && !fused_ok) continue;
@@ -434,7 +433,6 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
       if (name.rfind("UVQK GEMM (cuBLAS)", 0) == 0 || name.rfind("bias + SiLU", 0) == 0) unfused_us += us;
       if (name.find("128x256 cooperative") != std::string::npos) fused_us[0] = us;
       if (name.find("128x128 ping-pong") != std::string::npos) fused_us[1] = us;
-      if (name.find("128x128 cooperative") != std::string::npos) fused_us[2] = us;
       if (name.rfind("append K/V from the rows", 0) == 0) append_us = us;
       std::printf("| %d | %s | %.1f | %s | %.0f |\n", B, k.name, us,
                   k.flops > 0 ? absl::StrFormat("%.1f", k.flops / (ms * 1e-3) / 1e12).c_str() : "-",
@@ -444,7 +442,7 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
     }
     std::printf("| %d | **sum of one layer** | %.1f | | |\n", B, total_us);
     if (fused_ok) {
-      const double fused = std::min({fused_us[0], fused_us[1], fused_us[2]}) + append_us;
+      const double fused = std::min(fused_us[0], fused_us[1]) + append_us;
       std::printf("| %d | **sum of one layer, fused UVQK route** (best CUTLASS config + append; cuBLAS + pass: %.1f) | %.1f | | |\n",
                   B, unfused_us, total_us - unfused_us + fused);
       rows.push_back({{"batch", B}, {"kernel", "sum of one layer, fused UVQK route"}, {"time_us", total_us - unfused_us + fused}});
