@@ -15,7 +15,10 @@ using bf16 = __nv_bfloat16;
 // start while the kernel before it on the stream is still running: it must call
 // WaitForPredecessor before it reads anything earlier work wrote (or writes anything earlier work
 // reads), and it lets the kernel after it start early with AllowDependents (whose blocks then wait
-// in their own WaitForPredecessor until this grid has finished and its writes are visible).
+// in their own WaitForPredecessor until this grid has finished and its writes are visible). A
+// block that returns without reading what earlier kernels wrote and without writing may skip the
+// wait: the wait of a kernel after it still covers every earlier grid (tests/gpu/pdl_test.cu
+// checks it on the device), which the split reduction relies on.
 __device__ __forceinline__ void WaitForPredecessor() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");

@@ -371,6 +371,8 @@ __global__ void __launch_bounds__(256)
   const int num_heads = p.kv.num_heads;
   const AttentionWorkItem it = items[blockIdx.x / num_heads];
   // A graph's block for a plan without split tiles (unsplit items and cluster plans: tile < 0).
+  // It returns before WaitForPredecessor; the next kernel's wait still covers the attention
+  // (common.cuh, tests/gpu/pdl_test.cu).
   if (it.tile < 0 || it.split != 0) return;
   const int h = blockIdx.x % num_heads;
   const int row_begin = blockIdx.z * kReduceRows;
