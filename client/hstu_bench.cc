@@ -697,6 +697,7 @@ json BenchE2e(int reps, int page_size) {
     for (size_t mi = 0; mi < engines.size(); ++mi) {
       hstu::Engine& e = *engines[mi];
       std::vector<double> totals, host;  // host: Rank's wall time outside backend forwards
+      const hstu::EngineStats before = e.Stats();
       for (int rep = -1; rep < reps; ++rep) {  // rep -1: warm-up
         std::vector<hstu::RankRequest> users(U);
         for (auto& r : users) r.user_id = next_user++;
@@ -714,6 +715,12 @@ json BenchE2e(int reps, int page_size) {
         }
       }
       const double ms = MedianD(totals), host_ms = MedianD(host);
+      const hstu::EngineStats after = e.Stats();
+      if (modes[mi].graphs) {
+        std::fprintf(stderr, "e2e %d users: %llu of %llu forward passes replayed from graphs\n", U,
+                     static_cast<unsigned long long>(after.graph_replays - before.graph_replays),
+                     static_cast<unsigned long long>(after.forward_passes - before.forward_passes));
+      }
       if (mi == 0) base_ms = ms;
       std::printf("| %d | %s | %.2f | %.3f | %.3f | %.2fx |\n", U, modes[mi].name, ms, ms / steps,
                   host_ms / steps, base_ms / ms);
