@@ -34,9 +34,8 @@ __global__ void CountStaleFlags(int value, bool wait, int* stale) {
   if (threadIdx.x == 0 && g_flag != value) atomicAdd(stale, 1);
 }
 
-// Runs `rounds` chains A → B → C on `stream` and returns C's stale reads.
-int StaleReads(cudaStream_t stream, int rounds, bool wait, int* stale) {
-  EXPECT_EQ(cudaMemsetAsync(stale, 0, sizeof(int), stream), cudaSuccess);
+// Enqueues chains A → B → C for flag values 1..rounds on `stream` (eagerly or into a capture).
+void LaunchChains(cudaStream_t stream, int rounds, bool wait, int* stale) {
   for (int i = 1; i <= rounds; ++i) {
     EXPECT_EQ(cuda::LaunchDependent(SpinThenWriteFlag, dim3(64), dim3(128), 0, stream, i,
                                     100000LL),
@@ -46,6 +45,12 @@ int StaleReads(cudaStream_t stream, int rounds, bool wait, int* stale) {
                                     stale),
               cudaSuccess);
   }
+}
+
+// Runs `rounds` chains on `stream` and returns C's stale reads.
+int StaleReads(cudaStream_t stream, int rounds, bool wait, int* stale) {
+  EXPECT_EQ(cudaMemsetAsync(stale, 0, sizeof(int), stream), cudaSuccess);
+  LaunchChains(stream, rounds, wait, stale);
   int h = -1;
   EXPECT_EQ(cudaMemcpyAsync(&h, stale, sizeof(int), cudaMemcpyDeviceToHost, stream), cudaSuccess);
   EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
@@ -70,11 +75,7 @@ TEST(ProgrammaticLaunch, WaitCoversGridsBeforeAKernelThatReturnedWithoutWaiting)
   cudaGraphExec_t exec = nullptr;
   HSTU_ASSERT_CUDA(cudaMemsetAsync(stale.get(), 0, sizeof(int), stream));
   HSTU_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int i = 1; i <= 50; ++i) {
-    cuda::LaunchDependent(SpinThenWriteFlag, dim3(64), dim3(128), 0, stream, i, 100000LL);
-    cuda::LaunchDependent(ReturnAtOnce, dim3(64), dim3(128), 0, stream);
-    cuda::LaunchDependent(CountStaleFlags, dim3(264), dim3(128), 0, stream, i, true, stale.get());
-  }
+  LaunchChains(stream, 50, /*wait=*/true, stale.get());
   HSTU_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
   HSTU_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   for (int r = 0; r < 10; ++r) HSTU_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
