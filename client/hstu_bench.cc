@@ -679,8 +679,8 @@ json BenchE2e(int reps, int page_size) {
   const int steps = 16, cand = 256;
   std::printf("\n### e2e (Engine::Rank; %d steps, history 256 -> 4096 tokens + %d candidates per "
               "user; median of %d sequences)\n\n", steps, cand, reps);
-  std::printf("| users | mode | total (ms) | per step (ms) | of which outside the forward (ms) | speedup |\n"
-              "|---|---|---|---|---|---|\n");
+  std::printf("| users | mode | total (ms) | per step (ms) | of which outside the forward (ms) | "
+              "device busy (ms) | speedup |\n|---|---|---|---|---|---|---|\n");
   std::mt19937 rng(21);
   uint64_t next_user = 1;
   // One visit: `events` more history events (128 = 256 tokens a step) and fresh candidates.
@@ -692,29 +692,49 @@ json BenchE2e(int reps, int page_size) {
     r.candidate_item_ids.resize(cand);
     for (auto& id : r.candidate_item_ids) id = rng() % 100000;
   };
+  // At the most users, each step's wall and device time per mode (medians over the sequences).
+  std::vector<std::vector<double>> step_wall(engines.size()), step_device(engines.size());
   for (int U : {1, 2, 4, 8}) {
     double base_ms = 0;
     for (size_t mi = 0; mi < engines.size(); ++mi) {
       hstu::Engine& e = *engines[mi];
-      std::vector<double> totals, host;  // host: Rank's wall time outside backend forwards
+      // host: Rank's wall time outside backend forwards; device: the GPU's time on the steps.
+      std::vector<double> totals, host, device;
+      std::vector<std::vector<double>> wall_at(steps), device_at(steps);
       const hstu::EngineStats before = e.Stats();
       for (int rep = -1; rep < reps; ++rep) {  // rep -1: warm-up
         std::vector<hstu::RankRequest> users(U);
         for (auto& r : users) r.user_id = next_user++;
         double total = 0;
-        const double forward0 = e.Stats().compute_seconds;
+        const hstu::EngineStats at0 = e.Stats();
         for (int s = 1; s <= steps; ++s) {
           for (auto& r : users) visit(r, 128);
-          total += WallMs([&] {
+          const double device0 = e.Stats().device_seconds;
+          const double ms = WallMs([&] {
             for (auto& res : e.Rank(users)) OrDie(res.status());
           });
+          total += ms;
+          if (rep >= 0) {
+            wall_at[s - 1].push_back(ms);
+            device_at[s - 1].push_back((e.Stats().device_seconds - device0) * 1e3);
+          }
         }
         if (rep >= 0) {
+          const hstu::EngineStats at1 = e.Stats();
           totals.push_back(total);
-          host.push_back(total - (e.Stats().compute_seconds - forward0) * 1e3);
+          host.push_back(total - (at1.compute_seconds - at0.compute_seconds) * 1e3);
+          device.push_back((at1.device_seconds - at0.device_seconds) * 1e3);
         }
       }
-      const double ms = MedianD(totals), host_ms = MedianD(host);
+      const double ms = MedianD(totals), host_ms = MedianD(host), device_ms = MedianD(device);
+      if (U == 8) {
+        step_wall[mi].clear();
+        step_device[mi].clear();
+        for (int s = 0; s < steps; ++s) {
+          step_wall[mi].push_back(MedianD(wall_at[s]));
+          step_device[mi].push_back(MedianD(device_at[s]));
+        }
+      }
       const hstu::EngineStats after = e.Stats();
       if (modes[mi].graphs) {
         std::fprintf(stderr, "e2e %d users: %llu of %llu forward passes replayed from graphs\n", U,
@@ -722,12 +742,25 @@ json BenchE2e(int reps, int page_size) {
                      static_cast<unsigned long long>(after.forward_passes - before.forward_passes));
       }
       if (mi == 0) base_ms = ms;
-      std::printf("| %d | %s | %.2f | %.3f | %.3f | %.2fx |\n", U, modes[mi].name, ms, ms / steps,
-                  host_ms / steps, base_ms / ms);
+      std::printf("| %d | %s | %.2f | %.3f | %.3f | %.3f | %.2fx |\n", U, modes[mi].name, ms,
+                  ms / steps, host_ms / steps, device_ms / steps, base_ms / ms);
       rows.push_back({{"users", U}, {"mode", modes[mi].name}, {"total_ms", ms},
                       {"per_step_ms", ms / steps}, {"outside_forward_ms_per_step", host_ms / steps},
-                      {"speedup", base_ms / ms}});
+                      {"device_ms_per_step", device_ms / steps}, {"speedup", base_ms / ms}});
     }
+  }
+  std::printf("\n8 users, each step (ms; wall / device busy, medians):\n\n| step | cached tokens "
+              "| baseline | cache | cache + graphs | speedup |\n|---|---|---|---|---|---|\n");
+  for (int s = 0; s < steps; ++s) {
+    std::printf("| %d | %d |", s + 1, 256 * s);
+    for (size_t mi = 0; mi < engines.size(); ++mi) {
+      std::printf(" %.3f / %.3f |", step_wall[mi][s], step_device[mi][s]);
+    }
+    std::printf(" %.2fx |\n", step_wall[0][s] / step_wall[2][s]);
+    rows.push_back({{"users", 8}, {"step", s + 1}, {"baseline_ms", step_wall[0][s]},
+                    {"baseline_device_ms", step_device[0][s]}, {"cache_ms", step_wall[1][s]},
+                    {"cache_device_ms", step_device[1][s]}, {"cache_graphs_ms", step_wall[2][s]},
+                    {"cache_graphs_device_ms", step_device[2][s]}});
   }
   // The same steps with the users out of phase (user k starts 16k/U steps in and starts over as a
   // new user after 4096 tokens), as a server's batches mix returning users of every length.

@@ -38,6 +38,9 @@ struct ForwardBatch {
 struct ForwardOutput {
   std::vector<float> scores;  // [candidate rows in row order, num_tasks]
   std::vector<float> hidden;  // [candidate rows, d] (only when requested)
+  // The device's time on the step, from its first enqueued operation to the score read-back
+  // (CUDA events; 0 on the CPU backend). The rest of the forward's wall time is host work.
+  double device_seconds = 0;
 };
 
 enum class CopyKind { kDeviceToHost, kHostToDevice };

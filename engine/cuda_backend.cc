@@ -84,16 +84,18 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
   HSTU_CUDA_RETURN(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
   HSTU_CUDA_RETURN(cudaEventCreate(&onload_start_));
   HSTU_CUDA_RETURN(cudaEventCreate(&onload_end_));
+  HSTU_CUDA_RETURN(cudaEventCreate(&step_start_));
+  HSTU_CUDA_RETURN(cudaEventCreate(&step_end_));
   // Layer 0's pool (every layer has the same layout); only the base, shape and strides are read.
   AttentionParams<bf16> probe;
   probe.kv = MakePagedKvView(pool_.as<bf16>(), page_size_, config_.num_heads, config_.head_dim, 0,
                              nullptr, nullptr, nullptr);
   probe.max_attn_len = config_.max_attn_len;
   attention_kernel_ = cuda::HstuAttentionKernelName(probe, stream_.get());
-  fresh_rows_ = attention_kernel_ == "warp-specialised TMA kernel" &&
-                cuda::HstuAttentionFreshRowsEnabled();
+  kv_from_rows_ = attention_kernel_ == "warp-specialised TMA kernel" &&
+                cuda::HstuAttentionKvFromRowsEnabled();
   const char* drop = std::getenv("HSTU_DROP_KV");  // 0: write the pages anyway (A/B timing)
-  drop_kv_ok_ = fresh_rows_ && (drop == nullptr || std::string(drop) != "0");
+  drop_kv_ok_ = kv_from_rows_ && (drop == nullptr || std::string(drop) != "0");
   if (const char* v = std::getenv("HSTU_ATTN_CLUSTER"); (v == nullptr || std::string(v) != "0") &&
       attention_kernel_ == "warp-specialised TMA kernel") {
     int max_clusters = 0;
@@ -242,9 +244,20 @@ absl::Status CudaBackendImpl::Stage(const ForwardBatch& batch) {
   SetStepPlans();
   step_.all_fresh = true;
   for (int32_t b = 0; b < B; ++b) step_.all_fresh &= batch.num_tokens[b] == batch.num_new[b];
+  step_.append_idle = AppendIdle(batch);
   step_.drop_kv = step_.all_fresh && !batch.keep_kv && drop_kv_ok_;
   staged_ = true;
   return absl::OkStatus();
+}
+
+bool CudaBackendImpl::AppendIdle(const ForwardBatch& batch) const {
+  for (int32_t b = 0; b < batch.num_users; ++b) {
+    if (batch.num_new[b] > 0 &&
+        !NewKvFromRows(kv_from_rows_, /*returning=*/true, batch.num_tokens[b], batch.num_new[b])) {
+      return false;
+    }
+  }
+  return true;
 }
 
 absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
@@ -265,8 +278,9 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
   att.uvqk_rows = static_cast<int64_t>(step_.ws->uvqk.bytes() / (4 * hd * sizeof(bf16)));
   // Not in the last layer (unless no page is written): the append has put every user's K/V in
   // the pages there, and the cuBLAS route's pass left the rows of appended keys unactivated.
-  att.fresh_kv_from_rows = fresh_rows_ && (kind == kAllRows || step_.drop_kv);
-  att.store_fresh_kv = !step_.drop_kv;
+  att.new_kv_from_rows = kv_from_rows_ && (kind == kAllRows || step_.drop_kv);
+  att.returning_kv_from_rows = returning_kv_from_rows_;
+  att.store_new_kv = !step_.drop_kv;
   att.out = step_.ws->a.as<bf16>();
   att.num_rows = step_.num_rows;
   att.row_offsets = reinterpret_cast<const int32_t*>(m + step_.layout.row_offsets);
@@ -375,15 +389,21 @@ absl::Status CudaBackendImpl::EnqueueTrunk() {
     ap.row_offsets = reinterpret_cast<const int32_t*>(m + step_.layout.row_offsets);
     ap.num_new = reinterpret_cast<const int32_t*>(m + step_.layout.num_new);
     ap.kv = View(l);
-    // The last layer's attention runs no tile of history rows, so none stores a fresh user's K/V
+    // The last layer's attention runs no tile of history rows, so none stores a user's new K/V
     // to the pages: the append does it there, for every user — unless the pages are not kept,
     // when the pass activates the rows the attention reads them from.
-    ap.fresh_kv_from_rows = fresh_rows_ && (!last || step_.drop_kv);
+    ap.new_kv_from_rows = kv_from_rows_ && (!last || step_.drop_kv);
     // The route's first call of a row class times both routes, appends included, so layer l's
     // onloaded pages must be there first; otherwise they are needed from the append on.
     if (!gemm_.HasBiasSiluRoute(rows, 4 * hd, d)) HSTU_RETURN_IF_ERROR(WaitForLayer(l));
     const int route = gemm_.BiasSiluRoute(ws.n.as<bf16>(), w.uvqk_w.as<bf16>(),
                                           w.uvqk_b.as<float>(), ap, rows, 4 * hd, d, s);
+    // Returning users' new K/V go through the rows only where a separate append would copy them
+    // to the pages (the fused GEMM's route): the cuBLAS route's pass writes them there at no cost
+    // beyond writing them back to the rows, while the attention's stores of them would lengthen
+    // its history tiles (batch 1: +10 µs a step, docs/cuda_kernels.md round 27).
+    ap.returning_kv_from_rows = route >= 0;
+    returning_kv_from_rows_ = ap.returning_kv_from_rows;
     if (route >= 0) {
       HSTU_CUDA_RETURN(cuda::LaunchGemmBiasSilu(ws.n.as<bf16>(), w.uvqk_w.as<bf16>(),
                                                 w.uvqk_b.as<float>(), uvqk, rows, 4 * hd, d,
@@ -394,10 +414,20 @@ absl::Status CudaBackendImpl::EnqueueTrunk() {
     }
     HSTU_RETURN_IF_ERROR(WaitForLayer(l));
     if (route >= 0) {
-      // Nothing to append when every user is fresh (the attention stores their K/V); a captured
-      // step keeps the node, whose replays may have users with cached tokens.
-      if (!(ap.fresh_kv_from_rows && step_.all_fresh && !capturing_)) {
+      // Nothing to append when the attention stores every user's new K/V. A captured step keeps
+      // the node, whose replays may have users whose cached prefix is not whole key blocks; a
+      // replay without any shrinks its grid to one block (EnqueueStep).
+      if (!(ap.new_kv_from_rows && step_.append_idle && !capturing_)) {
+        cudaGraphNode_t before = nullptr, node = nullptr;
+        if (capturing_) HSTU_RETURN_IF_ERROR(LastCapturedNode(&before));
         HSTU_CUDA_RETURN(cuda::LaunchAppendKvFromRows(rows, ap, s));
+        if (capturing_ && ap.new_kv_from_rows) {
+          HSTU_RETURN_IF_ERROR(LastCapturedNode(&node));
+          if (node == nullptr || node == before) {
+            return absl::InternalError("graph capture: the append added no node");
+          }
+          captured_append_.push_back(node);
+        }
       }
     } else {
       HSTU_CUDA_RETURN(
@@ -472,6 +502,9 @@ absl::Status CudaBackendImpl::Forward(const ForwardBatch& batch, bool keep_hidde
   HSTU_RETURN_IF_ERROR(FlushOnloads());
   auto graphed = StageStep(batch, /*use_graph=*/true);
   if (!graphed.ok()) return graphed.status();
+  cudaStream_t s = stream_.get();
+  // After the metadata upload: the device time below is the layers', the head's and the read-back.
+  HSTU_CUDA_RETURN(cudaEventRecord(step_start_, s));
   HSTU_RETURN_IF_ERROR(EnqueueStep());
   const int64_t d = config_.hidden_dim;
   const int32_t tasks = head_.empty() ? 0 : head_.back().out;
@@ -481,7 +514,6 @@ absl::Status CudaBackendImpl::Forward(const ForwardBatch& batch, bool keep_hidde
   HSTU_CUDA_RETURN(scores_host_.Reserve(std::max<size_t>(score_bytes, 4)));
   HSTU_CUDA_RETURN(hidden_host_.Reserve(std::max<size_t>(hidden_bytes, 4)));
   const float* scores_dev = (head_.size() % 2 == 1 ? step_.ws->head_a : step_.ws->head_b).as<float>();
-  cudaStream_t s = stream_.get();
   if (score_bytes > 0) {
     HSTU_CUDA_RETURN(cudaMemcpyAsync(scores_host_.as<float>(), scores_dev, score_bytes,
                                      cudaMemcpyDeviceToHost, s));
@@ -490,7 +522,11 @@ absl::Status CudaBackendImpl::Forward(const ForwardBatch& batch, bool keep_hidde
     HSTU_CUDA_RETURN(cudaMemcpyAsync(hidden_host_.as<float>(), step_.ws->cand_raw.get(), hidden_bytes,
                                      cudaMemcpyDeviceToHost, s));
   }
+  HSTU_CUDA_RETURN(cudaEventRecord(step_end_, s));
   HSTU_CUDA_RETURN(cudaStreamSynchronize(s));
+  float device_ms = 0;
+  HSTU_CUDA_RETURN(cudaEventElapsedTime(&device_ms, step_start_, step_end_));
+  out->device_seconds = 1e-3 * device_ms;
   out->scores.assign(scores_host_.as<float>(), scores_host_.as<float>() + score_bytes / 4);
   if (keep_hidden) {
     out->hidden.assign(hidden_host_.as<float>(), hidden_host_.as<float>() + hidden_bytes / 4);

@@ -156,7 +156,10 @@ struct Step {
   // last, whose history rows feed nothing (DESIGN §2.3 reads the candidate rows only).
   AttentionLaunch attn[2];
   int slot = -1;          // graph bucket, -1 = eager
-  bool all_fresh = false;  // eager step whose users all have no cached tokens (no append to run)
+  bool all_fresh = false;  // eager step whose users all have no cached tokens
+  // Eager step whose users' new K/V all go through the rows (NewKvFromRows) or who have none: the
+  // append of the layers before the last has nothing to do.
+  bool append_idle = false;
   // All fresh, pages not kept (ForwardBatch::keep_kv false) and the attention reads K/V from the
   // rows: no layer writes a page, the last one reads its keys from the rows too.
   bool drop_kv = false;
@@ -177,6 +180,12 @@ struct CapturedStep {
   // the attention kernel (items × H) and the split reduction (HstuAttentionReduceGridX).
   std::vector<CapturedAttentionNode> attention_nodes;
   std::vector<cudaKernelNodeParams> attention_params;
+  // The append kernel's nodes (fused UVQK route, layers before the last) with their captured
+  // launch; a replay whose users all go through the rows (Step::append_idle) runs them on one
+  // block, which finds nothing to copy, instead of one warp per row and v/k segment.
+  std::vector<cudaGraphNode_t> append_nodes;
+  std::vector<cudaKernelNodeParams> append_params;
+  bool append_shrunk = false;
   // The plans the nodes in `exec` are sized for (items = -1: not yet set), per AttentionPlanKind;
   // the captured cluster sizes: replays need plans of the same kind.
   AttentionLaunch grid[2] = {{-1, -1, 0}, {-1, -1, 0}};
@@ -217,6 +226,8 @@ class CudaBackendImpl final : public CudaBackend {
     if (compute_done_ != nullptr) cudaEventDestroy(compute_done_);
     if (onload_start_ != nullptr) cudaEventDestroy(onload_start_);
     if (onload_end_ != nullptr) cudaEventDestroy(onload_end_);
+    if (step_start_ != nullptr) cudaEventDestroy(step_start_);
+    if (step_end_ != nullptr) cudaEventDestroy(step_end_);
     if (host_pool_ != nullptr) cudaFreeHost(host_pool_);
     if (cublas_ != nullptr) cublasDestroy(cublas_);
   }
@@ -254,6 +265,9 @@ class CudaBackendImpl final : public CudaBackend {
   absl::Status Stage(const ForwardBatch& batch) override;
   absl::Status EnqueueLayerStack() override;
   absl::Status EnqueueAttention(int layer) override;
+  // Whether every user of the batch with new history rows has them go through the rows
+  // (NewKvFromRows with returning users): the fused route's append has nothing to do.
+  bool AppendIdle(const ForwardBatch& batch) const;
   absl::StatusOr<std::vector<float>> Time(const std::function<absl::Status()>& fn, int warmup,
                                           int reps) override;
   int attention_items() const override { return static_cast<int>(plan_.items.size()); }
@@ -351,11 +365,11 @@ class CudaBackendImpl final : public CudaBackend {
   const int device_;
   std::string gpu_name_;
   std::string attention_kernel_;  // cuda::HstuAttentionKernelName of the pool, found at Init
-  // Fresh users' K/V go from their rows straight into the attention, which stores them to the
-  // pages (AttentionParams::fresh_kv_from_rows): the warp-specialised kernel runs, and
-  // HSTU_ATTN_FRESH_ROWS is not 0.
-  bool fresh_rows_ = false;
-  // Eager steps whose pages are not kept (ForwardBatch::keep_kv false) write none: fresh_rows_,
+  // New K/V of fresh users and of those whose cached prefix is whole key blocks go from their rows
+  // straight into the attention, which stores them to the pages (AttentionParams::
+  // new_kv_from_rows): the warp-specialised kernel runs, and HSTU_ATTN_FRESH_ROWS is not 0.
+  bool kv_from_rows_ = false;
+  // Eager steps whose pages are not kept (ForwardBatch::keep_kv false) write none: kv_from_rows_,
   // and HSTU_DROP_KV is not 0.
   bool drop_kv_ok_ = false;
   int concurrent_ctas_ = 0;
@@ -391,6 +405,10 @@ class CudaBackendImpl final : public CudaBackend {
   bool always_wait_nodes_ = false;  // HSTU_GRAPH_WAIT_NODES=1: replay the waiting graphs only (A/B)
   std::atomic<uint64_t> graph_wait_replays_{0};
   std::vector<CapturedAttentionNode> captured_attention_;
+  std::vector<cudaGraphNode_t> captured_append_;  // the append nodes a capture added (layers
+                                                  // before the last, fused GEMM route)
+  // The current layer's AppendKvParams / AttentionParams::returning_kv_from_rows (its UVQK route).
+  bool returning_kv_from_rows_ = false;
   bool replay_ = true;
   std::atomic<uint64_t> graph_replays_{0};
   uint64_t graph_fallbacks_ = 0;
@@ -409,6 +427,7 @@ class CudaBackendImpl final : public CudaBackend {
   bool onload_waits_ = false;  // an eager forward must wait for layer_ready_
   // Timing events around the latest flush of onloads on the onload stream (after its waits).
   cudaEvent_t onload_start_ = nullptr, onload_end_ = nullptr;
+  cudaEvent_t step_start_ = nullptr, step_end_ = nullptr;  // around a forward's device work
   int64_t timed_onload_bytes_ = 0;  // bytes of the flush between them; 0 = nothing to time
   std::optional<CopyTiming> onload_timing_;  // completed, not yet taken
   cuda::PageCopyMethod copy_method_ = cuda::PageCopyMethod::kMemcpyBatch;

@@ -398,6 +398,7 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
       std::lock_guard<std::mutex> lock(stats_mu_);
       ++stats_.forward_passes;
       stats_.compute_seconds += secs;
+      stats_.device_seconds += out.device_seconds;
     }
     if (!failure.ok()) break;
     // Pass 0 may have waited for onloads or prefetches: its time is not the GPU's alone, and

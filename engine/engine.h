@@ -52,6 +52,7 @@ struct EngineStats {
   uint64_t requests = 0;
   uint64_t forward_passes = 0;
   double compute_seconds = 0;       // total time inside backend forwards
+  double device_seconds = 0;        // of which the device ran the steps (0 on the CPU backend)
   int64_t device_memory_bytes = 0;  // weights + KV pool + workspace on the device (0 on the CPU)
   int64_t kv_pool_bytes = 0;
   int64_t weight_bytes = 0;

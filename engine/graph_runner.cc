@@ -75,6 +75,7 @@ absl::Status CudaBackendImpl::StageGraph(const ForwardBatch& batch, int slot,
   step_.num_cand = static_cast<int32_t>(cand_rows.size());
   step_.real_cand = step_.num_cand;
   SetStepPlans();
+  step_.append_idle = AppendIdle(batch);
   step_.slot = slot;
   staged_ = true;
   return absl::OkStatus();
@@ -139,6 +140,14 @@ absl::Status CudaBackendImpl::EnqueueStep() {
       sized.items = want.items;
       sized.split_tiles = want.split_tiles;
     }
+    if (g.append_shrunk != step_.append_idle) {
+      for (size_t i = 0; i < g.append_nodes.size(); ++i) {
+        cudaKernelNodeParams p = g.append_params[i];
+        if (step_.append_idle) p.gridDim = dim3(1, 1, 1);
+        HSTU_CUDA_RETURN(cudaGraphExecKernelNodeSetParams(g.exec, g.append_nodes[i], &p));
+      }
+      g.append_shrunk = step_.append_idle;
+    }
     HSTU_CUDA_RETURN(cudaGraphLaunch(g.exec, stream_.get()));
     graph_replays_.fetch_add(1, std::memory_order_relaxed);
     if (waits) graph_wait_replays_.fetch_add(1, std::memory_order_relaxed);
@@ -202,6 +211,7 @@ absl::Status CudaBackendImpl::CaptureGraphs() {
 
 absl::Status CudaBackendImpl::CaptureStep(bool waits, CapturedStep* c) {
   captured_attention_.clear();
+  captured_append_.clear();
   HSTU_CUDA_RETURN(cudaStreamBeginCapture(stream_.get(), cudaStreamCaptureModeThreadLocal));
   capturing_ = true;
   capture_waits_ = waits;
@@ -241,6 +251,17 @@ absl::Status CudaBackendImpl::CaptureStep(bool waits, CapturedStep* c) {
           "CUDA graphs cannot resize it (disable graphs or update the backend)");
     }
     c->attention_params.push_back(p);
+  }
+  c->append_nodes = captured_append_;
+  for (cudaGraphNode_t node : c->append_nodes) {
+    cudaGraphNodeType type;
+    HSTU_CUDA_RETURN(cudaGraphNodeGetType(node, &type));
+    cudaKernelNodeParams p{};
+    if (type == cudaGraphNodeTypeKernel) HSTU_CUDA_RETURN(cudaGraphKernelNodeGetParams(node, &p));
+    if (type != cudaGraphNodeTypeKernel || p.gridDim.x == 0) {
+      return absl::InternalError("graph capture: an append launch node is not a kernel");
+    }
+    c->append_params.push_back(p);
   }
   c->grid[kAllRows] = step_.attn[kAllRows];
   c->grid[kCandidateRows] = step_.attn[kCandidateRows];

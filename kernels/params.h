@@ -32,19 +32,21 @@ struct EmbeddingParams {
 
 // HSTU attention over a paged cache (DESIGN §2.2). History K/V of every user, the new rows included,
 // must already be in the pages (append runs first); a candidate's own K/V come from its uvqk row.
-// With fresh_kv_from_rows (CUDA, warp-specialised kernel only) a *fresh* user — no cached tokens,
-// kv.num_tokens[b] == num_new[b] — is the exception: its history K/V are read from its uvqk rows
-// (the append skipped it, AppendKvParams::fresh_kv_from_rows), and the attention kernel stores
-// them to the user's pages from shared memory as it goes. Slots at or past num_tokens[b] of that
-// user's last page may then be overwritten (they hold no token). With store_fresh_kv false as well
-// (a batch whose pages nobody reads again: the cache is off), fresh users' pages are not written.
+// With new_kv_from_rows (CUDA, warp-specialised kernel only) a user whose cached prefix ends on a
+// 64-key block boundary (NewKvFromRows: every fresh user, with no cached tokens, and the decode
+// steps' returning users) is the exception: its new history K/V are read from its uvqk rows (the
+// append skipped them, AppendKvParams::new_kv_from_rows), and the attention kernel stores them to
+// the user's pages from shared memory as it goes. Slots at or past num_tokens[b] of that user's
+// last page may then be overwritten (they hold no token). With store_new_kv false as well (a
+// batch whose pages nobody reads again: the cache is off), those users' pages are not written.
 template <typename T>
 struct AttentionParams {
   const T* uvqk = nullptr;       // [T, 4 * H * D]: u | v | q | k, head h at columns h*D .. (h+1)*D
   int64_t uvqk_row_stride = 0;   // elements between rows (= 4 * H * D)
-  int64_t uvqk_rows = 0;         // rows the uvqk allocation holds (>= T; fresh_kv_from_rows only)
-  bool fresh_kv_from_rows = false;
-  bool store_fresh_kv = true;    // with fresh_kv_from_rows: store fresh users' K/V to their pages
+  int64_t uvqk_rows = 0;         // rows the uvqk allocation holds (>= T; new_kv_from_rows only)
+  bool new_kv_from_rows = false;
+  bool returning_kv_from_rows = true;  // with new_kv_from_rows: returning users too (NewKvFromRows)
+  bool store_new_kv = true;      // with new_kv_from_rows: store those users' new K/V to their pages
   T* out = nullptr;              // [T, H * D]
   int32_t num_rows = 0;          // T
   const int32_t* row_offsets = nullptr;  // [B + 1]
@@ -63,11 +65,26 @@ struct AppendKvParams {
   const int32_t* row_offsets = nullptr;  // [B + 1]
   const int32_t* num_new = nullptr;      // [B]
   PagedKvView<T> kv;                     // kv.num_tokens[b] = cached + new (after the append)
-  // Skip fresh users (kv.num_tokens[b] == num_new[b]): the attention reads their K/V from the rows
-  // and stores them to the pages itself (AttentionParams::fresh_kv_from_rows). The CUDA bias +
-  // SiLU pass then writes their v and k back to the rows. The CPU ops ignore it.
-  bool fresh_kv_from_rows = false;
+  // Skip the users NewKvFromRows picks: the attention reads their new K/V from the rows and stores
+  // them to the pages itself (AttentionParams::new_kv_from_rows). The CUDA bias + SiLU pass then
+  // writes their v and k back to the rows. The CPU ops ignore it.
+  bool new_kv_from_rows = false;
+  bool returning_kv_from_rows = true;  // as AttentionParams's: the same on both sides
 };
+
+// The attention's key blocks (64 keys) a user's K/V may come from its rows: one block never mixes
+// keys from the pages with keys from the rows.
+constexpr int32_t kKvFromRowsAlign = 64;
+
+// With new_kv_from_rows (`enabled`) on, whether a user's new history K/V come from its uvqk rows
+// (key num_tokens - num_new + i = its new row i) instead of its pages: a fresh user (nothing
+// cached) always; a returning one when `returning` (returning_kv_from_rows) and its cached prefix
+// is whole key blocks.
+HSTU_HOST_DEVICE bool NewKvFromRows(bool enabled, bool returning, int32_t num_tokens,
+                                    int32_t num_new) {
+  const int32_t cached = num_tokens - num_new;
+  return enabled && (cached == 0 || (returning && cached % kKvFromRowsAlign == 0));
+}
 
 // Column offsets of u, v, q, k inside a uvqk row, in units of H * D.
 enum UvqkPart : int32_t { kU = 0, kV = 1, kQ = 2, kK = 3 };

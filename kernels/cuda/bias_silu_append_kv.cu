@@ -41,7 +41,8 @@ __device__ __forceinline__ int RowOwner(const int32_t* __restrict__ row_offsets,
 // kAppend: cols = 4·H·D (u | v | q | k); a row that is a new history row of its user (the same
 // search as the attention's: last user b with row_offsets[b] <= r) also writes its v and k
 // columns to the K and V blocks of its page slot, which for one token are H·D contiguous elements
-// — except a fresh user's with p.fresh_kv_from_rows, whose rows are written back whole.
+// — except those of a user NewKvFromRows picks (p.new_kv_from_rows), whose rows are written back
+// whole.
 // Rows at or past row_offsets[B] (padding) belong to no user's new rows and are never appended.
 template <bool kAppend>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -75,9 +76,10 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int first = p.row_offsets[b], num_new = p.num_new[b];
       const int num_tokens = p.kv.num_tokens[b], page_idx = p.kv.indptr[b];
       const int i = ri - first;
-      // A fresh user's rows keep their v and k (the attention reads them there and stores them
-      // to the pages: AppendKvParams::fresh_kv_from_rows).
-      if (i < num_new && !(p.fresh_kv_from_rows && num_tokens == num_new)) {
+      // The rows of a user NewKvFromRows picks keep their v and k (the attention reads them there
+      // and stores them to the pages: AppendKvParams::new_kv_from_rows).
+      if (i < num_new &&
+          !NewKvFromRows(p.new_kv_from_rows, p.returning_kv_from_rows, num_tokens, num_new)) {
         const int t = num_tokens - num_new + i;
         k_dst = p.kv.base + p.kv.SlotOffset(p.kv.page_ids[page_idx + t / p.kv.page_size], t, 0);
       }
@@ -109,9 +111,10 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 // The append alone, for uvqk rows that already hold their post-SiLU values (the fused UVQK GEMM):
 // warp w takes segment w % segs of the v block (first segs) or the k block of row w / (2·segs) and,
-// when the row is a new history row of its user (not a fresh one with p.fresh_kv_from_rows),
-// copies it to the row's page slot (K block, or V at kv_stride). As in the fused pass, the loads are issued before the owner lookup, whose
-// dependent loads then hide behind them (a candidate row's loads, L2 hits, are simply dropped).
+// when the row is a new history row of its user (not one of a user NewKvFromRows picks),
+// copies it to the row's page slot (K block, or V at kv_stride). Without new_kv_from_rows, as in
+// the fused pass, the loads are issued before the owner lookup, whose dependent loads then hide
+// behind them (a candidate row's loads, L2 hits, are simply dropped).
 __global__ void __launch_bounds__(kWarps * 32)
     AppendKvFromRowsKernel(int64_t rows, int64_t segs, AppendKvParams<bf16> p) {
   WaitForPredecessor();  // launched dependent on the kernel before it (LaunchDependent)
@@ -126,17 +129,26 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t hd = p.kv.num_heads * static_cast<int64_t>(p.kv.head_dim);
   const bf16* src = p.uvqk + r * p.uvqk_row_stride + (is_v ? kV : kK) * hd;
   Bf16x8 in[kLaneGroups];
+  auto load = [&] {
 #pragma unroll
-  for (int k = 0; k < kLaneGroups; ++k) {
-    const int64_t c = seg * kSegCols + k * 256 + lane * 8;
-    if (c < hd) in[k] = *reinterpret_cast<const Bf16x8*>(src + c);
-  }
+    for (int k = 0; k < kLaneGroups; ++k) {
+      const int64_t c = seg * kSegCols + k * 256 + lane * 8;
+      if (c < hd) in[k] = *reinterpret_cast<const Bf16x8*>(src + c);
+    }
+  };
+  // With new_kv_from_rows most rows have nothing to append (the decode steps' users all go through
+  // the rows): the owner first, so that their loads are never issued.
+  if (!p.new_kv_from_rows) load();
   const int ri = static_cast<int>(r);
   const int b = RowOwner(p.row_offsets, p.kv.batch_size, ri, lane);
   const int first = p.row_offsets[b], num_new = p.num_new[b];
   const int num_tokens = p.kv.num_tokens[b], page_idx = p.kv.indptr[b];
   const int i = ri - first;
-  if (i >= num_new || (p.fresh_kv_from_rows && num_tokens == num_new)) return;
+  if (i >= num_new ||
+      NewKvFromRows(p.new_kv_from_rows, p.returning_kv_from_rows, num_tokens, num_new)) {
+    return;
+  }
+  if (p.new_kv_from_rows) load();
   const int t = num_tokens - num_new + i;
   bf16* dst = p.kv.base + p.kv.SlotOffset(p.kv.page_ids[page_idx + t / p.kv.page_size], t, 0) +
               (is_v ? p.kv.kv_stride : 0);

@@ -52,8 +52,8 @@ class GemmTuner {
   // The UVQK projection's route for this call, c = append.uvqk [m, n]: a config of
   // LaunchGemmBiasSilu (≥ 0: c = SiLU(a·b + bias) in one kernel, then LaunchAppendKvFromRows) or −1
   // (Run() for c = a·b, then LaunchBiasSiluAppendKv). Chosen per (row class, n, k) by timing both
-  // whole routes, GEMM and append, on this call's operands (same interleaved rounds and 2 % margin
-  // as Run's tuning); −1 when tuning is off, when the fused kernel is unavailable or turned off
+  // whole routes, GEMM and append, on this call's operands (the interleaved rounds of Run's
+  // tuning; a fused config must be 5 % faster, gemm_tuner.cc says why); −1 when tuning is off, when the fused kernel is unavailable or turned off
   // (HSTU_GEMM_FUSED=0 in the environment when the tuner is initialised), and for a class first
   // seen inside a capture. HSTU_GEMM_FUSED=force takes the last fused config for every class
   // without timing (tests, A/B runs). The

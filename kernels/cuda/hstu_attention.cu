@@ -155,7 +155,7 @@ const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stre
   return DeviceTensorMap(kv.base, dims, strides, box, stream, why);
 }
 
-// The tensor map of p's uvqk rows for fresh users (fresh_kv_from_rows): the rows [uvqk_rows,
+// The tensor map of p's uvqk rows for the new K/V read there (new_kv_from_rows): the rows [uvqk_rows,
 // 4·H·D] bf16 viewed as {64 columns, 4·H·D/64 slabs of 128 bytes, uvqk_rows rows, 1}, box
 // {64, 1, 64, 1} — a 64-key block of one slab in the swizzled layout of the pool map's boxes. Rows
 // past the allocation read as zeros. nullptr when it cannot be had (*why says why).
@@ -182,11 +182,11 @@ cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* item
   cudaError_t err = cudaSuccess;
   const CUtensorMap* kv_map = kD == 256 ? KvTensorMap(p, stream) : nullptr;
   if (cluster > 0 && kv_map == nullptr) return cudaErrorInvalidValue;  // the WS kernel only
-  // Fresh users' K/V are in no page yet: only the WS kernel reads them from the rows.
+  // The rows' users' new K/V are in no page yet: only the WS kernel reads them from the rows.
   const char* why = "";
   const CUtensorMap* rows_map =
-      p.fresh_kv_from_rows && kv_map != nullptr ? RowsTensorMap(p, stream, &why) : nullptr;
-  if (p.fresh_kv_from_rows && rows_map == nullptr) return cudaErrorInvalidValue;
+      p.new_kv_from_rows && kv_map != nullptr ? RowsTensorMap(p, stream, &why) : nullptr;
+  if (p.new_kv_from_rows && rows_map == nullptr) return cudaErrorInvalidValue;
   if (kv_map != nullptr) {
     constexpr int kSmem = AttnWsTraits::kSmemBytes;
     // Not a stream operation, so it is allowed while a stream is being captured.
@@ -284,7 +284,7 @@ std::string HstuAttentionKernelName(const AttentionParams<bf16>& p, cudaStream_t
   return std::string("2-warpgroup cp.async kernel (") + why + ")";
 }
 
-bool HstuAttentionFreshRowsEnabled() {
+bool HstuAttentionKvFromRowsEnabled() {
   static const bool on = [] {
     const char* e = std::getenv("HSTU_ATTN_FRESH_ROWS");
     return e == nullptr || std::strcmp(e, "0") != 0;

@@ -104,9 +104,9 @@ enum AttnTraceField {
 // cudaErrorNotSupported in builds without the trace.
 cudaError_t ReadHstuAttentionTrace(std::vector<uint64_t>* out);
 
-// Whether a backend should run fresh users through AttentionParams::fresh_kv_from_rows where
+// Whether a backend should read new K/V from the rows (AttentionParams::new_kv_from_rows) where
 // the warp-specialised kernel runs (HSTU_ATTN_FRESH_ROWS=0 turns it off, for A/B timing).
-bool HstuAttentionFreshRowsEnabled();
+bool HstuAttentionKvFromRowsEnabled();
 
 // CTAs of the attention kernel one SM runs at once for this head dim (occupancy API).
 cudaError_t HstuAttentionCtasPerSm(int head_dim, int* ctas_per_sm);
@@ -126,11 +126,12 @@ cudaError_t HstuAttentionCtasPerSm(int head_dim, int* ctas_per_sm);
 // (num_split_tiles must be 0; partials may still be given, the reduction's blocks then exit).
 // Warp-specialised kernel only (D = 256, no window; cudaErrorInvalidValue otherwise).
 //
-// p.fresh_kv_from_rows: fresh users' history K/V are read from their uvqk rows and stored to their
+// p.new_kv_from_rows: the new history K/V of the users NewKvFromRows picks (fresh users and those
+// whose cached prefix is whole 64-key blocks) are read from their uvqk rows and stored to their
 // pages by the kernel (AttentionParams); the warp-specialised kernel only, with p.uvqk_rows >=
 // p.num_rows and packed rows — cudaErrorInvalidValue otherwise, since those users' K/V are in no
 // page yet. Inside a stream capture the rows' tensor map must already exist (an eager launch on
-// the same buffer built it). With p.store_fresh_kv false the kernel stores nothing (pages nobody
+// the same buffer built it). With p.store_new_kv false the kernel stores nothing (pages nobody
 // reads again: the cache is off).
 cudaError_t LaunchHstuAttention(const AttentionParams<__nv_bfloat16>& p,
                                 const AttentionWorkItem* items, int32_t num_items,

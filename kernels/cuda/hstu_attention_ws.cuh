@@ -46,7 +46,7 @@ __device__ __forceinline__ void TmaLoad4d(uint32_t dst, const CUtensorMap* map, 
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
-// The reverse, shared memory to global (a fresh user's K/V to its pages), in the CTA's bulk group;
+// The reverse, shared memory to global (new K/V from the rows to their pages), in the CTA's bulk group;
 // the smem tile must not be rewritten before BulkWaitRead, nor the CTA exit before BulkWaitAll.
 __device__ __forceinline__ void TmaStore4d(const CUtensorMap* map, uint32_t src, int c0, int c1,
                                            int c2, int c3) {
@@ -224,10 +224,10 @@ struct AttnWsTraits {
 // P(j-1)·V(j-1) issued in one turn, measured 30 % slower: docs/cuda_kernels.md, round 6.) kv_map: the pool's tensor map in global memory; box_rows: rows
 // of one TMA box (64, 32, 16 or 8, dividing the page size).
 //
-// Fresh users (p.fresh_kv_from_rows, no cached tokens; round 19): the producer loads their K/V
-// blocks from the uvqk rows through rows_map (box {64 columns, 1 slab, 64 rows, 1}: rows
-// [T, 4·H·D/64 slabs of 128 bytes]), in the same swizzled layout, and the append has skipped
-// them. A key block of the tile's own rows (key index = row index for a fresh user) is loaded
+// New K/V from the rows (p.new_kv_from_rows; users NewKvFromRows picks, rounds 19 and 27): the
+// producer loads their new keys' K/V blocks from the uvqk rows through rows_map (box {64 columns,
+// 1 slab, 64 rows, 1}: rows [T, 4·H·D/64 slabs of 128 bytes]), in the same swizzled layout, and
+// the append has skipped them. A key block of the tile's own rows (new key i = row i) is loaded
 // by this tile only among all tiles whose causal range covers it, and it is one of the CTA's
 // last two blocks, still in the ring after the loop: the consumers store it from there to the
 // pages with TMA (the pool map's boxes), which costs the CTA no loads and no kernel.
@@ -268,12 +268,16 @@ __global__ void __launch_bounds__(384, 1)
   const int kv_begin = it.kv_begin, kv_end = it.kv_end;
   const int num_blocks = (kv_end - kv_begin + kN - 1) / kN;
   const int num_items = 2 * num_blocks;  // ring items: K(j) = 2j, V(j) = 2j + 1
-  // A fresh user's keys come from its rows (key t = row row_offsets[b] + t); the CTA's blocks
+  // A user NewKvFromRows picks has its new keys in its rows (key first_rows_key + i = row
+  // row_offsets[b] + i; the cached keys before them, whole blocks, in the pages). The CTA's blocks
   // from first_owned on are its tile's own rows, which it stores to the pages (at most 2 blocks:
-  // kv_begin and q_local are multiples of 64 keys) unless the pages are not kept.
-  const bool fresh = p.fresh_kv_from_rows && p.kv.num_tokens[b] == p.num_new[b];
-  const int first_owned = fresh && p.store_fresh_kv
-                              ? max(0, (it.q_local - kv_begin + kN - 1) / kN)
+  // kv_begin, first_rows_key and q_local are multiples of 64 keys) unless the pages are not kept.
+  static_assert(kN == kKvFromRowsAlign, "a key block must not mix keys of the pages and the rows");
+  const bool rows_user = NewKvFromRows(p.new_kv_from_rows, p.returning_kv_from_rows,
+                                       p.kv.num_tokens[b], p.num_new[b]);
+  const int first_rows_key = rows_user ? p.kv.num_tokens[b] - p.num_new[b] : INT_MAX;
+  const int first_owned = rows_user && p.store_new_kv
+                              ? max(0, (first_rows_key + it.q_local - kv_begin + kN - 1) / kN)
                               : num_blocks;
 
   if (tid == 0) {
@@ -291,7 +295,7 @@ __global__ void __launch_bounds__(384, 1)
     if (warp != 0) return;
     // The map was written to global memory by a host copy; order its reads by the TMA unit after it.
     asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(kv_map) : "memory");
-    if (fresh) {
+    if (rows_user) {
       asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(rows_map) : "memory");
     }
     const int32_t* pages = p.kv.page_ids + p.kv.indptr[b];
@@ -304,7 +308,7 @@ __global__ void __launch_bounds__(384, 1)
       const int t = kv_begin + blk * kN + gi * box_rows;
       return (box_lane && blk < num_blocks && t < kv_end) ? __ldg(pages + t / page_size) : -1;
     };
-    int32_t page = fresh ? -1 : page_of_group(0);
+    int32_t page = kv_begin >= first_rows_key ? -1 : page_of_group(0);
     const int row_base = p.row_offsets[b];
     const int part_slab = static_cast<int>(p.kv.num_heads) * Tr::kSlabs;  // slabs of u, v, q or k
     WaitForPredecessor();
@@ -313,13 +317,15 @@ __global__ void __launch_bounds__(384, 1)
       const int kstart = kv_begin + blk * kN;
       const int groups = min(G, (kv_end - kstart + box_rows - 1) / box_rows);
       MbarWait(empty_bar(slot), ((i / kSlots) & 1) ^ 1);
-      if (fresh) {  // one 64-row box a slab; rows past the user's keys are masked as in a page
+      if (kstart >= first_rows_key) {  // one 64-row box a slab; rows past the user's keys are
+                                       // masked as in a page
         if (lane == 0) MbarArriveExpectTx(full_bar(slot), static_cast<uint32_t>(Tr::kSlotBytes));
         __syncwarp();
         if (lane < Tr::kSlabs) {
           const uint32_t dst = ring_addr + slot * Tr::kSlotBytes + lane * (kN * 128);
           TmaLoad4d(dst, rows_map, full_bar(slot), 0,
-                    (kv == 1 ? kV : kK) * part_slab + h * Tr::kSlabs + lane, row_base + kstart, 0);
+                    (kv == 1 ? kV : kK) * part_slab + h * Tr::kSlabs + lane,
+                    row_base + kstart - first_rows_key, 0);
         }
         continue;
       }
@@ -509,7 +515,7 @@ __global__ void __launch_bounds__(384, 1)
   }
 #endif
 
-  // A fresh user's own blocks, still in the ring (no load follows the last), to its pages: warp 0
+  // The tile's own new blocks, still in the ring (no load follows the last), to its pages: warp 0
   // of the consumers issues the boxes of the producer's page layout once both warpgroups are past
   // their last wgmma and the tail rows of the last V are zeroed (wait_v fenced them).
   const bool stores = first_owned < num_blocks;  // CTA-uniform

@@ -12,6 +12,7 @@
 #include "engine/cuda_backend.h"
 #include "engine/engine.h"
 #include "engine/model_file.h"
+#include "kernels/cuda/gemm_bias_silu.h"
 #include "kernels/cuda/hstu_attention.h"
 #include "kernels/params.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -306,6 +307,78 @@ TEST(CudaGraphs, ClusterPlansReplayEqualEager) {
   EXPECT_EQ(cluster_replays, 3);
   std::printf("  %d clusters of 8 at once on %d SMs: cluster plans of %d..%d tiles (2 heads)\n",
               max_clusters, sms, lo, hi);
+  g.SetGraphReplay(true);
+}
+
+// Returning users whose cached prefix is whole 64-key blocks have their new K/V read from the rows
+// and stored to the pages by the attention (the warp-specialised kernel, D = 256, on the fused
+// UVQK route): a replay whose users all do runs the append nodes on one block, one with a user
+// whose prefix is not whole blocks runs them whole again. Each replay equals the padded eager
+// step bit for bit; the outputs and every visited user's pages follow a backend on the cuBLAS
+// route (every returning user's K/V appended to the pages) within bf16 tolerance.
+TEST(CudaGraphs, AppendNodesFollowTheUsersReadFromTheRows) {
+  HSTU_SKIP_WITHOUT_GPU();
+  if (!cuda::GemmBiasSiluAvailable()) GTEST_SKIP() << "no fused GEMM in this build or on this GPU";
+  ModelConfig c = GraphConfig(256);
+  c.hidden_dim = 256;
+  c.num_heads = 2;
+  c.max_history_tokens = 4096;
+  c.max_candidates = 256;
+  c.attention_norm_len = 4096 + 256;
+  c.position_rows = 4096;
+  c.head_dims = {256, 32, 3};
+  const ModelWeights w = RandomModel(c, 78);
+  const int page_size = 32, num_pages = 400;
+  GraphOptions go;
+  go.enable = true;
+  go.buckets = {{4, 1024}};
+  setenv("HSTU_GEMM_FUSED", "force", 1);  // read when a backend's GEMM tuner is created
+  auto graphed = CreateCudaBackendExt(w, page_size, num_pages, 0, go);
+  setenv("HSTU_GEMM_FUSED", "0", 1);
+  auto appended = CreateCudaBackendExt(w, page_size, num_pages, 0);
+  unsetenv("HSTU_GEMM_FUSED");
+  ASSERT_TRUE(graphed.ok() && appended.ok()) << graphed.status() << appended.status();
+  CudaBackend& g = **graphed;
+  CudaBackend& e = **appended;
+  ASSERT_EQ(g.attention_kernel().rfind("warp-specialised TMA kernel", 0), 0u) << g.attention_kernel();
+  ASSERT_TRUE(g.SetDebugPoison(true).ok() && e.SetDebugPoison(true).ok());
+  std::mt19937 rng(12);
+  std::vector<User> users(4);
+  std::vector<int32_t> free_pages(num_pages);
+  std::iota(free_pages.begin(), free_pages.end(), 0);
+  std::shuffle(free_pages.begin(), free_pages.end(), rng);
+  ForwardOutput out;
+  const ForwardBatch pre = Step(&users, {192, 320, 64, 128}, {0, 0, 0, 0}, page_size, &free_pages, &rng);
+  ASSERT_TRUE(g.Forward(pre, false, &out).ok() && e.Forward(pre, false, &out).ok());
+  struct Visit { std::vector<int> who, nn, cand; };
+  const Visit visits[] = {
+      {{0, 1, 2, 3}, {64, 128, 64, 0}, {20, 5, 1, 30}},  // prefixes 192, 320, 64, 128: all whole
+      {{0, 1, 2, 3}, {10, 64, 0, 64}, {3, 40, 7, 2}},    // 256, 448, 128, 128: whole
+      {{0, 1, 2, 3}, {5, 3, 7, 64}, {9, 1, 4, 16}},      // 266: user 0 through the append
+      {{3}, {40}, {25}},                                  // 256: whole again
+      {{0, 2}, {1, 2}, {6, 6}},                           // 271 and 135: both appended
+  };
+  for (size_t v = 0; v < std::size(visits); ++v) {
+    const Visit& vis = visits[v];
+    std::vector<User> sub;
+    for (int u : vis.who) sub.push_back(users[u]);
+    const ForwardBatch fb = Step(&sub, vis.nn, vis.cand, page_size, &free_pages, &rng);
+    for (size_t i = 0; i < vis.who.size(); ++i) users[vis.who[i]] = sub[i];
+    const std::string what = "visit " + std::to_string(v);
+    const ForwardOutput replayed = ReplayThenEager(g, fb, /*replay=*/true, what);
+    ForwardOutput ref;
+    ASSERT_TRUE(e.Forward(fb, true, &ref).ok()) << what;
+    EXPECT_LT(test::MaxAbsDiff(replayed.scores, ref.scores), test::kBf16ScoreAbs) << what;
+    EXPECT_LT(test::RelL2(replayed.hidden, ref.hidden), test::kBf16RelL2) << what;
+    for (const User& u : sub) {
+      std::vector<float> kv_g, kv_e;
+      ASSERT_TRUE(g.ReadKv(u.pages, u.cached, &kv_g).ok() && e.ReadKv(u.pages, u.cached, &kv_e).ok());
+      ASSERT_TRUE(test::AllFinite(kv_g)) << what;
+      EXPECT_LT(test::RelL2(kv_g, kv_e), test::kBf16RelL2) << what << ", pages of a user";
+    }
+  }
+  EXPECT_NE(g.gemm_routes().find("fused"), std::string::npos) << g.gemm_routes();
+  EXPECT_EQ(e.gemm_routes().find("rows: fused"), std::string::npos) << e.gemm_routes();
   g.SetGraphReplay(true);
 }
 

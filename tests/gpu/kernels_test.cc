@@ -267,8 +267,10 @@ struct PagedCase {
   }
 };
 
+// align_cached > 1: every even user's cached prefix is rounded down to a multiple of it (returning
+// users whose prefix is whole key blocks, NewKvFromRows), the others' left as drawn.
 PagedCase MakeCase(std::mt19937& rng, int B, int page_size, int H, int D, int W, int max_cached,
-                   int max_new, int max_cand) {
+                   int max_new, int max_cand, int align_cached = 1) {
   PagedCase c;
   c.B = B;
   c.page_size = page_size;
@@ -286,6 +288,7 @@ PagedCase MakeCase(std::mt19937& rng, int B, int page_size, int H, int D, int W,
     if (b % 5 == 3) cand = 1;
     if (b % 7 == 4) cand = 0;
     if (nnew + cand == 0) cand = 1;
+    if (align_cached > 1 && b % 2 == 0) cached -= cached % align_cached;
     c.num_new.push_back(nnew);
     c.num_tokens.push_back(cached + nnew);
     c.row_offsets.push_back(c.row_offsets.back() + nnew + cand);
@@ -320,15 +323,18 @@ PagedCase MakeCase(std::mt19937& rng, int B, int page_size, int H, int D, int W,
 // the append), then both sides append and attend over the GPU's post-SiLU rows: the pages bit for
 // bit, attention within the bf16 tolerance.
 // cluster > 0: a cluster plan (summed in distributed shared memory), which the case must produce.
-// fresh_rows: fresh users (no cached tokens) go through AttentionParams::fresh_kv_from_rows — the
-// pass leaves their v and k in the rows and the attention stores them to the pages; the pages are
-// then compared after the attention, every slot bit for bit except those past a fresh user's
-// tokens (which hold no token and may be overwritten).
+// fresh_rows: AttentionParams::new_kv_from_rows on — the users NewKvFromRows picks (fresh ones, and
+// those whose cached prefix is whole key blocks) keep their v and k in the rows after the pass and
+// the attention stores them to the pages; the pages are then compared after the attention, every
+// slot bit for bit except those past such a user's tokens (which hold no token and may be
+// overwritten).
 void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, int max_split = 64,
                   bool expect_two_chunks = false, int cluster = 0, bool fresh_rows = false,
                   bool store_fresh = true) {
   const int64_t hd = static_cast<int64_t>(c.H) * c.D;
-  auto fresh = [&](int b) { return fresh_rows && c.num_tokens[b] == c.num_new[b]; };
+  auto fresh = [&](int b) {
+    return NewKvFromRows(fresh_rows, true, c.num_tokens[b], c.num_new[b]);
+  };
   const std::vector<float> pool0 = c.pool;  // before any append
   DeviceArray<bf16> d_pool(ToBf16(c.pool)), d_uvqk(ToBf16(c.uvqk)), d_out(c.rows() * hd);
   DeviceArray<int32_t> d_ro(c.row_offsets), d_nn(c.num_new), d_nt(c.num_tokens),
@@ -345,7 +351,7 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
   ga.row_offsets = d_ro.get();
   ga.num_new = d_nn.get();
   ga.kv = gv;
-  ga.fresh_kv_from_rows = fresh_rows;
+  ga.new_kv_from_rows = fresh_rows;
   // Every row activated in place (LaunchBiasSilu, same rounding) as the reference of the append.
   DeviceArray<bf16> d_all(d_uvqk.Download());
   HSTU_ASSERT_CUDA(cuda::LaunchBiasSilu(d_all.get(), c.rows(), 4 * hd, d_bias.get(), nullptr));
@@ -380,8 +386,8 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
   ca.num_new = c.num_new.data();
   ca.kv = c.CpuView();
   cpu::AppendKv(ca);
-  // The pages against cpu::AppendKv, bit for bit; with fresh_rows the slots past a fresh user's
-  // tokens are not compared, and without store_fresh a fresh user's pages must be as they were.
+  // The pages against cpu::AppendKv, bit for bit; with fresh_rows the slots past a rows user's
+  // tokens are not compared, and without store_fresh a rows user's pages must be as they were.
   auto check_pool = [&](const char* when) {
     const auto pool_after = ToF32(d_pool.Download());
     ASSERT_EQ(pool_after.size(), c.pool.size());
@@ -412,7 +418,7 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
       wrong += compare[e] && std::memcmp(&pool_after[e], &c.pool[e], sizeof(float)) != 0;
     }
     EXPECT_EQ(wrong, 0) << what << ": pages " << when << " differ from cpu::AppendKv";
-    EXPECT_EQ(written, 0) << what << ": fresh users' pages written with store_fresh_kv off";
+    EXPECT_EQ(written, 0) << what << ": fresh users' pages written with store_new_kv off";
   };
   if (!fresh_rows) check_pool("after the append");
 
@@ -448,8 +454,8 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
   gp.uvqk = d_uvqk.get();
   gp.uvqk_row_stride = 4 * hd;
   gp.uvqk_rows = c.rows();
-  gp.fresh_kv_from_rows = fresh_rows;
-  gp.store_fresh_kv = store_fresh;
+  gp.new_kv_from_rows = fresh_rows;
+  gp.store_new_kv = store_fresh;
   gp.out = d_out.get();
   gp.num_rows = c.rows();
   gp.row_offsets = d_ro.get();
@@ -501,7 +507,10 @@ TEST(CudaKernels, BiasSiluAppendKvMatchesCpu) {
       {4, 17, 8, 256, 20, 40, 2, 2},      // H·D = 2048: 16 segments, odd page size
   };
   for (const Shape& sh : shapes) {
-    PagedCase c = MakeCase(rng, sh.B, sh.page_size, sh.H, sh.D, 0, sh.cached, sh.nnew, sh.cand);
+    // Even users' cached prefixes are whole key blocks (NewKvFromRows picks them below), odd
+    // users' as drawn.
+    PagedCase c = MakeCase(rng, sh.B, sh.page_size, sh.H, sh.D, 0, sh.cached, sh.nnew, sh.cand,
+                           /*align_cached=*/64);
     for (int b = 3; b < c.B; b += 4) {
       c.num_tokens[b] -= c.num_new[b];
       c.num_new[b] = 0;
@@ -592,13 +601,14 @@ TEST(CudaKernels, BiasSiluAppendKvMatchesCpu) {
     EXPECT_EQ(std::memcmp(got.data(), expect.data(), got.size() * sizeof(float)), 0)
         << what << " (" << appended_rows << " appended rows)";
 
-    // With fresh_kv_from_rows the append alone skips fresh users (no cached tokens): their new
-    // slots keep the poison; the fused pass writes their v and k back to the rows instead.
+    // With new_kv_from_rows the append alone skips the users NewKvFromRows picks (no cached
+    // tokens, or a cached prefix of whole key blocks): their new slots keep the poison; the fused
+    // pass writes their v and k back to the rows instead.
     const std::vector<float> pool_before = c.pool;
     DeviceArray<bf16> d_pool3(ToBf16(c.pool)), d_uvqk3(ToBf16(x));
     AppendKvParams<bf16> skip = from_rows;
     skip.kv.base = d_pool3.get();
-    skip.fresh_kv_from_rows = true;
+    skip.new_kv_from_rows = true;
     HSTU_ASSERT_CUDA(cuda::LaunchAppendKvFromRows(rows, skip, nullptr));
     skip.uvqk = d_uvqk3.get();
     HSTU_ASSERT_CUDA(cuda::LaunchBiasSiluAppendKv(d_uvqk3.get(), rows, cols, d_bias.get(), skip,
@@ -607,7 +617,7 @@ TEST(CudaKernels, BiasSiluAppendKvMatchesCpu) {
     std::vector<float> expect3 = got;
     int fresh_users = 0;
     for (int b = 0; b < c.B; ++b) {
-      if (c.num_new[b] == 0 || c.num_tokens[b] != c.num_new[b]) continue;
+      if (c.num_new[b] == 0 || !NewKvFromRows(true, true, c.num_tokens[b], c.num_new[b])) continue;
       ++fresh_users;
       for (int64_t r = c.row_offsets[b]; r < c.row_offsets[b] + c.num_new[b]; ++r) {
         std::copy_n(got2.begin() + r * cols, cols, expect3.begin() + r * cols);
@@ -615,8 +625,8 @@ TEST(CudaKernels, BiasSiluAppendKvMatchesCpu) {
     }
     const auto got3 = ToF32(d_uvqk3.Download());
     EXPECT_EQ(std::memcmp(got3.data(), expect3.data(), got3.size() * sizeof(float)), 0)
-        << what << ": the pass with fresh_kv_from_rows (" << fresh_users
-        << " fresh users) must write their rows whole";
+        << what << ": the pass with new_kv_from_rows (" << fresh_users
+        << " users through the rows) must write their rows whole";
 
     AppendKvParams<float> ca;
     ca.uvqk = got2.data();
@@ -626,9 +636,9 @@ TEST(CudaKernels, BiasSiluAppendKvMatchesCpu) {
     ca.kv = cv;
     cpu::AppendKv(ca);
     {
-      std::vector<float> want3 = c.pool;  // cpu::AppendKv, fresh users' new slots as before
+      std::vector<float> want3 = c.pool;  // cpu::AppendKv, the rows users' new slots as before
       for (int b = 0; b < c.B; ++b) {
-        if (c.num_tokens[b] != c.num_new[b]) continue;
+        if (!NewKvFromRows(true, true, c.num_tokens[b], c.num_new[b])) continue;
         for (int t = 0; t < c.num_tokens[b]; ++t) {
           for (const float* row : {c.CpuView().K(b, t, 0), c.CpuView().V(b, t, 0)}) {
             const int64_t at = row - c.pool.data();
@@ -638,7 +648,7 @@ TEST(CudaKernels, BiasSiluAppendKvMatchesCpu) {
       }
       const auto pool3 = ToF32(d_pool3.Download());
       EXPECT_EQ(std::memcmp(pool3.data(), want3.data(), want3.size() * sizeof(float)), 0)
-          << what << ": the append with fresh_kv_from_rows must leave fresh users' pages alone";
+          << what << ": the append with new_kv_from_rows must leave the rows users' pages alone";
     }
     const auto pool_after = ToF32(d_pool.Download());
     ASSERT_EQ(pool_after.size(), c.pool.size());
@@ -714,33 +724,41 @@ TEST(CudaKernels, ClusterAttentionMatchesCpu) {
   }
 }
 
-// Fresh users through the rows (AttentionParams::fresh_kv_from_rows, the warp-specialised kernel):
-// the attention against the CPU and the pages it stores against cpu::AppendKv. All-fresh batches
-// (the no-cache block), mixed ones (every 5th user fresh, MakeCase), every TMA box height, split,
-// unsplit and cluster plans, partial last blocks.
-TEST(CudaKernels, FreshUsersReadRowsAndStorePages) {
+// New K/V through the rows (AttentionParams::new_kv_from_rows, the warp-specialised kernel): the
+// attention against the CPU and the pages it stores against cpu::AppendKv. All-fresh batches (the
+// no-cache block), mixed ones (every 5th user fresh, MakeCase), returning users whose cached
+// prefix is whole 64-key blocks (align 64: every even user; the odd ones' prefixes mostly are not,
+// and go through the append), every TMA box height, split, unsplit and cluster plans, partial
+// last blocks.
+TEST(CudaKernels, NewKvFromRowsReadAndStoredToPages) {
   HSTU_SKIP_WITHOUT_GPU();
   std::mt19937 rng(19);
-  struct Shape { int B, page_size, H, cached, nnew, cand, ctas, cluster; };
+  struct Shape { int B, page_size, H, cached, nnew, cand, ctas, cluster, align; };
   const Shape shapes[] = {
-      {4, 32, 2, 0, 700, 50, 264, 0},    // all fresh, long histories, split tiles
-      {3, 64, 4, 0, 1000, 256, 1, 0},    // all fresh, no split (the no-cache block's plan)
-      {17, 32, 2, 300, 90, 40, 264, 0},  // mixed users with edge cases
-      {5, 8, 1, 0, 333, 7, 264, 0},      // 8-row boxes, partial last blocks
-      {6, 16, 2, 120, 200, 30, 4096, 0}, // 16-row boxes, many chunks
-      {2, 128, 2, 0, 515, 60, 264, 0},   // pages of two 64-key blocks
-      {1, 32, 4, 0, 128, 256, 1, 8},     // a fresh decode-size user in a cluster plan
-      {3, 16, 2, 100, 150, 20, 1, 4},    // mixed, clusters of 4
+      {4, 32, 2, 0, 700, 50, 264, 0, 1},      // all fresh, long histories, split tiles
+      {3, 64, 4, 0, 1000, 256, 1, 0, 1},      // all fresh, no split (the no-cache block's plan)
+      {17, 32, 2, 300, 90, 40, 264, 0, 1},    // mixed users with edge cases
+      {5, 8, 1, 0, 333, 7, 264, 0, 1},        // 8-row boxes, partial last blocks
+      {6, 16, 2, 120, 200, 30, 4096, 0, 1},   // 16-row boxes, many chunks
+      {2, 128, 2, 0, 515, 60, 264, 0, 1},     // pages of two 64-key blocks
+      {1, 32, 4, 0, 128, 256, 1, 8, 1},       // a fresh decode-size user in a cluster plan
+      {3, 16, 2, 100, 150, 20, 1, 4, 1},      // mixed, clusters of 4
+      {8, 32, 4, 4000, 128, 256, 264, 0, 64}, // returning users at whole blocks (decode, split)
+      {8, 64, 2, 900, 256, 256, 1, 0, 64},    // the same, unsplit, two history tiles a user
+      {17, 16, 2, 500, 200, 40, 264, 0, 64},  // with edge cases and unaligned users beside them
+      {1, 32, 4, 4000, 128, 256, 1, 8, 64},   // the batch-1 decode step's cluster plan
+      {3, 128, 2, 700, 300, 20, 4096, 0, 64}, // prefixes ending mid-page, many chunks
+      {5, 8, 1, 400, 170, 7, 1, 4, 64},       // 8-row boxes, clusters of 4
   };
   for (const Shape& s : shapes) {
-    // Then the same shape with the pages not kept (store_fresh_kv off): fresh users' pages
+    // Then the same shape with the pages not kept (store_new_kv off): those users' pages
     // untouched, the output as before.
     for (bool store : {true, false}) {
-      PagedCase c = MakeCase(rng, s.B, s.page_size, s.H, 256, 0, s.cached, s.nnew, s.cand);
+      PagedCase c = MakeCase(rng, s.B, s.page_size, s.H, 256, 0, s.cached, s.nnew, s.cand, s.align);
       RunPagedCase(c, s.ctas,
-                   std::string(store ? "fresh " : "fresh, not stored ") +
+                   std::string(store ? "rows " : "rows, not stored ") +
                        ::testing::PrintToString(std::vector<int>{s.B, s.page_size, s.H, s.cached,
-                                                                 s.nnew, s.cluster}),
+                                                                 s.nnew, s.cluster, s.align}),
                    64, false, s.cluster, /*fresh_rows=*/true, store);
     }
   }
@@ -759,7 +777,7 @@ TEST(CudaKernels, FreshUsersReadRowsAndStorePages) {
   gp.uvqk = d_uvqk.get();
   gp.uvqk_row_stride = 4 * 256;
   gp.uvqk_rows = c.rows();
-  gp.fresh_kv_from_rows = true;
+  gp.new_kv_from_rows = true;
   gp.out = d_out.get();
   gp.num_rows = c.rows();
   gp.row_offsets = d_ro.get();
