@@ -94,6 +94,10 @@ ServerMetrics::ServerMetrics(const std::string& version)
       engine_compute_(registry_.AddCounter(
           "hstu_engine_compute_seconds_total",
           "Total time inside the engine's backend forward passes.")),
+      engine_device_(registry_.AddCounter(
+          "hstu_engine_device_seconds_total",
+          "Of the forward passes' time, the device's time on their steps, from the first kernel to "
+          "the score read-back (CUDA events; 0 on the CPU). The rest is host work.")),
       engine_batches_(registry_.AddCounter("hstu_engine_batches_total",
                                            "Batches the engine has run.")),
       build_info_(registry_.AddGauge("hstu_build_info",
@@ -199,6 +203,7 @@ void ServerMetrics::Collect() {
   gpu_memory_.WithLabels({"kv_pool"}).Set(on_device ? static_cast<double>(s.kv_pool_bytes) : 0);
   gpu_memory_.WithLabels({"weights"}).Set(on_device ? static_cast<double>(s.weight_bytes) : 0);
   engine_compute_.WithLabels({}).Set(s.compute_seconds);
+  engine_device_.WithLabels({}).Set(s.device_seconds);
   engine_batches_.WithLabels({}).Set(static_cast<double>(s.batches));
 }
 

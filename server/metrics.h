@@ -68,6 +68,7 @@ class ServerMetrics {
   Family<Counter>& cuda_graph_replays_;
   Family<Gauge>& gpu_memory_;
   Family<Counter>& engine_compute_;
+  Family<Counter>& engine_device_;
   Family<Counter>& engine_batches_;
   Family<Gauge>& build_info_;
 

@@ -481,6 +481,8 @@ TEST_F(ServerTest, MetricsExposeEveryFamilyWithSaneValues) {
       {"hstu_kv_recompute_seconds_per_token", "gauge"},
       {"hstu_cuda_graph_replays_total", "counter"},
       {"hstu_gpu_memory_bytes", "gauge"},
+      {"hstu_engine_compute_seconds_total", "counter"},
+      {"hstu_engine_device_seconds_total", "counter"},
       {"hstu_build_info", "gauge"},
   };
   for (const auto& [name, type] : want) {
@@ -501,6 +503,8 @@ TEST_F(ServerTest, MetricsExposeEveryFamilyWithSaneValues) {
   EXPECT_GT(m.Sum("hstu_kv_pages", {{"tier", "gpu"}, {"state", "used"}}), 0);
   EXPECT_EQ(m.Sum("hstu_kv_pages", {{"tier", "gpu"}, {"state", "pinned"}}), 0);
   EXPECT_EQ(m.Sum("hstu_cuda_graph_replays_total"), 0);
+  EXPECT_GT(m.Sum("hstu_engine_compute_seconds_total"), 0);
+  EXPECT_EQ(m.Sum("hstu_engine_device_seconds_total"), 0);  // the CPU backend has no device time
   EXPECT_GT(m.Sum("hstu_kv_onload_bandwidth_bytes_per_second"), 0);
   EXPECT_GT(m.Sum("hstu_kv_recompute_seconds_per_token"), 0);
   EXPECT_EQ(m.Sum("hstu_kv_lookups_total", {{"result", "host_recompute"}}), 0);
