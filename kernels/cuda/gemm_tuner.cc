@@ -90,8 +90,7 @@ size_t Fastest(const std::vector<float>& ms, float margin = 0.02f) {
 // The UVQK route's margin: a fused config must beat cuBLAS + the pass by 5 %. Timed alone, the
 // routes differ by a few percent at the decode step's row counts, and there the timing does not
 // carry over into the step: at 384 rows a fused config timed 2.3 % faster made the batch-1 graph
-// replay 40 µs slower (H200, docs/cuda_kernels.md round 27), while from 3072 rows on, where the
-// decode step's users skip the append, it was timed 7-11 % faster and is faster in the step.
+// replay 40 µs slower (H200, docs/cuda_kernels.md round 27).
 constexpr float kFusedRouteMargin = 0.05f;
 
 // HSTU_GEMM_TUNE_LOG=1: each tuning decision to stderr (shape, every candidate's median, the
@@ -254,7 +253,7 @@ bool GemmTuner::HasBiasSiluRoute(int64_t m, int64_t n, int64_t k) const {
 
 int GemmTuner::BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
                              const AppendKvParams<__nv_bfloat16>& append, int64_t m, int64_t n,
-                             int64_t k, cudaStream_t stream) {
+                             int64_t k, cudaStream_t stream, bool append_runs) {
   if (!fused_available_ || m <= 0) return -1;
   const std::tuple<int64_t, int64_t, int64_t> key{RowClass(m), n, k};
   if (auto it = silu_route_.find(key); it != silu_route_.end()) return it->second;
@@ -265,7 +264,8 @@ int GemmTuner::BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, con
     return -1;  // no timing inside a capture
   }
   // Candidate 0: the plain GEMM (Run: cuBLAS, itself tuned on the warm-up round) + the fused
-  // bias + SiLU + append pass; candidate 1 + i: fused config i + the append alone.
+  // bias + SiLU + append pass; candidate 1 + i: fused config i + the append alone, where the step
+  // launches it.
   __nv_bfloat16* c = const_cast<__nv_bfloat16*>(append.uvqk);
   const std::vector<float> ms = TimeCandidates(1 + kGemmBiasSiluConfigs, stream, [&](size_t i) {
     if (i == 0) {
@@ -274,7 +274,7 @@ int GemmTuner::BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, con
     }
     return LaunchGemmBiasSilu(a, b, bias, c, m, n, k, static_cast<int>(i) - 1, stream) ==
                cudaSuccess &&
-           LaunchAppendKvFromRows(m, append, stream) == cudaSuccess;
+           (!append_runs || LaunchAppendKvFromRows(m, append, stream) == cudaSuccess);
   });
   const int route = static_cast<int>(Fastest(ms, kFusedRouteMargin)) - 1;
   LogTuning("UVQK route (0: cuBLAS + pass, i: fused config i-1)", m, n, k, ms, route + 1);

@@ -59,9 +59,12 @@ class GemmTuner {
   // without timing (tests, A/B runs). The
   // timing runs write c and append's page slots with the values the real call then writes again,
   // so the pages must be ready for the append (HasBiasSiluRoute says whether this call will time).
+  // append_runs false: the caller's step would not launch the fused route's append (every user's
+  // new K/V go through the rows, AppendKvParams::new_kv_from_rows), so that route is timed as its
+  // GEMM alone.
   int BiasSiluRoute(const __nv_bfloat16* a, const __nv_bfloat16* b, const float* bias,
                     const AppendKvParams<__nv_bfloat16>& append, int64_t m, int64_t n, int64_t k,
-                    cudaStream_t stream);
+                    cudaStream_t stream, bool append_runs = true);
   bool HasBiasSiluRoute(int64_t m, int64_t n, int64_t k) const;
 
   // The class bound of m rows.
