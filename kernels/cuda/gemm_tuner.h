@@ -53,12 +53,13 @@ class GemmTuner {
   // LaunchGemmBiasSilu (≥ 0: c = SiLU(a·b + bias) in one kernel, then LaunchAppendKvFromRows) or −1
   // (Run() for c = a·b, then LaunchBiasSiluAppendKv). Chosen per (row class, n, k) by timing both
   // whole routes, GEMM and append, on this call's operands (the interleaved rounds of Run's
-  // tuning; a fused config must be 5 % faster, gemm_tuner.cc says why); −1 when tuning is off, when the fused kernel is unavailable or turned off
-  // (HSTU_GEMM_FUSED=0 in the environment when the tuner is initialised), and for a class first
-  // seen inside a capture. HSTU_GEMM_FUSED=force takes the last fused config for every class
-  // without timing (tests, A/B runs). The
-  // timing runs write c and append's page slots with the values the real call then writes again,
-  // so the pages must be ready for the append (HasBiasSiluRoute says whether this call will time).
+  // tuning; a fused config must be 5 % faster, 10 % below 1024 rows: gemm_tuner.cc says why).
+  // −1 when tuning is off, when the fused kernel is unavailable or turned off (HSTU_GEMM_FUSED=0
+  // in the environment when the tuner is initialised), and for a class first seen inside a
+  // capture. HSTU_GEMM_FUSED=force takes the last fused config for every class without timing
+  // (tests, A/B runs). The timing runs write c and append's page slots with the values the real
+  // call then writes again, so the pages must be ready for the append (HasBiasSiluRoute says
+  // whether this call will time).
   // append_runs false: the caller's step would not launch the fused route's append (every user's
   // new K/V go through the rows, AppendKvParams::new_kv_from_rows), so that route is timed as its
   // GEMM alone.
