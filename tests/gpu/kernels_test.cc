@@ -323,17 +323,17 @@ PagedCase MakeCase(std::mt19937& rng, int B, int page_size, int H, int D, int W,
 // the append), then both sides append and attend over the GPU's post-SiLU rows: the pages bit for
 // bit, attention within the bf16 tolerance.
 // cluster > 0: a cluster plan (summed in distributed shared memory), which the case must produce.
-// fresh_rows: AttentionParams::new_kv_from_rows on — the users NewKvFromRows picks (fresh ones, and
+// kv_from_rows: AttentionParams::new_kv_from_rows on — the users NewKvFromRows picks (fresh ones, and
 // those whose cached prefix is whole key blocks) keep their v and k in the rows after the pass and
 // the attention stores them to the pages; the pages are then compared after the attention, every
 // slot bit for bit except those past such a user's tokens (which hold no token and may be
 // overwritten).
 void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, int max_split = 64,
-                  bool expect_two_chunks = false, int cluster = 0, bool fresh_rows = false,
-                  bool store_fresh = true) {
+                  bool expect_two_chunks = false, int cluster = 0, bool kv_from_rows = false,
+                  bool store_new = true) {
   const int64_t hd = static_cast<int64_t>(c.H) * c.D;
-  auto fresh = [&](int b) {
-    return NewKvFromRows(fresh_rows, true, c.num_tokens[b], c.num_new[b]);
+  auto from_rows = [&](int b) {
+    return NewKvFromRows(kv_from_rows, true, c.num_tokens[b], c.num_new[b]);
   };
   const std::vector<float> pool0 = c.pool;  // before any append
   DeviceArray<bf16> d_pool(ToBf16(c.pool)), d_uvqk(ToBf16(c.uvqk)), d_out(c.rows() * hd);
@@ -351,7 +351,7 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
   ga.row_offsets = d_ro.get();
   ga.num_new = d_nn.get();
   ga.kv = gv;
-  ga.new_kv_from_rows = fresh_rows;
+  ga.new_kv_from_rows = kv_from_rows;
   // Every row activated in place (LaunchBiasSilu, same rounding) as the reference of the append.
   DeviceArray<bf16> d_all(d_uvqk.Download());
   HSTU_ASSERT_CUDA(cuda::LaunchBiasSilu(d_all.get(), c.rows(), 4 * hd, d_bias.get(), nullptr));
@@ -368,7 +368,7 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
     int64_t wrong = 0;
     for (int b = 0; b < c.B; ++b) {
       for (int32_t r = c.row_offsets[b]; r < c.row_offsets[b + 1]; ++r) {
-        const bool appended = r - c.row_offsets[b] < c.num_new[b] && !fresh(b);
+        const bool appended = r - c.row_offsets[b] < c.num_new[b] && !from_rows(b);
         for (int64_t col = 0; col < 4 * hd; ++col) {
           const bool vk = (col >= kV * hd && col < (kV + 1) * hd) || col >= kK * hd;
           const int64_t at = static_cast<int64_t>(r) * 4 * hd + col;
@@ -386,16 +386,16 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
   ca.num_new = c.num_new.data();
   ca.kv = c.CpuView();
   cpu::AppendKv(ca);
-  // The pages against cpu::AppendKv, bit for bit; with fresh_rows the slots past a rows user's
-  // tokens are not compared, and without store_fresh a rows user's pages must be as they were.
+  // The pages against cpu::AppendKv, bit for bit; with kv_from_rows the slots past a rows user's
+  // tokens are not compared, and without store_new a rows user's pages must be as they were.
   auto check_pool = [&](const char* when) {
     const auto pool_after = ToF32(d_pool.Download());
     ASSERT_EQ(pool_after.size(), c.pool.size());
     std::vector<char> compare(c.pool.size(), 1);
     int64_t written = 0;
     for (int b = 0; b < c.B; ++b) {
-      if (!fresh(b)) continue;
-      if (!store_fresh) {
+      if (!from_rows(b)) continue;
+      if (!store_new) {
         for (int32_t i = c.page_indptr[b]; i < c.page_indptr[b + 1]; ++i) {
           const int64_t at = static_cast<int64_t>(c.page_ids[i]) * c.page_elems();
           written += std::memcmp(&pool_after[at], &pool0[at], c.page_elems() * sizeof(float)) != 0;
@@ -418,9 +418,9 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
       wrong += compare[e] && std::memcmp(&pool_after[e], &c.pool[e], sizeof(float)) != 0;
     }
     EXPECT_EQ(wrong, 0) << what << ": pages " << when << " differ from cpu::AppendKv";
-    EXPECT_EQ(written, 0) << what << ": fresh users' pages written with store_new_kv off";
+    EXPECT_EQ(written, 0) << what << ": the rows users' pages written with store_new_kv off";
   };
-  if (!fresh_rows) check_pool("after the append");
+  if (!kv_from_rows) check_pool("after the append");
 
   AttentionParams<float> cp;
   cp.uvqk = c.uvqk.data();
@@ -454,8 +454,8 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
   gp.uvqk = d_uvqk.get();
   gp.uvqk_row_stride = 4 * hd;
   gp.uvqk_rows = c.rows();
-  gp.new_kv_from_rows = fresh_rows;
-  gp.store_new_kv = store_fresh;
+  gp.new_kv_from_rows = kv_from_rows;
+  gp.store_new_kv = store_new;
   gp.out = d_out.get();
   gp.num_rows = c.rows();
   gp.row_offsets = d_ro.get();
@@ -483,7 +483,7 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
           << what << ": attention is not deterministic";
     }
   }
-  if (fresh_rows) check_pool("after the attention");
+  if (kv_from_rows) check_pool("after the attention");
 }
 
 // Bias + SiLU fused with the append, and the append alone from activated rows. The rows of a batch of no users (nothing appended) against
@@ -615,17 +615,17 @@ TEST(CudaKernels, BiasSiluAppendKvMatchesCpu) {
                                                   nullptr));
     HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
     std::vector<float> expect3 = got;
-    int fresh_users = 0;
+    int rows_users = 0;
     for (int b = 0; b < c.B; ++b) {
       if (c.num_new[b] == 0 || !NewKvFromRows(true, true, c.num_tokens[b], c.num_new[b])) continue;
-      ++fresh_users;
+      ++rows_users;
       for (int64_t r = c.row_offsets[b]; r < c.row_offsets[b] + c.num_new[b]; ++r) {
         std::copy_n(got2.begin() + r * cols, cols, expect3.begin() + r * cols);
       }
     }
     const auto got3 = ToF32(d_uvqk3.Download());
     EXPECT_EQ(std::memcmp(got3.data(), expect3.data(), got3.size() * sizeof(float)), 0)
-        << what << ": the pass with new_kv_from_rows (" << fresh_users
+        << what << ": the pass with new_kv_from_rows (" << rows_users
         << " users through the rows) must write their rows whole";
 
     AppendKvParams<float> ca;
@@ -759,7 +759,7 @@ TEST(CudaKernels, NewKvFromRowsReadAndStoredToPages) {
                    std::string(store ? "rows " : "rows, not stored ") +
                        ::testing::PrintToString(std::vector<int>{s.B, s.page_size, s.H, s.cached,
                                                                  s.nnew, s.cluster, s.align}),
-                   64, false, s.cluster, /*fresh_rows=*/true, store);
+                   64, false, s.cluster, /*kv_from_rows=*/true, store);
     }
   }
   // Refused where the users' K/V would be read from nowhere: the 2-warpgroup kernel (D = 128, or
@@ -789,14 +789,14 @@ TEST(CudaKernels, NewKvFromRowsReadAndStoredToPages) {
   const auto* items = reinterpret_cast<const cuda::AttentionWorkItem*>(d_items.get());
   const int32_t n = static_cast<int32_t>(plan.items.size());
   EXPECT_EQ(cuda::LaunchHstuAttention(gp, items, n, 0, nullptr, nullptr), cudaErrorInvalidValue)
-      << "head dim 128 has no fresh-rows kernel";
+      << "head dim 128 has no kernel that reads K/V from the rows";
   AttentionParams<bf16> g256 = gp;
   g256.kv = MakePagedKvView(d_pool.get(), c.page_size, 1, 256, c.B, d_pi.get(), d_pids.get(),
                             d_nt.get());
   g256.uvqk_row_stride = 4 * 256;
   g256.max_attn_len = 16;
   EXPECT_EQ(cuda::LaunchHstuAttention(g256, items, n, 0, nullptr, nullptr), cudaErrorInvalidValue)
-      << "a window has no fresh-rows kernel";
+      << "a window has no kernel that reads K/V from the rows";
   g256.max_attn_len = 0;
   g256.uvqk_rows = c.rows() - 1;
   EXPECT_EQ(cuda::LaunchHstuAttention(g256, items, n, 0, nullptr, nullptr), cudaErrorInvalidValue)
