@@ -155,10 +155,10 @@ const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stre
   return DeviceTensorMap(kv.base, dims, strides, box, stream, why);
 }
 
-// The tensor map of p's uvqk rows for the new K/V read there (new_kv_from_rows): the rows [uvqk_rows,
-// 4·H·D] bf16 viewed as {64 columns, 4·H·D/64 slabs of 128 bytes, uvqk_rows rows, 1}, box
-// {64, 1, 64, 1} — a 64-key block of one slab in the swizzled layout of the pool map's boxes. Rows
-// past the allocation read as zeros. nullptr when it cannot be had (*why says why).
+// The tensor map of p's uvqk rows for the new K/V read there (new_kv_from_rows): the rows
+// [uvqk_rows, 4·H·D] bf16 viewed as {64 columns, 4·H·D/64 slabs of 128 bytes, uvqk_rows rows, 1},
+// box {64, 1, 64, 1} — a 64-key block of one slab in the swizzled layout of the pool map's boxes.
+// Rows past the allocation read as zeros. nullptr when it cannot be had (*why says why).
 const CUtensorMap* RowsTensorMap(const AttentionParams<bf16>& p, cudaStream_t stream,
                                  const char** why) {
   const int64_t cols = 4LL * p.kv.num_heads * p.kv.head_dim;

@@ -46,8 +46,9 @@ __device__ __forceinline__ void TmaLoad4d(uint32_t dst, const CUtensorMap* map, 
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
-// The reverse, shared memory to global (new K/V from the rows to their pages), in the CTA's bulk group;
-// the smem tile must not be rewritten before BulkWaitRead, nor the CTA exit before BulkWaitAll.
+// The reverse, shared memory to global (new K/V from the rows to their pages), in the CTA's bulk
+// group; the smem tile must not be rewritten before BulkWaitRead, nor the CTA exit before
+// BulkWaitAll.
 __device__ __forceinline__ void TmaStore4d(const CUtensorMap* map, uint32_t src, int c0, int c1,
                                            int c2, int c3) {
   asm volatile(

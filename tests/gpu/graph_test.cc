@@ -340,7 +340,8 @@ TEST(CudaGraphs, AppendNodesFollowTheUsersReadFromTheRows) {
   ASSERT_TRUE(graphed.ok() && appended.ok()) << graphed.status() << appended.status();
   CudaBackend& g = **graphed;
   CudaBackend& e = **appended;
-  ASSERT_EQ(g.attention_kernel().rfind("warp-specialised TMA kernel", 0), 0u) << g.attention_kernel();
+  ASSERT_EQ(g.attention_kernel().rfind("warp-specialised TMA kernel", 0), 0u)
+      << g.attention_kernel();
   ASSERT_TRUE(g.SetDebugPoison(true).ok() && e.SetDebugPoison(true).ok());
   std::mt19937 rng(12);
   std::vector<User> users(4);
@@ -348,7 +349,8 @@ TEST(CudaGraphs, AppendNodesFollowTheUsersReadFromTheRows) {
   std::iota(free_pages.begin(), free_pages.end(), 0);
   std::shuffle(free_pages.begin(), free_pages.end(), rng);
   ForwardOutput out;
-  const ForwardBatch pre = Step(&users, {192, 320, 64, 128}, {0, 0, 0, 0}, page_size, &free_pages, &rng);
+  const ForwardBatch pre =
+      Step(&users, {192, 320, 64, 128}, {0, 0, 0, 0}, page_size, &free_pages, &rng);
   ASSERT_TRUE(g.Forward(pre, false, &out).ok() && e.Forward(pre, false, &out).ok());
   struct Visit { std::vector<int> who, nn, cand; };
   const Visit visits[] = {
@@ -372,7 +374,8 @@ TEST(CudaGraphs, AppendNodesFollowTheUsersReadFromTheRows) {
     EXPECT_LT(test::RelL2(replayed.hidden, ref.hidden), test::kBf16RelL2) << what;
     for (const User& u : sub) {
       std::vector<float> kv_g, kv_e;
-      ASSERT_TRUE(g.ReadKv(u.pages, u.cached, &kv_g).ok() && e.ReadKv(u.pages, u.cached, &kv_e).ok());
+      ASSERT_TRUE(g.ReadKv(u.pages, u.cached, &kv_g).ok());
+      ASSERT_TRUE(e.ReadKv(u.pages, u.cached, &kv_e).ok());
       ASSERT_TRUE(test::AllFinite(kv_g)) << what;
       EXPECT_LT(test::RelL2(kv_g, kv_e), test::kBf16RelL2) << what << ", pages of a user";
     }
