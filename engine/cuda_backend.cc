@@ -400,7 +400,8 @@ absl::Status CudaBackendImpl::EnqueueTrunk() {
     // stores every user's new K/V (the graph buckets' warm-up batches, and the decode steps).
     const bool append_runs = !(ap.new_kv_from_rows && step_.append_idle);
     const int route = gemm_.BiasSiluRoute(ws.n.as<bf16>(), w.uvqk_w.as<bf16>(),
-                                          w.uvqk_b.as<float>(), ap, rows, 4 * hd, d, s, append_runs);
+                                          w.uvqk_b.as<float>(), ap, rows, 4 * hd, d, s,
+                                          append_runs);
     // Returning users' new K/V go through the rows only where a separate append would copy them
     // to the pages (the fused GEMM's route): the cuBLAS route's pass writes them there at no cost
     // beyond writing them back to the rows, while the attention's stores of them would lengthen

@@ -325,8 +325,8 @@ PagedCase MakeCase(std::mt19937& rng, int B, int page_size, int H, int D, int W,
 // cluster > 0: a cluster plan (summed in distributed shared memory), which the case must produce.
 // kv_from_rows: AttentionParams::new_kv_from_rows on — the users NewKvFromRows picks (fresh ones,
 // and those whose cached prefix is whole key blocks) keep their v and k in the rows after the pass
-// and the attention stores them to the pages; the pages are then compared after the attention, every
-// slot bit for bit except those past such a user's tokens (which hold no token and may be
+// and the attention stores them to the pages; the pages are then compared after the attention,
+// every slot bit for bit except those past such a user's tokens (which hold no token and may be
 // overwritten).
 void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, int max_split = 64,
                   bool expect_two_chunks = false, int cluster = 0, bool kv_from_rows = false,
