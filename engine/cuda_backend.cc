@@ -93,7 +93,7 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
   probe.max_attn_len = config_.max_attn_len;
   attention_kernel_ = cuda::HstuAttentionKernelName(probe, stream_.get());
   kv_from_rows_ = attention_kernel_ == "warp-specialised TMA kernel" &&
-                cuda::HstuAttentionKvFromRowsEnabled();
+                  cuda::HstuAttentionKvFromRowsEnabled();
   const char* drop = std::getenv("HSTU_DROP_KV");  // 0: write the pages anyway (A/B timing)
   drop_kv_ok_ = kv_from_rows_ && (drop == nullptr || std::string(drop) != "0");
   if (const char* v = std::getenv("HSTU_ATTN_CLUSTER"); (v == nullptr || std::string(v) != "0") &&
@@ -405,7 +405,7 @@ absl::Status CudaBackendImpl::EnqueueTrunk() {
     // Returning users' new K/V go through the rows only where a separate append would copy them
     // to the pages (the fused GEMM's route): the cuBLAS route's pass writes them there at no cost
     // beyond writing them back to the rows, while the attention's stores of them would lengthen
-    // its history tiles (batch 1: +10 µs a step, docs/cuda_kernels.md round 27).
+    // its history tiles (batch 1: +8 µs a step, docs/cuda_kernels.md round 27).
     ap.returning_kv_from_rows = route >= 0;
     returning_kv_from_rows_ = ap.returning_kv_from_rows;
     if (route >= 0) {
