@@ -1,5 +1,6 @@
 // The engine on the CPU: incremental forward with the cache == full forward without it, edits,
 // truncation, candidate chunking, eviction pressure, validation.
+#include <limits>
 #include <random>
 
 #include "engine/engine.h"
@@ -230,6 +231,28 @@ TEST(Engine, ValidationNamesTheField) {
   EXPECT_NE(msg({1, {1}, {1}, {3, -1}}).find("candidate_item_ids[1] = -1"), std::string::npos);
   RankRequest many{1, {}, {}, std::vector<int64_t>(1025, 1)};
   EXPECT_NE(msg(many).find("more than the limit of 1024"), std::string::npos);
+  // Bad entries deep in long lists (the checks scan whole vectors first), at both ends of the
+  // ranges; the first bad one is named.
+  RankRequest deep{1, std::vector<int64_t>(1000, 7), std::vector<int32_t>(1000, 4),
+                   std::vector<int64_t>(300, 9)};
+  EXPECT_TRUE(e->Validate(deep).ok());
+  RankRequest r = deep;
+  r.history_actions[777] = -1;
+  r.history_actions[900] = 5;
+  EXPECT_NE(msg(r).find("history_actions[777] = -1 is out of range"), std::string::npos);
+  r = deep;
+  r.history_actions[999] = std::numeric_limits<int32_t>::min();
+  EXPECT_NE(msg(r).find("history_actions[999] = -2147483648"), std::string::npos);
+  r = deep;
+  r.history_item_ids[640] = std::numeric_limits<int64_t>::min();
+  r.history_actions[10] = 5;  // an earlier bad action is named first
+  EXPECT_NE(msg(r).find("history_actions[10] = 5"), std::string::npos);
+  r.history_actions[10] = 0;
+  EXPECT_NE(msg(r).find("history_item_ids[640] = -9223372036854775808 is negative"),
+            std::string::npos);
+  r = deep;
+  r.candidate_item_ids[299] = -3;
+  EXPECT_NE(msg(r).find("candidate_item_ids[299] = -3 is negative"), std::string::npos);
 }
 
 TEST(Engine, RejectsANonPositiveOffloadBacklog) {
