@@ -39,6 +39,19 @@ ModelConfig GraphConfig(int head_dim) {
   return c;
 }
 
+// Head dim 256 (the warp-specialised attention kernel) and decode-length histories.
+ModelConfig WsGraphConfig(int heads) {
+  ModelConfig c = GraphConfig(256);
+  c.hidden_dim = 256;
+  c.num_heads = heads;
+  c.max_history_tokens = 4096;
+  c.max_candidates = 256;
+  c.attention_norm_len = 4096 + 256;
+  c.position_rows = 4096;
+  c.head_dims = {256, 32, 3};
+  return c;
+}
+
 struct User {
   std::vector<int64_t> tokens;
   std::vector<int32_t> pages;
@@ -248,14 +261,7 @@ TEST(CudaGraphs, ClusterPlansReplayEqualEager) {
   const int heads = 2, lo = (2 * sms + 3 * heads * 8 - 1) / (3 * heads * 8),
             hi = max_clusters / heads;
   if (hi < lo + 1) GTEST_SKIP() << max_clusters << " clusters of 8 on " << sms << " SMs";
-  ModelConfig c = GraphConfig(256);
-  c.hidden_dim = 256;
-  c.num_heads = heads;
-  c.max_history_tokens = 4096;
-  c.max_candidates = 256;
-  c.attention_norm_len = 4096 + 256;
-  c.position_rows = 4096;
-  c.head_dims = {256, 32, 3};
+  const ModelConfig c = WsGraphConfig(heads);
   const ModelWeights w = RandomModel(c, 77);
   const int page_size = 32, num_pages = 400;
   GraphOptions go;
@@ -319,14 +325,7 @@ TEST(CudaGraphs, ClusterPlansReplayEqualEager) {
 TEST(CudaGraphs, AppendNodesFollowTheUsersReadFromTheRows) {
   HSTU_SKIP_WITHOUT_GPU();
   if (!cuda::GemmBiasSiluAvailable()) GTEST_SKIP() << "no fused GEMM in this build or on this GPU";
-  ModelConfig c = GraphConfig(256);
-  c.hidden_dim = 256;
-  c.num_heads = 2;
-  c.max_history_tokens = 4096;
-  c.max_candidates = 256;
-  c.attention_norm_len = 4096 + 256;
-  c.position_rows = 4096;
-  c.head_dims = {256, 32, 3};
+  const ModelConfig c = WsGraphConfig(/*heads=*/2);
   const ModelWeights w = RandomModel(c, 78);
   const int page_size = 32, num_pages = 400;
   GraphOptions go;
