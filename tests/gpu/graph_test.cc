@@ -94,6 +94,18 @@ ForwardBatch Step(std::vector<User>* users, const std::vector<int>& new_tokens,
   return fb;
 }
 
+// Step for the users at indices `who` of *users only (new_tokens and cand per listed user); their
+// entries in *users grow with it.
+ForwardBatch StepUsers(std::vector<User>* users, const std::vector<int>& who,
+                       const std::vector<int>& new_tokens, const std::vector<int>& cand,
+                       int page_size, std::vector<int32_t>* free_pages, std::mt19937* rng) {
+  std::vector<User> sub;
+  for (int u : who) sub.push_back((*users)[u]);
+  ForwardBatch fb = Step(&sub, new_tokens, cand, page_size, free_pages, rng);
+  for (size_t i = 0; i < who.size(); ++i) (*users)[who[i]] = sub[i];
+  return fb;
+}
+
 // Runs `fb` with graph replay on, then eagerly on the same padded inputs: the first run replays a
 // graph exactly when `replay` (else it falls back to eager execution), and both give the same
 // bits, finite. Leaves replay off. Returns the replayed run's output.
@@ -140,10 +152,8 @@ TEST(CudaGraphs, LastLayerCandidatePlanInTinyBucketsAndWithoutCandidates) {
   };
   for (size_t v = 0; v < std::size(visits); ++v) {
     const Visit& vis = visits[v];
-    std::vector<User> sub;
-    for (int who : vis.who) sub.push_back(users[who]);
-    const ForwardBatch fb = Step(&sub, vis.more, vis.cand, page_size, &free_pages, &rng);
-    for (size_t i = 0; i < vis.who.size(); ++i) users[vis.who[i]] = sub[i];
+    const ForwardBatch fb =
+        StepUsers(&users, vis.who, vis.more, vis.cand, page_size, &free_pages, &rng);
     const std::string what = "visit " + std::to_string(v);
     const ForwardOutput replay = ReplayThenEager(g, fb, vis.replay, what);
     int cands = 0;
@@ -294,16 +304,13 @@ TEST(CudaGraphs, ClusterPlansReplayEqualEager) {
   int cluster_replays = 0;
   for (size_t v = 0; v < std::size(visits); ++v) {
     const Visit& vis = visits[v];
-    std::vector<User> sub;
     std::vector<int> nn, cand;
     for (size_t i = 0; i < vis.who.size(); ++i) {
-      sub.push_back(users[vis.who[i]]);
       const int rows = rows_of(vis.tiles[i]);
       cand.push_back(std::min(256, rows - 1));
       nn.push_back(rows - cand.back());
     }
-    const ForwardBatch fb = Step(&sub, nn, cand, page_size, &free_pages, &rng);
-    for (size_t i = 0; i < vis.who.size(); ++i) users[vis.who[i]] = sub[i];
+    const ForwardBatch fb = StepUsers(&users, vis.who, nn, cand, page_size, &free_pages, &rng);
     const std::string what = "visit " + std::to_string(v);
     const uint64_t r0 = g.graph_replays();
     ReplayThenEager(g, fb, vis.cluster, what);
@@ -361,17 +368,16 @@ TEST(CudaGraphs, AppendNodesFollowTheUsersReadFromTheRows) {
   };
   for (size_t v = 0; v < std::size(visits); ++v) {
     const Visit& vis = visits[v];
-    std::vector<User> sub;
-    for (int u : vis.who) sub.push_back(users[u]);
-    const ForwardBatch fb = Step(&sub, vis.nn, vis.cand, page_size, &free_pages, &rng);
-    for (size_t i = 0; i < vis.who.size(); ++i) users[vis.who[i]] = sub[i];
+    const ForwardBatch fb =
+        StepUsers(&users, vis.who, vis.nn, vis.cand, page_size, &free_pages, &rng);
     const std::string what = "visit " + std::to_string(v);
     const ForwardOutput replayed = ReplayThenEager(g, fb, /*replay=*/true, what);
     ForwardOutput ref;
     ASSERT_TRUE(e.Forward(fb, true, &ref).ok()) << what;
     EXPECT_LT(test::MaxAbsDiff(replayed.scores, ref.scores), test::kBf16ScoreAbs) << what;
     EXPECT_LT(test::RelL2(replayed.hidden, ref.hidden), test::kBf16RelL2) << what;
-    for (const User& u : sub) {
+    for (int who : vis.who) {
+      const User& u = users[who];
       std::vector<float> kv_g, kv_e;
       ASSERT_TRUE(g.ReadKv(u.pages, u.cached, &kv_g).ok());
       ASSERT_TRUE(e.ReadKv(u.pages, u.cached, &kv_e).ok());
