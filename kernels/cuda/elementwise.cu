@@ -1,5 +1,6 @@
 // Element-wise passes of the MLP head (bias + activation, the gather + L2 normalisation of candidate
 // rows) and dtype conversions. Bias + SiLU after the UVQK GEMM is in bias_silu_append_kv.cu.
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/cuda/common.cuh"
@@ -35,6 +36,80 @@ __global__ void GatherL2NormalizeKernel(const float* __restrict__ x,
   }
 }
 
+// A warp a row: h = in[r] (+ in_bias, ReLU), out[r][o] = act(h · w[:, o] + bias[o]). The weights
+// sit transposed in shared memory ([out_cols][in_cols]: consecutive lanes, consecutive banks), the
+// previous layer's bias after them.
+__global__ void HeadOutputKernel(const float* __restrict__ in, int64_t rows, int in_cols,
+                                 const float* __restrict__ in_bias, const float* __restrict__ w,
+                                 const float* __restrict__ bias, int out_cols, Activation act,
+                                 float* __restrict__ out) {
+  extern __shared__ float s_head[];
+  float* s_w = s_head;                           // [out_cols][in_cols]
+  float* s_in_bias = s_head + out_cols * in_cols;  // [in_cols] when in_bias
+  constexpr int kPerThread = 8;  // weight loads in flight a thread
+  const int n = in_cols * out_cols;
+  for (int base = threadIdx.x; base < n; base += kPerThread * blockDim.x) {
+    float v[kPerThread];
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = base + k * blockDim.x;
+      v[k] = i < n ? w[i] : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = base + k * blockDim.x;
+      if (i < n) s_w[(i % out_cols) * in_cols + i / out_cols] = v[k];
+    }
+  }
+  if (in_bias != nullptr) {
+    for (int i = threadIdx.x; i < in_cols; i += blockDim.x) s_in_bias[i] = in_bias[i];
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); r < rows;
+       r += static_cast<int64_t>(gridDim.x) * warps) {
+    const float* x = in + r * in_cols;
+    float acc[kHeadOutMaxCols];
+#pragma unroll
+    for (int o = 0; o < kHeadOutMaxCols; ++o) acc[o] = 0.f;
+    // kPerLane columns a lane per pass, their loads issued before any is used: a 512-wide row is
+    // one round trip, not sixteen.
+    constexpr int kPerLane = 16;
+    for (int base = 0; base < in_cols; base += 32 * kPerLane) {
+      float h[kPerLane];
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int i = base + 32 * k + lane;
+        h[k] = i < in_cols ? x[i] : 0.f;
+      }
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int i = base + 32 * k + lane;
+        if (i >= in_cols) break;
+        const float v = in_bias != nullptr ? fmaxf(h[k] + s_in_bias[i], 0.f) : h[k];
+#pragma unroll
+        for (int o = 0; o < kHeadOutMaxCols; ++o) {
+          if (o < out_cols) acc[o] = fmaf(v, s_w[o * in_cols + i], acc[o]);
+        }
+      }
+    }
+    float mine = 0.f;
+#pragma unroll
+    for (int o = 0; o < kHeadOutMaxCols; ++o) {
+      if (o < out_cols) {
+        const float v = WarpSum(acc[o]);
+        if (lane == o) mine = v;
+      }
+    }
+    if (lane < out_cols) {
+      float v = mine + (bias != nullptr ? bias[lane] : 0.f);
+      if (act == Activation::kRelu) v = fmaxf(v, 0.f);
+      if (act == Activation::kSigmoid) v = 1.f / (1.f + expf(-v));  // as BiasActivationKernel
+      out[r * out_cols + lane] = v;
+    }
+  }
+}
+
 __global__ void F32ToBf16Kernel(const float* __restrict__ in, int64_t count, bf16* __restrict__ out) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -63,6 +138,28 @@ cudaError_t LaunchBiasActivation(float* x, int64_t rows, int64_t cols, const flo
   if (rows == 0) return cudaSuccess;
   BiasActivationKernel<<<GridFor(rows * cols, 256), 256, 0, stream>>>(x, rows * cols, cols, bias,
                                                                       act);
+  return cudaPeekAtLastError();
+}
+
+bool HeadOutputFits(int64_t in_cols, int64_t out_cols) {
+  return in_cols > 0 && out_cols > 0 && out_cols <= kHeadOutMaxCols &&
+         in_cols * (out_cols + 1) <= kHeadOutMaxSharedFloats;
+}
+
+cudaError_t LaunchHeadOutput(const float* in, int64_t rows, int64_t in_cols, const float* in_bias,
+                             const float* w, const float* bias, int64_t out_cols, Activation act,
+                             float* out, cudaStream_t stream) {
+  if (rows < 0 || !HeadOutputFits(in_cols, out_cols) || in == nullptr || w == nullptr ||
+      out == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0) return cudaSuccess;
+  constexpr int kThreads = 256, kWarps = kThreads / 32;
+  const int64_t blocks = std::min<int64_t>((rows + kWarps - 1) / kWarps, 1024);
+  const size_t smem = static_cast<size_t>(in_cols * out_cols + (in_bias != nullptr ? in_cols : 0)) *
+                      sizeof(float);
+  HeadOutputKernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
+      in, rows, static_cast<int>(in_cols), in_bias, w, bias, static_cast<int>(out_cols), act, out);
   return cudaPeekAtLastError();
 }
 
