@@ -295,9 +295,11 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
   if (capturing_) HSTU_RETURN_IF_ERROR(LastCapturedNode(&before));
   // Without split tiles an eager step skips the split reduction (partials = nullptr): its grid of
   // items × H × 8 blocks would only exit (8704 of them in the no-cache block at batch 8). A graph
-  // bucket's steps (warm-up, capture, eager runs of a staged bucket) keep it: a replay's plan may
-  // split.
-  float* partials = step_.slot >= 0 || capturing_ || launch.split_tiles > 0
+  // bucket's steps (warm-up, capture, eager runs of a staged bucket) keep it, since a replay's plan
+  // may split, unless the plan is a cluster plan: a captured cluster node only replays cluster
+  // plans (StageStep), which have no split tiles.
+  const bool graph_step = step_.slot >= 0 || capturing_;
+  float* partials = launch.split_tiles > 0 || (graph_step && launch.cluster == 0)
                         ? step_.ws->partials.as<float>()
                         : nullptr;
   const size_t items = kind == kCandidateRows ? step_.layout.last_items : step_.layout.items;
@@ -308,7 +310,7 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
     cudaGraphNode_t node = nullptr;
     HSTU_RETURN_IF_ERROR(LastCapturedNode(&node));
     // Walk the (linear) chain back to the node before the launch: the split reduction (launched
-    // last), then the attention kernel.
+    // last, when partials are given), then the attention kernel.
     const size_t first = captured_attention_.size();
     while (node != nullptr && node != before) {
       captured_attention_.push_back({node, false, kind});
@@ -320,10 +322,11 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
       cudaGraphEdgeData edge{};
       HSTU_CUDA_RETURN(cudaGraphNodeGetDependencies(node, &node, &edge, &n));
     }
-    if (captured_attention_.size() - first != 2) {
-      return absl::InternalError("graph capture: expected the attention kernel and its split reduction");
+    if (captured_attention_.size() - first != (partials != nullptr ? 2u : 1u)) {
+      return absl::InternalError(
+          "graph capture: expected the attention kernel and, for a split plan, its reduction");
     }
-    captured_attention_[first].reduce = true;
+    captured_attention_[first].reduce = partials != nullptr;
   }
   return absl::OkStatus();
 }

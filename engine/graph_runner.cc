@@ -235,7 +235,7 @@ absl::Status CudaBackendImpl::CaptureStep(bool waits, CapturedStep* c) {
       [](const cudaGraphEdgeData& e) { return e.type == cudaGraphDependencyTypeProgrammatic; }));
   HSTU_CUDA_RETURN(cudaGraphInstantiate(&c->exec, c->graph, 0));
   c->attention_nodes = captured_attention_;
-  if (static_cast<int>(c->attention_nodes.size()) < 2 * config_.num_layers) {
+  if (static_cast<int>(c->attention_nodes.size()) < config_.num_layers) {
     return absl::InternalError("graph capture: attention nodes not found");
   }
   for (const CapturedAttentionNode& n : c->attention_nodes) {
