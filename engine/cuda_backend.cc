@@ -483,22 +483,27 @@ absl::Status CudaBackendImpl::EnqueueHead() {
   cudaStream_t s = stream_.get();
   Workspace& ws = *step_.ws;
   const int32_t C = step_.num_cand;
-  HSTU_CUDA_RETURN(cuda::LaunchGatherL2Normalize(ws.cand_raw.as<float>(), nullptr, C, d, nullptr,
-                                                 ws.cand_norm.as<float>(), s));
-  if (head_.empty()) return absl::OkStatus();
-  const float* act = ws.cand_norm.as<float>();
   const size_t L = head_.size();
   // The last layer, when narrow, is one kernel that also applies the previous layer's bias and
-  // ReLU (cuBLAS would run it split-K: a GEMM, a reduction and a bias pass).
-  const bool fused_out = cuda::HeadOutputFits(head_.back().in, head_.back().out);
+  // ReLU (cuBLAS would run it split-K: a GEMM, a reduction and a bias pass). With at most one
+  // GEMM before it, that kernel also applies the L2 normalisation ((x/|x|)·W = (x·W)/|x|): the
+  // GEMM reads the raw rows.
+  const bool fused_out = L > 0 && cuda::HeadOutputFits(head_.back().in, head_.back().out);
+  const bool fold_norm = fused_out && L <= 2;
+  if (!fold_norm) {
+    HSTU_CUDA_RETURN(cuda::LaunchGatherL2Normalize(ws.cand_raw.as<float>(), nullptr, C, d,
+                                                   nullptr, ws.cand_norm.as<float>(), s));
+  }
+  const float* act = (fold_norm ? ws.cand_raw : ws.cand_norm).as<float>();
   const float* pending_bias = nullptr;  // the previous layer's, left to the fused last layer
   for (size_t j = 0; j < L; ++j) {
     float* next = (j % 2 == 0 ? ws.head_a : ws.head_b).as<float>();
     const bool last = j + 1 == L;
     if (last && fused_out) {
-      HSTU_CUDA_RETURN(cuda::LaunchHeadOutput(act, C, head_[j].in, pending_bias,
-                                              head_[j].w.as<float>(), head_[j].b.as<float>(),
-                                              head_[j].out, cuda::Activation::kSigmoid, next, s));
+      HSTU_CUDA_RETURN(cuda::LaunchHeadOutput(
+          act, C, head_[j].in, pending_bias, fold_norm ? ws.cand_raw.as<float>() : nullptr, d,
+          head_[j].w.as<float>(), head_[j].b.as<float>(), head_[j].out,
+          cuda::Activation::kSigmoid, next, s));
       break;
     }
     // TF32 tensor cores (fp32 accumulation): the base head's first layer at 2048 candidate rows

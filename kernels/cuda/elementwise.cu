@@ -36,13 +36,15 @@ __global__ void GatherL2NormalizeKernel(const float* __restrict__ x,
   }
 }
 
-// A warp a row: h = in[r] (+ in_bias, ReLU), out[r][o] = act(h · w[:, o] + bias[o]). The weights
-// sit transposed in shared memory ([out_cols][in_cols]: consecutive lanes, consecutive banks), the
-// previous layer's bias after them.
+// A warp a row: s = 1 / max(|norm_rows[r]|, 1e-6) (1 without norm_rows); with in_bias,
+// h = max(s · in[r] + in_bias, 0) and out[r][o] = act(h · w[:, o] + bias[o]); without,
+// out[r][o] = act(s · (in[r] · w[:, o]) + bias[o]). The weights sit transposed in shared memory
+// ([out_cols][in_cols]: consecutive lanes, consecutive banks), the previous layer's bias after them.
 __global__ void HeadOutputKernel(const float* __restrict__ in, int64_t rows, int in_cols,
-                                 const float* __restrict__ in_bias, const float* __restrict__ w,
-                                 const float* __restrict__ bias, int out_cols, Activation act,
-                                 float* __restrict__ out) {
+                                 const float* __restrict__ in_bias,
+                                 const float* __restrict__ norm_rows, int norm_cols,
+                                 const float* __restrict__ w, const float* __restrict__ bias,
+                                 int out_cols, Activation act, float* __restrict__ out) {
   extern __shared__ float s_head[];
   float* s_w = s_head;                           // [out_cols][in_cols]
   float* s_in_bias = s_head + out_cols * in_cols;  // [in_cols] when in_bias
@@ -68,6 +70,23 @@ __global__ void HeadOutputKernel(const float* __restrict__ in, int64_t rows, int
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5); r < rows;
        r += static_cast<int64_t>(gridDim.x) * warps) {
+    float scale = 1.f;
+    if (norm_rows != nullptr) {
+      constexpr int kNormPerLane = 32;  // a 1024-wide row in one round trip
+      const float* xr = norm_rows + r * norm_cols;
+      float ss = 0.f;
+      for (int base = 0; base < norm_cols; base += 32 * kNormPerLane) {
+        float v[kNormPerLane];
+#pragma unroll
+        for (int k = 0; k < kNormPerLane; ++k) {
+          const int i = base + 32 * k + lane;
+          v[k] = i < norm_cols ? xr[i] : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < kNormPerLane; ++k) ss = fmaf(v[k], v[k], ss);
+      }
+      scale = 1.f / fmaxf(sqrtf(WarpSum(ss)), 1e-6f);  // as GatherL2NormalizeKernel
+    }
     const float* x = in + r * in_cols;
     float acc[kHeadOutMaxCols];
 #pragma unroll
@@ -86,7 +105,7 @@ __global__ void HeadOutputKernel(const float* __restrict__ in, int64_t rows, int
       for (int k = 0; k < kPerLane; ++k) {
         const int i = base + 32 * k + lane;
         if (i >= in_cols) break;
-        const float v = in_bias != nullptr ? fmaxf(h[k] + s_in_bias[i], 0.f) : h[k];
+        const float v = in_bias != nullptr ? fmaxf(fmaf(h[k], scale, s_in_bias[i]), 0.f) : h[k];
 #pragma unroll
         for (int o = 0; o < kHeadOutMaxCols; ++o) {
           if (o < out_cols) acc[o] = fmaf(v, s_w[o * in_cols + i], acc[o]);
@@ -102,7 +121,7 @@ __global__ void HeadOutputKernel(const float* __restrict__ in, int64_t rows, int
       }
     }
     if (lane < out_cols) {
-      float v = mine + (bias != nullptr ? bias[lane] : 0.f);
+      float v = (in_bias != nullptr ? mine : mine * scale) + (bias != nullptr ? bias[lane] : 0.f);
       if (act == Activation::kRelu) v = fmaxf(v, 0.f);
       if (act == Activation::kSigmoid) v = 1.f / (1.f + expf(-v));  // as BiasActivationKernel
       out[r * out_cols + lane] = v;
@@ -147,10 +166,11 @@ bool HeadOutputFits(int64_t in_cols, int64_t out_cols) {
 }
 
 cudaError_t LaunchHeadOutput(const float* in, int64_t rows, int64_t in_cols, const float* in_bias,
-                             const float* w, const float* bias, int64_t out_cols, Activation act,
-                             float* out, cudaStream_t stream) {
+                             const float* norm_rows, int64_t norm_cols, const float* w,
+                             const float* bias, int64_t out_cols, Activation act, float* out,
+                             cudaStream_t stream) {
   if (rows < 0 || !HeadOutputFits(in_cols, out_cols) || in == nullptr || w == nullptr ||
-      out == nullptr) {
+      out == nullptr || (norm_rows != nullptr && (norm_cols <= 0 || norm_cols > 0x7fffffff))) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0) return cudaSuccess;
@@ -159,7 +179,8 @@ cudaError_t LaunchHeadOutput(const float* in, int64_t rows, int64_t in_cols, con
   const size_t smem = static_cast<size_t>(in_cols * out_cols + (in_bias != nullptr ? in_cols : 0)) *
                       sizeof(float);
   HeadOutputKernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
-      in, rows, static_cast<int>(in_cols), in_bias, w, bias, static_cast<int>(out_cols), act, out);
+      in, rows, static_cast<int>(in_cols), in_bias, norm_rows, static_cast<int>(norm_cols), w,
+      bias, static_cast<int>(out_cols), act, out);
   return cudaPeekAtLastError();
 }
 

@@ -87,18 +87,23 @@ enum class Activation : int32_t { kNone = 0, kRelu = 1, kSigmoid = 2 };
 cudaError_t LaunchBiasActivation(float* x, int64_t rows, int64_t cols, const float* bias,
                                  Activation act, cudaStream_t stream);
 
-// The head's narrow last layer in one kernel, fused with the bias and ReLU of the layer before it:
-// for each row r, h = in[r] (in_cols floats), h = max(h + in_bias, 0) when in_bias is given, and
-// out[r][o] = act(Σ_i h[i] · w[i][o] + bias[o]) for o < out_cols, in fp32 (a warp a row). A GEMM
-// of 4 output columns is a split-K kernel, its reduction and a bias pass; this is one launch.
+// The head's narrow last layer in one kernel, fused with the bias and ReLU of the layer before it
+// and with the L2 normalisation of the head's input: for each row r,
+//   s = 1 / max(|norm_rows[r]|_2, 1e-6) (norm_cols floats), or 1 when norm_rows is nullptr;
+//   with in_bias: h = max(s · in[r] + in_bias, 0), out[r][o] = act(Σ_i h[i] · w[i][o] + bias[o]);
+//   without:      out[r][o] = act(s · Σ_i in[r][i] · w[i][o] + bias[o]);
+// in fp32 (a warp a row). (x/|x|)·W = (x·W)/|x|, so a head of one or two layers needs no
+// normalisation pass; and a GEMM of 4 output columns is a split-K kernel, its reduction and a bias
+// pass, where this is one launch.
 // w: [in_cols, out_cols] row-major; bias: [out_cols] or nullptr; out: [rows, out_cols].
 // HeadOutputFits says which shapes it takes (the weights are staged in shared memory).
 inline constexpr int64_t kHeadOutMaxCols = 16;
 inline constexpr int64_t kHeadOutMaxSharedFloats = 12288;  // 48 KB
 bool HeadOutputFits(int64_t in_cols, int64_t out_cols);
 cudaError_t LaunchHeadOutput(const float* in, int64_t rows, int64_t in_cols, const float* in_bias,
-                             const float* w, const float* bias, int64_t out_cols, Activation act,
-                             float* out, cudaStream_t stream);
+                             const float* norm_rows, int64_t norm_cols, const float* w,
+                             const float* bias, int64_t out_cols, Activation act, float* out,
+                             cudaStream_t stream);
 
 // out[i] = bf16(in[i]) and back; used for weights at load time and by tests.
 cudaError_t LaunchF32ToBf16(const float* in, int64_t count, bf16* out, cudaStream_t stream);

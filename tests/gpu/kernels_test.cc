@@ -250,61 +250,81 @@ TEST(CudaKernels, BiasSiluHeadOpsMatchCpu) {
   EXPECT_LT(test::MaxAbsDiff(d_sig.Download(), want_sig), test::kF32Abs);
 }
 
-// The head's fused last layer (with the previous layer's bias + ReLU applied on load) against a
-// double-precision loop, over odd shapes: rows not a multiple of the block's 8 warps, widths not a
-// multiple of the warp, 1 to 16 outputs, and each activation.
+// The head's fused last layer (the previous layer's bias + ReLU applied on load, the input's L2
+// normalisation folded in) against a double-precision loop, over odd shapes: rows not a multiple
+// of the block's 8 warps, widths not a multiple of the warp, 1 to 16 outputs, each activation.
 TEST(CudaKernels, HeadOutputMatchesCpu) {
   HSTU_SKIP_WITHOUT_GPU();
   std::mt19937 rng(17);
-  struct Shape { int rows, in, out; bool in_bias; cuda::Activation act; };
-  const Shape shapes[] = {{1, 5, 1, false, cuda::Activation::kSigmoid},
-                          {7, 40, 3, true, cuda::Activation::kSigmoid},
-                          {33, 512, 4, true, cuda::Activation::kSigmoid},
-                          {300, 129, 16, true, cuda::Activation::kRelu},
-                          {17, 64, 8, false, cuda::Activation::kNone},
-                          {9000, 32, 2, true, cuda::Activation::kSigmoid}};
+  // norm: 0, or the width of the rows whose L2 norm scales the input (without in_bias: the input
+  // itself, so norm == in).
+  struct Shape { int rows, in, out; bool in_bias; int norm; cuda::Activation act; };
+  const Shape shapes[] = {{1, 5, 1, false, 0, cuda::Activation::kSigmoid},
+                          {7, 40, 3, true, 0, cuda::Activation::kSigmoid},
+                          {33, 512, 4, true, 1024, cuda::Activation::kSigmoid},
+                          {300, 129, 16, true, 1100, cuda::Activation::kRelu},
+                          {17, 64, 8, false, 64, cuda::Activation::kNone},
+                          {9, 1030, 4, false, 1030, cuda::Activation::kSigmoid},
+                          {9000, 32, 2, true, 0, cuda::Activation::kSigmoid}};
   for (const Shape& sh : shapes) {
-    SCOPED_TRACE(testing::Message() << sh.rows << " rows, " << sh.in << " -> " << sh.out);
+    SCOPED_TRACE(testing::Message() << sh.rows << " rows, " << sh.in << " -> " << sh.out
+                                    << ", norm " << sh.norm);
     const auto x = RandomVector(rng, static_cast<size_t>(sh.rows) * sh.in, -2.f, 2.f);
     const auto in_bias = RandomVector(rng, sh.in, -0.5f, 0.5f);
     const auto w = RandomVector(rng, static_cast<size_t>(sh.in) * sh.out, -0.3f, 0.3f);
     const auto bias = RandomVector(rng, sh.out);
+    const bool own_norm = sh.norm > 0 && !sh.in_bias;  // the input's own rows
+    const auto norm_rows =
+        own_norm ? x : RandomVector(rng, static_cast<size_t>(sh.rows) * sh.norm, -3.f, 3.f);
     std::vector<float> want(static_cast<size_t>(sh.rows) * sh.out);
     for (int r = 0; r < sh.rows; ++r) {
+      double ss = 0;
+      for (int i = 0; i < sh.norm; ++i) {
+        const double v = norm_rows[static_cast<size_t>(r) * sh.norm + i];
+        ss += v * v;
+      }
+      const double scale = sh.norm > 0 ? 1.0 / std::max(std::sqrt(ss), 1e-6) : 1.0;
       for (int o = 0; o < sh.out; ++o) {
-        double acc = bias[o];
+        double acc = 0;
         for (int i = 0; i < sh.in; ++i) {
-          double h = x[static_cast<size_t>(r) * sh.in + i];
+          double h = x[static_cast<size_t>(r) * sh.in + i] * scale;
           if (sh.in_bias) h = std::max(h + in_bias[i], 0.0);
           acc += h * w[static_cast<size_t>(i) * sh.out + o];
         }
+        acc += bias[o];
         if (sh.act == cuda::Activation::kRelu) acc = std::max(acc, 0.0);
         if (sh.act == cuda::Activation::kSigmoid) acc = 1.0 / (1.0 + std::exp(-acc));
         want[static_cast<size_t>(r) * sh.out + o] = static_cast<float>(acc);
       }
     }
-    DeviceArray<float> d_x(x), d_in_bias(in_bias), d_w(w), d_bias(bias), d_out(want.size());
+    DeviceArray<float> d_x(x), d_in_bias(in_bias), d_norm(norm_rows), d_w(w), d_bias(bias),
+        d_out(want.size());
     d_out.Poison();
     ASSERT_TRUE(cuda::HeadOutputFits(sh.in, sh.out));
-    HSTU_ASSERT_CUDA(cuda::LaunchHeadOutput(d_x.get(), sh.rows, sh.in,
-                                            sh.in_bias ? d_in_bias.get() : nullptr, d_w.get(),
-                                            d_bias.get(), sh.out, sh.act, d_out.get(), nullptr));
+    HSTU_ASSERT_CUDA(cuda::LaunchHeadOutput(
+        d_x.get(), sh.rows, sh.in, sh.in_bias ? d_in_bias.get() : nullptr,
+        sh.norm > 0 ? (own_norm ? d_x.get() : d_norm.get()) : nullptr, sh.norm, d_w.get(),
+        d_bias.get(), sh.out, sh.act, d_out.get(), nullptr));
     HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
     const auto got = d_out.Download();
     ASSERT_TRUE(AllFinite(got));
     EXPECT_LT(test::MaxAbsDiff(got, want), 1e-5);
   }
-  // Shapes it does not take: too many outputs, weights beyond its shared memory, no rows' input.
+  // Shapes it does not take: too many outputs, weights beyond its shared memory, no rows' input,
+  // rows to normalise without a width.
   DeviceArray<float> d_buf(64);
   EXPECT_FALSE(cuda::HeadOutputFits(64, cuda::kHeadOutMaxCols + 1));
   EXPECT_FALSE(cuda::HeadOutputFits(cuda::kHeadOutMaxSharedFloats, 4));
   EXPECT_FALSE(cuda::HeadOutputFits(0, 4));
-  EXPECT_EQ(cuda::LaunchHeadOutput(d_buf.get(), 2, 8, nullptr, d_buf.get(), nullptr,
+  EXPECT_EQ(cuda::LaunchHeadOutput(d_buf.get(), 2, 8, nullptr, nullptr, 0, d_buf.get(), nullptr,
                                    cuda::kHeadOutMaxCols + 1, cuda::Activation::kNone,
                                    d_buf.get(), nullptr),
             cudaErrorInvalidValue);
-  EXPECT_EQ(cuda::LaunchHeadOutput(nullptr, 2, 8, nullptr, d_buf.get(), nullptr, 4,
+  EXPECT_EQ(cuda::LaunchHeadOutput(nullptr, 2, 8, nullptr, nullptr, 0, d_buf.get(), nullptr, 4,
                                    cuda::Activation::kNone, d_buf.get(), nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::LaunchHeadOutput(d_buf.get(), 2, 8, nullptr, d_buf.get(), 0, d_buf.get(),
+                                   nullptr, 4, cuda::Activation::kNone, d_buf.get(), nullptr),
             cudaErrorInvalidValue);
 }
 
