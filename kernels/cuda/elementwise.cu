@@ -39,7 +39,8 @@ __global__ void GatherL2NormalizeKernel(const float* __restrict__ x,
 // A warp a row: s = 1 / max(|norm_rows[r]|, 1e-6) (1 without norm_rows); with in_bias,
 // h = max(s · in[r] + in_bias, 0) and out[r][o] = act(h · w[:, o] + bias[o]); without,
 // out[r][o] = act(s · (in[r] · w[:, o]) + bias[o]). The weights sit transposed in shared memory
-// ([out_cols][in_cols]: consecutive lanes, consecutive banks), the previous layer's bias after them.
+// ([out_cols][in_cols]: consecutive lanes, consecutive banks), the previous layer's bias after
+// them.
 __global__ void HeadOutputKernel(const float* __restrict__ in, int64_t rows, int in_cols,
                                  const float* __restrict__ in_bias,
                                  const float* __restrict__ norm_rows, int norm_cols,
