@@ -1,5 +1,6 @@
-// Element-wise passes of the MLP head (bias + activation, the gather + L2 normalisation of candidate
-// rows) and dtype conversions. Bias + SiLU after the UVQK GEMM is in bias_silu_append_kv.cu.
+// The MLP head's passes (bias + activation, the gather + L2 normalisation of candidate rows, the
+// fused narrow last layer) and dtype conversions. Bias + SiLU after the UVQK GEMM is in
+// bias_silu_append_kv.cu.
 #include <algorithm>
 #include <cmath>
 
