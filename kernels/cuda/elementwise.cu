@@ -37,6 +37,18 @@ __global__ void GatherL2NormalizeKernel(const float* __restrict__ x,
   }
 }
 
+// Columns base + 32·k + lane (k < kN) of a row of `cols` floats into v, 0 past its end: every
+// load issued before any is used.
+template <int kN>
+__device__ __forceinline__ void LoadLaneColumns(const float* __restrict__ row, int cols, int base,
+                                                int lane, float (&v)[kN]) {
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const int i = base + 32 * k + lane;
+    v[k] = i < cols ? row[i] : 0.f;
+  }
+}
+
 // A warp a row: s = 1 / max(|norm_rows[r]|, 1e-6) (1 without norm_rows); with in_bias,
 // h = max(s · in[r] + in_bias, 0) and out[r][o] = act(h · w[:, o] + bias[o]); without,
 // out[r][o] = act(s · (in[r] · w[:, o]) + bias[o]). The weights sit transposed in shared memory
@@ -79,11 +91,7 @@ __global__ void HeadOutputKernel(const float* __restrict__ in, int64_t rows, int
       float ss = 0.f;
       for (int base = 0; base < norm_cols; base += 32 * kNormPerLane) {
         float v[kNormPerLane];
-#pragma unroll
-        for (int k = 0; k < kNormPerLane; ++k) {
-          const int i = base + 32 * k + lane;
-          v[k] = i < norm_cols ? xr[i] : 0.f;
-        }
+        LoadLaneColumns(xr, norm_cols, base, lane, v);
 #pragma unroll
         for (int k = 0; k < kNormPerLane; ++k) ss = fmaf(v[k], v[k], ss);
       }
@@ -98,11 +106,7 @@ __global__ void HeadOutputKernel(const float* __restrict__ in, int64_t rows, int
     constexpr int kPerLane = 16;
     for (int base = 0; base < in_cols; base += 32 * kPerLane) {
       float h[kPerLane];
-#pragma unroll
-      for (int k = 0; k < kPerLane; ++k) {
-        const int i = base + 32 * k + lane;
-        h[k] = i < in_cols ? x[i] : 0.f;
-      }
+      LoadLaneColumns(x, in_cols, base, lane, h);
 #pragma unroll
       for (int k = 0; k < kPerLane; ++k) {
         const int i = base + 32 * k + lane;
