@@ -1,6 +1,7 @@
 #include "kvcache/cache_manager.h"
 
 #include <algorithm>
+#include <bit>
 
 #include "absl/strings/str_cat.h"
 
@@ -17,21 +18,30 @@ inline uint64_t Mix(uint64_t h, uint64_t v) {
   return h ^ (h >> 32);
 }
 
-// Four independent chains over the keys (key i goes to chain i % 4), folded at the end: each Mix
-// waits for the previous one of its chain, so one chain runs at the multiply's latency and four
-// fill the pipeline (a 4096-token history hashes in ~3 µs instead of ~11).
+// One step of a hash lane: a bijection of the lane for a fixed key and of the key for a fixed
+// lane, so two pages that differ in one key always leave that key's lane, and the fold, different.
+inline uint64_t LaneStep(uint64_t lane, uint64_t key) {
+  return std::rotl((lane ^ key) * 0x9fb21c651e98df25ull, 29);
+}
+
+// A page's hash is Mix(previous page's hash, its content hash), and the content hash does not
+// depend on the previous page: the chain costs one Mix a page and the CPU overlaps the pages'
+// content hashes. The content hash runs eight lanes (key i to lane i % 8, count in lane 0's seed),
+// each step three instructions, so the multiplier stays busy: ~1 cycle a key, against ~2.8 for
+// a Mix per key chained across pages.
 uint64_t HashPage(uint64_t prev, const uint64_t* keys, int64_t count) {
-  uint64_t h0 = Mix(prev, static_cast<uint64_t>(count));
-  uint64_t h1 = Mix(h0, 1), h2 = Mix(h0, 2), h3 = Mix(h0, 3);
+  constexpr int kLanes = 8;
+  uint64_t lane[kLanes];
+  for (int j = 0; j < kLanes; ++j) lane[j] = 0x243f6a8885a308d3ull * (2 * j + 1);
+  lane[0] ^= static_cast<uint64_t>(count);
   int64_t i = 0;
-  for (; i + 4 <= count; i += 4) {
-    h0 = Mix(h0, keys[i]);
-    h1 = Mix(h1, keys[i + 1]);
-    h2 = Mix(h2, keys[i + 2]);
-    h3 = Mix(h3, keys[i + 3]);
+  for (; i + kLanes <= count; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) lane[j] = LaneStep(lane[j], keys[i + j]);
   }
-  for (; i < count; ++i) h0 = Mix(h0, keys[i]);
-  return Mix(Mix(Mix(h0, h1), h2), h3);
+  for (int j = 0; i < count; ++i, ++j) lane[j] = LaneStep(lane[j], keys[i]);
+  uint64_t content = lane[0];
+  for (int j = 1; j < kLanes; ++j) content = LaneStep(content, lane[j]);
+  return Mix(prev, content);
 }
 
 // Folds HashPage over keys from page `first_page` on, starting from h (the chain hash before that

@@ -104,6 +104,65 @@ TEST(CacheManager, IncrementalHashesReuseExactlyTheMatchingPrefix) {
   }
 }
 
+// The chain hash (kvcache/cache_manager.cc) must tell apart the edits a returning user's history
+// can plausibly see: one key changed anywhere (any lane, any page, the partial last page), two
+// keys swapped, a key dropped or added. Each must change the prefix hash and every page hash from
+// the first changed key's page on, and leave the pages before it alone.
+TEST(ChainHash, EveryEditChangesTheChainFromItsPageOn) {
+  std::mt19937_64 rng(11);
+  for (int32_t page_size : {1, 4, 7, 32, 64}) {
+    std::vector<uint64_t> keys(200 + rng() % 100);
+    for (auto& k : keys) k = TokenKey(rng() % 2 == 1, static_cast<int64_t>(rng() % 1000));
+    const std::vector<uint64_t> base = PageChainHashes(keys, page_size);
+    const uint64_t base_prefix = PrefixHash(keys, page_size);
+    auto check = [&](const std::vector<uint64_t>& edited, const char* what) {
+      size_t first_changed = 0;
+      while (first_changed < edited.size() && edited[first_changed] == keys[first_changed]) {
+        ++first_changed;
+      }
+      SCOPED_TRACE(testing::Message() << what << " at " << first_changed << ", page size "
+                                      << page_size);
+      EXPECT_NE(PrefixHash(edited, page_size), base_prefix);
+      const std::vector<uint64_t> got = PageChainHashes(edited, page_size);
+      const size_t page = first_changed / page_size;
+      for (size_t p = 0; p < std::min(got.size(), base.size()); ++p) {
+        if (p < page) {
+          EXPECT_EQ(got[p], base[p]) << "page " << p;
+        } else {
+          EXPECT_NE(got[p], base[p]) << "page " << p;
+        }
+      }
+    };
+    for (size_t i = 0; i < keys.size(); ++i) {
+      std::vector<uint64_t> e = keys;
+      e[i] ^= uint64_t{1} << (rng() % 64);
+      check(e, "one bit flipped");
+      e = keys;
+      e[i] += 2;  // the neighbouring id of the same kind
+      check(e, "id changed");
+      if (i + 1 < keys.size() && keys[i] != keys[i + 1]) {
+        e = keys;
+        std::swap(e[i], e[i + 1]);
+        check(e, "swapped with the next");
+      }
+      if (i + 8 < keys.size() && keys[i] != keys[i + 8]) {
+        e = keys;
+        std::swap(e[i], e[i + 8]);  // the same lane of the content hash
+        check(e, "swapped with the key 8 on");
+      }
+      e = keys;
+      e.erase(e.begin() + static_cast<std::ptrdiff_t>(i));
+      check(e, "dropped");
+    }
+    // A key appended changes the prefix hash but no full page before it.
+    std::vector<uint64_t> longer = keys;
+    longer.push_back(keys.back() ^ 2);
+    EXPECT_NE(PrefixHash(longer, page_size), base_prefix);
+    const std::vector<uint64_t> got = PageChainHashes(longer, page_size);
+    for (size_t p = 0; p < base.size(); ++p) EXPECT_EQ(got[p], base[p]);
+  }
+}
+
 TEST(CacheManager, ShortenedHistoryIsNeverServedFromStaleKv) {
   CacheManager m(4, 64);
   auto k = Keys(20);
