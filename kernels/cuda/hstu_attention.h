@@ -79,10 +79,15 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
 // The list schedule PlanHstuAttention times its chunk lengths with: costs (descending, >= 0; each
 // CTA's key blocks plus its fixed work) each taken `copies` times (the heads) in order, by the
 // first of `machines` (SM slots, all free at 0) to free up. Returns when the last one finishes.
-// O(costs · copies + makespan) with integer costs, where a heap of the machines' finish times
-// took O(log machines) a CTA; the result is the same. scratch: reused storage, may be nullptr.
+// A run of equal costs goes to the machines free at one time all at once: O(runs · levels +
+// makespan) with integer costs, where a heap of the machines' finish times took O(log machines)
+// a CTA; the result is the same. scratch: reused storage, may be nullptr.
 int64_t ListScheduleMakespan(const std::vector<int32_t>& costs, int32_t copies, int32_t machines,
                              std::vector<int32_t>* scratch = nullptr);
+// The same over runs: (cost, how many CTAs of it), costs strictly descending, counts > 0 (the
+// copies already counted in).
+int64_t ListScheduleMakespan(const std::vector<std::pair<int32_t, int64_t>>& runs,
+                             int32_t machines, std::vector<int32_t>* scratch = nullptr);
 
 // Which kernel LaunchHstuAttention runs for p's pool and shape, and when it is not the
 // warp-specialised TMA kernel, why (builds and caches the pool's tensor map as a launch would; call

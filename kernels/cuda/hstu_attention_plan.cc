@@ -35,33 +35,45 @@ AttentionWorkItem ChunkOf(const Tile& t, int32_t s, int32_t splits, int32_t chun
 
 }  // namespace
 
-int64_t ListScheduleMakespan(const std::vector<int32_t>& costs, int32_t copies, int32_t machines,
-                             std::vector<int32_t>* scratch) {
-  if (costs.empty() || copies <= 0) return 0;
+int64_t ListScheduleMakespan(const std::vector<std::pair<int32_t, int64_t>>& runs,
+                             int32_t machines, std::vector<int32_t>* scratch) {
+  if (runs.empty()) return 0;
   machines = std::max(machines, 1);
   // The least finish time never decreases (a machine taken at the minimum t finishes later), and
   // it is at most the work assigned so far over the machines, so a count of machines per finish
   // time up to total / machines + the longest cost holds the schedule: the minimum is found by a
-  // pointer that only moves forward.
+  // pointer that only moves forward. The CTAs of a run take the machines free at the least finish
+  // time together (which of those machines takes which CTA does not change the finish times).
   int64_t total = 0;
-  for (int32_t c : costs) total += c;
-  total *= copies;
-  const int64_t cap = total / machines + costs.front() + 2;
+  for (const auto& [cost, count] : runs) total += cost * count;
+  const int64_t cap = total / machines + runs.front().first + 2;
   std::vector<int32_t> local;
-  std::vector<int32_t>& count = scratch != nullptr ? *scratch : local;
-  count.assign(static_cast<size_t>(cap), 0);
-  count[0] = machines;
+  std::vector<int32_t>& free_at = scratch != nullptr ? *scratch : local;
+  free_at.assign(static_cast<size_t>(cap), 0);
+  free_at[0] = machines;
   int64_t least = 0, last = 0;
-  for (int32_t c : costs) {
-    for (int32_t k = 0; k < copies; ++k) {
-      while (count[least] == 0) ++least;
-      --count[least];
-      const int64_t finish = least + c;
-      ++count[finish];
-      last = std::max(last, finish);
+  for (const auto& [cost, count] : runs) {
+    for (int64_t left = count; left > 0;) {
+      while (free_at[least] == 0) ++least;
+      const int32_t take = static_cast<int32_t>(std::min<int64_t>(free_at[least], left));
+      free_at[least] -= take;
+      free_at[least + cost] += take;
+      left -= take;
+      last = std::max(last, least + cost);
     }
   }
   return last;
+}
+
+int64_t ListScheduleMakespan(const std::vector<int32_t>& costs, int32_t copies, int32_t machines,
+                             std::vector<int32_t>* scratch) {
+  if (copies <= 0) return 0;
+  std::vector<std::pair<int32_t, int64_t>> runs;
+  for (int32_t c : costs) {
+    if (runs.empty() || runs.back().first != c) runs.push_back({c, 0});
+    runs.back().second += copies;
+  }
+  return ListScheduleMakespan(runs, machines, scratch);
 }
 
 AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_new,
@@ -192,29 +204,46 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   add(*std::min_element(candidates.begin(), candidates.end(), [](const Candidate& x, const Candidate& y) {
         return x.waves < y.waves || (x.waves == y.waves && x.chunk > y.chunk);
       }));
-  std::vector<int32_t> costs, counts;  // counts: ListScheduleMakespan's scratch
+  // A chunk length's CTAs as runs of equal cost (ListScheduleMakespan's form): a tile of b blocks
+  // makes b / chunk whole chunks and one of b % chunk.
+  std::vector<std::pair<int32_t, int64_t>> runs;
+  std::vector<int32_t> counts;  // ListScheduleMakespan's scratch
   int32_t best_chunk = tried.front().chunk;
   double best_span = 1e300;
   for (const Candidate& candidate : tried) {
     const int32_t chunk = candidate.chunk;
     const double bound = candidate.bound;
-    costs.clear();
+    runs.clear();
+    int64_t items = 0;
     for (const auto& [b, n] : lengths) {
-      for (int32_t k = 0; k < std::max(1, (b + chunk - 1) / chunk); ++k) {
-        costs.insert(costs.end(), n, std::min(chunk, b - k * chunk));
+      const int32_t whole = b / chunk, rest = b % chunk;
+      if (whole > 0) runs.push_back({chunk, static_cast<int64_t>(whole) * n});
+      if (rest > 0 || b == 0) runs.push_back({rest, n});  // an empty tile is one CTA too
+      items += std::max(1, (b + chunk - 1) / chunk) * static_cast<int64_t>(n);
+    }
+    std::sort(runs.begin(), runs.end(), std::greater<>());
+    size_t merged = 0;
+    for (const auto& run : runs) {
+      if (merged > 0 && runs[merged - 1].first == run.first) {
+        runs[merged - 1].second += run.second;
+      } else {
+        runs[merged++] = run;
       }
     }
-    std::sort(costs.begin(), costs.end(), std::greater<>());
-    for (int32_t& c : costs) c += static_cast<int32_t>(kCtaOverhead);
+    runs.resize(merged);
+    for (auto& [cost, count] : runs) {
+      cost += static_cast<int32_t>(kCtaOverhead);
+      count *= num_heads;
+    }
     double span = 0;
-    const int64_t launched = static_cast<int64_t>(costs.size()) * num_heads;
+    const int64_t launched = items * num_heads;
     if (launched <= slots) {
-      span = costs.front();  // one wave
+      span = runs.front().first;  // one wave
     } else if (launched > 16LL * slots) {
       // Many waves: the list schedule ends about half a CTA past the even spread.
       span = bound + 0.5 * (std::min(chunk, max_blocks) + kCtaOverhead);
     } else {
-      span = static_cast<double>(ListScheduleMakespan(costs, num_heads, slots, &counts));
+      span = static_cast<double>(ListScheduleMakespan(runs, slots, &counts));
     }
     if (span < best_span - 1e-9 || (span < best_span + 1e-9 && chunk > best_chunk)) {
       best_span = span;
