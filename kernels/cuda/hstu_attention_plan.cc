@@ -82,6 +82,8 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
                                 int32_t max_split, int32_t cluster, int32_t max_clusters,
                                 bool candidates_only) {
   std::vector<Tile> tiles;
+  tiles.reserve(static_cast<size_t>(row_offsets[batch_size] - row_offsets[0]) / kAttnBlockM +
+                static_cast<size_t>(batch_size) * 2);
   for (int32_t b = 0; b < batch_size; ++b) {
     const int32_t rows = row_offsets[b + 1] - row_offsets[b];
     const int32_t hist = num_tokens[b];
@@ -160,6 +162,7 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
     double waves;  // the waves estimate: waves of CTAs times the longest
   };
   std::vector<Candidate> candidates;
+  candidates.reserve(static_cast<size_t>(max_blocks));
   for (int32_t chunk = 1; chunk <= max_blocks; ++chunk) {
     int64_t ctas = 0, work = 0;
     int32_t longest = 0;
@@ -254,6 +257,9 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   AttentionPlan plan;
   plan.chunk_blocks = best_chunk;
   const int32_t chunk_keys = best_chunk * kAttnBlockN;
+  size_t num_items = 0;
+  for (const Tile& t : tiles) num_items += std::max(1, CeilDiv(t.kv_end - t.kv_begin, chunk_keys));
+  plan.items.reserve(num_items);
   for (const Tile& t : tiles) {
     const int32_t splits = std::max(1, CeilDiv(t.kv_end - t.kv_begin, chunk_keys));
     const int32_t tile_idx = splits > 1 ? plan.num_split_tiles++ : -1;
@@ -266,13 +272,19 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   // Longest first; among equal lengths the split tiles' first chunks lead (a split tile's first
   // chunk is a whole chunk, as long as any item, so items[t] is split 0 of split tile t: the split
   // reduction's grid covers exactly those), then the order above (a tile's chunks, then the next
-  // tile of the same user, which reads the same keys).
-  auto leads = [](const AttentionWorkItem& a) { return a.num_splits > 1 && a.split == 0; };
-  std::stable_sort(plan.items.begin(), plan.items.end(),
-                   [&](const AttentionWorkItem& a, const AttentionWorkItem& b) {
-                     const int32_t la = a.kv_end - a.kv_begin, lb = b.kv_end - b.kv_begin;
-                     return la != lb ? la > lb : leads(a) && !leads(b);
-                   });
+  // tile of the same user, which reads the same keys). Sorted as (key, index) pairs: the order of
+  // a stable sort without its buffer.
+  std::vector<std::pair<int64_t, int32_t>> order(plan.items.size());
+  for (size_t i = 0; i < plan.items.size(); ++i) {
+    const AttentionWorkItem& it = plan.items[i];
+    const bool leads = it.num_splits > 1 && it.split == 0;
+    order[i] = {-(2 * static_cast<int64_t>(it.kv_end - it.kv_begin) + (leads ? 1 : 0)),
+                static_cast<int32_t>(i)};
+  }
+  std::sort(order.begin(), order.end());
+  std::vector<AttentionWorkItem> sorted(order.size());
+  for (size_t i = 0; i < order.size(); ++i) sorted[i] = plan.items[order[i].second];
+  plan.items = std::move(sorted);
   return plan;
 }
 
