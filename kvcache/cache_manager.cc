@@ -190,11 +190,20 @@ bool CacheManager::AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<i
 }
 
 absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<const uint64_t> keys,
-                                                  const OnloadFilter& onload_ok) {
+                                                  const OnloadFilter& onload_ok,
+                                                  std::vector<uint64_t> page_hashes) {
+  // Hashed before the lock: the only pass over the keys (Commit reuses the page hashes).
+  if (page_hashes.size() != keys.size() / page_size_) page_hashes = PageChainHashes(keys, page_size_);
   std::lock_guard<std::mutex> lock(mu_);
   Reservation r;
   r.user_id = user_id;
   r.total_tokens = static_cast<int32_t>(keys.size());
+  // PrefixHash(keys[0, n)) from the page hashes: only a partial last page is hashed here.
+  auto prefix_hash = [&](size_t n) {
+    const size_t full = n / page_size_;
+    return ChainFrom(full == 0 ? kHashSeed : page_hashes[full - 1], keys.subspan(0, n), full,
+                     page_size_, nullptr);
+  };
   auto [it, inserted] = entries_.try_emplace(user_id);
   Entry& e = it->second;
   const bool host_only = !inserted && e.page_ids.empty() && e.num_tokens > 0;
@@ -210,7 +219,7 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   } else {
     // Whether the request's history extends everything the entry holds (one pass over it).
     const bool extends = static_cast<size_t>(e.num_tokens) <= keys.size() &&
-                         PrefixHash(keys.subspan(0, e.num_tokens), page_size_) == e.prefix_hash;
+                         prefix_hash(static_cast<size_t>(e.num_tokens)) == e.prefix_hash;
     if (e.inflight_pages > 0 && !extends) {
       // Reusing less than the entry holds would free pages that the offload still reads.
       return absl::UnavailableError(absl::StrCat("user ", user_id,
@@ -230,10 +239,9 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
                                    : LookupResult::kHit;
     } else {
       // Longest page-aligned prefix whose chain still matches; the rest of the entry is stale.
-      const size_t cmp_tokens = std::min(keys.size(), e.page_hashes.size() * page_size_);
-      const std::vector<uint64_t> req = PageChainHashes(keys.subspan(0, cmp_tokens), page_size_);
+      const size_t cmp_pages = std::min(page_hashes.size(), e.page_hashes.size());
       size_t k = 0;
-      while (k < req.size() && req[k] == e.page_hashes[k]) ++k;
+      while (k < cmp_pages && page_hashes[k] == e.page_hashes[k]) ++k;
       TruncateLocked(e, k);
       r.reused_tokens = e.num_tokens;
       r.result = k == 0 ? LookupResult::kMismatch
@@ -282,6 +290,7 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   stats_.tokens_reused += r.reused_tokens;
   stats_.tokens_computed += keys.size() - r.reused_tokens;
   r.page_ids = e.page_ids;
+  r.page_hashes = std::move(page_hashes);
   return r;
 }
 
@@ -315,11 +324,19 @@ PageCopies CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t>
   }
   Entry& e = entries_.at(r.user_id);
   e.num_tokens = static_cast<int32_t>(keys.size());
-  // The full pages of the reused prefix kept their keys (Acquire matched them): only the pages
-  // after them are hashed, not the whole history again.
-  e.page_hashes.resize(std::min(e.page_hashes.size(), static_cast<size_t>(r.reused_tokens / page_size_)));
-  e.prefix_hash = ChainFrom(e.page_hashes.empty() ? kHashSeed : e.page_hashes.back(), keys,
-                            e.page_hashes.size(), page_size_, &e.page_hashes);
+  if (r.page_hashes.size() == keys.size() / page_size_) {
+    // Acquire hashed the request's full pages; the reused ones among them matched the entry's.
+    e.page_hashes = r.page_hashes;
+    e.prefix_hash = ChainFrom(e.page_hashes.empty() ? kHashSeed : e.page_hashes.back(), keys,
+                              e.page_hashes.size(), page_size_, nullptr);
+  } else {
+    // Keys other than the acquired ones' count: the full pages of the reused prefix kept their
+    // keys (Acquire matched them), so only the pages after them are hashed.
+    e.page_hashes.resize(
+        std::min(e.page_hashes.size(), static_cast<size_t>(r.reused_tokens / page_size_)));
+    e.prefix_hash = ChainFrom(e.page_hashes.empty() ? kHashSeed : e.page_hashes.back(), keys,
+                              e.page_hashes.size(), page_size_, &e.page_hashes);
+  }
   TouchLocked(e, r.user_id);
   // Write-behind: new full pages get host copies (while still pinned, so eviction for host room
   // never picks this entry).

@@ -88,6 +88,8 @@ struct Reservation {
   LookupResult result = LookupResult::kMiss;
   PageCopies onload;             // host → GPU copies to finish before the forward reads the pages
   bool prefetched = false;       // its pages came from a Prefetch() whose copies may be in flight
+  // The chain hashes of the request's full pages (PageChainHashes of its keys), for Commit.
+  std::vector<uint64_t> page_hashes;
 };
 
 class CacheManager {
@@ -106,11 +108,16 @@ class CacheManager {
   // A host-only user whose onload `onload_ok` declines is served as a miss of those tokens
   // (kHostRecompute, reused_tokens 0, no copies); its host copies stay, since the request
   // recomputes the very same keys into its GPU pages, and Commit offloads only pages beyond them.
+  // `page_hashes`, when given, must be PageChainHashes(keys, page_size()) (computed by the caller,
+  // e.g. on another thread, outside the manager's lock); otherwise Acquire computes them. Either
+  // way they travel in the reservation to Commit, so each key is hashed once.
   absl::StatusOr<Reservation> Acquire(uint64_t user_id, absl::Span<const uint64_t> keys,
-                                      const OnloadFilter& onload_ok = nullptr);
+                                      const OnloadFilter& onload_ok = nullptr,
+                                      std::vector<uint64_t> page_hashes = {});
   // Pages for `num_tokens` tokens that belong to no entry (cache disabled); freed by Release.
   absl::StatusOr<Reservation> AcquireTemporary(uint64_t user_id, int32_t num_tokens);
-  // The request's pages now hold K/V for all of `keys`: record the hashes, unpin, mark recent.
+  // The request's pages now hold K/V for all of `keys` (the keys it was acquired with): record the
+  // hashes, unpin, mark recent.
   // Returns the GPU → host copies of the entry's new full pages (empty without a host tier).
   PageCopies Commit(const Reservation& r, absl::Span<const uint64_t> keys);
   // The request failed: unpin and drop what it added (and the entry, whose pages may be partial;
