@@ -50,9 +50,6 @@ ABSL_FLAG(int32_t, cached, 3968,
 ABSL_FLAG(bool, no_cache_only, false,
           "block: only the no-cache rows with 256 candidates (pages kept and not, alternated three "
           "times), e.g. to profile or A/B them");
-ABSL_FLAG(int32_t, host_threads, -1,
-          "e2e: the engines' helper threads for per-request host work (EngineOptions::"
-          "host_threads; -1 = auto, 0 = none)");
 ABSL_FLAG(std::string, attn_slots, "0",
           "attention: CTA slots the work plan assumes, a list (0 = the GPU's SMs x CTAs per SM); "
           "smaller values give fewer, longer chunks per tile, to separate a CTA's fixed cost from "
@@ -677,13 +674,11 @@ json BenchE2e(int reps, int page_size) {
     o.page_size = page_size;
     o.enable_cache = m.cache;
     o.use_cuda_graphs = m.graphs;
-    o.host_threads = absl::GetFlag(FLAGS_host_threads);
     engines.push_back(OrDie(hstu::Engine::Create(o, weights)));
   }
   const int steps = 16, cand = 256;
   std::printf("\n### e2e (Engine::Rank; %d steps, history 256 -> 4096 tokens + %d candidates per "
-              "user; median of %d sequences; %d host helper threads)\n\n", steps, cand, reps,
-              engines.front()->host_threads());
+              "user; median of %d sequences)\n\n", steps, cand, reps);
   std::printf("| users | mode | total (ms) | per step (ms) | of which outside the forward (ms) | "
               "device busy (ms) | speedup | speedup of the device time |\n"
               "|---|---|---|---|---|---|---|---|\n");
@@ -760,7 +755,7 @@ json BenchE2e(int reps, int page_size) {
       rows.push_back({{"users", U}, {"mode", modes[mi].name}, {"total_ms", ms},
                       {"per_step_ms", ms / steps}, {"outside_forward_ms_per_step", host_ms / steps},
                       {"device_ms_per_step", device_ms / steps}, {"speedup", base_ms / ms},
-                      {"device_speedup", device_speedup}, {"host_threads", e.host_threads()}});
+                      {"device_speedup", device_speedup}});
     }
   }
   std::printf("\n8 users, each step (ms; wall / device busy, medians):\n\n| step | cached tokens "

@@ -98,8 +98,6 @@ class Engine {
   absl::Status Validate(const RankRequest& request) const;
   const ModelConfig& config() const { return config_; }
   const EngineOptions& options() const { return options_; }
-  // Helper threads for per-request host work (EngineOptions::host_threads resolved).
-  int host_threads() const { return workers_->threads(); }
   std::string device_name() const { return backend_->name(); }
   std::string attention_kernel() const { return backend_->attention_kernel(); }
   std::string gemm_routes() const { return backend_->gemm_routes(); }
