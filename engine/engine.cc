@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <optional>
-#include <thread>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
@@ -72,11 +71,7 @@ Engine::Engine(const EngineOptions& options, ModelConfig config, std::unique_ptr
                std::unique_ptr<CacheManager> cache)
     : options_(options), config_(std::move(config)), backend_(std::move(backend)),
       cache_(std::move(cache)),
-      onload_cost_(options.onload_bytes_per_second, options.recompute_seconds_per_token) {
-  int threads = options.host_threads;
-  if (threads < 0) threads = std::min(3, static_cast<int>(std::thread::hardware_concurrency() / 4));
-  workers_ = std::make_unique<HostWorkers>(threads, std::chrono::microseconds(options.host_spin_us));
-}
+      onload_cost_(options.onload_bytes_per_second, options.recompute_seconds_per_token) {}
 
 Engine::~Engine() = default;
 
@@ -148,11 +143,6 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   // one whole user, so the copy engine never falls far behind, a burst of misses cannot pin the
   // GPU pool, and waiting for the copies (when nothing else can be evicted) is short. On an H200
   // under a Zipf load 128 MiB gave 1.2x the throughput of 512 MiB (docs/benchmarks.md, run 7).
-  if (options.host_threads < -1 || options.host_threads > 64 || options.host_spin_us < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "host_threads must be in [-1, 64] and host_spin_us >= 0, got ", options.host_threads,
-        " and ", options.host_spin_us));
-  }
   if (options.offload_backlog_mib < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("offload_backlog_mib must be >= 1, got ", options.offload_backlog_mib));
@@ -193,12 +183,9 @@ std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankReques
   // cache its earlier one committed.
   std::vector<std::vector<size_t>> waves;
   std::unordered_map<uint64_t, size_t> seen;
-  std::vector<absl::Status> checks(batch.size());
-  workers_->ParallelFor(static_cast<int>(batch.size()),
-                        [&](int i) { checks[i] = Validate(batch[i]); });
   for (size_t i = 0; i < batch.size(); ++i) {
-    if (!checks[i].ok()) {
-      results[i] = std::move(checks[i]);
+    if (auto s = Validate(batch[i]); !s.ok()) {
+      results[i] = s;
       continue;
     }
     const size_t wave = seen[batch[i].user_id]++;
@@ -304,20 +291,11 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
   NoteCopiesIdleIfNoPrefetch();
   const OnloadFilter onload_ok = MakeOnloadFilter();
   bool uses_prefetch = false, uses_onload = false;
-  // Each user's kept history and its page hashes, on the helpers; the cache is then asked in
-  // order, under its lock, with nothing left to hash.
-  std::vector<KeptHistory> kept(wave.size());
-  std::vector<std::vector<uint64_t>> page_hashes(wave.size());
-  workers_->ParallelFor(static_cast<int>(wave.size()), [&](int i) {
-    kept[i] = KeepHistory(*wave[i], c);
-    if (options_.enable_cache) page_hashes[i] = PageChainHashes(kept[i].keys, options_.page_size);
-  });
   for (size_t i = 0; i < wave.size(); ++i) {
-    Live l{i, std::move(kept[i]), {}, {}};
+    Live l{i, KeepHistory(*wave[i], c), {}, {}};
     auto acquire = [&] {
-      return options_.enable_cache
-                 ? cache_->Acquire(wave[i]->user_id, l.kept.keys, onload_ok, page_hashes[i])
-                 : cache_->AcquireTemporary(wave[i]->user_id, l.kept.length);
+      return options_.enable_cache ? cache_->Acquire(wave[i]->user_id, l.kept.keys, onload_ok)
+                                   : cache_->AcquireTemporary(wave[i]->user_id, l.kept.length);
     };
     auto res = acquire();
     if (!res.ok() && (cache_->offloads_in_flight() || cache_->prefetches_pending()) &&

@@ -13,7 +13,6 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "engine/backend.h"
-#include "engine/host_workers.h"
 #include "engine/model.h"
 #include "engine/onload_policy.h"
 #include "engine/request.h"
@@ -45,12 +44,6 @@ struct EngineOptions {
   double onload_bytes_per_second = 0;
   double recompute_seconds_per_token = 0;
   RequestLimits limits;
-  // Helper threads for each forward's per-request host work (request checks, history keys, page
-  // hashes; engine/host_workers.h); -1 = auto: a quarter of the hardware threads, at most 3.
-  int32_t host_threads = -1;
-  // How long a helper polls for the next forward's work before it naps, in µs: the helpers keep
-  // that many cores busy after each forward, and share its work only while they poll.
-  int32_t host_spin_us = 2000;
 };
 
 struct EngineStats {
@@ -123,7 +116,6 @@ class Engine {
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<CacheManager> cache_;
   OnloadCostModel onload_cost_;  // used by the thread that calls Rank() and Prefetch()
-  std::unique_ptr<HostWorkers> workers_;
   mutable std::mutex stats_mu_;
   EngineStats stats_;
 };

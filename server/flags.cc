@@ -46,14 +46,6 @@ ABSL_FLAG(int64_t, host_cache_pages, -1,
 ABSL_FLAG(int64_t, offload_backlog_mib, 128,
           "Host tier write-behind: MiB of GPU -> host page copies in flight at most (at least one "
           "user's pages); pages committed past it stay GPU-only until their user's next commit.");
-ABSL_FLAG(int32_t, host_threads, -1,
-          "Helper threads for each batch's per-request host work (request checks, history keys, "
-          "page hashes) beside the scheduler thread; 0 = none; -1 = auto: a quarter of the "
-          "hardware threads, at most 3.");
-ABSL_FLAG(int32_t, host_spin_us, 2000,
-          "How long (us) a helper thread polls for the next batch's work before it naps: helpers "
-          "share only the work of batches that start while they poll, and keep their cores busy "
-          "meanwhile.");
 ABSL_FLAG(bool, prefetch_onload, true,
           "Start the KV onload of queued requests whose users live on the host tier before their "
           "batch runs, so the copy overlaps the batches ahead of them.");
@@ -99,8 +91,6 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.engine.use_cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   o.prefetch_onload = absl::GetFlag(FLAGS_prefetch_onload);
   o.engine.offload_backlog_mib = absl::GetFlag(FLAGS_offload_backlog_mib);
-  o.engine.host_threads = absl::GetFlag(FLAGS_host_threads);
-  o.engine.host_spin_us = absl::GetFlag(FLAGS_host_spin_us);
   const std::string onload_policy = absl::GetFlag(FLAGS_onload_policy);
   if (auto p = ParseOnloadPolicy(onload_policy); p.ok()) {
     o.engine.onload_policy = *p;
@@ -145,10 +135,6 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   if (o.engine.offload_backlog_mib < 1) {
     return bad("offload_backlog_mib", o.engine.offload_backlog_mib, "must be >= 1");
   }
-  if (o.engine.host_threads < -1 || o.engine.host_threads > 64) {
-    return bad("host_threads", o.engine.host_threads, "must be in [0, 64], or -1 for auto");
-  }
-  if (o.engine.host_spin_us < 0) return bad("host_spin_us", o.engine.host_spin_us, "must be >= 0");
   if (o.engine.host_cache_pages < -1) {
     return bad("host_cache_pages", o.engine.host_cache_pages, "must be >= 0, or -1 for auto");
   }

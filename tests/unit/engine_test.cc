@@ -264,68 +264,6 @@ TEST(Engine, RejectsANonPositiveOffloadBacklog) {
   EXPECT_NE(e.status().message().find("offload_backlog_mib"), std::string::npos) << e.status();
 }
 
-TEST(Engine, HelperThreadsGiveTheSameResultsAsNone) {
-  // Batches of several users (one of them twice, so two waves), edits and shortened histories,
-  // a bad request in every batch, a pool small enough to evict: the per-request work on helper
-  // threads must not change a score bit, a cache decision or a message.
-  const ModelConfig c = TestConfig(true, 0);
-  std::vector<std::unique_ptr<Engine>> engines;
-  for (int threads : {0, 3}) {
-    EngineOptions o;
-    o.page_size = 4;
-    o.cache_pages = 60;
-    o.host_threads = threads;
-    o.host_spin_us = threads > 0 ? 1000 : 0;
-    auto e = Engine::Create(o, RandomModel(c, 5));
-    ASSERT_TRUE(e.ok()) << e.status();
-    engines.push_back(*std::move(e));
-  }
-  Traffic traffic(9, 17);
-  for (int step = 0; step < 40; ++step) {
-    std::vector<RankRequest> batch;
-    for (int u = 0; u < 9; ++u) {
-      if ((u + step) % 3 != 0) batch.push_back(traffic.Visit(u, /*allow_edits=*/true));
-    }
-    batch.push_back(batch.front());  // the same user again: a second wave
-    RankRequest bad = batch.back();
-    bad.history_actions.push_back(99);
-    bad.history_item_ids.push_back(1);
-    batch.push_back(bad);
-    auto a = engines[0]->Rank(batch);
-    auto b = engines[1]->Rank(batch);
-    ASSERT_EQ(a.size(), b.size());
-    for (size_t i = 0; i < a.size(); ++i) {
-      ASSERT_EQ(a[i].ok(), b[i].ok()) << "step " << step << " request " << i;
-      if (!a[i].ok()) {
-        EXPECT_EQ(a[i].status(), b[i].status());
-        continue;
-      }
-      EXPECT_EQ(a[i]->scores, b[i]->scores) << "step " << step << " request " << i;
-      EXPECT_EQ(a[i]->reused_tokens, b[i]->reused_tokens);
-      EXPECT_EQ(a[i]->cache_result, b[i]->cache_result);
-    }
-  }
-  const CacheStats sa = engines[0]->Stats().cache, sb = engines[1]->Stats().cache;
-  for (int r = 0; r < static_cast<int>(LookupResult::kNumResults); ++r) {
-    EXPECT_EQ(sa.lookups[r], sb.lookups[r]) << LookupResultName(static_cast<LookupResult>(r));
-  }
-  EXPECT_GT(sa.lookups[static_cast<int>(LookupResult::kHit)], 0u);
-  EXPECT_GT(sa.evictions, 0u);
-  EXPECT_EQ(sa.evictions, sb.evictions);
-}
-
-TEST(Engine, RejectsBadHostThreadSettings) {
-  for (const auto& [threads, spin] : std::vector<std::pair<int, int>>{{-2, 0}, {65, 0}, {1, -1}}) {
-    EngineOptions o;
-    o.host_threads = threads;
-    o.host_spin_us = spin;
-    auto e = Engine::Create(o, RandomModel(TestConfig(false, 0), 1));
-    ASSERT_FALSE(e.ok());
-    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(e.status().message().find("host_threads"), std::string::npos);
-  }
-}
-
 TEST(Engine, RandomTinyModelGivesUsefulScores) {
   auto e = Engine::Create(EngineOptions{});
   ASSERT_TRUE(e.ok());
