@@ -190,10 +190,9 @@ bool CacheManager::AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<i
 }
 
 absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<const uint64_t> keys,
-                                                  const OnloadFilter& onload_ok,
-                                                  std::vector<uint64_t> page_hashes) {
+                                                  const OnloadFilter& onload_ok) {
   // Hashed before the lock: the only pass over the keys (Commit reuses the page hashes).
-  if (page_hashes.size() != keys.size() / page_size_) page_hashes = PageChainHashes(keys, page_size_);
+  std::vector<uint64_t> page_hashes = PageChainHashes(keys, page_size_);
   std::lock_guard<std::mutex> lock(mu_);
   Reservation r;
   r.user_id = user_id;

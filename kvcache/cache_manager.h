@@ -108,12 +108,10 @@ class CacheManager {
   // A host-only user whose onload `onload_ok` declines is served as a miss of those tokens
   // (kHostRecompute, reused_tokens 0, no copies); its host copies stay, since the request
   // recomputes the very same keys into its GPU pages, and Commit offloads only pages beyond them.
-  // `page_hashes`, when given, must be PageChainHashes(keys, page_size()) (computed by the caller,
-  // e.g. on another thread, outside the manager's lock); otherwise Acquire computes them. Either
-  // way they travel in the reservation to Commit, so each key is hashed once.
+  // The keys' page hashes (computed before the lock) travel in the reservation to Commit, so each
+  // key is hashed once.
   absl::StatusOr<Reservation> Acquire(uint64_t user_id, absl::Span<const uint64_t> keys,
-                                      const OnloadFilter& onload_ok = nullptr,
-                                      std::vector<uint64_t> page_hashes = {});
+                                      const OnloadFilter& onload_ok = nullptr);
   // Pages for `num_tokens` tokens that belong to no entry (cache disabled); freed by Release.
   absl::StatusOr<Reservation> AcquireTemporary(uint64_t user_id, int32_t num_tokens);
   // The request's pages now hold K/V for all of `keys` (the keys it was acquired with): record the
