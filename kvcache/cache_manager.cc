@@ -323,19 +323,13 @@ PageCopies CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t>
   }
   Entry& e = entries_.at(r.user_id);
   e.num_tokens = static_cast<int32_t>(keys.size());
-  if (r.page_hashes.size() == keys.size() / page_size_) {
-    // Acquire hashed the request's full pages; the reused ones among them matched the entry's.
-    e.page_hashes = r.page_hashes;
-    e.prefix_hash = ChainFrom(e.page_hashes.empty() ? kHashSeed : e.page_hashes.back(), keys,
-                              e.page_hashes.size(), page_size_, nullptr);
-  } else {
-    // Keys other than the acquired ones' count: the full pages of the reused prefix kept their
-    // keys (Acquire matched them), so only the pages after them are hashed.
-    e.page_hashes.resize(
-        std::min(e.page_hashes.size(), static_cast<size_t>(r.reused_tokens / page_size_)));
-    e.prefix_hash = ChainFrom(e.page_hashes.empty() ? kHashSeed : e.page_hashes.back(), keys,
-                              e.page_hashes.size(), page_size_, &e.page_hashes);
-  }
+  // Acquire hashed the request's full pages (the reused ones matched the entry's); only keys
+  // other than the acquired ones are hashed again.
+  e.page_hashes = r.page_hashes.size() == keys.size() / page_size_
+                      ? r.page_hashes
+                      : PageChainHashes(keys, page_size_);
+  e.prefix_hash = ChainFrom(e.page_hashes.empty() ? kHashSeed : e.page_hashes.back(), keys,
+                            e.page_hashes.size(), page_size_, nullptr);
   TouchLocked(e, r.user_id);
   // Write-behind: new full pages get host copies (while still pinned, so eviction for host room
   // never picks this entry).
