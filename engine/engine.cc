@@ -353,8 +353,8 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
       items.push_back({u, l.res.reused_tokens, pass == 0 ? l.kept.length - l.res.reused_tokens : 0,
                        first_cand, std::min(max_cand, num_cands - first_cand)});
     }
-    // The arrays are sized once and filled in place (a quarter of the time of push_back per token
-    // at 8 users of 512 rows).
+    // The arrays are sized once and filled in place (8 users of 512 rows: 14.7 -> 8 µs here
+    // against push_back per token, caches cold).
     size_t rows = 0, pages = 0;
     for (const PassItem& it : items) {
       rows += static_cast<size_t>(it.num_new + it.num_cand);
