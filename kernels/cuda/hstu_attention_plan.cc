@@ -217,29 +217,19 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
     const int32_t chunk = candidate.chunk;
     const double bound = candidate.bound;
     runs.clear();
-    int64_t items = 0;
     for (const auto& [b, n] : lengths) {
       const int32_t whole = b / chunk, rest = b % chunk;
       if (whole > 0) runs.push_back({chunk, static_cast<int64_t>(whole) * n});
       if (rest > 0 || b == 0) runs.push_back({rest, n});  // an empty tile is one CTA too
-      items += std::max(1, (b + chunk - 1) / chunk) * static_cast<int64_t>(n);
     }
     std::sort(runs.begin(), runs.end(), std::greater<>());
-    size_t merged = 0;
-    for (const auto& run : runs) {
-      if (merged > 0 && runs[merged - 1].first == run.first) {
-        runs[merged - 1].second += run.second;
-      } else {
-        runs[merged++] = run;
-      }
-    }
-    runs.resize(merged);
+    int64_t launched = 0;
     for (auto& [cost, count] : runs) {
       cost += static_cast<int32_t>(kCtaOverhead);
       count *= num_heads;
+      launched += count;
     }
     double span = 0;
-    const int64_t launched = items * num_heads;
     if (launched <= slots) {
       span = runs.front().first;  // one wave
     } else if (launched > 16LL * slots) {
