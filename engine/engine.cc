@@ -150,7 +150,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   const int64_t page_bytes = std::max<int64_t>(1, (*backend)->page_bytes());
   const int64_t max_inflight =
       std::max<int64_t>(pages_per_user, (options.offload_backlog_mib << 20) / page_bytes);
-  auto cache = std::make_unique<CacheManager>(options.page_size, num_pages, host_pages, max_inflight);
+  auto cache = std::make_unique<CacheManager>(options.page_size, num_pages, host_pages,
+                                              max_inflight, c.max_attn_len);
   std::unique_ptr<Engine> engine(new Engine(options, c, *std::move(backend), std::move(cache)));
   engine->stats_.kv_pool_bytes = engine->backend_->kv_pool_bytes();
   engine->stats_.device_memory_bytes = engine->backend_->device_memory_bytes();
@@ -387,7 +388,11 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
       ids += item_rows;
       types += item_rows;
       positions += item_rows;
-      page_ids = std::copy(l.res.page_ids.begin(), l.res.page_ids.end(), page_ids);
+      // Dead pages (behind the sliding window) hold no key that this pass reads; their slots
+      // get the first live page so that every id in the table is a page of the pool.
+      const int32_t dead = l.res.dead_pages;
+      if (dead > 0) page_ids = std::fill_n(page_ids, dead, l.res.page_ids[dead]);
+      page_ids = std::copy(l.res.page_ids.begin() + dead, l.res.page_ids.end(), page_ids);
       fb.row_offsets.push_back(fb.row_offsets.back() + item_rows);
       fb.num_new.push_back(it.num_new);
       fb.num_tokens.push_back(l.kept.length);

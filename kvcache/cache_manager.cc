@@ -57,6 +57,19 @@ uint64_t ChainFrom(uint64_t h, absl::Span<const uint64_t> keys, size_t first_pag
   return h;
 }
 
+// Frees the pages of ids[from, end) that are not dead.
+void FreeLive(PageAllocator& a, const std::vector<int32_t>& ids, size_t from = 0) {
+  for (size_t i = from; i < ids.size(); ++i) {
+    if (ids[i] != kDeadPage) a.Free(&ids[i], 1);
+  }
+}
+
+// Pages of a list that hold memory (its dead slots excluded).
+int64_t LivePages(const std::vector<int32_t>& ids, int32_t dead_pages) {
+  return static_cast<int64_t>(ids.size()) -
+         std::min<int64_t>(static_cast<int64_t>(ids.size()), dead_pages);
+}
+
 }  // namespace
 
 const char* LookupResultName(LookupResult r) {
@@ -84,8 +97,9 @@ uint64_t PrefixHash(absl::Span<const uint64_t> keys, int32_t page_size) {
 }
 
 CacheManager::CacheManager(int32_t page_size, int64_t num_pages, int64_t host_num_pages,
-                           int64_t max_inflight_pages)
-    : page_size_(page_size), allocator_(num_pages), host_allocator_(host_num_pages),
+                           int64_t max_inflight_pages, int32_t window_tokens)
+    : page_size_(page_size), window_(std::max(0, window_tokens)), allocator_(num_pages),
+      host_allocator_(host_num_pages),
       max_inflight_pages_(max_inflight_pages > 0 ? max_inflight_pages : host_num_pages) {
   stats_.page_size = page_size;
 }
@@ -96,26 +110,59 @@ void CacheManager::TouchLocked(Entry& e, uint64_t user_id) {
   e.lru_it = lru_.begin();
 }
 
+bool CacheManager::WindowAllows(const Entry& e, size_t pages) const {
+  // The first new query is at P = pages * page_size and reads keys from P − W on.
+  return e.dead_pages == 0 ||
+         static_cast<int64_t>(pages) * page_size_ - window_ >=
+             static_cast<int64_t>(e.dead_pages) * page_size_;
+}
+
+void CacheManager::ReleaseBehindWindowLocked(Entry& e) {
+  // Not while an offload reads the entry's GPU pages or writes its host pages.
+  if (window_ == 0 || e.inflight_pages > 0) return;
+  const int64_t edge =
+      (static_cast<int64_t>(e.num_tokens) - window_) / page_size_ - kWindowSlackPages;
+  const int32_t dead = static_cast<int32_t>(
+      std::min<int64_t>(std::max<int64_t>(edge, 0), static_cast<int64_t>(e.page_ids.size())));
+  for (int32_t i = e.dead_pages; i < dead; ++i) {
+    if (e.page_ids[i] != kDeadPage) {
+      allocator_.Free(&e.page_ids[i], 1);
+      e.page_ids[i] = kDeadPage;
+      ++stats_.window_pages_released;
+    }
+    if (static_cast<size_t>(i) < e.host_page_ids.size() && e.host_page_ids[i] != kDeadPage) {
+      host_allocator_.Free(&e.host_page_ids[i], 1);
+      e.host_page_ids[i] = kDeadPage;
+    }
+  }
+  e.dead_pages = std::max(e.dead_pages, dead);
+}
+
 void CacheManager::DropLocked(uint64_t user_id) {
   auto it = entries_.find(user_id);
   if (it == entries_.end()) return;
   Entry& e = it->second;
-  allocator_.Free(e.page_ids.data(), static_cast<int64_t>(e.page_ids.size()));
-  host_allocator_.Free(e.host_page_ids.data(), static_cast<int64_t>(e.host_page_ids.size()));
+  FreeLive(allocator_, e.page_ids);
+  FreeLive(host_allocator_, e.host_page_ids);
   lru_.erase(e.lru_it);
   entries_.erase(it);
 }
 
 void CacheManager::TruncateLocked(Entry& e, size_t full_pages) {
+  // A prefix whose new queries would read dead pages is no prefix at all. (Never so for an entry
+  // with an offload in flight, which callers truncate to at least its host copies: those extend
+  // past the dead pages by more than the window.)
+  if (!WindowAllows(e, full_pages)) full_pages = 0;
   if (e.page_ids.size() > full_pages) {
-    allocator_.Free(e.page_ids.data() + full_pages, static_cast<int64_t>(e.page_ids.size() - full_pages));
+    FreeLive(allocator_, e.page_ids, full_pages);
     e.page_ids.resize(full_pages);
   }
   if (e.host_page_ids.size() > full_pages) {
-    host_allocator_.Free(e.host_page_ids.data() + full_pages,
-                         static_cast<int64_t>(e.host_page_ids.size() - full_pages));
+    FreeLive(host_allocator_, e.host_page_ids, full_pages);
     e.host_page_ids.resize(full_pages);
   }
+  e.dead_pages = std::min(e.dead_pages, static_cast<int32_t>(full_pages));
+  if (full_pages == 0) e.dead_pages = 0;
   e.page_hashes.resize(std::min(e.page_hashes.size(), full_pages));
   e.num_tokens = static_cast<int32_t>(e.page_hashes.size()) * page_size_;
   e.prefix_hash = e.page_hashes.empty() ? PrefixHash({}, page_size_) : e.page_hashes.back();
@@ -124,15 +171,19 @@ void CacheManager::TruncateLocked(Entry& e, size_t full_pages) {
 void CacheManager::EvictFromGpuLocked(uint64_t user_id) {
   Entry& e = entries_.at(user_id);
   ++stats_.evictions;
-  if (e.host_page_ids.empty()) {
+  if (LivePages(e.host_page_ids, e.dead_pages) == 0) {
     DropLocked(user_id);
     ++stats_.dropped_entries;
     return;
   }
   // The host copy covers the full pages; a partial last page is recomputed on the next visit.
-  allocator_.Free(e.page_ids.data(), static_cast<int64_t>(e.page_ids.size()));
+  FreeLive(allocator_, e.page_ids);
   e.page_ids.clear();
   TruncateLocked(e, e.host_page_ids.size());
+  if (e.num_tokens == 0) {  // the window left nothing the host copy could serve
+    DropLocked(user_id);
+    ++stats_.dropped_entries;
+  }
 }
 
 bool CacheManager::AllocateLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out) {
@@ -162,7 +213,7 @@ bool CacheManager::AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<i
   int64_t evictable = 0;
   for (const auto& [user, e] : entries_) {
     if (!e.pinned && user != user_id && e.inflight_pages == 0 && !e.prefetch_pending) {
-      evictable += static_cast<int64_t>(e.host_page_ids.size());
+      evictable += LivePages(e.host_page_ids, e.dead_pages);
     }
   }
   if (host_allocator_.num_free() + evictable < n) return false;
@@ -171,8 +222,8 @@ bool CacheManager::AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<i
     --it;
     const uint64_t victim = *it;
     Entry& e = entries_.at(victim);
-    if (e.pinned || victim == user_id || e.host_page_ids.empty() || e.inflight_pages > 0 ||
-        e.prefetch_pending) {
+    if (e.pinned || victim == user_id || LivePages(e.host_page_ids, e.dead_pages) == 0 ||
+        e.inflight_pages > 0 || e.prefetch_pending) {
       continue;  // a prefetch may still be reading these host pages
     }
     const auto after = std::next(it);
@@ -181,7 +232,7 @@ bool CacheManager::AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<i
       DropLocked(victim);  // host-only: nothing of the entry is left
       ++stats_.dropped_entries;
     } else {
-      host_allocator_.Free(e.host_page_ids.data(), static_cast<int64_t>(e.host_page_ids.size()));
+      FreeLive(host_allocator_, e.host_page_ids);
       e.host_page_ids.clear();
     }
     it = after;
@@ -241,11 +292,11 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
       const size_t cmp_pages = std::min(page_hashes.size(), e.page_hashes.size());
       size_t k = 0;
       while (k < cmp_pages && page_hashes[k] == e.page_hashes[k]) ++k;
-      TruncateLocked(e, k);
+      TruncateLocked(e, k);  // to nothing when the window has released what k pages need
       r.reused_tokens = e.num_tokens;
-      r.result = k == 0 ? LookupResult::kMismatch
-                 : from_host ? LookupResult::kHostHit
-                             : LookupResult::kPartial;
+      r.result = e.num_tokens == 0 ? LookupResult::kMismatch
+                 : from_host       ? LookupResult::kHostHit
+                                   : LookupResult::kPartial;
     }
   }
   if (e.prefetch_pending) {
@@ -256,13 +307,33 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   e.from_host = false;
   e.pinned = true;
   TouchLocked(e, user_id);
+  // A host-only entry with dead pages: onloaded, its dead slots stay dead; recomputed from token
+  // 0, it needs every page, so its host copy goes (the commit offloads the recomputed pages).
+  bool declined = false;
+  if (host_only && e.dead_pages > 0 && r.reused_tokens > 0) {
+    const int64_t live = r.reused_tokens / page_size_ - e.dead_pages;
+    if (onload_ok && !onload_ok(live)) {
+      FreeLive(host_allocator_, e.host_page_ids);
+      e.host_page_ids.clear();
+      e.page_hashes.clear();
+      e.num_tokens = 0;
+      e.dead_pages = 0;
+      e.prefix_hash = PrefixHash({}, page_size_);
+      r.reused_tokens = 0;
+      r.result = LookupResult::kHostRecompute;
+      declined = true;
+    } else {
+      e.page_ids.assign(e.dead_pages, kDeadPage);
+    }
+  }
   const int64_t pages_needed = (static_cast<int64_t>(keys.size()) + page_size_ - 1) / page_size_;
   const int64_t missing = pages_needed - static_cast<int64_t>(e.page_ids.size());
   // This entry's own pages are pinned now but not yet in pinned_pages_: count them for the check.
-  pinned_pages_ += static_cast<int64_t>(e.page_ids.size());
+  pinned_pages_ += LivePages(e.page_ids, e.dead_pages);
   if (missing > 0 && !AllocateLocked(user_id, missing, &e.page_ids)) {
-    pinned_pages_ -= static_cast<int64_t>(e.page_ids.size());
+    pinned_pages_ -= LivePages(e.page_ids, e.dead_pages);
     e.pinned = false;
+    if (host_only) e.page_ids.clear();  // still on the host only
     if (e.num_tokens == 0) DropLocked(user_id);
     return absl::ResourceExhaustedError(absl::StrCat(
         "KV cache pool too small: user ", user_id, " needs ", pages_needed, " pages of ", page_size_,
@@ -270,25 +341,29 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
         " are pinned by requests in flight"));
   }
   pinned_pages_ += std::max<int64_t>(missing, 0);
-  if (host_only) {
-    // Host-only entries hold whole pages, so the reused tokens are exactly the first pages.
+  if (host_only && !declined) {
+    // Host-only entries hold whole pages, so the reused tokens are exactly the first pages (of
+    // which the dead ones are neither copied nor read).
     const size_t n = static_cast<size_t>(r.reused_tokens / page_size_);
-    if (n > 0 && onload_ok && !onload_ok(static_cast<int64_t>(n))) {
+    const size_t first = static_cast<size_t>(e.dead_pages);
+    if (first == 0 && n > 0 && onload_ok && !onload_ok(static_cast<int64_t>(n))) {
       // Recomputed from token 0 into the new GPU pages. The entry's metadata still describes its
       // host pages [0, n), which hold the K/V of these same keys: Commit keeps them as the host
       // copy and offloads only the pages beyond.
       r.reused_tokens = 0;
       r.result = LookupResult::kHostRecompute;
     } else {
-      r.onload.src.assign(e.host_page_ids.begin(), e.host_page_ids.begin() + n);
-      r.onload.dst.assign(e.page_ids.begin(), e.page_ids.begin() + n);
-      stats_.pages_onloaded += n;
+      r.onload.src.assign(e.host_page_ids.begin() + first, e.host_page_ids.begin() + n);
+      r.onload.dst.assign(e.page_ids.begin() + first, e.page_ids.begin() + n);
+      stats_.pages_onloaded += n - first;
     }
   }
   ++stats_.lookups[static_cast<int>(r.result)];
   stats_.tokens_reused += r.reused_tokens;
   stats_.tokens_computed += keys.size() - r.reused_tokens;
   r.page_ids = e.page_ids;
+  r.dead_pages = e.dead_pages;
+  r.pinned_pages = LivePages(e.page_ids, e.dead_pages);
   r.page_hashes = std::move(page_hashes);
   return r;
 }
@@ -308,6 +383,7 @@ absl::StatusOr<Reservation> CacheManager::AcquireTemporary(uint64_t user_id, int
                                                      allocator_.num_pages()));
   }
   pinned_pages_ += pages_needed;
+  r.pinned_pages = pages_needed;
   ++stats_.lookups[static_cast<int>(LookupResult::kDisabled)];
   stats_.tokens_computed += num_tokens;
   return r;
@@ -315,7 +391,7 @@ absl::StatusOr<Reservation> CacheManager::AcquireTemporary(uint64_t user_id, int
 
 PageCopies CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t> keys) {
   std::lock_guard<std::mutex> lock(mu_);
-  pinned_pages_ -= static_cast<int64_t>(r.page_ids.size());
+  pinned_pages_ -= r.pinned_pages;
   PageCopies offload;
   if (r.temporary) {
     allocator_.Free(r.page_ids.data(), static_cast<int64_t>(r.page_ids.size()));
@@ -331,8 +407,12 @@ PageCopies CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t>
   e.prefix_hash = ChainFrom(e.page_hashes.empty() ? kHashSeed : e.page_hashes.back(), keys,
                             e.page_hashes.size(), page_size_, nullptr);
   TouchLocked(e, r.user_id);
+  ReleaseBehindWindowLocked(e);
   // Write-behind: new full pages get host copies (while still pinned, so eviction for host room
-  // never picks this entry).
+  // never picks this entry). Dead pages get none.
+  if (e.host_page_ids.size() < static_cast<size_t>(e.dead_pages)) {
+    e.host_page_ids.resize(e.dead_pages, kDeadPage);
+  }
   const size_t full = e.page_hashes.size(), have = e.host_page_ids.size();
   const int64_t want = static_cast<int64_t>(full) - static_cast<int64_t>(have);
   if (host_allocator_.num_pages() > 0 && want > 0) {
@@ -347,8 +427,9 @@ PageCopies CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t>
       if (e.inflight_pages == 0) inflight_users_.push_back(r.user_id);
       e.inflight_pages += static_cast<int32_t>(want);
       inflight_pages_ += want;
-      inflight_gpu_pages_ += static_cast<int64_t>(e.page_ids.size()) - e.inflight_gpu_pages;
-      e.inflight_gpu_pages = static_cast<int64_t>(e.page_ids.size());
+      const int64_t live = LivePages(e.page_ids, e.dead_pages);
+      inflight_gpu_pages_ += live - e.inflight_gpu_pages;
+      e.inflight_gpu_pages = live;
       stats_.pages_offloaded += fresh.size();
     }
   }
@@ -358,7 +439,7 @@ PageCopies CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t>
 
 void CacheManager::Release(const Reservation& r) {
   std::lock_guard<std::mutex> lock(mu_);
-  pinned_pages_ -= static_cast<int64_t>(r.page_ids.size());
+  pinned_pages_ -= r.pinned_pages;
   if (r.temporary) {
     allocator_.Free(r.page_ids.data(), static_cast<int64_t>(r.page_ids.size()));
     return;
@@ -387,13 +468,14 @@ void CacheManager::ForgetHostCopy(uint64_t user_id) {
     e.inflight_pages = 0;
     e.inflight_gpu_pages = 0;
   }
-  host_allocator_.Free(e.host_page_ids.data(), static_cast<int64_t>(e.host_page_ids.size()));
+  FreeLive(host_allocator_, e.host_page_ids);
   e.host_page_ids.clear();
   if (e.page_ids.empty()) DropLocked(user_id);
 }
 
 bool CacheManager::HostOnlyIdle(const Entry& e) {
-  return !e.pinned && e.page_ids.empty() && !e.host_page_ids.empty() && e.inflight_pages == 0;
+  return !e.pinned && e.page_ids.empty() && LivePages(e.host_page_ids, e.dead_pages) > 0 &&
+         e.inflight_pages == 0;
 }
 
 bool CacheManager::PrefetchCandidate(uint64_t user_id) const {
@@ -414,9 +496,12 @@ PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> k
   const std::vector<uint64_t> req = PageChainHashes(keys.subspan(0, cmp_tokens), page_size_);
   size_t k = 0;
   while (k < req.size() && k < e.host_page_ids.size() && req[k] == e.page_hashes[k]) ++k;
-  if (k == 0 || (onload_ok && !onload_ok(static_cast<int64_t>(k)))) return copies;
+  if (k <= static_cast<size_t>(e.dead_pages) || !WindowAllows(e, k)) return copies;
+  const size_t first = static_cast<size_t>(e.dead_pages);
+  const int64_t live = static_cast<int64_t>(k - first);
+  if (onload_ok && !onload_ok(live)) return copies;
   // Make room only from entries that lose nothing but a partial last page by moving to the host.
-  for (auto vit = lru_.end(); allocator_.num_free() < static_cast<int64_t>(k) && vit != lru_.begin();) {
+  for (auto vit = lru_.end(); allocator_.num_free() < live && vit != lru_.begin();) {
     --vit;
     const uint64_t victim = *vit;
     const Entry& v = entries_.at(victim);
@@ -429,17 +514,18 @@ PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> k
     EvictFromGpuLocked(victim);
     vit = after;
   }
-  if (static_cast<int64_t>(k) > allocator_.num_free()) return copies;
+  if (live > allocator_.num_free()) return copies;
   TruncateLocked(e, k);
-  allocator_.Allocate(static_cast<int64_t>(k), &e.page_ids);
-  copies.src.assign(e.host_page_ids.begin(), e.host_page_ids.begin() + k);
-  copies.dst = e.page_ids;
+  e.page_ids.assign(first, kDeadPage);
+  allocator_.Allocate(live, &e.page_ids);
+  copies.src.assign(e.host_page_ids.begin() + first, e.host_page_ids.begin() + k);
+  copies.dst.assign(e.page_ids.begin() + first, e.page_ids.end());
   e.prefetch_pending = true;
   e.from_host = true;
-  prefetch_gpu_pages_ += static_cast<int64_t>(k);
+  prefetch_gpu_pages_ += live;
   prefetch_users_.push_back(user_id);
-  stats_.pages_prefetched += k;
-  stats_.pages_onloaded += k;
+  stats_.pages_prefetched += live;
+  stats_.pages_onloaded += live;
   return copies;
 }
 

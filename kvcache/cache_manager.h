@@ -16,6 +16,14 @@
 // caller can wait for its copies and retry. At most `max_inflight_pages` pages are in flight;
 // beyond that, new full pages stay GPU-only until a later commit of their user.
 //
+// Sliding window (window_tokens W > 0, the model's max_attn_len, DESIGN §2.2): a request that
+// reuses a prefix of P tokens reads keys from P − W on only. So each commit of an entry of T
+// tokens releases, on both tiers, its pages wholly before T − W, less kWindowSlackPages pages.
+// Those are "dead": their slots in the page lists hold kDeadPage, and nothing reads them again.
+// A reuse that would read one (a matching prefix shorter than the dead pages + W) counts as a
+// hash mismatch and recomputes the user. The slack keeps a history whose last events changed
+// reusable. A user then holds about W tokens + (2 + kWindowSlackPages) pages of each tier.
+//
 // Thread-safe: every method takes the manager's lock.
 #pragma once
 
@@ -51,6 +59,7 @@ struct CacheStats {
   uint64_t pages_onloaded = 0;   // host → GPU page copies planned
   uint64_t offloads_skipped = 0; // full pages not offloaded at commit (copy backlog at its bound)
   uint64_t pages_prefetched = 0; // host → GPU page copies started early by Prefetch()
+  uint64_t window_pages_released = 0;  // GPU pages released behind the sliding window
   int64_t pages_total = 0;
   int64_t pages_free = 0;
   int64_t pages_pinned = 0;
@@ -78,6 +87,9 @@ struct PageCopies {
 // Null: always onload.
 using OnloadFilter = std::function<bool(int64_t pages)>;
 
+// A page-list slot of a page released under the sliding window (see CacheManager).
+inline constexpr int32_t kDeadPage = -1;
+
 // One request's hold on its user's pages, between Acquire and Commit/Release.
 struct Reservation {
   uint64_t user_id = 0;
@@ -85,6 +97,8 @@ struct Reservation {
   int32_t reused_tokens = 0;     // tokens valid in the pages before this request
   int32_t total_tokens = 0;      // tokens valid after this request's append
   std::vector<int32_t> page_ids; // GPU pages, cover total_tokens
+  int32_t dead_pages = 0;        // page_ids[0, dead_pages) are kDeadPage: no key there is read
+  int64_t pinned_pages = 0;      // the GPU pages this reservation pins (the live ones)
   LookupResult result = LookupResult::kMiss;
   PageCopies onload;             // host → GPU copies to finish before the forward reads the pages
   bool prefetched = false;       // its pages came from a Prefetch() whose copies may be in flight
@@ -94,12 +108,18 @@ struct Reservation {
 
 class CacheManager {
  public:
+  // Pages kept past the window's edge, so that a history whose last events changed still reuses
+  // its prefix.
+  static constexpr int32_t kWindowSlackPages = 2;
+
   CacheManager(int32_t page_size, int64_t num_pages, int64_t host_num_pages = 0,
-               int64_t max_inflight_pages = 0 /* 0 = no bound below the host tier's size */);
+               int64_t max_inflight_pages = 0 /* 0 = no bound below the host tier's size */,
+               int32_t window_tokens = 0 /* the model's max_attn_len; 0 = no window */);
   CacheManager(const CacheManager&) = delete;
   CacheManager& operator=(const CacheManager&) = delete;
 
   int32_t page_size() const { return page_size_; }
+  int32_t window_tokens() const { return window_; }
 
   // Looks up `user_id`, decides how much of `keys` (the kept history, oldest first) is cached,
   // pins the entry and makes sure it has pages for all of `keys`, evicting least recently used
@@ -155,6 +175,7 @@ class CacheManager {
     std::vector<int32_t> page_ids;      // GPU pages; empty when the entry lives on the host only
     std::vector<int32_t> host_page_ids; // host copies of full pages [0, size)
     std::vector<uint64_t> page_hashes;  // one per full page
+    int32_t dead_pages = 0;             // pages [0, dead_pages) released behind the window
     uint64_t prefix_hash = 0;           // over all num_tokens keys
     bool pinned = false;
     int32_t inflight_pages = 0;         // pages of this entry in an offload not yet complete
@@ -172,9 +193,14 @@ class CacheManager {
   void DropLocked(uint64_t user_id);
   void TruncateLocked(Entry& e, size_t full_pages);
   void TouchLocked(Entry& e, uint64_t user_id);
+  // Releases the pages no request can read again under the window (after a commit).
+  void ReleaseBehindWindowLocked(Entry& e);
+  // Whether a prefix of `pages` full pages is usable: its new queries read no dead page.
+  bool WindowAllows(const Entry& e, size_t pages) const;
 
   mutable std::mutex mu_;
   int32_t page_size_;
+  int32_t window_;
   PageAllocator allocator_;
   PageAllocator host_allocator_;
   std::unordered_map<uint64_t, Entry> entries_;

@@ -77,6 +77,11 @@ ServerMetrics::ServerMetrics(const std::string& version)
           "hstu_kv_prefetch_pages_total",
           "KV pages whose host-to-GPU onload started before their request's batch (prefetch).",
           {})),
+      kv_window_released_(registry_.AddCounter(
+          "hstu_kv_window_released_pages_total",
+          "GPU KV pages released because no request reads them again under the model's sliding "
+          "window.",
+          {})),
       kv_onload_bandwidth_(registry_.AddGauge(
           "hstu_kv_onload_bandwidth_bytes_per_second",
           "Host-to-GPU KV onload bandwidth the onload policy assumes: measured from completed "
@@ -128,6 +133,7 @@ ServerMetrics::ServerMetrics(const std::string& version)
   kv_transfer_bytes_.WithLabels({"onload"});
   kv_dropped_.WithLabels({});
   kv_prefetched_.WithLabels({});
+  kv_window_released_.WithLabels({});
   kv_onload_bandwidth_.WithLabels({});
   kv_recompute_cost_.WithLabels({});
   cuda_graph_replays_.WithLabels({});
@@ -194,6 +200,7 @@ void ServerMetrics::Collect() {
   kv_transfer_bytes_.WithLabels({"onload"}).Set(static_cast<double>(s.kv_onload_bytes));
   kv_dropped_.WithLabels({}).Set(static_cast<double>(c.dropped_entries));
   kv_prefetched_.WithLabels({}).Set(static_cast<double>(c.pages_prefetched));
+  kv_window_released_.WithLabels({}).Set(static_cast<double>(c.window_pages_released));
   kv_onload_bandwidth_.WithLabels({}).Set(s.onload_bytes_per_second);
   kv_recompute_cost_.WithLabels({}).Set(s.recompute_seconds_per_token);
   // On the CPU backend the "gpu" tier is the engine's primary KV pool in host memory, and the

@@ -63,6 +63,7 @@ class ServerMetrics {
   Family<Counter>& kv_evictions_;
   Family<Counter>& kv_dropped_;
   Family<Counter>& kv_prefetched_;
+  Family<Counter>& kv_window_released_;
   Family<Gauge>& kv_onload_bandwidth_;
   Family<Gauge>& kv_recompute_cost_;
   Family<Counter>& cuda_graph_replays_;

@@ -11,7 +11,8 @@ settings, and require for every request:
 - with the cache: reused_tokens never exceeds the prefix shared with the user's previous request
   (more would be stale K/V); without eviction, a pure extension reuses the whole previous history and
   any other returning visit (runs with an explicit --page_size) at least the longest page-aligned
-  common prefix (DESIGN §4);
+  common prefix (DESIGN §4), unless a sliding window has released pages that prefix would read
+  (then nothing; the cache's rule is modelled below);
 - with a pool too small for every user, some returning user is seen to have been evicted.
 
 Usage (CTest passes the executables):
@@ -27,6 +28,10 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TOOLS = os.path.normpath(os.path.join(HERE, "..", "..", "tools"))
+# CacheManager::kWindowSlackPages: with a window W, a commit of T tokens releases the pages wholly
+# before (T - W) // page_size - this many pages; a later prefix of P tokens is reusable only when
+# P - W reaches past them (kvcache/cache_manager.h).
+WINDOW_SLACK_PAGES = 2
 
 TOLERANCE = 1e-4  # fp32 engine vs float64 oracle (issue 2)
 MAX_REPORTED = 20  # per run, so a systematic bug does not flood the log
@@ -157,6 +162,8 @@ def check_run(case, run_name, requests, ref_out, rank_out, ref, model, *, cached
         return False
     worst = 0.0
     previous = {}  # user_id -> kept tokens of that user's previous request
+    dead = {}  # user_id -> pages the cache released behind the window (page_size runs only)
+    window = model.max_attn_len
     reused_total = 0
     returning = 0
     evicted_seen = False
@@ -167,6 +174,7 @@ def check_run(case, run_name, requests, ref_out, rank_out, ref, model, *, cached
         kept = kept_tokens(req, ref, model)
         prev = previous.get(req["user_id"])
         previous[req["user_id"]] = kept
+        dead_before = dead.pop(req["user_id"], 0)
         if "error" in got:
             continue
         reused, computed = got.get("reused_tokens"), got.get("computed_tokens")
@@ -184,6 +192,9 @@ def check_run(case, run_name, requests, ref_out, rank_out, ref, model, *, cached
                 chk.fail(f"{who}: --no-cache but reused_tokens = {reused}")
             continue
         shared = common_prefix(prev, kept) if prev is not None else 0
+        if page_size and window > 0:  # the cache's window release after this request's commit
+            edge = (len(kept) - window) // page_size - WINDOW_SLACK_PAGES
+            dead[req["user_id"]] = max(dead_before if reused > 0 else 0, edge, 0)
         if reused > shared:
             chk.fail(
                 f"{who}: reused_tokens {reused} > {shared} tokens shared with the user's previous "
@@ -202,7 +213,9 @@ def check_run(case, run_name, requests, ref_out, rank_out, ref, model, *, cached
                 f"{who}: history extends the previous request's {len(prev)} kept tokens, but "
                 f"reused_tokens = {reused} (the whole cached prefix should be reused)"
             )
-        elif not pure_extension and page_size and reused < shared // page_size * page_size:
+        elif (not pure_extension and page_size and reused < shared // page_size * page_size and
+              not (reused == 0 and window > 0 and
+                   shared // page_size * page_size - window < dead_before * page_size)):
             chk.fail(
                 f"{who}: shares {shared} tokens with the previous request; the longest page-aligned "
                 f"prefix (page size {page_size}) is {shared // page_size * page_size}, "

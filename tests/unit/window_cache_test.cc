@@ -1,0 +1,297 @@
+// The sliding window's bound on the cache (DESIGN §2.2): pages that no request reads again are
+// released on both tiers, and a prefix that would need them is recomputed, never served.
+#include <random>
+
+#include "engine/engine.h"
+#include "engine/model_file.h"
+#include "gtest/gtest.h"
+#include "kvcache/cache_manager.h"
+#include "tests/util/tolerance.h"
+
+namespace hstu {
+namespace {
+
+constexpr int32_t kPage = 4, kWindow = 10;
+
+std::vector<uint64_t> Keys(int n, int salt = 1) {
+  std::vector<uint64_t> k(n);
+  for (int i = 0; i < n; ++i) k[i] = TokenKey(i % 2 == 1, 1000 * salt + i);
+  return k;
+}
+
+// Pages wholly before T − W, less the slack, are dead after a commit of T tokens.
+int32_t DeadAfter(int32_t tokens) {
+  return std::max(0, (tokens - kWindow) / kPage - CacheManager::kWindowSlackPages);
+}
+
+void ExpectDeadPrefix(const Reservation& r, int32_t dead) {
+  ASSERT_EQ(r.dead_pages, dead);
+  for (size_t i = 0; i < r.page_ids.size(); ++i) {
+    if (static_cast<int32_t>(i) < dead) {
+      EXPECT_EQ(r.page_ids[i], kDeadPage) << i;
+    } else {
+      EXPECT_GE(r.page_ids[i], 0) << i;
+    }
+  }
+}
+
+TEST(WindowCache, CommitReleasesThePagesBehindTheWindow) {
+  CacheManager m(kPage, 64, 0, 0, kWindow);
+  auto r1 = m.Acquire(1, Keys(40));
+  ASSERT_TRUE(r1.ok());
+  EXPECT_EQ(r1->dead_pages, 0);
+  m.Commit(*r1, Keys(40));
+  ASSERT_EQ(DeadAfter(40), 5);
+  EXPECT_EQ(m.Stats().pages_free, 64 - 5);
+  EXPECT_EQ(m.Stats().window_pages_released, 5u);
+
+  // The grown history reuses everything: its first query (token 40) reads from token 30 on.
+  auto r2 = m.Acquire(1, Keys(48));
+  ASSERT_TRUE(r2.ok());
+  EXPECT_EQ(r2->result, LookupResult::kHit);
+  EXPECT_EQ(r2->reused_tokens, 40);
+  ASSERT_EQ(r2->page_ids.size(), 12u);
+  ExpectDeadPrefix(*r2, 5);
+  EXPECT_EQ(std::vector<int32_t>(r2->page_ids.begin() + 5, r2->page_ids.begin() + 10),
+            std::vector<int32_t>(r1->page_ids.begin() + 5, r1->page_ids.end()));
+  EXPECT_EQ(r2->pinned_pages, 7);
+  EXPECT_EQ(m.Stats().pages_pinned, 7);
+  m.Commit(*r2, Keys(48));
+  EXPECT_EQ(m.Stats().pages_pinned, 0);
+  EXPECT_EQ(m.Stats().window_pages_released, static_cast<uint64_t>(DeadAfter(48)));
+  EXPECT_EQ(m.Stats().pages_free, 64 - (12 - DeadAfter(48)));
+
+  // Without a window nothing is released.
+  CacheManager plain(kPage, 64);
+  auto p = plain.Acquire(1, Keys(48));
+  plain.Commit(*p, Keys(48));
+  EXPECT_EQ(plain.Stats().pages_free, 64 - 12);
+  EXPECT_EQ(plain.Stats().window_pages_released, 0u);
+}
+
+TEST(WindowCache, PrefixThatWouldReadReleasedPagesIsRecomputed) {
+  CacheManager m(kPage, 64, 0, 0, kWindow);
+  auto r = m.Acquire(1, Keys(48));
+  m.Commit(*r, Keys(48));
+  const int32_t dead = DeadAfter(48);  // 7 pages: tokens 0-27
+  ASSERT_EQ(dead, 7);
+
+  // Token 45 edited: 11 pages match, and their first new query (token 44) reads from 34 on.
+  std::vector<uint64_t> late = Keys(48);
+  late[45] = TokenKey(false, 99999);
+  auto a = m.Acquire(1, late);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->result, LookupResult::kPartial);
+  EXPECT_EQ(a->reused_tokens, 44);
+  ExpectDeadPrefix(*a, dead);
+  m.Commit(*a, late);
+
+  // Token 30 edited: 7 pages match, but a query at token 28 would read tokens 18-27, released.
+  std::vector<uint64_t> early = late;
+  early[30] = TokenKey(false, 88888);
+  auto b = m.Acquire(1, early);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->result, LookupResult::kMismatch);
+  EXPECT_EQ(b->reused_tokens, 0);
+  ExpectDeadPrefix(*b, 0);  // recomputed from token 0 into real pages
+  EXPECT_EQ(b->page_ids.size(), 12u);
+  m.Commit(*b, early);
+  EXPECT_EQ(m.Stats().pages_free, 64 - (12 - dead));
+
+  // A shorter history whose prefix is too short for the released pages: recomputed, not stale.
+  auto c = m.Acquire(1, std::vector<uint64_t>(early.begin(), early.begin() + 20));
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->reused_tokens, 0);
+  ExpectDeadPrefix(*c, 0);
+  m.Release(*c);
+  EXPECT_EQ(m.Stats().pages_free, 64);
+}
+
+// Users 1 (40 tokens) then 2 (48 tokens) on a 16-page GPU pool: user 2 evicts user 1 to the host.
+void UserOneOnTheHostOnly(CacheManager& m, PageCopies* user_one_offload) {
+  auto r1 = m.Acquire(1, Keys(40, 1));
+  *user_one_offload = m.Commit(*r1, Keys(40, 1));
+  m.OffloadsComplete();
+  auto r2 = m.Acquire(2, Keys(48, 2));
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  m.Commit(*r2, Keys(48, 2));
+  m.OffloadsComplete();
+  ASSERT_EQ(m.Stats().evictions, 1u);
+  ASSERT_EQ(m.CachedTokens(1), 40);
+}
+
+TEST(WindowCache, HostCopiesHoldOnlyLivePagesAndOnloadOnlyThose) {
+  CacheManager m(kPage, 16, 64, 0, kWindow);
+  PageCopies off;
+  UserOneOnTheHostOnly(m, &off);
+  // User 1's commit released pages 0-4 before offloading: only pages 5-9 went to the host.
+  ASSERT_EQ(off.src.size(), 5u);
+  auto back = m.Acquire(1, Keys(44, 1));
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->result, LookupResult::kHostHit);
+  EXPECT_EQ(back->reused_tokens, 40);
+  ExpectDeadPrefix(*back, 5);
+  EXPECT_EQ(back->onload.src, off.dst);
+  EXPECT_EQ(back->onload.dst, std::vector<int32_t>(back->page_ids.begin() + 5,
+                                                   back->page_ids.begin() + 10));
+  EXPECT_EQ(m.Stats().pages_onloaded, 5u);
+  m.Commit(*back, Keys(44, 1));
+  m.OffloadsComplete();
+  m.Clear();
+  EXPECT_EQ(m.Stats().pages_free, 16);
+  EXPECT_EQ(m.Stats().host_pages_free, 64);
+}
+
+TEST(WindowCache, DeclinedOnloadRecomputesEveryPageAndDropsTheHostCopy) {
+  CacheManager m(kPage, 16, 64, 0, kWindow);
+  PageCopies off;
+  UserOneOnTheHostOnly(m, &off);
+  const int64_t host_free = m.Stats().host_pages_free;
+  int64_t asked = -1;
+  auto r = m.Acquire(1, Keys(44, 1), [&](int64_t pages) {
+    asked = pages;
+    return false;
+  });
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(asked, 5);  // the live pages it would have copied
+  EXPECT_EQ(r->result, LookupResult::kHostRecompute);
+  EXPECT_EQ(r->reused_tokens, 0);
+  ExpectDeadPrefix(*r, 0);
+  EXPECT_EQ(r->page_ids.size(), 11u);
+  EXPECT_TRUE(r->onload.empty());
+  EXPECT_EQ(m.Stats().host_pages_free, host_free + 5);
+  PageCopies again = m.Commit(*r, Keys(44, 1));
+  EXPECT_EQ(again.src.size(), static_cast<size_t>(11 - DeadAfter(44)));
+}
+
+TEST(WindowCache, PrefetchCopiesOnlyLivePages) {
+  CacheManager m(kPage, 16, 64, 0, kWindow);
+  PageCopies off;
+  UserOneOnTheHostOnly(m, &off);
+  PageCopies pre = m.Prefetch(1, Keys(44, 1));
+  EXPECT_EQ(pre.src, off.dst);
+  ASSERT_EQ(pre.dst.size(), 5u);
+  m.PrefetchesComplete();
+  auto r = m.Acquire(1, Keys(44, 1));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->result, LookupResult::kHostHit);
+  EXPECT_TRUE(r->onload.empty());
+  ExpectDeadPrefix(*r, 5);
+  EXPECT_EQ(std::vector<int32_t>(r->page_ids.begin() + 5, r->page_ids.begin() + 10), pre.dst);
+  m.Commit(*r, Keys(44, 1));
+}
+
+// Random edits, truncations, failures, evictions to a host tier, prefetches and offloads that
+// complete late: a reused prefix never needs a released page, and every page comes back.
+TEST(WindowCache, NoPagesLeakAndNoReuseReadsAReleasedPage) {
+  CacheManager m(3, 60, 90, 0, 7);
+  std::mt19937 rng(11);
+  std::vector<std::vector<uint64_t>> hist(12);
+  uint64_t reused_with_dead = 0;
+  for (int step = 0; step < 4000; ++step) {
+    const int u = rng() % 12;
+    auto& h = hist[u];
+    const int op = rng() % 10;
+    if (op < 6) {
+      for (int i = 0; i < 4; ++i) h.push_back(TokenKey(i % 2, rng() % 100));
+    } else if (op < 8 && h.size() > 4) {
+      h[h.size() - 1 - rng() % std::min<size_t>(h.size(), 12)] = TokenKey(false, rng());
+    } else if (h.size() > 6) {
+      h.resize(h.size() - 4);
+    }
+    if (h.size() > 90) h.erase(h.begin(), h.begin() + 30);
+    if (rng() % 7 == 0) m.Prefetch(rng() % 12, hist[rng() % 12]);
+    if (rng() % 3 == 0) m.PrefetchesComplete();
+    if (rng() % 4 == 0) m.OffloadsComplete();
+    auto r = m.Acquire(u, h);
+    if (!r.ok()) {
+      m.OffloadsComplete();
+      m.PrefetchesComplete();
+      continue;
+    }
+    if (r->dead_pages > 0) {
+      ++reused_with_dead;
+      EXPECT_GE(r->reused_tokens - 7, r->dead_pages * 3) << "step " << step;
+    }
+    for (size_t i = r->dead_pages; i < r->page_ids.size(); ++i) ASSERT_GE(r->page_ids[i], 0);
+    if (rng() % 20 == 0) {
+      m.Release(*r);
+    } else {
+      m.Commit(*r, h);
+    }
+  }
+  EXPECT_GT(reused_with_dead, 100u);
+  EXPECT_GT(m.Stats().window_pages_released, 0u);
+  EXPECT_EQ(m.Stats().pages_pinned, 0);
+  m.OffloadsComplete();
+  m.PrefetchesComplete();
+  m.Clear();
+  EXPECT_EQ(m.Stats().pages_free, 60);
+  EXPECT_EQ(m.Stats().host_pages_free, 90);
+}
+
+ModelConfig WindowConfig() {
+  ModelConfig c = *PresetConfig("tiny");
+  c.num_layers = 2;
+  c.hidden_dim = 16;
+  c.num_heads = 2;
+  c.head_dim = 8;
+  c.max_history_tokens = 64;
+  c.max_candidates = 8;
+  c.attention_norm_len = 72;
+  c.max_attn_len = 12;
+  c.position_encoding = false;
+  c.position_rows = 0;
+  c.item_rows = 97;
+  c.action_rows = 5;
+  c.num_tasks = 2;
+  c.head_dims = {16, 8, 2};
+  return c;
+}
+
+std::unique_ptr<Engine> WindowEngine(bool cache, int64_t pages) {
+  EngineOptions o;
+  o.enable_cache = cache;
+  o.page_size = kPage;
+  o.cache_pages = pages;
+  o.host_cache_pages = 0;
+  auto e = Engine::Create(o, RandomModel(WindowConfig(), 5));
+  EXPECT_TRUE(e.ok()) << e.status();
+  return *std::move(e);
+}
+
+// Six users growing to 64 tokens need 96 pages of 4 tokens without the window's release; 54 hold
+// them all with it, so every return visit is a GPU hit, and the scores are a full recompute's.
+TEST(WindowCacheEngine, PoolBoundedByTheWindowKeepsEveryUserAndScoresLikeNoCache) {
+  auto cached = WindowEngine(true, 54);
+  auto full = WindowEngine(false, 0);
+  std::mt19937 rng(3);
+  std::vector<RankRequest> users(6);
+  for (int u = 0; u < 6; ++u) users[u].user_id = 40 + u;
+  int returns = 0;
+  for (int visit = 0; visit < 8; ++visit) {
+    for (auto& r : users) {
+      for (int i = 0; i < 4; ++i) {
+        r.history_item_ids.push_back(rng() % 97);
+        r.history_actions.push_back(rng() % 5);
+      }
+      r.candidate_item_ids = {static_cast<int64_t>(rng() % 97), static_cast<int64_t>(rng() % 97)};
+      auto a = cached->Rank({&r, 1});
+      auto b = full->Rank({&r, 1});
+      ASSERT_TRUE(a[0].ok() && b[0].ok()) << a[0].status() << b[0].status();
+      EXPECT_LE(test::MaxAbsDiff(a[0]->scores, b[0]->scores), test::kF32Abs);
+      if (visit > 0) {
+        ++returns;
+        EXPECT_EQ(a[0]->cache_result, LookupResult::kHit) << "visit " << visit;
+        EXPECT_EQ(a[0]->computed_tokens, 8u);
+      }
+    }
+  }
+  EXPECT_EQ(returns, 42);
+  const CacheStats s = cached->Stats().cache;
+  EXPECT_EQ(s.evictions, 0u);
+  EXPECT_GT(s.window_pages_released, 0u);
+}
+
+}  // namespace
+}  // namespace hstu
