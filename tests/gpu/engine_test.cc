@@ -73,6 +73,55 @@ TEST(CudaEngine, MatchesCpuEngineAndCacheMatchesNoCache) {
               "abs %.2e\n", worst_hidden, worst_score);
 }
 
+// A sliding window (DESIGN §2.2): the cache releases the pages behind it after each commit, and
+// the page table's dead slots point at a live page that the kernels must not read. Returning
+// users with histories far longer than the window score as without the cache and as on the CPU.
+TEST(CudaEngine, PagesReleasedBehindTheWindowAreNeverRead) {
+  HSTU_SKIP_WITHOUT_GPU();
+  ModelConfig c = test::SmallGpuModelConfig();
+  c.max_attn_len = 40;
+  const ModelWeights w = RandomModel(c, 23);
+  auto cpu = MakeEngine("cpu", true, w);
+  auto gpu = MakeEngine("cuda:0", true, w);
+  auto gpu_nocache = MakeEngine("cuda:0", false, w);
+  ASSERT_TRUE(cpu && gpu && gpu_nocache);
+  std::mt19937 rng(4);
+  std::vector<RankRequest> users(5);
+  for (size_t u = 0; u < users.size(); ++u) users[u].user_id = 2000 + u;
+  uint64_t reused = 0;
+  for (int visit = 0; visit < 6; ++visit) {
+    std::vector<RankRequest> batch;
+    for (size_t u = 0; u < users.size(); ++u) {
+      RankRequest& r = users[u];
+      for (int i = 0; i < 8 + static_cast<int>(rng() % 12); ++i) {
+        r.history_item_ids.push_back(rng() % 500);
+        r.history_actions.push_back(rng() % 6);
+      }
+      r.candidate_item_ids.assign(1 + rng() % 12, 0);
+      for (auto& id : r.candidate_item_ids) id = rng() % 500;
+      batch.push_back(r);
+    }
+    auto rc = cpu->Rank(batch);
+    auto rg = gpu->Rank(batch);
+    auto rn = gpu_nocache->Rank(batch);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      ASSERT_TRUE(rc[i].ok() && rg[i].ok() && rn[i].ok()) << rg[i].status() << rn[i].status();
+      const std::string what = "visit " + std::to_string(visit) + " user " + std::to_string(i);
+      ASSERT_TRUE(test::AllFinite(rg[i]->scores) && test::AllFinite(rg[i]->hidden)) << what;
+      EXPECT_LT(test::MaxAbsDiff(rg[i]->scores, rc[i]->scores), test::kBf16ScoreAbs) << what;
+      EXPECT_LT(test::RelL2(rg[i]->hidden, rc[i]->hidden), test::kBf16RelL2) << what;
+      EXPECT_LT(test::MaxAbsDiff(rg[i]->scores, rn[i]->scores), test::kBf16ScoreAbs) << what;
+      reused += rg[i]->reused_tokens;
+    }
+  }
+  const CacheStats s = gpu->Stats().cache;
+  std::printf("  window 40: %llu GPU pages released, %llu tokens reused\n",
+              static_cast<unsigned long long>(s.window_pages_released),
+              static_cast<unsigned long long>(reused));
+  EXPECT_GT(s.window_pages_released, 0u);
+  EXPECT_GT(reused, 0u);
+}
+
 // With the cache off the engine tells the backend that no page is read after the wave
 // (ForwardBatch::keep_kv), except when a user's candidates take more than one pass: the later
 // passes read the pages of the first. Head dim 256 runs the attention kernel that then skips
