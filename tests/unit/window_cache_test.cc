@@ -293,5 +293,64 @@ TEST(WindowCacheEngine, PoolBoundedByTheWindowKeepsEveryUserAndScoresLikeNoCache
   EXPECT_GT(s.window_pages_released, 0u);
 }
 
+// Returning users cycle through a GPU pool and a host tier both smaller than the working set,
+// with edits and histories past the model's maximum (truncation), under both onload outcomes:
+// every score is a full recompute's. (The cache-level test above checks that no page leaks.)
+class WindowHostTierEngine : public ::testing::TestWithParam<bool> {};
+
+TEST_P(WindowHostTierEngine, ScoresLikeAFullRecompute) {
+  const bool onload = GetParam();
+  EngineOptions o;
+  o.page_size = kPage;
+  o.cache_pages = 24;
+  o.host_cache_pages = 40;
+  o.onload_policy = onload ? OnloadPolicy::kAlways : OnloadPolicy::kCost;
+  if (!onload) {
+    o.onload_bytes_per_second = 1;  // a copy takes minutes: every host hit is recomputed
+    o.recompute_seconds_per_token = 1e-6;
+  }
+  auto cached = Engine::Create(o, RandomModel(WindowConfig(), 7));
+  ASSERT_TRUE(cached.ok()) << cached.status();
+  auto reference = Engine::Create([] {
+    EngineOptions r;
+    r.enable_cache = false;
+    r.page_size = kPage;
+    return r;
+  }(), RandomModel(WindowConfig(), 7));
+  ASSERT_TRUE(reference.ok());
+  std::mt19937 rng(onload ? 21 : 22);
+  std::vector<RankRequest> users(8);
+  for (int u = 0; u < 8; ++u) users[u].user_id = 70 + u;
+  for (int step = 0; step < 400; ++step) {
+    RankRequest& r = users[rng() % 8];
+    const int add = 1 + rng() % 6;
+    for (int i = 0; i < add; ++i) {
+      r.history_item_ids.push_back(rng() % 97);
+      r.history_actions.push_back(rng() % 5);
+    }
+    const size_t n = r.history_item_ids.size();
+    if (rng() % 8 == 0) r.history_item_ids[n - 1 - rng() % std::min<size_t>(n, 6)] = 3;
+    if (rng() % 25 == 0) r.history_item_ids[rng() % n] = 5;
+    if (n > 50) {  // longer than the model keeps: truncation moves the start in strides
+      r.history_item_ids.erase(r.history_item_ids.begin(), r.history_item_ids.begin() + 20);
+      r.history_actions.erase(r.history_actions.begin(), r.history_actions.begin() + 20);
+    }
+    r.candidate_item_ids = {static_cast<int64_t>(rng() % 97), static_cast<int64_t>(rng() % 97)};
+    auto a = (*cached)->Rank({&r, 1});
+    auto b = (*reference)->Rank({&r, 1});
+    ASSERT_TRUE(a[0].ok() && b[0].ok()) << a[0].status() << " step " << step;
+    EXPECT_LE(test::MaxAbsDiff(a[0]->scores, b[0]->scores), test::kF32Abs) << "step " << step;
+  }
+  const CacheStats s = (*cached)->Stats().cache;
+  const uint64_t host_hits = s.lookups[static_cast<int>(LookupResult::kHostHit)];
+  const uint64_t host_recomputes = s.lookups[static_cast<int>(LookupResult::kHostRecompute)];
+  EXPECT_GT(onload ? host_hits : host_recomputes, 0u);
+  EXPECT_GT(s.evictions, 0u);
+  EXPECT_GT(s.window_pages_released, 0u);
+  EXPECT_EQ(s.pages_pinned, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(OnloadOrRecompute, WindowHostTierEngine, ::testing::Bool());
+
 }  // namespace
 }  // namespace hstu
