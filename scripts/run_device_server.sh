@@ -7,7 +7,9 @@
 #   bash scripts/run_device_server.sh [duration_s] [parts: "parity cache cache_always nocache e2e"]
 # (cache_always: the cache with --onload_policy=always, every host hit onloaded: the A/B of the
 # onload-or-recompute rule; cache_gpu: the GPU pool alone, no host tier; cache_b128: a write-behind backlog of
-# 128 MiB instead of 512; these two are not in the default parts.)
+# 128 MiB instead of 512; cache_window: the cache's load on the base shapes with a sliding window
+# of 512 tokens (a model file), whose cache holds a user's last ~600 tokens only; these three are
+# not in the default parts.)
 # Server against `hstu_bench e2e` with the bench's exact shape (every user starts at 128 events and
 # each visit adds exactly 128 = 256 tokens, up to 2048 events; 256 candidates), one loadgen run per
 # concurrency so the server's metrics split by level (not in the default parts):
@@ -80,8 +82,9 @@ fi
 # The population (400 users, histories up to 2048 events = 4096 tokens) is far larger than the pool.
 run() {  # name, "loadgen flags", extra server flags...
   local name="$1" lg="$2"; shift 2
-  "$H/bin/hstu_server" --model=random:base --device=cuda:0 --listen=127.0.0.1:50051 \
-    --metrics_listen=127.0.0.1:9464 --max_batch_size=8 "$@" > "$OUT/server_$name.log" 2>&1 &
+  "$H/bin/hstu_server" --model="${RUN_MODEL:-random:base}" --device=cuda:0 \
+    --listen=127.0.0.1:50051 --metrics_listen=127.0.0.1:9464 --max_batch_size=8 "$@" \
+    > "$OUT/server_$name.log" 2>&1 &
   local pid=$!
   # shellcheck disable=SC2086
   "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --wait_ready_s=240 $lg --candidates=256 \
@@ -89,7 +92,7 @@ run() {  # name, "loadgen flags", extra server flags...
     --json="$OUT/loadgen_$name.json" 2>&1 | tee "$OUT/loadgen_$name.txt"
   curl -sf http://127.0.0.1:9464/metrics > "$OUT/metrics_$name.txt" 2>/dev/null || true
   kill -TERM "$pid"; wait "$pid"; echo "server ($name) exit code: $?"
-  grep -E '^hstu_kv_lookups_total|^hstu_kv_tokens_total|^hstu_kv_evictions_total|^hstu_kv_prefetch|^hstu_kv_onload_bandwidth|^hstu_kv_recompute_seconds|^hstu_batch_compute_seconds_(sum|count)|^hstu_batch_size_(sum|count)' \
+  grep -E '^hstu_kv_lookups_total|^hstu_kv_tokens_total|^hstu_kv_window|^hstu_kv_evictions_total|^hstu_kv_prefetch|^hstu_kv_onload_bandwidth|^hstu_kv_recompute_seconds|^hstu_batch_compute_seconds_(sum|count)|^hstu_batch_size_(sum|count)' \
     "$OUT/metrics_$name.txt" || true
 }
 ZIPF="--users=400 --zipf=1.0 --initial_events=1800 --new_events=64 --concurrency=1:16:x2"
@@ -98,6 +101,12 @@ has cache_b128 && run cache_b128 "$ZIPF" --cache_pages=2048 --host_cache_pages=8
 has cache_gpu && run cache_gpu "$ZIPF" --cache_pages=2048 --host_cache_pages=0
 has cache_always && run cache_always "$ZIPF" --cache_pages=2048 --host_cache_pages=8192 --onload_policy=always
 has nocache && run nocache "$ZIPF" --no_cache --cache_pages=2048
+if has cache_window; then
+  "$H/bin/hstu_model" init --preset base --seed 5 --window 512 --items 100000 \
+    --out "$DIR/window.safetensors" > /dev/null
+  RUN_MODEL="$DIR/window.safetensors" run cache_window "$ZIPF" --cache_pages=2048 \
+    --host_cache_pages=8192
+fi
 # The e2e shape (`hstu_bench e2e`: users from 256 to 4096 history tokens in 16 steps of 256 new
 # tokens + 256 candidates): 512 users of uniform popularity, each starting at up to 64 events and
 # growing by ~128 events (256 tokens) a visit until 2048 events (4096 tokens, the model's maximum:
