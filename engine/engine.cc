@@ -210,9 +210,8 @@ std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankReques
 
 OnloadFilter Engine::MakeOnloadFilter() {
   if (options_.onload_policy == OnloadPolicy::kAlways) return nullptr;
-  return [this](int64_t pages) {
-    return onload_cost_.ShouldOnload(pages * backend_->page_bytes(), pages * options_.page_size,
-                                     NowSeconds());
+  return [this](int64_t pages, int64_t tokens) {
+    return onload_cost_.ShouldOnload(pages * backend_->page_bytes(), tokens, NowSeconds());
   };
 }
 

@@ -312,7 +312,7 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   bool declined = false;
   if (host_only && e.dead_pages > 0 && r.reused_tokens > 0) {
     const int64_t live = r.reused_tokens / page_size_ - e.dead_pages;
-    if (onload_ok && !onload_ok(live)) {
+    if (onload_ok && !onload_ok(live, r.reused_tokens)) {
       FreeLive(host_allocator_, e.host_page_ids);
       e.host_page_ids.clear();
       e.page_hashes.clear();
@@ -346,7 +346,8 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
     // which the dead ones are neither copied nor read).
     const size_t n = static_cast<size_t>(r.reused_tokens / page_size_);
     const size_t first = static_cast<size_t>(e.dead_pages);
-    if (first == 0 && n > 0 && onload_ok && !onload_ok(static_cast<int64_t>(n))) {
+    if (first == 0 && n > 0 && onload_ok &&
+        !onload_ok(static_cast<int64_t>(n), static_cast<int64_t>(n) * page_size_)) {
       // Recomputed from token 0 into the new GPU pages. The entry's metadata still describes its
       // host pages [0, n), which hold the K/V of these same keys: Commit keeps them as the host
       // copy and offloads only the pages beyond.
@@ -499,7 +500,7 @@ PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> k
   if (k <= static_cast<size_t>(e.dead_pages) || !WindowAllows(e, k)) return copies;
   const size_t first = static_cast<size_t>(e.dead_pages);
   const int64_t live = static_cast<int64_t>(k - first);
-  if (onload_ok && !onload_ok(live)) return copies;
+  if (onload_ok && !onload_ok(live, static_cast<int64_t>(k) * page_size_)) return copies;
   // Make room only from entries that lose nothing but a partial last page by moving to the host.
   for (auto vit = lru_.end(); allocator_.num_free() < live && vit != lru_.begin();) {
     --vit;

@@ -82,10 +82,11 @@ struct PageCopies {
 };
 
 // Asked by Acquire and Prefetch, under the manager's lock, before they plan the onload of `pages`
-// host pages (as many tokens as pages * page_size) of a user that lives on the host only: true to
-// onload them, false to recompute those tokens instead. Must not call back into the manager.
-// Null: always onload.
-using OnloadFilter = std::function<bool(int64_t pages)>;
+// host pages of a user that lives on the host only: true to onload them, false to recompute
+// instead, which recomputes `tokens` tokens (pages * page_size, or more when a sliding window
+// released the pages before them: those cannot be reused without the copy either). Must not call
+// back into the manager. Null: always onload.
+using OnloadFilter = std::function<bool(int64_t pages, int64_t tokens)>;
 
 // A page-list slot of a page released under the sliding window (see CacheManager).
 inline constexpr int32_t kDeadPage = -1;

@@ -208,7 +208,8 @@ TEST(HostTier, DeclinedOnloadIsAMissThatKeepsTheHostCopy) {
   }
   const CacheStats before = m.Stats();
   std::vector<int64_t> asked;
-  const OnloadFilter decline = [&](int64_t pages) {
+  const OnloadFilter decline = [&](int64_t pages, int64_t tokens) {
+    EXPECT_EQ(tokens, pages * 4);
     asked.push_back(pages);
     return false;
   };
@@ -238,7 +239,7 @@ TEST(HostTier, DeclinedOnloadIsAMissThatKeepsTheHostCopy) {
     m.Commit(*o, Keys(8, u));
     m.OffloadsComplete();
   }
-  auto back = m.Acquire(1, Keys(12, 1), [](int64_t) { return true; });
+  auto back = m.Acquire(1, Keys(12, 1), [](int64_t, int64_t) { return true; });
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->result, LookupResult::kHostHit);
   EXPECT_EQ(back->reused_tokens, 12);
@@ -249,7 +250,7 @@ TEST(HostTier, DeclinedOnloadIsAMissThatKeepsTheHostCopy) {
 TEST(HostTier, OnloadFilterIsAskedOnlyForHostOnlyUsers) {
   CacheManager m(4, 8, 16);
   int asked = 0;
-  const OnloadFilter count = [&](int64_t) {
+  const OnloadFilter count = [&](int64_t, int64_t) {
     ++asked;
     return false;
   };
@@ -582,7 +583,8 @@ TEST(HostTierPrefetch, DeclinedPrefetchStartsNothingAndEvictsNobody) {
   }
   const CacheStats before = m.Stats();
   int64_t asked = 0;
-  EXPECT_TRUE(m.Prefetch(1, Keys(10, 1), {}, [&](int64_t pages) {
+  EXPECT_TRUE(m.Prefetch(1, Keys(10, 1), {}, [&](int64_t pages, int64_t tokens) {
+    EXPECT_EQ(tokens, pages * 4);
     asked = pages;
     return false;
   }).empty());

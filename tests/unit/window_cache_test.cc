@@ -147,13 +147,15 @@ TEST(WindowCache, DeclinedOnloadRecomputesEveryPageAndDropsTheHostCopy) {
   PageCopies off;
   UserOneOnTheHostOnly(m, &off);
   const int64_t host_free = m.Stats().host_pages_free;
-  int64_t asked = -1;
-  auto r = m.Acquire(1, Keys(44, 1), [&](int64_t pages) {
+  int64_t asked = -1, recompute = -1;
+  auto r = m.Acquire(1, Keys(44, 1), [&](int64_t pages, int64_t tokens) {
     asked = pages;
+    recompute = tokens;
     return false;
   });
   ASSERT_TRUE(r.ok());
-  EXPECT_EQ(asked, 5);  // the live pages it would have copied
+  EXPECT_EQ(asked, 5);        // the live pages it would have copied
+  EXPECT_EQ(recompute, 40);   // the tokens a decline recomputes: the whole prefix
   EXPECT_EQ(r->result, LookupResult::kHostRecompute);
   EXPECT_EQ(r->reused_tokens, 0);
   ExpectDeadPrefix(*r, 0);
@@ -168,7 +170,14 @@ TEST(WindowCache, PrefetchCopiesOnlyLivePages) {
   CacheManager m(kPage, 16, 64, 0, kWindow);
   PageCopies off;
   UserOneOnTheHostOnly(m, &off);
-  PageCopies pre = m.Prefetch(1, Keys(44, 1));
+  int64_t asked = -1, recompute = -1;
+  PageCopies pre = m.Prefetch(1, Keys(44, 1), {}, [&](int64_t pages, int64_t tokens) {
+    asked = pages;
+    recompute = tokens;
+    return true;
+  });
+  EXPECT_EQ(asked, 5);
+  EXPECT_EQ(recompute, 40);
   EXPECT_EQ(pre.src, off.dst);
   ASSERT_EQ(pre.dst.size(), 5u);
   m.PrefetchesComplete();
