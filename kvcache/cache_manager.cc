@@ -111,17 +111,18 @@ void CacheManager::TouchLocked(Entry& e, uint64_t user_id) {
 }
 
 bool CacheManager::WindowAllows(const Entry& e, size_t pages) const {
-  // The first new query is at P = pages * page_size and reads keys from P − W on.
-  return e.dead_pages == 0 ||
-         static_cast<int64_t>(pages) * page_size_ - window_ >=
-             static_cast<int64_t>(e.dead_pages) * page_size_;
+  // The first new query is at P = pages * page_size and reads keys from the block holding P − W.
+  if (e.dead_pages == 0) return true;
+  const int64_t first_key = static_cast<int64_t>(pages) * page_size_ - window_;
+  return first_key >= 0 && first_key / kWindowKeyBlock * kWindowKeyBlock >=
+                               static_cast<int64_t>(e.dead_pages) * page_size_;
 }
 
 void CacheManager::ReleaseBehindWindowLocked(Entry& e) {
   // Not while an offload reads the entry's GPU pages or writes its host pages.
   if (window_ == 0 || e.inflight_pages > 0) return;
   const int64_t edge =
-      (static_cast<int64_t>(e.num_tokens) - window_) / page_size_ - kWindowSlackPages;
+      (static_cast<int64_t>(e.num_tokens) - window_ - WindowSlackTokens()) / page_size_;
   const int32_t dead = static_cast<int32_t>(
       std::min<int64_t>(std::max<int64_t>(edge, 0), static_cast<int64_t>(e.page_ids.size())));
   for (int32_t i = e.dead_pages; i < dead; ++i) {

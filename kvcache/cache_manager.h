@@ -17,16 +17,18 @@
 // beyond that, new full pages stay GPU-only until a later commit of their user.
 //
 // Sliding window (window_tokens W > 0, the model's max_attn_len, DESIGN §2.2): a request that
-// reuses a prefix of P tokens reads keys from P − W on only. So each commit of an entry of T
-// tokens releases, on both tiers, its pages wholly before T − W, less kWindowSlackPages pages.
-// Those are "dead": their slots in the page lists hold kDeadPage, and nothing reads them again.
-// A reuse that would read one (a matching prefix shorter than the dead pages + W) counts as a
-// hash mismatch and recomputes the user. The slack keeps a history whose last events changed
-// reusable. A user then holds about W tokens + (2 + kWindowSlackPages) pages of each tier.
+// reuses a prefix of P tokens reads keys from P − W on only, which the GPU kernels round down to
+// a block of kWindowKeyBlock keys. So each commit of an entry of T tokens releases, on both tiers,
+// its pages wholly before T − W − WindowSlackTokens() (at least kWindowSlackPages pages and one
+// key block). Those are "dead": their slots in the page lists hold kDeadPage, and nothing reads
+// them again. A reuse whose block-rounded P − W falls before the live pages counts as a hash
+// mismatch and recomputes the user. The slack keeps a history whose last events changed
+// reusable. A user then holds about W tokens + the slack + 2 pages of each tier.
 //
 // Thread-safe: every method takes the manager's lock.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <list>
@@ -112,6 +114,12 @@ class CacheManager {
   // Pages kept past the window's edge, so that a history whose last events changed still reuses
   // its prefix.
   static constexpr int32_t kWindowSlackPages = 2;
+  // Keys the attention kernels read in one block (kernels/cuda: kAttnBlockN), from the block
+  // holding a query's first key.
+  static constexpr int32_t kWindowKeyBlock = 64;
+  int32_t WindowSlackTokens() const {
+    return std::max(kWindowSlackPages * page_size_, kWindowKeyBlock);
+  }
 
   CacheManager(int32_t page_size, int64_t num_pages, int64_t host_num_pages = 0,
                int64_t max_inflight_pages = 0 /* 0 = no bound below the host tier's size */,

@@ -28,10 +28,23 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TOOLS = os.path.normpath(os.path.join(HERE, "..", "..", "tools"))
-# CacheManager::kWindowSlackPages: with a window W, a commit of T tokens releases the pages wholly
-# before (T - W) // page_size - this many pages; a later prefix of P tokens is reusable only when
-# P - W reaches past them (kvcache/cache_manager.h).
+# The cache's window rule (kvcache/cache_manager.h): with a window W, a commit of T tokens releases
+# the pages wholly before T - W - slack, slack = max(WINDOW_SLACK_PAGES pages, WINDOW_KEY_BLOCK);
+# a later prefix of P tokens is reusable only when P - W, rounded down to a key block, lies past
+# them.
 WINDOW_SLACK_PAGES = 2
+WINDOW_KEY_BLOCK = 64
+
+
+def window_dead_pages(tokens, window, page_size):
+    slack = max(WINDOW_SLACK_PAGES * page_size, WINDOW_KEY_BLOCK)
+    return max(0, (tokens - window - slack) // page_size)
+
+
+def window_allows(prefix, window, page_size, dead):
+    first_key = prefix - window
+    return dead == 0 or (first_key >= 0 and
+                         first_key // WINDOW_KEY_BLOCK * WINDOW_KEY_BLOCK >= dead * page_size)
 
 TOLERANCE = 1e-4  # fp32 engine vs float64 oracle (issue 2)
 MAX_REPORTED = 20  # per run, so a systematic bug does not flood the log
@@ -193,8 +206,8 @@ def check_run(case, run_name, requests, ref_out, rank_out, ref, model, *, cached
             continue
         shared = common_prefix(prev, kept) if prev is not None else 0
         if page_size and window > 0:  # the cache's window release after this request's commit
-            edge = (len(kept) - window) // page_size - WINDOW_SLACK_PAGES
-            dead[req["user_id"]] = max(dead_before if reused > 0 else 0, edge, 0)
+            dead[req["user_id"]] = max(dead_before if reused > 0 else 0,
+                                       window_dead_pages(len(kept), window, page_size))
         if reused > shared:
             chk.fail(
                 f"{who}: reused_tokens {reused} > {shared} tokens shared with the user's previous "
@@ -215,7 +228,8 @@ def check_run(case, run_name, requests, ref_out, rank_out, ref, model, *, cached
             )
         elif (not pure_extension and page_size and reused < shared // page_size * page_size and
               not (reused == 0 and window > 0 and
-                   shared // page_size * page_size - window < dead_before * page_size)):
+                   not window_allows(shared // page_size * page_size, window, page_size,
+                                     dead_before))):
             chk.fail(
                 f"{who}: shares {shared} tokens with the previous request; the longest page-aligned "
                 f"prefix (page size {page_size}) is {shared // page_size * page_size}, "

@@ -19,9 +19,10 @@ std::vector<uint64_t> Keys(int n, int salt = 1) {
   return k;
 }
 
-// Pages wholly before T − W, less the slack, are dead after a commit of T tokens.
+// Pages wholly before T − W − the slack (here one 64-key block: more than two pages of 4) are dead
+// after a commit of T tokens.
 int32_t DeadAfter(int32_t tokens) {
-  return std::max(0, (tokens - kWindow) / kPage - CacheManager::kWindowSlackPages);
+  return std::max(0, (tokens - kWindow - CacheManager::kWindowKeyBlock) / kPage);
 }
 
 void ExpectDeadPrefix(const Reservation& r, int32_t dead) {
@@ -37,69 +38,72 @@ void ExpectDeadPrefix(const Reservation& r, int32_t dead) {
 
 TEST(WindowCache, CommitReleasesThePagesBehindTheWindow) {
   CacheManager m(kPage, 64, 0, 0, kWindow);
-  auto r1 = m.Acquire(1, Keys(40));
+  EXPECT_EQ(m.WindowSlackTokens(), 64);
+  auto r1 = m.Acquire(1, Keys(120));
   ASSERT_TRUE(r1.ok());
   EXPECT_EQ(r1->dead_pages, 0);
-  m.Commit(*r1, Keys(40));
-  ASSERT_EQ(DeadAfter(40), 5);
-  EXPECT_EQ(m.Stats().pages_free, 64 - 5);
-  EXPECT_EQ(m.Stats().window_pages_released, 5u);
+  m.Commit(*r1, Keys(120));
+  ASSERT_EQ(DeadAfter(120), 11);  // tokens 0-43: the first query of a reuse (120) reads from 64 on
+  EXPECT_EQ(m.Stats().pages_free, 64 - (30 - 11));
+  EXPECT_EQ(m.Stats().window_pages_released, 11u);
 
-  // The grown history reuses everything: its first query (token 40) reads from token 30 on.
-  auto r2 = m.Acquire(1, Keys(48));
+  // The grown history reuses everything: its first query (token 120) reads from token 110 on.
+  auto r2 = m.Acquire(1, Keys(128));
   ASSERT_TRUE(r2.ok());
   EXPECT_EQ(r2->result, LookupResult::kHit);
-  EXPECT_EQ(r2->reused_tokens, 40);
-  ASSERT_EQ(r2->page_ids.size(), 12u);
-  ExpectDeadPrefix(*r2, 5);
-  EXPECT_EQ(std::vector<int32_t>(r2->page_ids.begin() + 5, r2->page_ids.begin() + 10),
-            std::vector<int32_t>(r1->page_ids.begin() + 5, r1->page_ids.end()));
-  EXPECT_EQ(r2->pinned_pages, 7);
-  EXPECT_EQ(m.Stats().pages_pinned, 7);
-  m.Commit(*r2, Keys(48));
+  EXPECT_EQ(r2->reused_tokens, 120);
+  ASSERT_EQ(r2->page_ids.size(), 32u);
+  ExpectDeadPrefix(*r2, 11);
+  EXPECT_EQ(std::vector<int32_t>(r2->page_ids.begin() + 11, r2->page_ids.begin() + 30),
+            std::vector<int32_t>(r1->page_ids.begin() + 11, r1->page_ids.end()));
+  EXPECT_EQ(r2->pinned_pages, 21);
+  EXPECT_EQ(m.Stats().pages_pinned, 21);
+  m.Commit(*r2, Keys(128));
   EXPECT_EQ(m.Stats().pages_pinned, 0);
-  EXPECT_EQ(m.Stats().window_pages_released, static_cast<uint64_t>(DeadAfter(48)));
-  EXPECT_EQ(m.Stats().pages_free, 64 - (12 - DeadAfter(48)));
+  EXPECT_EQ(m.Stats().window_pages_released, static_cast<uint64_t>(DeadAfter(128)));
+  EXPECT_EQ(m.Stats().pages_free, 64 - (32 - DeadAfter(128)));
 
   // Without a window nothing is released.
   CacheManager plain(kPage, 64);
-  auto p = plain.Acquire(1, Keys(48));
-  plain.Commit(*p, Keys(48));
-  EXPECT_EQ(plain.Stats().pages_free, 64 - 12);
+  auto p = plain.Acquire(1, Keys(128));
+  plain.Commit(*p, Keys(128));
+  EXPECT_EQ(plain.Stats().pages_free, 64 - 32);
   EXPECT_EQ(plain.Stats().window_pages_released, 0u);
 }
 
 TEST(WindowCache, PrefixThatWouldReadReleasedPagesIsRecomputed) {
   CacheManager m(kPage, 64, 0, 0, kWindow);
-  auto r = m.Acquire(1, Keys(48));
-  m.Commit(*r, Keys(48));
-  const int32_t dead = DeadAfter(48);  // 7 pages: tokens 0-27
-  ASSERT_EQ(dead, 7);
+  auto r = m.Acquire(1, Keys(128));
+  m.Commit(*r, Keys(128));
+  const int32_t dead = DeadAfter(128);  // 13 pages: tokens 0-51
+  ASSERT_EQ(dead, 13);
 
-  // Token 45 edited: 11 pages match, and their first new query (token 44) reads from 34 on.
-  std::vector<uint64_t> late = Keys(48);
-  late[45] = TokenKey(false, 99999);
+  // Token 125 edited: 31 pages match, and their first new query (token 124) reads the block of
+  // token 114, keys 64 on.
+  std::vector<uint64_t> late = Keys(128);
+  late[125] = TokenKey(false, 99999);
   auto a = m.Acquire(1, late);
   ASSERT_TRUE(a.ok());
   EXPECT_EQ(a->result, LookupResult::kPartial);
-  EXPECT_EQ(a->reused_tokens, 44);
+  EXPECT_EQ(a->reused_tokens, 124);
   ExpectDeadPrefix(*a, dead);
   m.Commit(*a, late);
 
-  // Token 30 edited: 7 pages match, but a query at token 28 would read tokens 18-27, released.
+  // Token 70 edited: 17 pages match, but a query at token 68 would read the block of token 58,
+  // keys 0-63, released up to 51.
   std::vector<uint64_t> early = late;
-  early[30] = TokenKey(false, 88888);
+  early[70] = TokenKey(false, 88888);
   auto b = m.Acquire(1, early);
   ASSERT_TRUE(b.ok());
   EXPECT_EQ(b->result, LookupResult::kMismatch);
   EXPECT_EQ(b->reused_tokens, 0);
   ExpectDeadPrefix(*b, 0);  // recomputed from token 0 into real pages
-  EXPECT_EQ(b->page_ids.size(), 12u);
+  EXPECT_EQ(b->page_ids.size(), 32u);
   m.Commit(*b, early);
-  EXPECT_EQ(m.Stats().pages_free, 64 - (12 - dead));
+  EXPECT_EQ(m.Stats().pages_free, 64 - (32 - dead));
 
   // A shorter history whose prefix is too short for the released pages: recomputed, not stale.
-  auto c = m.Acquire(1, std::vector<uint64_t>(early.begin(), early.begin() + 20));
+  auto c = m.Acquire(1, std::vector<uint64_t>(early.begin(), early.begin() + 60));
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->reused_tokens, 0);
   ExpectDeadPrefix(*c, 0);
@@ -107,93 +111,94 @@ TEST(WindowCache, PrefixThatWouldReadReleasedPagesIsRecomputed) {
   EXPECT_EQ(m.Stats().pages_free, 64);
 }
 
-// Users 1 (40 tokens) then 2 (48 tokens) on a 16-page GPU pool: user 2 evicts user 1 to the host.
+// Users 1 (120 tokens) then 2 (128 tokens) on a 40-page GPU pool: user 2 evicts user 1 to the
+// host.
 void UserOneOnTheHostOnly(CacheManager& m, PageCopies* user_one_offload) {
-  auto r1 = m.Acquire(1, Keys(40, 1));
-  *user_one_offload = m.Commit(*r1, Keys(40, 1));
+  auto r1 = m.Acquire(1, Keys(120, 1));
+  *user_one_offload = m.Commit(*r1, Keys(120, 1));
   m.OffloadsComplete();
-  auto r2 = m.Acquire(2, Keys(48, 2));
+  auto r2 = m.Acquire(2, Keys(128, 2));
   ASSERT_TRUE(r2.ok()) << r2.status();
-  m.Commit(*r2, Keys(48, 2));
+  m.Commit(*r2, Keys(128, 2));
   m.OffloadsComplete();
   ASSERT_EQ(m.Stats().evictions, 1u);
-  ASSERT_EQ(m.CachedTokens(1), 40);
+  ASSERT_EQ(m.CachedTokens(1), 120);
 }
 
 TEST(WindowCache, HostCopiesHoldOnlyLivePagesAndOnloadOnlyThose) {
-  CacheManager m(kPage, 16, 64, 0, kWindow);
+  CacheManager m(kPage, 40, 128, 0, kWindow);
   PageCopies off;
   UserOneOnTheHostOnly(m, &off);
-  // User 1's commit released pages 0-4 before offloading: only pages 5-9 went to the host.
-  ASSERT_EQ(off.src.size(), 5u);
-  auto back = m.Acquire(1, Keys(44, 1));
+  // User 1's commit released pages 0-10 before offloading: only pages 11-29 went to the host.
+  ASSERT_EQ(off.src.size(), 19u);
+  auto back = m.Acquire(1, Keys(124, 1));
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->result, LookupResult::kHostHit);
-  EXPECT_EQ(back->reused_tokens, 40);
-  ExpectDeadPrefix(*back, 5);
+  EXPECT_EQ(back->reused_tokens, 120);
+  ExpectDeadPrefix(*back, 11);
   EXPECT_EQ(back->onload.src, off.dst);
-  EXPECT_EQ(back->onload.dst, std::vector<int32_t>(back->page_ids.begin() + 5,
-                                                   back->page_ids.begin() + 10));
-  EXPECT_EQ(m.Stats().pages_onloaded, 5u);
-  m.Commit(*back, Keys(44, 1));
+  EXPECT_EQ(back->onload.dst, std::vector<int32_t>(back->page_ids.begin() + 11,
+                                                   back->page_ids.begin() + 30));
+  EXPECT_EQ(m.Stats().pages_onloaded, 19u);
+  m.Commit(*back, Keys(124, 1));
   m.OffloadsComplete();
   m.Clear();
-  EXPECT_EQ(m.Stats().pages_free, 16);
-  EXPECT_EQ(m.Stats().host_pages_free, 64);
+  EXPECT_EQ(m.Stats().pages_free, 40);
+  EXPECT_EQ(m.Stats().host_pages_free, 128);
 }
 
 TEST(WindowCache, DeclinedOnloadRecomputesEveryPageAndDropsTheHostCopy) {
-  CacheManager m(kPage, 16, 64, 0, kWindow);
+  CacheManager m(kPage, 40, 128, 0, kWindow);
   PageCopies off;
   UserOneOnTheHostOnly(m, &off);
   const int64_t host_free = m.Stats().host_pages_free;
   int64_t asked = -1, recompute = -1;
-  auto r = m.Acquire(1, Keys(44, 1), [&](int64_t pages, int64_t tokens) {
+  auto r = m.Acquire(1, Keys(124, 1), [&](int64_t pages, int64_t tokens) {
     asked = pages;
     recompute = tokens;
     return false;
   });
   ASSERT_TRUE(r.ok());
-  EXPECT_EQ(asked, 5);        // the live pages it would have copied
-  EXPECT_EQ(recompute, 40);   // the tokens a decline recomputes: the whole prefix
+  EXPECT_EQ(asked, 19);       // the live pages it would have copied
+  EXPECT_EQ(recompute, 120);  // the tokens a decline recomputes: the whole prefix
   EXPECT_EQ(r->result, LookupResult::kHostRecompute);
   EXPECT_EQ(r->reused_tokens, 0);
   ExpectDeadPrefix(*r, 0);
-  EXPECT_EQ(r->page_ids.size(), 11u);
+  EXPECT_EQ(r->page_ids.size(), 31u);
   EXPECT_TRUE(r->onload.empty());
-  EXPECT_EQ(m.Stats().host_pages_free, host_free + 5);
-  PageCopies again = m.Commit(*r, Keys(44, 1));
-  EXPECT_EQ(again.src.size(), static_cast<size_t>(11 - DeadAfter(44)));
+  EXPECT_EQ(m.Stats().host_pages_free, host_free + 19);
+  PageCopies again = m.Commit(*r, Keys(124, 1));
+  EXPECT_EQ(again.src.size(), static_cast<size_t>(31 - DeadAfter(124)));
 }
 
 TEST(WindowCache, PrefetchCopiesOnlyLivePages) {
-  CacheManager m(kPage, 16, 64, 0, kWindow);
+  CacheManager m(kPage, 40, 128, 0, kWindow);
   PageCopies off;
   UserOneOnTheHostOnly(m, &off);
   int64_t asked = -1, recompute = -1;
-  PageCopies pre = m.Prefetch(1, Keys(44, 1), {}, [&](int64_t pages, int64_t tokens) {
+  PageCopies pre = m.Prefetch(1, Keys(124, 1), {}, [&](int64_t pages, int64_t tokens) {
     asked = pages;
     recompute = tokens;
     return true;
   });
-  EXPECT_EQ(asked, 5);
-  EXPECT_EQ(recompute, 40);
+  EXPECT_EQ(asked, 19);
+  EXPECT_EQ(recompute, 120);
   EXPECT_EQ(pre.src, off.dst);
-  ASSERT_EQ(pre.dst.size(), 5u);
+  ASSERT_EQ(pre.dst.size(), 19u);
   m.PrefetchesComplete();
-  auto r = m.Acquire(1, Keys(44, 1));
+  auto r = m.Acquire(1, Keys(124, 1));
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->result, LookupResult::kHostHit);
   EXPECT_TRUE(r->onload.empty());
-  ExpectDeadPrefix(*r, 5);
-  EXPECT_EQ(std::vector<int32_t>(r->page_ids.begin() + 5, r->page_ids.begin() + 10), pre.dst);
-  m.Commit(*r, Keys(44, 1));
+  ExpectDeadPrefix(*r, 11);
+  EXPECT_EQ(std::vector<int32_t>(r->page_ids.begin() + 11, r->page_ids.begin() + 30), pre.dst);
+  m.Commit(*r, Keys(124, 1));
 }
 
 // Random edits, truncations, failures, evictions to a host tier, prefetches and offloads that
 // complete late: a reused prefix never needs a released page, and every page comes back.
 TEST(WindowCache, NoPagesLeakAndNoReuseReadsAReleasedPage) {
-  CacheManager m(3, 60, 90, 0, 7);
+  CacheManager m(3, 90, 150, 0, 7);
   std::mt19937 rng(11);
   std::vector<std::vector<uint64_t>> hist(12);
   uint64_t reused_with_dead = 0;
@@ -208,7 +213,7 @@ TEST(WindowCache, NoPagesLeakAndNoReuseReadsAReleasedPage) {
     } else if (h.size() > 6) {
       h.resize(h.size() - 4);
     }
-    if (h.size() > 90) h.erase(h.begin(), h.begin() + 30);
+    if (h.size() > 200) h.erase(h.begin(), h.begin() + 60);
     if (rng() % 7 == 0) m.Prefetch(rng() % 12, hist[rng() % 12]);
     if (rng() % 3 == 0) m.PrefetchesComplete();
     if (rng() % 4 == 0) m.OffloadsComplete();
@@ -220,7 +225,8 @@ TEST(WindowCache, NoPagesLeakAndNoReuseReadsAReleasedPage) {
     }
     if (r->dead_pages > 0) {
       ++reused_with_dead;
-      EXPECT_GE(r->reused_tokens - 7, r->dead_pages * 3) << "step " << step;
+      // The first new query reads from the 64-key block holding reused − W.
+      EXPECT_GE((r->reused_tokens - 7) / 64 * 64, r->dead_pages * 3) << "step " << step;
     }
     for (size_t i = r->dead_pages; i < r->page_ids.size(); ++i) ASSERT_GE(r->page_ids[i], 0);
     if (rng() % 20 == 0) {
@@ -235,8 +241,8 @@ TEST(WindowCache, NoPagesLeakAndNoReuseReadsAReleasedPage) {
   m.OffloadsComplete();
   m.PrefetchesComplete();
   m.Clear();
-  EXPECT_EQ(m.Stats().pages_free, 60);
-  EXPECT_EQ(m.Stats().host_pages_free, 90);
+  EXPECT_EQ(m.Stats().pages_free, 90);
+  EXPECT_EQ(m.Stats().host_pages_free, 150);
 }
 
 ModelConfig WindowConfig() {
@@ -245,9 +251,9 @@ ModelConfig WindowConfig() {
   c.hidden_dim = 16;
   c.num_heads = 2;
   c.head_dim = 8;
-  c.max_history_tokens = 64;
+  c.max_history_tokens = 160;
   c.max_candidates = 8;
-  c.attention_norm_len = 72;
+  c.attention_norm_len = 168;
   c.max_attn_len = 12;
   c.position_encoding = false;
   c.position_rows = 0;
@@ -269,16 +275,17 @@ std::unique_ptr<Engine> WindowEngine(bool cache, int64_t pages) {
   return *std::move(e);
 }
 
-// Six users growing to 64 tokens need 96 pages of 4 tokens without the window's release; 54 hold
-// them all with it, so every return visit is a GPU hit, and the scores are a full recompute's.
+// Six users growing to 160 tokens need 240 pages of 4 tokens without the window's release; 150
+// hold them all with it, so every return visit is a GPU hit, and the scores are a full
+// recompute's.
 TEST(WindowCacheEngine, PoolBoundedByTheWindowKeepsEveryUserAndScoresLikeNoCache) {
-  auto cached = WindowEngine(true, 54);
+  auto cached = WindowEngine(true, 150);
   auto full = WindowEngine(false, 0);
   std::mt19937 rng(3);
   std::vector<RankRequest> users(6);
   for (int u = 0; u < 6; ++u) users[u].user_id = 40 + u;
   int returns = 0;
-  for (int visit = 0; visit < 8; ++visit) {
+  for (int visit = 0; visit < 20; ++visit) {
     for (auto& r : users) {
       for (int i = 0; i < 4; ++i) {
         r.history_item_ids.push_back(rng() % 97);
@@ -296,7 +303,7 @@ TEST(WindowCacheEngine, PoolBoundedByTheWindowKeepsEveryUserAndScoresLikeNoCache
       }
     }
   }
-  EXPECT_EQ(returns, 42);
+  EXPECT_EQ(returns, 6 * 19);
   const CacheStats s = cached->Stats().cache;
   EXPECT_EQ(s.evictions, 0u);
   EXPECT_GT(s.window_pages_released, 0u);
@@ -311,8 +318,8 @@ TEST_P(WindowHostTierEngine, ScoresLikeAFullRecompute) {
   const bool onload = GetParam();
   EngineOptions o;
   o.page_size = kPage;
-  o.cache_pages = 24;
-  o.host_cache_pages = 40;
+  o.cache_pages = 60;
+  o.host_cache_pages = 100;
   o.onload_policy = onload ? OnloadPolicy::kAlways : OnloadPolicy::kCost;
   if (!onload) {
     o.onload_bytes_per_second = 1;  // a copy takes minutes: every host hit is recomputed
@@ -340,9 +347,9 @@ TEST_P(WindowHostTierEngine, ScoresLikeAFullRecompute) {
     const size_t n = r.history_item_ids.size();
     if (rng() % 8 == 0) r.history_item_ids[n - 1 - rng() % std::min<size_t>(n, 6)] = 3;
     if (rng() % 25 == 0) r.history_item_ids[rng() % n] = 5;
-    if (n > 50) {  // longer than the model keeps: truncation moves the start in strides
-      r.history_item_ids.erase(r.history_item_ids.begin(), r.history_item_ids.begin() + 20);
-      r.history_actions.erase(r.history_actions.begin(), r.history_actions.begin() + 20);
+    if (n > 100) {  // longer than the model keeps: truncation moves the start in strides
+      r.history_item_ids.erase(r.history_item_ids.begin(), r.history_item_ids.begin() + 30);
+      r.history_actions.erase(r.history_actions.begin(), r.history_actions.begin() + 30);
     }
     r.candidate_item_ids = {static_cast<int64_t>(rng() % 97), static_cast<int64_t>(rng() % 97)};
     auto a = (*cached)->Rank({&r, 1});
