@@ -141,7 +141,6 @@ const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stre
   };
   if (kv.head_dim != 256) return fail("head dim is not 256");
   if (!WsEnabled()) return fail("HSTU_ATTN_WS=0");
-  if (p.max_attn_len > 0) return fail("sliding window");
   if (KvBoxRows(kv.page_size) == 0) return fail("page size is not a multiple of 8");
   if (kv.page_size > (1 << 20) || kv.kv_stride != kv.page_size * hd ||
       kv.page_stride != 2 * kv.kv_stride || reinterpret_cast<uintptr_t>(kv.base) % 16 != 0) {

@@ -99,7 +99,12 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
       // Keys up to the largest query id of the tile (candidates see the whole history).
       t.kv_end = t.has_candidates ? hist : first_new + last + 1;
       const int32_t min_qid = q0 < num_new[b] ? first_new + q0 : hist;
-      t.kv_begin = max_attn_len > 0 ? std::max(0, min_qid - max_attn_len) : 0;
+      // With a window, from the 64-key block holding the first key any query reads: the chunks are
+      // whole blocks from there (the warp-specialised kernel's boxes and the rows' blocks are
+      // block-aligned); keys before the window are masked.
+      t.kv_begin = max_attn_len > 0
+                       ? std::max(0, min_qid - max_attn_len) / kAttnBlockN * kAttnBlockN
+                       : 0;
       t.kv_begin = std::min(t.kv_begin, t.kv_end);
       tiles.push_back(t);
     }

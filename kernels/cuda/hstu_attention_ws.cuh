@@ -5,8 +5,10 @@
 //
 // Same work items, grid (items × H), plan, partials and reduction as HstuAttentionKernel — and
 // cluster plans, which only this kernel runs (ClusterReduceEpilogue, round 14); it only
-// runs when a block never straddles a TMA box: no window (chunk starts are multiples of 64 keys),
-// page size a multiple of 8, the pool packed [pages, 2, page_size, H, D] (the launcher checks).
+// runs when a block never straddles a TMA box: chunk starts are multiples of 64 keys (with a
+// window too: the plan starts a tile's keys at the block holding its first one and the mask
+// drops the keys before a row's window), page size a multiple of 8, the pool packed
+// [pages, 2, page_size, H, D] (the launcher checks).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a plain 64-byte-aligned struct; no driver library is linked)
@@ -357,16 +359,19 @@ __global__ void __launch_bounds__(384, 1)
   const int first_new = hist - num_new;
   const bf16* uvqk = p.uvqk;
 
-  // Mask bounds of this thread's two rows (row0 and row0 + 8): allowed keys <= hi (no window here).
+  // Mask bounds of this thread's two rows (row0 and row0 + 8): allowed keys lo..hi (inclusive;
+  // lo from the window, whose chunks start at the block holding the tile's first key).
   const int row0 = cwarp * 16 + g;
-  int hi[2];
+  int lo[2], hi[2];
   bool is_cand[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = row0 + 8 * i;
     const int local = it.q_local + r;
     is_cand[i] = r < it.num_q && local >= num_new;
-    hi[i] = r < it.num_q ? (local >= num_new ? hist - 1 : first_new + local) : -1;
+    const int qid = local >= num_new ? hist : first_new + local;
+    hi[i] = r < it.num_q ? (local >= num_new ? hist - 1 : qid) : -1;
+    lo[i] = p.max_attn_len > 0 ? qid - p.max_attn_len : INT_MIN;
   }
   WaitForPredecessor();
   HSTU_ATTN_TRACE_AT(kTraceReady, GlobalTimerNs());
@@ -443,7 +448,8 @@ __global__ void __launch_bounds__(384, 1)
   auto silu_pack = [&](const float (&s)[kN / 2], int j, uint32_t (&pa)[kN / 16][4]) {
     const int kstart = kv_begin + j * kN;
     const int klast = kstart + kN - 1;
-    const bool full = klast < kv_end && klast <= hi[0] && klast <= hi[1];
+    const bool full = klast < kv_end && klast <= hi[0] && klast <= hi[1] && kstart >= lo[0] &&
+                      kstart >= lo[1];
     float pv[kN / 2];
     if (__all_sync(0xffffffffu, full)) {
 #pragma unroll
@@ -453,7 +459,7 @@ __global__ void __launch_bounds__(384, 1)
       for (int e = 0; e < kN / 2; ++e) {
         const int i = (e >> 1) & 1;
         const int key = kstart + (e >> 2) * 8 + 2 * t4 + (e & 1);
-        const bool ok = key < kv_end && key <= hi[i];
+        const bool ok = key < kv_end && key <= hi[i] && key >= lo[i];
         pv[e] = ok ? SiluHalf(s[e], half_alpha) : 0.f;
       }
     }

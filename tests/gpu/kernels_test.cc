@@ -749,7 +749,7 @@ TEST(CudaKernels, PagedAttentionAndAppendMatchCpu) {
       {1, 16, 2, 64, 0, 0, 1, 1, 264},       // one token, one candidate
       {1, 32, 4, 256, 0, 700, 70, 90, 264},  // one long user: split over keys
       {3, 64, 2, 128, 0, 300, 130, 65, 1},   // no split at all
-      {5, 16, 2, 256, 37, 200, 80, 20, 264}, // sliding window
+      {5, 16, 2, 256, 37, 200, 80, 20, 264}, // sliding window (TMA kernel)
       {8, 32, 1, 64, 0, 150, 65, 3, 4096},   // many splits of few blocks
       {17, 64, 2, 128, 0, 120, 40, 17, 264}, // 17 users with edge cases
       {17, 16, 2, 64, 5, 90, 30, 5, 264},    // tiny window
@@ -764,7 +764,7 @@ TEST(CudaKernels, PagedAttentionAndAppendMatchCpu) {
       // At most two chunks a tile (the batch-8 decode plan's shape of split).
       {8, 32, 4, 256, 0, 900, 128, 256, 4096, 2, true},  // decode-step shape, TMA kernel
       {5, 16, 2, 128, 0, 300, 70, 40, 4096, 2},    // 2-warpgroup kernel
-      {3, 32, 2, 256, 50, 400, 90, 30, 4096, 2},   // 2-warpgroup kernel at D = 256 (window)
+      {3, 32, 2, 256, 50, 400, 90, 30, 4096, 2},   // TMA kernel with a window, two chunks
   };
   for (const Shape& s : shapes) {
     PagedCase c = MakeCase(rng, s.B, s.page_size, s.H, s.D, s.W, s.cached, s.nnew, s.cand);
@@ -811,9 +811,12 @@ TEST(CudaKernels, ClusterAttentionMatchesCpu) {
 TEST(CudaKernels, NewKvFromRowsReadAndStoredToPages) {
   HSTU_SKIP_WITHOUT_GPU();
   std::mt19937 rng(19);
-  struct Shape { int B, page_size, H, cached, nnew, cand, ctas, cluster, align; };
+  struct Shape { int B, page_size, H, cached, nnew, cand, ctas, cluster, align, W = 0; };
   const Shape shapes[] = {
       {4, 32, 2, 0, 700, 50, 264, 0, 1},      // all fresh, long histories, split tiles
+      {4, 32, 2, 0, 700, 50, 264, 0, 1, 130}, // the same with a window
+      {8, 32, 4, 4000, 128, 256, 264, 0, 64, 300},  // returning users, decode, a window
+      {17, 16, 2, 500, 200, 40, 264, 0, 64, 77},    // edge cases, unaligned users, a window
       {3, 64, 4, 0, 1000, 256, 1, 0, 1},      // all fresh, no split (the no-cache block's plan)
       {17, 32, 2, 300, 90, 40, 264, 0, 1},    // mixed users with edge cases
       {5, 8, 1, 0, 333, 7, 264, 0, 1},        // 8-row boxes, partial last blocks
@@ -832,16 +835,17 @@ TEST(CudaKernels, NewKvFromRowsReadAndStoredToPages) {
     // Then the same shape with the pages not kept (store_new_kv off): those users' pages
     // untouched, the output as before.
     for (bool store : {true, false}) {
-      PagedCase c = MakeCase(rng, s.B, s.page_size, s.H, 256, 0, s.cached, s.nnew, s.cand, s.align);
+      PagedCase c =
+          MakeCase(rng, s.B, s.page_size, s.H, 256, s.W, s.cached, s.nnew, s.cand, s.align);
       RunPagedCase(c, s.ctas,
                    std::string(store ? "rows " : "rows, not stored ") +
                        ::testing::PrintToString(std::vector<int>{s.B, s.page_size, s.H, s.cached,
-                                                                 s.nnew, s.cluster, s.align}),
+                                                                 s.nnew, s.cluster, s.align, s.W}),
                    64, false, s.cluster, /*kv_from_rows=*/true, store);
     }
   }
-  // Refused where the users' K/V would be read from nowhere: the 2-warpgroup kernel (D = 128, or
-  // a window), and rows the allocation does not hold.
+  // Refused where the users' K/V would be read from nowhere: the 2-warpgroup kernel (D = 128),
+  // and rows the allocation does not hold.
   PagedCase c = MakeCase(rng, 2, 16, 2, 128, 0, 0, 50, 5);
   DeviceArray<bf16> d_pool(ToBf16(c.pool)), d_uvqk(ToBf16(c.uvqk)), d_out(c.rows() * 256);
   DeviceArray<int32_t> d_ro(c.row_offsets), d_nn(c.num_new), d_nt(c.num_tokens),
@@ -872,10 +876,6 @@ TEST(CudaKernels, NewKvFromRowsReadAndStoredToPages) {
   g256.kv = MakePagedKvView(d_pool.get(), c.page_size, 1, 256, c.B, d_pi.get(), d_pids.get(),
                             d_nt.get());
   g256.uvqk_row_stride = 4 * 256;
-  g256.max_attn_len = 16;
-  EXPECT_EQ(cuda::LaunchHstuAttention(g256, items, n, 0, nullptr, nullptr), cudaErrorInvalidValue)
-      << "a window has no kernel that reads K/V from the rows";
-  g256.max_attn_len = 0;
   g256.uvqk_rows = c.rows() - 1;
   EXPECT_EQ(cuda::LaunchHstuAttention(g256, items, n, 0, nullptr, nullptr), cudaErrorInvalidValue)
       << "uvqk_rows below num_rows";

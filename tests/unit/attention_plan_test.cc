@@ -74,7 +74,9 @@ void CheckPlan(const Batch& b, int32_t window, const AttentionPlan& plan, const 
       const int32_t hist = b.num_tokens[u], first_new = hist - b.num_new[u];
       const int32_t kv_end = last >= b.num_new[u] ? hist : first_new + last + 1;
       const int32_t min_qid = q0 < b.num_new[u] ? first_new + q0 : hist;
-      const int32_t kv_begin = std::min(kv_end, window > 0 ? std::max(0, min_qid - window) : 0);
+      // With a window, from the 64-key block holding the tile's first key.
+      const int32_t kv_begin = std::min(
+          kv_end, window > 0 ? std::max(0, min_qid - window) / kAttnBlockN * kAttnBlockN : 0);
       int32_t next = kv_begin;
       const int32_t n = static_cast<int32_t>(chunks.size());
       for (int32_t s = 0; s < n; ++s) {
