@@ -43,6 +43,8 @@
 ABSL_FLAG(std::string, json, "", "write the results as JSON to this file");
 ABSL_FLAG(int32_t, reps, 50, "timed repetitions (median reported)");
 ABSL_FLAG(int32_t, page_size, 32, "tokens per KV page");
+ABSL_FLAG(int32_t, window, 0,
+          "sliding window (max_attn_len) of the base model in block, block_graphs and e2e; 0 = none");
 ABSL_FLAG(std::string, batches, "1,8", "batch sizes (users)");
 ABSL_FLAG(int32_t, cached, 3968,
           "kernels: history tokens per user already in the pages, of 4096 (0 = the no-cache block's "
@@ -456,6 +458,7 @@ json BenchBlock(int reps, int page_size, const std::vector<int>& batches) {
   json rows = json::array();
   auto config = hstu::PresetConfig("base");
   if (!config.ok()) std::exit(1);
+  config->max_attn_len = absl::GetFlag(FLAGS_window);
   config->item_rows = 100000;  // the table size does not change the block's time; keeps start-up short
   const hstu::ModelWeights weights = hstu::RandomModel(*config, 1);
   const int hist = 4096;
@@ -530,6 +533,7 @@ json BenchBlock(int reps, int page_size, const std::vector<int>& batches) {
 hstu::ModelWeights BaseWeights() {
   auto config = hstu::PresetConfig("base");
   if (!config.ok()) std::exit(1);
+  config->max_attn_len = absl::GetFlag(FLAGS_window);
   config->item_rows = 100000;  // the table size does not change the step's time; keeps start-up short
   return hstu::RandomModel(*config, 1);
 }
