@@ -23,6 +23,34 @@ std::unique_ptr<Engine> MakeEngine(const std::string& device, bool cache, const 
   return e.ok() ? *std::move(e) : nullptr;
 }
 
+// One batch on the CPU engine, the GPU engine and the GPU engine without a cache: the GPU's
+// scores and hidden rows within bf16 tolerance of both, its worst differences from the CPU in
+// *worst. Fills the GPU engine's results, and the cache-less one's, in batch order.
+struct Worst {
+  double score = 0, hidden = 0;
+};
+void RankOnAll(Engine& cpu, Engine& gpu, Engine& gpu_nocache,
+               const std::vector<RankRequest>& batch, const std::string& what,
+               std::vector<RankResult>* with_cache, std::vector<RankResult>* without,
+               Worst* worst) {
+  auto rc = cpu.Rank(batch);
+  auto rg = gpu.Rank(batch);
+  auto rn = gpu_nocache.Rank(batch);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const std::string who = what + " user " + std::to_string(i);
+    ASSERT_TRUE(rc[i].ok() && rg[i].ok() && rn[i].ok()) << rg[i].status() << rn[i].status();
+    ASSERT_TRUE(test::AllFinite(rg[i]->scores) && test::AllFinite(rg[i]->hidden)) << who;
+    EXPECT_LT(test::MaxAbsDiff(rg[i]->scores, rc[i]->scores), test::kBf16ScoreAbs) << who;
+    EXPECT_LT(test::RelL2(rg[i]->hidden, rc[i]->hidden), test::kBf16RelL2) << who;
+    EXPECT_LT(test::MaxAbsDiff(rg[i]->scores, rn[i]->scores), test::kBf16ScoreAbs) << who;
+    EXPECT_LT(test::RelL2(rg[i]->hidden, rn[i]->hidden), test::kBf16RelL2) << who;
+    worst->score = std::max(worst->score, test::MaxAbsDiff(rg[i]->scores, rc[i]->scores));
+    worst->hidden = std::max(worst->hidden, test::RelL2(rg[i]->hidden, rc[i]->hidden));
+    with_cache->push_back(*std::move(rg[i]));
+    without->push_back(*std::move(rn[i]));
+  }
+}
+
 TEST(CudaEngine, MatchesCpuEngineAndCacheMatchesNoCache) {
   HSTU_SKIP_WITHOUT_GPU();
   const ModelWeights w = RandomModel(test::SmallGpuModelConfig(), 21);
@@ -33,7 +61,7 @@ TEST(CudaEngine, MatchesCpuEngineAndCacheMatchesNoCache) {
   EXPECT_NE(gpu->device_name().find("cuda:0"), std::string::npos) << gpu->device_name();
 
   std::mt19937 rng(9);
-  double worst_score = 0, worst_hidden = 0;
+  Worst worst;
   std::vector<RankRequest> users(7);
   for (size_t u = 0; u < users.size(); ++u) users[u].user_id = 1000 + u;
   for (int visit = 0; visit < 4; ++visit) {
@@ -50,27 +78,20 @@ TEST(CudaEngine, MatchesCpuEngineAndCacheMatchesNoCache) {
       for (int i = 0; i < nc; ++i) r.candidate_item_ids.push_back(rng() % 500);
       batch.push_back(r);
     }
-    auto rc = cpu->Rank(batch);
-    auto rg = gpu->Rank(batch);
-    auto rn = gpu_nocache->Rank(batch);
+    const std::string what = "visit " + std::to_string(visit);
+    std::vector<RankResult> rg, rn;
+    RankOnAll(*cpu, *gpu, *gpu_nocache, batch, what, &rg, &rn, &worst);
+    ASSERT_EQ(rg.size(), batch.size()) << what;
     for (size_t i = 0; i < batch.size(); ++i) {
-      ASSERT_TRUE(rc[i].ok() && rg[i].ok() && rn[i].ok()) << rg[i].status() << rn[i].status();
-      const std::string what = "visit " + std::to_string(visit) + " user " + std::to_string(i);
-      ASSERT_TRUE(test::AllFinite(rg[i]->scores) && test::AllFinite(rg[i]->hidden)) << what;
-      EXPECT_LT(test::MaxAbsDiff(rg[i]->scores, rc[i]->scores), test::kBf16ScoreAbs) << what;
-      worst_score = std::max(worst_score, test::MaxAbsDiff(rg[i]->scores, rc[i]->scores));
-      worst_hidden = std::max(worst_hidden, test::RelL2(rg[i]->hidden, rc[i]->hidden));
-      EXPECT_LT(test::RelL2(rg[i]->hidden, rc[i]->hidden), test::kBf16RelL2) << what;
-      EXPECT_LT(test::MaxAbsDiff(rg[i]->scores, rn[i]->scores), test::kBf16ScoreAbs) << what;
-      EXPECT_LT(test::RelL2(rg[i]->hidden, rn[i]->hidden), test::kBf16RelL2) << what;
       if (visit > 0 && !users[i].history_item_ids.empty()) {
-        EXPECT_GT(rg[i]->reused_tokens, 0u) << what << ": the GPU engine did not reuse its cache";
+        EXPECT_GT(rg[i].reused_tokens, 0u) << what << " user " << i
+                                           << ": the GPU engine did not reuse its cache";
       }
-      EXPECT_EQ(rn[i]->reused_tokens, 0u) << what;
+      EXPECT_EQ(rn[i].reused_tokens, 0u) << what << " user " << i;
     }
   }
   std::printf("  GPU vs CPU engine (fp32 weights on the CPU): worst hidden rel L2 %.2e, worst score "
-              "abs %.2e\n", worst_hidden, worst_score);
+              "abs %.2e\n", worst.hidden, worst.score);
 }
 
 // A sliding window (DESIGN §2.2): the cache releases the pages behind it after each commit, and
@@ -101,18 +122,11 @@ TEST(CudaEngine, PagesReleasedBehindTheWindowAreNeverRead) {
       for (auto& id : r.candidate_item_ids) id = rng() % 500;
       batch.push_back(r);
     }
-    auto rc = cpu->Rank(batch);
-    auto rg = gpu->Rank(batch);
-    auto rn = gpu_nocache->Rank(batch);
-    for (size_t i = 0; i < batch.size(); ++i) {
-      ASSERT_TRUE(rc[i].ok() && rg[i].ok() && rn[i].ok()) << rg[i].status() << rn[i].status();
-      const std::string what = "visit " + std::to_string(visit) + " user " + std::to_string(i);
-      ASSERT_TRUE(test::AllFinite(rg[i]->scores) && test::AllFinite(rg[i]->hidden)) << what;
-      EXPECT_LT(test::MaxAbsDiff(rg[i]->scores, rc[i]->scores), test::kBf16ScoreAbs) << what;
-      EXPECT_LT(test::RelL2(rg[i]->hidden, rc[i]->hidden), test::kBf16RelL2) << what;
-      EXPECT_LT(test::MaxAbsDiff(rg[i]->scores, rn[i]->scores), test::kBf16ScoreAbs) << what;
-      reused += rg[i]->reused_tokens;
-    }
+    std::vector<RankResult> rg, rn;
+    Worst worst;
+    RankOnAll(*cpu, *gpu, *gpu_nocache, batch, "visit " + std::to_string(visit), &rg, &rn, &worst);
+    ASSERT_EQ(rg.size(), batch.size());
+    for (const RankResult& g : rg) reused += g.reused_tokens;
   }
   const CacheStats s = gpu->Stats().cache;
   std::printf("  window 40: %llu GPU pages released, %llu tokens reused\n",
