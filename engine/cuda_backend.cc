@@ -96,9 +96,8 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
                   cuda::HstuAttentionKvFromRowsEnabled();
   const char* drop = std::getenv("HSTU_DROP_KV");  // 0: write the pages anyway (A/B timing)
   drop_kv_ok_ = kv_from_rows_ && (drop == nullptr || std::string(drop) != "0");
-  // Cluster plans are for models without a window (PlanHstuAttention).
   if (const char* v = std::getenv("HSTU_ATTN_CLUSTER"); (v == nullptr || std::string(v) != "0") &&
-      attention_kernel_ == "warp-specialised TMA kernel" && config_.max_attn_len == 0) {
+      attention_kernel_ == "warp-specialised TMA kernel") {
     int max_clusters = 0;
     HSTU_CUDA_RETURN(cuda::HstuAttentionMaxClusters(cuda::kMaxAttnCluster, &max_clusters));
     if (max_clusters > 0) {

@@ -322,7 +322,7 @@ cudaError_t LaunchHstuAttention(const AttentionParams<bf16>& p, const AttentionW
   }
   if (cluster != 0 && (cluster < 2 || cluster > kMaxAttnCluster || kAttnBlockM % cluster != 0 ||
                        num_items % cluster != 0 ||
-                       num_split_tiles != 0 || kv.head_dim != 256 || p.max_attn_len > 0 ||
+                       num_split_tiles != 0 || kv.head_dim != 256 ||
                        static_cast<int64_t>(num_items) / cluster * kv.num_heads > 65535)) {
     return cudaErrorInvalidValue;
   }

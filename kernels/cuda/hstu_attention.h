@@ -65,7 +65,7 @@ struct AttentionPlan {
 //   rows only). Their output rows are left unwritten.
 //   concurrent_ctas: CTAs the GPU runs at once (SMs × CTAs per SM, see HstuAttentionCtasPerSm).
 //   max_split: upper bound on chunks per tile (bounds the workspace); >= 1.
-//   cluster, max_clusters: with cluster > 0 (2, 4 or 8; the warp-specialised kernel, no window)
+//   cluster, max_clusters: with cluster > 0 (2, 4 or 8; the warp-specialised kernel)
 //   the plan is a cluster plan when the tiles × heads fit in max_clusters clusters at once
 //   (HstuAttentionMaxClusters) and tiles × heads × cluster CTAs fill at least two thirds of
 //   concurrent_ctas: each tile's keys in `cluster` chunks, summed in distributed shared memory
@@ -129,7 +129,7 @@ cudaError_t HstuAttentionCtasPerSm(int head_dim, int* ctas_per_sm);
 // `cluster` chunks a tile, and each tile and head is one thread block cluster whose CTAs sum
 // their results through distributed shared memory — no partials, no reduction kernel
 // (num_split_tiles must be 0; partials may still be given, the reduction's blocks then exit).
-// Warp-specialised kernel only (D = 256, no window; cudaErrorInvalidValue otherwise).
+// Warp-specialised kernel only (D = 256; cudaErrorInvalidValue otherwise).
 //
 // p.new_kv_from_rows: the new history K/V of the users NewKvFromRows picks (fresh users and those
 // whose cached prefix is whole 64-key blocks) are read from their uvqk rows and stored to their

@@ -115,7 +115,7 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   // A cluster plan: one wave of clusters, a tile's keys in `cluster` chunks of whole blocks
   // (trailing chunks may be empty), summed on chip.
   const int64_t tile_heads = static_cast<int64_t>(tiles.size()) * num_heads;
-  if (cluster > 1 && max_attn_len <= 0 && !tiles.empty() && tile_heads <= max_clusters &&
+  if (cluster > 1 && !tiles.empty() && tile_heads <= max_clusters &&
       3 * tile_heads * cluster >= 2LL * concurrent_ctas) {
     AttentionPlan plan;
     plan.cluster = cluster;

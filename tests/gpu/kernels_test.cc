@@ -785,19 +785,21 @@ TEST(CudaKernels, ClusterAttentionMatchesCpu) {
   HSTU_ASSERT_CUDA(cuda::HstuAttentionMaxClusters(8, &max_clusters));
   ASSERT_GT(max_clusters, 0) << "no cluster of 8 attention CTAs fits this GPU";
   std::mt19937 rng(12);
-  struct Shape { int B, page_size, H, cached, nnew, cand, cluster; };
+  struct Shape { int B, page_size, H, cached, nnew, cand, cluster, W = 0; };
   const Shape shapes[] = {
       {1, 32, 4, 4000, 128, 256, 8},  // the batch-1 decode step
+      {1, 32, 4, 4000, 128, 256, 8, 512},  // the same with a window: chunks of 1-2 blocks
+      {3, 8, 1, 250, 60, 20, 4, 70},  // a short window, empty chunks
       {17, 32, 2, 300, 90, 40, 8},    // 17 users with edge cases: empty chunks, no history
       {3, 8, 1, 250, 60, 20, 4},      // 8-row boxes, clusters of 4
       {2, 16, 4, 90, 20, 130, 2},     // clusters of 2
       {4, 64, 2, 2000, 150, 3, 8},    // 64-row boxes, a 1-candidate user
   };
   for (const Shape& s : shapes) {
-    PagedCase c = MakeCase(rng, s.B, s.page_size, s.H, 256, 0, s.cached, s.nnew, s.cand);
+    PagedCase c = MakeCase(rng, s.B, s.page_size, s.H, 256, s.W, s.cached, s.nnew, s.cand);
     RunPagedCase(c, /*concurrent_ctas=*/1,
                  "cluster " + ::testing::PrintToString(std::vector<int>{s.B, s.page_size, s.H,
-                                                                       s.cached, s.cluster}),
+                                                                       s.cached, s.cluster, s.W}),
                  64, false, s.cluster);
   }
 }
@@ -828,6 +830,7 @@ TEST(CudaKernels, NewKvFromRowsReadAndStoredToPages) {
       {8, 64, 2, 900, 256, 256, 1, 0, 64},    // the same, unsplit, two history tiles a user
       {17, 16, 2, 500, 200, 40, 264, 0, 64},  // with edge cases and unaligned users beside them
       {1, 32, 4, 4000, 128, 256, 1, 8, 64},   // the batch-1 decode step's cluster plan
+      {1, 32, 4, 4000, 128, 256, 1, 8, 64, 300},  // the same with a window
       {3, 128, 2, 700, 300, 20, 4096, 0, 64}, // prefixes ending mid-page, many chunks
       {5, 8, 1, 400, 170, 7, 1, 4, 64},       // 8-row boxes, clusters of 4
   };

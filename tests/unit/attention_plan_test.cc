@@ -182,7 +182,7 @@ TEST(AttentionPlanTest, DecodeStepOfEightUsersBeatsUniformSplits) {
 // every chunk whole 64-key blocks but the last non-empty one, the tile's keys covered once, no
 // partials and no split tiles (tile = -1, so the split reduction skips every item).
 void CheckClusterPlan(const Batch& b, const AttentionPlan& plan, int32_t cluster,
-                      const std::string& what) {
+                      const std::string& what, int32_t window = 0) {
   ASSERT_EQ(plan.cluster, cluster) << what;
   EXPECT_EQ(plan.num_split_tiles, 0) << what;
   EXPECT_EQ(plan.num_partials, 0) << what;
@@ -193,7 +193,10 @@ void CheckClusterPlan(const Batch& b, const AttentionPlan& plan, int32_t cluster
       const int32_t last = q0 + std::min(kAttnBlockM, rows - q0) - 1;
       const int32_t hist = b.num_tokens[u], first_new = hist - b.num_new[u];
       const int32_t kv_end = last >= b.num_new[u] ? hist : first_new + last + 1;
-      int32_t next = 0;
+      // With a window, from the 64-key block holding the tile's first key.
+      const int32_t min_qid = q0 < b.num_new[u] ? first_new + q0 : hist;
+      int32_t next = std::min(
+          kv_end, window > 0 ? std::max(0, min_qid - window) / kAttnBlockN * kAttnBlockN : 0);
       for (int32_t s = 0; s < cluster; ++s) {
         ASSERT_LT(t * cluster + s, plan.items.size()) << what;
         const AttentionWorkItem& it = plan.items[t * cluster + s];
@@ -233,8 +236,13 @@ TEST(AttentionPlanTest, ClusterPlanForAOneWaveDecodeStep) {
                    PlanHstuAttention(warm.row_offsets.data(), warm.num_new.data(),
                                      warm.num_tokens.data(), 1, 0, 4, 132, 64, 8, 16),
                    8, "warm-up");
+  // With a window: the tiles' keys from the block holding their first one, in 8 chunks.
+  CheckClusterPlan(one,
+                   PlanHstuAttention(one.row_offsets.data(), one.num_new.data(),
+                                     one.num_tokens.data(), 1, 600, 4, 132, 64, 8, 16),
+                   8, "decode b1, window 600", 600);
   // Not a cluster plan: too many clusters for one wave (8 users), too few CTAs to fill the GPU
-  // (1 tile: 4 × 8 = 32 CTAs), a window, or no cluster size.
+  // (1 tile: 4 × 8 = 32 CTAs), or no cluster size.
   Batch eight;
   for (int u = 0; u < 8; ++u) eight.Add(384, 128, 4096);
   EXPECT_EQ(PlanHstuAttention(eight.row_offsets.data(), eight.num_new.data(),
@@ -249,10 +257,6 @@ TEST(AttentionPlanTest, ClusterPlanForAOneWaveDecodeStep) {
   small.Add(100, 0, 4096);
   EXPECT_EQ(PlanHstuAttention(small.row_offsets.data(), small.num_new.data(),
                               small.num_tokens.data(), 1, 0, 4, 132, 64, 8, 16)
-                .cluster,
-            0);
-  EXPECT_EQ(PlanHstuAttention(one.row_offsets.data(), one.num_new.data(), one.num_tokens.data(), 1,
-                              600, 4, 132, 64, 8, 16)
                 .cluster,
             0);
   EXPECT_EQ(PlanHstuAttention(one.row_offsets.data(), one.num_new.data(), one.num_tokens.data(), 1,
