@@ -314,12 +314,7 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   if (host_only && e.dead_pages > 0 && r.reused_tokens > 0) {
     const int64_t live = r.reused_tokens / page_size_ - e.dead_pages;
     if (onload_ok && !onload_ok(live, r.reused_tokens)) {
-      FreeLive(host_allocator_, e.host_page_ids);
-      e.host_page_ids.clear();
-      e.page_hashes.clear();
-      e.num_tokens = 0;
-      e.dead_pages = 0;
-      e.prefix_hash = PrefixHash({}, page_size_);
+      TruncateLocked(e, 0);  // the host copy goes: the recompute rewrites every page
       r.reused_tokens = 0;
       r.result = LookupResult::kHostRecompute;
       declined = true;
