@@ -1,4 +1,4 @@
-// hstu_bench gemm_algos (see bench_gemm.cc).
+// hstu_bench gemm_algos (see bench_gemm.cc) and gemm_search (bench_gemm_search.cc).
 #pragma once
 
 #include "nlohmann/json.hpp"
@@ -6,5 +6,6 @@
 namespace hstu::bench {
 
 nlohmann::json BenchGemmAlgos(int reps);
+nlohmann::json BenchGemmSearch(int reps);
 
 }  // namespace hstu::bench

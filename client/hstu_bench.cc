@@ -946,7 +946,7 @@ int main(int argc, char** argv) {
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::fprintf(stderr, "usage: hstu_bench attention|attention_trace|kernels|block|attention_sweep|layer|block_graphs|"
-                         "e2e|offload|gemm_algos [--json FILE]\n");
+                         "e2e|offload|gemm_algos|gemm_search [--json FILE]\n");
     return 2;
   }
   const std::string mode = args[1];
@@ -987,9 +987,11 @@ int main(int argc, char** argv) {
     j["results"] = BenchOffload(reps, page_size);
   } else if (mode == "gemm_algos") {
     j["results"] = hstu::bench::BenchGemmAlgos(reps);
+  } else if (mode == "gemm_search") {
+    j["results"] = hstu::bench::BenchGemmSearch(reps);
   } else {
     std::fprintf(stderr, "unknown mode '%s' (attention | attention_trace | kernels | block | attention_sweep | layer | "
-                         "block_graphs | e2e | offload | gemm_algos)\n", mode.c_str());
+                         "block_graphs | e2e | offload | gemm_algos | gemm_search)\n", mode.c_str());
     return 2;
   }
   const std::string path = absl::GetFlag(FLAGS_json);
