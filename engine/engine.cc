@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <numeric>
 #include <optional>
 #include <unordered_map>
 
@@ -208,10 +209,11 @@ std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankReques
   return results;
 }
 
-OnloadFilter Engine::MakeOnloadFilter() {
+OnloadFilter Engine::MakeOnloadFilter(const double* overlap_rows) {
   if (options_.onload_policy == OnloadPolicy::kAlways) return nullptr;
-  return [this](int64_t pages, int64_t tokens) {
-    return onload_cost_.ShouldOnload(pages * backend_->page_bytes(), tokens, NowSeconds());
+  return [this, overlap_rows](int64_t pages, int64_t tokens) {
+    const double overlap = onload_cost_.OverlapSeconds(*overlap_rows, config_.num_layers);
+    return onload_cost_.ShouldOnload(pages * backend_->page_bytes(), tokens, NowSeconds(), overlap);
   };
 }
 
@@ -238,8 +240,14 @@ void Engine::Prefetch(absl::Span<const RankRequest* const> running,
   for (const RankRequest* r : running) keep.push_back(r->user_id);
   NoteCopiesIdleIfNoPrefetch();
   // The same rule as at admission: a prefetch the policy would refuse is not started (the request
-  // is decided again when its batch runs, against the copy backlog of that moment).
-  const OnloadFilter onload_ok = MakeOnloadFilter();
+  // is decided again when its batch runs, against the copy backlog of that moment). The copy
+  // overlaps at least the running batch's first candidate chunks.
+  double overlap_rows = 0;
+  for (const RankRequest* r : running) {
+    overlap_rows += static_cast<double>(
+        std::min<size_t>(r->candidate_item_ids.size(), static_cast<size_t>(config_.max_candidates)));
+  }
+  const OnloadFilter onload_ok = MakeOnloadFilter(&overlap_rows);
   for (const RankRequest* queued_request : queued) {
     const RankRequest& r = *queued_request;
     // Most queued users are GPU-resident or new: skip them before building their keys.
@@ -289,9 +297,26 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
   std::vector<Live> live;
   SettleOffloads(/*wait=*/false);
   NoteCopiesIdleIfNoPrefetch();
-  const OnloadFilter onload_ok = MakeOnloadFilter();
+  // The rows the wave's first pass computes whichever way its host hits go: every user's first
+  // candidate chunk, then each admitted user's new and recomputed tokens. A host hit's onload
+  // overlaps them (the onload rule, docs/architecture.md).
+  double overlap_rows = 0;
+  for (const RankRequest* r : wave) {
+    overlap_rows += static_cast<double>(
+        std::min<size_t>(r->candidate_item_ids.size(), static_cast<size_t>(max_cand)));
+  }
+  const OnloadFilter onload_ok = MakeOnloadFilter(&overlap_rows);
+  // Users whose K/V lives on the host only are admitted last, so that their onload decisions
+  // count the other users' compute.
+  std::vector<size_t> order(wave.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  if (onload_ok != nullptr && options_.enable_cache) {
+    std::stable_partition(order.begin(), order.end(), [&](size_t i) {
+      return !cache_->PrefetchCandidate(wave[i]->user_id);
+    });
+  }
   bool uses_prefetch = false, uses_onload = false;
-  for (size_t i = 0; i < wave.size(); ++i) {
+  for (const size_t i : order) {
     Live l{i, KeepHistory(*wave[i], c), {}, {}};
     auto acquire = [&] {
       return options_.enable_cache ? cache_->Acquire(wave[i]->user_id, l.kept.keys, onload_ok)
@@ -330,6 +355,7 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
     l.result.num_tasks = c.num_tasks;
     l.result.reused_tokens = static_cast<uint32_t>(l.res.reused_tokens);
     l.result.computed_tokens = static_cast<uint32_t>(l.kept.length - l.res.reused_tokens);
+    overlap_rows += static_cast<double>(l.result.computed_tokens);
     l.result.cache_result = l.res.result;
     l.result.scores.resize(wave[i]->candidate_item_ids.size() * c.num_tasks);
     if (options_.keep_hidden) l.result.hidden.resize(wave[i]->candidate_item_ids.size() * c.hidden_dim);

@@ -104,8 +104,9 @@ class Engine {
   // Runs one wave of requests in which each user appears at most once.
   void RankWave(absl::Span<const RankRequest* const> wave,
                 absl::Span<absl::StatusOr<RankResult>* const> results);
-  // The onload filter of the configured policy (null for kAlways).
-  OnloadFilter MakeOnloadFilter();
+  // The onload filter of the configured policy (null for kAlways). `overlap_rows`, read at each
+  // call: the rows the copies' wave computes whichever way the user goes (OverlapSeconds).
+  OnloadFilter MakeOnloadFilter(const double* overlap_rows);
   // Forgets the estimated copy backlog once no host → GPU copy can still be running.
   void NoteCopiesIdleIfNoPrefetch();
   // Takes the backend's latest onload timing, and mirrors the rates into stats_.

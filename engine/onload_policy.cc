@@ -48,10 +48,16 @@ double OnloadCostModel::queued_seconds(double now) const {
   return std::max(0.0, copies_done_at_ - now);
 }
 
-bool OnloadCostModel::ShouldOnload(int64_t bytes, int64_t tokens, double now) const {
+bool OnloadCostModel::ShouldOnload(int64_t bytes, int64_t tokens, double now,
+                                   double overlap_seconds) const {
   const double copy_s = queued_seconds(now) + static_cast<double>(bytes) / bytes_per_second();
   const double recompute_s = static_cast<double>(tokens) * seconds_per_token();
-  return copy_s <= recompute_s;
+  return copy_s <= recompute_s + std::max(0.0, overlap_seconds);
+}
+
+double OnloadCostModel::OverlapSeconds(double rows, int num_layers) const {
+  if (!(rows > 0) || num_layers <= 0) return 0;
+  return rows * seconds_per_token() * (num_layers - 1) / num_layers;
 }
 
 void OnloadCostModel::CopyIssued(int64_t bytes, double now) {

@@ -1,9 +1,11 @@
 // Onload or recompute (docs/architecture.md, host tier): a user whose KV lives only on the host
 // tier can get it back over PCIe or have those tokens recomputed on the GPU. On an H200 with the
 // base model the copy (32 KiB per token at ~54 GB/s, ~0.6 us per token) is slower than the
-// recompute (~0.41-0.46 us per token), so onloading every host hit made the server slower than no
-// cache at all. The cost rule onloads only when the copy, queued behind the copies already issued,
-// finishes no later than the recompute would.
+// recompute (~0.36-0.46 us per token), so onloading every host hit made the server slower than no
+// cache at all. The cost rule onloads when the copy, queued behind the copies already issued,
+// finishes no later than the recompute would plus the compute it overlaps: a forward waits for
+// each layer's pages right before that layer, so a copy hides behind the rest of its wave's
+// compute (all but the last layer's share of it) and costs the wave nothing there.
 //
 // OnloadCostModel holds the two rates and the copy backlog. Times are seconds on one monotonic
 // clock, passed in by the caller so that tests can fix them. Not thread-safe: the engine's thread
@@ -36,8 +38,14 @@ class OnloadCostModel {
   OnloadCostModel(double fixed_bytes_per_second, double fixed_seconds_per_token);
 
   // Would `bytes` of host → GPU copies issued at `now`, behind every copy still queued, finish no
-  // later than recomputing `tokens` tokens? Ties go to the copy: it spends PCIe, not GPU time.
-  bool ShouldOnload(int64_t bytes, int64_t tokens, double now) const;
+  // later than recomputing `tokens` tokens would, plus `overlap_seconds` of compute that runs
+  // while the copy does whichever way the user goes (OverlapSeconds)? Ties go to the copy: it
+  // spends PCIe, not GPU time.
+  bool ShouldOnload(int64_t bytes, int64_t tokens, double now, double overlap_seconds = 0) const;
+  // The compute a wave's copies overlap when the wave computes `rows` other rows through
+  // `num_layers` layers: the copies arrive layer by layer, and only the last layer's share of the
+  // rows must follow the last copy.
+  double OverlapSeconds(double rows, int num_layers) const;
   // `bytes` of host → GPU copies were issued at `now` (onloads and prefetches share the link).
   void CopyIssued(int64_t bytes, double now);
   // Every host → GPU copy issued so far has completed (by `now`).

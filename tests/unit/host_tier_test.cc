@@ -456,7 +456,10 @@ TEST(HostTierEngine, WaveOnloadsTheFirstHostHitsThenRecomputes) {
   o.host_cache_pages = 128;  // every host copy below stays
   o.keep_hidden = true;
   // Rates set below from the page size: a user's 32 host tokens take 32 s to recompute and 12.8 s
-  // to copy, so the first two copies finish in time (12.8 s, 25.6 s) and the third would not.
+  // to copy. The copies also hide behind half the wave's other compute (2 layers: all but the
+  // last layer's share): 8 candidate rows, plus 4 new tokens per onloaded user. So the first three
+  // copies finish in time (12.8 s <= 32 + 4, 25.6 <= 32 + 6, 38.4 <= 32 + 8) and the fourth would
+  // not (51.2 > 32 + 10).
   o.recompute_seconds_per_token = 1;
   auto probe = Engine::Create(o, RandomModel(SmallConfig(), 7));
   ASSERT_TRUE(probe.ok()) << probe.status();
@@ -493,7 +496,7 @@ TEST(HostTierEngine, WaveOnloadsTheFirstHostHitsThenRecomputes) {
   auto got = (*e)->Rank(wave);
   auto want = (*full)->Rank(wave);
   const LookupResult expected[] = {LookupResult::kHostHit, LookupResult::kHostHit,
-                                   LookupResult::kHostRecompute, LookupResult::kHostRecompute};
+                                   LookupResult::kHostHit, LookupResult::kHostRecompute};
   for (int i = 0; i < 4; ++i) {
     ASSERT_TRUE(got[i].ok()) << got[i].status();
     ASSERT_TRUE(want[i].ok());
@@ -504,9 +507,9 @@ TEST(HostTierEngine, WaveOnloadsTheFirstHostHitsThenRecomputes) {
     EXPECT_LE(test::RelL2(got[i]->hidden, want[i]->hidden), test::kF32RelL2);
   }
   const EngineStats s = (*e)->Stats();
-  EXPECT_EQ(s.cache.pages_onloaded - before.cache.pages_onloaded, 16u);
-  EXPECT_EQ(Lookups(s, LookupResult::kHostHit) - Lookups(before, LookupResult::kHostHit), 2u);
-  EXPECT_EQ(Lookups(s, LookupResult::kHostRecompute), 2u);
+  EXPECT_EQ(s.cache.pages_onloaded - before.cache.pages_onloaded, 24u);
+  EXPECT_EQ(Lookups(s, LookupResult::kHostHit) - Lookups(before, LookupResult::kHostHit), 3u);
+  EXPECT_EQ(Lookups(s, LookupResult::kHostRecompute), 1u);
   // The next wave starts with an idle link: the first host hit is onloaded again.
   for (int u = 5; u <= 7; ++u) {
     grow(users[u], 1);
@@ -516,6 +519,78 @@ TEST(HostTierEngine, WaveOnloadsTheFirstHostHitsThenRecomputes) {
   auto again = (*e)->Rank({&users[3], 1});
   ASSERT_TRUE(again[0].ok());
   EXPECT_EQ(again[0]->cache_result, LookupResult::kHostHit);
+}
+
+TEST(HostTierEngine, CopyHiddenBehindTheWaveIsOnloadedThoughSlowerThanItsRecompute) {
+  EngineOptions o;
+  o.page_size = 4;
+  o.cache_pages = 40;
+  o.host_cache_pages = 128;
+  o.keep_hidden = true;
+  // A user's 32 host tokens (8 pages) take 32 s to recompute and 40 s to copy: alone, recomputing
+  // wins. Beside a new user of 64 tokens the copy hides behind half of that user's compute (2
+  // layers) and wins: 40 <= 32 + (4 candidate rows + 64 tokens) / 2.
+  o.recompute_seconds_per_token = 1;
+  auto probe = Engine::Create(o, RandomModel(SmallConfig(), 7));
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  o.onload_bytes_per_second = 8.0 * (*probe)->Stats().kv_page_bytes / 40.0;
+  auto e = Engine::Create(o, RandomModel(SmallConfig(), 7));
+  ASSERT_TRUE(e.ok()) << e.status();
+  auto full = RecomputingEngine(o, 7);
+  ASSERT_TRUE(full.ok());
+  std::mt19937 rng(5);
+  auto grow = [&](RankRequest& r, int events) {
+    for (int i = 0; i < events; ++i) {
+      r.history_item_ids.push_back(rng() % 500);
+      r.history_actions.push_back(rng() % 16);
+    }
+    r.candidate_item_ids = {static_cast<int64_t>(rng() % 500), static_cast<int64_t>(rng() % 500)};
+  };
+  std::vector<RankRequest> users(10);
+  for (int u = 1; u <= 7; ++u) {
+    users[u].user_id = u;
+    grow(users[u], u <= 4 ? 16 : 32);
+    ASSERT_TRUE((*e)->Rank({&users[u], 1})[0].ok());
+  }
+  ASSERT_EQ((*e)->Stats().cache.evictions, 5u);  // users 1-5 live on the host only
+  auto check = [&](const std::vector<RankRequest>& wave,
+                   const std::vector<absl::StatusOr<RankResult>>& got) {
+    auto want = (*full)->Rank(wave);
+    for (size_t i = 0; i < wave.size(); ++i) {
+      ASSERT_TRUE(got[i].ok()) << got[i].status();
+      ASSERT_TRUE(want[i].ok());
+      EXPECT_LE(test::MaxAbsDiff(got[i]->scores, want[i]->scores), test::kF32Abs);
+      EXPECT_LE(test::RelL2(got[i]->hidden, want[i]->hidden), test::kF32RelL2);
+    }
+  };
+  // Alone: recomputed.
+  grow(users[1], 2);
+  std::vector<RankRequest> alone = {users[1]};
+  auto got = (*e)->Rank(alone);
+  check(alone, got);
+  EXPECT_EQ(got[0]->cache_result, LookupResult::kHostRecompute);
+  // Listed first beside a new user: admitted after it, and onloaded.
+  grow(users[2], 2);
+  users[9].user_id = 9;
+  grow(users[9], 32);
+  std::vector<RankRequest> wave = {users[2], users[9]};
+  got = (*e)->Rank(wave);
+  check(wave, got);
+  EXPECT_EQ(got[0]->cache_result, LookupResult::kHostHit);
+  EXPECT_EQ(got[0]->reused_tokens, 32u);
+  EXPECT_EQ(got[1]->cache_result, LookupResult::kMiss);
+  // A copy of 9 s a page (72 s) needs more compute to hide behind than that wave has.
+  o.onload_bytes_per_second = (*probe)->Stats().kv_page_bytes / 9.0;
+  auto slow = Engine::Create(o, RandomModel(SmallConfig(), 7));
+  ASSERT_TRUE(slow.ok());
+  for (int u = 1; u <= 7; ++u) ASSERT_TRUE((*slow)->Rank({&users[u], 1})[0].ok());
+  grow(users[3], 2);
+  users[8].user_id = 8;
+  grow(users[8], 32);
+  wave = {users[3], users[8]};
+  got = (*slow)->Rank(wave);
+  check(wave, got);
+  EXPECT_EQ(got[0]->cache_result, LookupResult::kHostRecompute);  // 72 s > 32 + (4 + 64) / 2
 }
 
 TEST(HostTierEngine, CreateRejectsNegativeRates) {

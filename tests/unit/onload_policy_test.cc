@@ -97,5 +97,22 @@ TEST(OnloadCostModel, OnloadsWhileTheQueuedCopyFinishesNoLaterThanTheRecompute) 
   EXPECT_DOUBLE_EQ(m.queued_seconds(t + 10), 0);
 }
 
+TEST(OnloadCostModel, CopyMayTakeAsLongAsTheRecomputePlusTheComputeItOverlaps) {
+  OnloadCostModel m(/*bytes/s=*/100, /*s/token=*/0.5);  // 10 tokens: 5 s of recompute
+  const double t = 50;
+  EXPECT_FALSE(m.ShouldOnload(800, 10, t));     // 8 s against 5
+  EXPECT_TRUE(m.ShouldOnload(800, 10, t, 3));   // against 5 + 3
+  EXPECT_FALSE(m.ShouldOnload(801, 10, t, 3));
+  EXPECT_FALSE(m.ShouldOnload(800, 10, t, -3));  // no negative overlap
+  // 16 rows through 8 layers: the copy hides behind 7 of the 8 layers' 8 s.
+  EXPECT_DOUBLE_EQ(m.OverlapSeconds(16, 8), 7);
+  EXPECT_DOUBLE_EQ(m.OverlapSeconds(16, 1), 0);  // one layer: it waits for the whole copy
+  EXPECT_DOUBLE_EQ(m.OverlapSeconds(0, 8), 0);
+  EXPECT_DOUBLE_EQ(m.OverlapSeconds(16, 0), 0);
+  m.CopyIssued(400, t);  // 4 s queued
+  EXPECT_TRUE(m.ShouldOnload(800, 10, t, 7));   // 12 s against 5 + 7
+  EXPECT_FALSE(m.ShouldOnload(900, 10, t, 7));
+}
+
 }  // namespace
 }  // namespace hstu
