@@ -24,6 +24,13 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
   cudaDeviceProp prop{};
   HSTU_CUDA_RETURN(cudaGetDeviceProperties(&prop, device_));
   gpu_name_ = prop.name;
+  if (prop.unifiedAddressing == 0) {
+    // The step's metadata and scores move between pinned host memory and the GPU by kernels that
+    // dereference cudaMallocHost pointers (cuda::LaunchSmCopy).
+    return absl::FailedPreconditionError(absl::StrCat(
+        "device ", device_, " (", gpu_name_, ") has no unified addressing, which the CUDA backend "
+        "needs to read and write pinned host memory from its kernels"));
+  }
   int ctas_per_sm = 0;
   HSTU_CUDA_RETURN(cuda::HstuAttentionCtasPerSm(config_.head_dim, &ctas_per_sm));
   concurrent_ctas_ = prop.multiProcessorCount * std::max(ctas_per_sm, 1);
@@ -194,7 +201,10 @@ absl::Status CudaBackendImpl::UploadMeta(const ForwardBatch& batch,
   put(L.token_ids, batch.token_ids.data(), 8 * R);
   if (rows > R) std::memset(h + L.token_ids + 8 * R, 0, 8 * static_cast<size_t>(rows - R));
   HSTU_CUDA_RETURN(ws->meta.Reserve(L.total));
-  HSTU_CUDA_RETURN(cudaMemcpyAsync(ws->meta.get(), h, L.total, cudaMemcpyHostToDevice, stream_.get()));
+  // By the SMs, not a copy engine: a memcpy would queue behind the KV onloads and prefetches in
+  // flight (LaunchSmCopy). The step's first kernel is launched normally, so every later kernel,
+  // even one that reads the metadata before its griddepcontrol.wait, starts after this one ends.
+  HSTU_CUDA_RETURN(cuda::LaunchSmCopy(ws->meta.get(), h, L.total, stream_.get()));
   return absl::OkStatus();
 }
 
@@ -542,14 +552,10 @@ absl::Status CudaBackendImpl::Forward(const ForwardBatch& batch, bool keep_hidde
   HSTU_CUDA_RETURN(scores_host_.Reserve(std::max<size_t>(score_bytes, 4)));
   HSTU_CUDA_RETURN(hidden_host_.Reserve(std::max<size_t>(hidden_bytes, 4)));
   const float* scores_dev = (head_.size() % 2 == 1 ? step_.ws->head_a : step_.ws->head_b).as<float>();
-  if (score_bytes > 0) {
-    HSTU_CUDA_RETURN(cudaMemcpyAsync(scores_host_.as<float>(), scores_dev, score_bytes,
-                                     cudaMemcpyDeviceToHost, s));
-  }
-  if (hidden_bytes > 0) {
-    HSTU_CUDA_RETURN(cudaMemcpyAsync(hidden_host_.as<float>(), step_.ws->cand_raw.get(), hidden_bytes,
-                                     cudaMemcpyDeviceToHost, s));
-  }
+  // Read back by the SMs: a memcpy would queue behind the write-behind offloads in flight (up to
+  // the offload backlog, ~2.4 ms of PCIe at 128 MiB; LaunchSmCopy).
+  HSTU_CUDA_RETURN(cuda::LaunchSmCopy(scores_host_.get(), scores_dev, score_bytes, s));
+  HSTU_CUDA_RETURN(cuda::LaunchSmCopy(hidden_host_.get(), step_.ws->cand_raw.get(), hidden_bytes, s));
   HSTU_CUDA_RETURN(cudaEventRecord(step_end_, s));
   HSTU_CUDA_RETURN(cudaStreamSynchronize(s));
   float device_ms = 0;

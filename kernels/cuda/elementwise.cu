@@ -1,5 +1,5 @@
 // The MLP head's passes (bias + activation, the gather + L2 normalisation of candidate rows, the
-// fused narrow last layer) and dtype conversions. Bias + SiLU after the UVQK GEMM is in
+// fused narrow last layer), dtype conversions and the step's small host transfers (LaunchSmCopy). Bias + SiLU after the UVQK GEMM is in
 // bias_silu_append_kv.cu.
 #include <algorithm>
 #include <cmath>
@@ -155,6 +155,20 @@ unsigned GridFor(int64_t items, int threads) {
   return static_cast<unsigned>(blocks < 8192 ? (blocks > 0 ? blocks : 1) : 8192);
 }
 
+// 16-byte words, then the last bytes.
+__global__ void SmCopyKernel(uint4* __restrict__ dst, const uint4* __restrict__ src, int64_t words,
+                             unsigned char* __restrict__ dst_tail,
+                             const unsigned char* __restrict__ src_tail, int tail) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < words;
+       i += stride) {
+    dst[i] = src[i];
+  }
+  if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < tail) {
+    dst_tail[threadIdx.x] = src_tail[threadIdx.x];
+  }
+}
+
 }  // namespace
 
 cudaError_t LaunchBiasActivation(float* x, int64_t rows, int64_t cols, const float* bias,
@@ -212,6 +226,23 @@ cudaError_t LaunchBf16ToF32(const bf16* in, int64_t count, float* out, cudaStrea
   if (count < 0 || (count > 0 && (in == nullptr || out == nullptr))) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
   Bf16ToF32Kernel<<<GridFor(count, 256), 256, 0, stream>>>(in, count, out);
+  return cudaPeekAtLastError();
+}
+
+cudaError_t LaunchSmCopy(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return cudaSuccess;
+  if (dst == nullptr || src == nullptr || reinterpret_cast<uintptr_t>(dst) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(src) % 16 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const auto* s = static_cast<const unsigned char*>(src);
+  auto* d = static_cast<unsigned char*>(dst);
+  if (d < s + bytes && s < d + bytes) return cudaErrorInvalidValue;
+  const int64_t words = static_cast<int64_t>(bytes / 16);
+  const int tail = static_cast<int>(bytes % 16);
+  const int blocks = static_cast<int>(std::min<int64_t>(std::max<int64_t>(1, (words + 255) / 256), 1024));
+  SmCopyKernel<<<blocks, 256, 0, stream>>>(static_cast<uint4*>(dst), static_cast<const uint4*>(src),
+                                           words, d + 16 * words, s + 16 * words, tail);
   return cudaPeekAtLastError();
 }
 

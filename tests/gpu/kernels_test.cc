@@ -3,11 +3,13 @@
 // before each launch and checked for NaN/Inf.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
 
 #include "kernels/cpu/ops.h"
+#include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/hstu_attention.h"
 #include "kernels/cuda/ops.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -571,6 +573,46 @@ void RunPagedCase(PagedCase& c, int concurrent_ctas, const std::string& what, in
 // The new tokens' slots are poisoned (NaN) first. Every 4th user's new rows are turned into
 // candidates (cached history, nothing to append); padding rows past row_offsets[B] get bias +
 // SiLU only.
+TEST(CudaKernels, SmCopyMovesBytesBetweenPinnedHostAndDevice) {
+  HSTU_SKIP_WITHOUT_GPU();
+  cuda::Stream stream;
+  HSTU_ASSERT_CUDA(stream.Create());
+  std::mt19937 rng(23);
+  for (const size_t bytes : {size_t{0}, size_t{1}, size_t{15}, size_t{16}, size_t{17},
+                             size_t{4096 + 3}, size_t{(1 << 20) + 5}, size_t{(9 << 20) + 8}}) {
+    SCOPED_TRACE(testing::Message() << bytes << " bytes");
+    cuda::PinnedBuffer host_in, host_out;
+    cuda::DeviceBuffer dev;
+    HSTU_ASSERT_CUDA(host_in.Reserve(bytes + 16));
+    HSTU_ASSERT_CUDA(host_out.Reserve(bytes + 16));
+    HSTU_ASSERT_CUDA(dev.Reserve(bytes + 16));
+    auto* in = host_in.as<unsigned char>();
+    auto* out = host_out.as<unsigned char>();
+    for (size_t i = 0; i < bytes + 16; ++i) in[i] = static_cast<unsigned char>(rng());
+    std::memset(out, 0xAB, bytes + 16);
+    HSTU_ASSERT_CUDA(cudaMemset(dev.get(), 0xCD, bytes + 16));
+    // Host → device → host, both by the SMs; the bytes past `bytes` must stay as they were.
+    HSTU_ASSERT_CUDA(cuda::LaunchSmCopy(dev.get(), in, bytes, stream.get()));
+    HSTU_ASSERT_CUDA(cuda::LaunchSmCopy(out, dev.get(), bytes, stream.get()));
+    HSTU_ASSERT_CUDA(cudaStreamSynchronize(stream.get()));
+    EXPECT_EQ(std::memcmp(in, out, bytes), 0);
+    for (size_t i = bytes; i < bytes + 16; ++i) ASSERT_EQ(out[i], 0xAB) << "byte " << i;
+    std::vector<unsigned char> dev_tail(16);
+    HSTU_ASSERT_CUDA(cudaMemcpy(dev_tail.data(), dev.as<unsigned char>() + bytes, 16,
+                                cudaMemcpyDeviceToHost));
+    for (const unsigned char c : dev_tail) ASSERT_EQ(c, 0xCD);
+  }
+  cuda::DeviceBuffer a;
+  HSTU_ASSERT_CUDA(a.Reserve(256));
+  auto* p = a.as<unsigned char>();
+  EXPECT_EQ(cuda::LaunchSmCopy(nullptr, p, 16, stream.get()), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::LaunchSmCopy(p, nullptr, 16, stream.get()), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::LaunchSmCopy(p + 8, p + 64, 16, stream.get()), cudaErrorInvalidValue);  // alignment
+  EXPECT_EQ(cuda::LaunchSmCopy(p + 16, p, 32, stream.get()), cudaErrorInvalidValue);      // overlap
+  EXPECT_EQ(cuda::LaunchSmCopy(p + 32, p, 32, stream.get()), cudaSuccess);                // adjacent
+  HSTU_ASSERT_CUDA(cudaStreamSynchronize(stream.get()));
+}
+
 TEST(CudaKernels, BiasSiluAppendKvMatchesCpu) {
   HSTU_SKIP_WITHOUT_GPU();
   std::mt19937 rng(5);
