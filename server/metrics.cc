@@ -203,6 +203,7 @@ void ServerMetrics::Collect() {
   kv_window_released_.WithLabels({}).Set(static_cast<double>(c.window_pages_released));
   kv_onload_bandwidth_.WithLabels({}).Set(s.onload_bytes_per_second);
   kv_recompute_cost_.WithLabels({}).Set(s.recompute_seconds_per_token);
+  cuda_graph_replays_.WithLabels({}).Set(static_cast<double>(s.graph_replays));
   // On the CPU backend the "gpu" tier is the engine's primary KV pool in host memory, and the
   // device memory is 0: the labels keep their meaning when the CUDA backend lands.
   gpu_memory_.WithLabels({"total"}).Set(static_cast<double>(s.device_memory_bytes));
