@@ -519,6 +519,10 @@ PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> k
   copies.dst.assign(e.page_ids.begin() + first, e.page_ids.end());
   e.prefetch_pending = true;
   e.from_host = true;
+  // Its request is queued: most recently used, so that the batches before it evict others first
+  // (at the LRU end, where its eviction to the host had left it, the next batch's first
+  // acquisitions would take the prefetched pages back once the copy is done).
+  TouchLocked(e, user_id);
   prefetch_gpu_pages_ += live;
   prefetch_users_.push_back(user_id);
   stats_.pages_prefetched += live;
