@@ -209,10 +209,11 @@ std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankReques
   return results;
 }
 
-OnloadFilter Engine::MakeOnloadFilter(const double* overlap_rows) {
+OnloadFilter Engine::MakeOnloadFilter(const double* overlap_rows, double before_rows) {
   if (options_.onload_policy == OnloadPolicy::kAlways) return nullptr;
-  return [this, overlap_rows](int64_t pages, int64_t tokens) {
-    const double overlap = onload_cost_.OverlapSeconds(*overlap_rows, config_.num_layers);
+  return [this, overlap_rows, before_rows](int64_t pages, int64_t tokens) {
+    const double overlap = onload_cost_.OverlapSeconds(*overlap_rows, config_.num_layers) +
+                           before_rows * onload_cost_.seconds_per_token();
     return onload_cost_.ShouldOnload(pages * backend_->page_bytes(), tokens, NowSeconds(), overlap);
   };
 }
@@ -241,13 +242,19 @@ void Engine::Prefetch(absl::Span<const RankRequest* const> running,
   NoteCopiesIdleIfNoPrefetch();
   // The same rule as at admission: a prefetch the policy would refuse is not started (the request
   // is decided again when its batch runs, against the copy backlog of that moment). The copy
-  // overlaps at least the running batch's first candidate chunks.
-  double overlap_rows = 0;
+  // overlaps the whole of the batch about to run, which does not wait for it: its rows are
+  // estimated from its users' cached tokens (their first candidate chunks, and the history beyond
+  // what is cached, up to the model's maximum).
+  double before_rows = 0;
   for (const RankRequest* r : running) {
-    overlap_rows += static_cast<double>(
-        std::min<size_t>(r->candidate_item_ids.size(), static_cast<size_t>(config_.max_candidates)));
+    const int64_t tokens = std::min<int64_t>(2 * static_cast<int64_t>(r->history_item_ids.size()),
+                                             config_.max_history_tokens);
+    before_rows += static_cast<double>(
+        std::min<int64_t>(static_cast<int64_t>(r->candidate_item_ids.size()), config_.max_candidates) +
+        std::max<int64_t>(0, tokens - cache_->CachedTokens(r->user_id)));
   }
-  const OnloadFilter onload_ok = MakeOnloadFilter(&overlap_rows);
+  const double own_wave_rows = 0;  // the request's own wave is not known yet
+  const OnloadFilter onload_ok = MakeOnloadFilter(&own_wave_rows, before_rows);
   for (const RankRequest* queued_request : queued) {
     const RankRequest& r = *queued_request;
     // Most queued users are GPU-resident or new: skip them before building their keys.

@@ -105,8 +105,9 @@ class Engine {
   void RankWave(absl::Span<const RankRequest* const> wave,
                 absl::Span<absl::StatusOr<RankResult>* const> results);
   // The onload filter of the configured policy (null for kAlways). `overlap_rows`, read at each
-  // call: the rows the copies' wave computes whichever way the user goes (OverlapSeconds).
-  OnloadFilter MakeOnloadFilter(const double* overlap_rows);
+  // call: the rows the copies' wave computes whichever way the user goes (OverlapSeconds);
+  // `before_rows`: rows of a batch that runs whole while the copies proceed (a prefetch's).
+  OnloadFilter MakeOnloadFilter(const double* overlap_rows, double before_rows = 0);
   // Forgets the estimated copy backlog once no host → GPU copy can still be running.
   void NoteCopiesIdleIfNoPrefetch();
   // Takes the backend's latest onload timing, and mirrors the rates into stats_.

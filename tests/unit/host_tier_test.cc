@@ -741,6 +741,59 @@ TEST(HostTierPrefetchEngine, PrefetchedUsersScoreLikeAFullRecompute) {
   EXPECT_EQ(s.cache.pages_pinned, 0);
 }
 
+TEST(HostTierPrefetchEngine, PrefetchCountsTheBatchItOverlapsInFull) {
+  EngineOptions o;
+  o.page_size = 4;
+  o.cache_pages = 40;
+  o.host_cache_pages = 128;
+  // A host user's 32 tokens (8 pages): 32 s to recompute, 40 s to copy. The copy runs beside the
+  // whole batch about to run: a returning user's 2 candidates and 2 new tokens hide 4 s of it
+  // (40 > 32 + 4: not started); a new user's 2 candidates and 64 tokens hide 66 s (started).
+  o.recompute_seconds_per_token = 1;
+  auto probe = Engine::Create(o, RandomModel(SmallConfig(), 7));
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  o.onload_bytes_per_second = 8.0 * (*probe)->Stats().kv_page_bytes / 40.0;
+  auto e = Engine::Create(o, RandomModel(SmallConfig(), 7));
+  ASSERT_TRUE(e.ok()) << e.status();
+  std::mt19937 rng(9);
+  auto grow = [&](RankRequest& r, int events) {
+    for (int i = 0; i < events; ++i) {
+      r.history_item_ids.push_back(rng() % 500);
+      r.history_actions.push_back(rng() % 16);
+    }
+    r.candidate_item_ids = {static_cast<int64_t>(rng() % 500), static_cast<int64_t>(rng() % 500)};
+  };
+  std::vector<RankRequest> users(10);
+  for (int u = 1; u <= 7; ++u) {
+    users[u].user_id = u;
+    grow(users[u], u <= 4 ? 16 : 32);
+    ASSERT_TRUE((*e)->Rank({&users[u], 1})[0].ok());
+  }
+  ASSERT_EQ((*e)->Stats().cache.evictions, 5u);  // users 1-5 on the host only; 8 pages free
+  grow(users[2], 2);
+  const RankRequest* queued = &users[2];
+  grow(users[7], 1);
+  const RankRequest* returning = &users[7];
+  (*e)->Prefetch({&returning, 1}, {&queued, 1});
+  EXPECT_EQ((*e)->Stats().cache.pages_prefetched, 0u);
+  users[9].user_id = 9;
+  grow(users[9], 32);
+  const RankRequest* fresh = &users[9];
+  (*e)->Prefetch({&fresh, 1}, {&queued, 1});
+  EXPECT_EQ((*e)->Stats().cache.pages_prefetched, 8u);
+  auto got = (*e)->Rank({&users[9], 1});
+  ASSERT_TRUE(got[0].ok()) << got[0].status();
+  got = (*e)->Rank({&users[2], 1});
+  ASSERT_TRUE(got[0].ok()) << got[0].status();
+  EXPECT_EQ(got[0]->cache_result, LookupResult::kHostHit);
+  EXPECT_EQ(got[0]->reused_tokens, 32u);
+  auto full = RecomputingEngine(o, 7);
+  ASSERT_TRUE(full.ok());
+  auto want = (*full)->Rank({&users[2], 1});
+  ASSERT_TRUE(want[0].ok());
+  EXPECT_LE(test::MaxAbsDiff(got[0]->scores, want[0]->scores), test::kF32Abs);
+}
+
 TEST(HostTierPrefetchEngine, CostPolicyPrefetchesOnlyWhatItWouldOnload) {
   EngineOptions o;
   o.onload_policy = OnloadPolicy::kCost;
