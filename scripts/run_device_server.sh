@@ -26,6 +26,7 @@ has() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 OUT="${OUT:-/tmp/hstu_out}"
 mkdir -p "$OUT"
 DIR=/tmp/hstu_srv
+mkdir -p "$DIR"  # the parity files and the window model are written here (HSTU_H runs too)
 source "$(dirname "$0")/device_env.sh"
 if [ -n "${HSTU_H:-}" ]; then
   H="$HSTU_H"  # a folder with bin/ (a local dry run: HSTU_SRV_MODEL=random:tiny HSTU_SRV_DEVICE=cpu)
