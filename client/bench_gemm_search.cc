@@ -26,20 +26,20 @@
 namespace hstu::bench {
 namespace {
 
-#define HSTU_SEARCH_CHECK_LT(expr)                                                       \
-  do {                                                                                   \
-    const cublasStatus_t st_ = (expr);                                                   \
-    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                  \
+#define HSTU_SEARCH_CHECK_LT(expr)                                                     \
+  do {                                                                                 \
+    const cublasStatus_t st_ = (expr);                                                 \
+    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                \
       std::fprintf(stderr, "%s:%d: %s: cuBLAS status %d\n", __FILE__, __LINE__, #expr, \
-                   static_cast<int>(st_));                                               \
-      std::exit(1);                                                                      \
-    }                                                                                    \
+                   static_cast<int>(st_));                                             \
+      std::exit(1);                                                                    \
+    }                                                                                  \
   } while (0)
 
 // A configuration's attributes, for de-duplication and the report.
 struct Attrs {
-  int id = 0, tile = 0, splitk = 1, reduction = 0, swizzle = 0, custom = 0, stages = 0,
-      inner = 0, cluster = 0;
+  int id = 0, tile = 0, splitk = 1, reduction = 0, swizzle = 0, custom = 0, stages = 0, inner = 0,
+      cluster = 0;
   auto Tie() const {
     return std::tie(id, tile, splitk, reduction, swizzle, custom, stages, inner, cluster);
   }
@@ -76,7 +76,8 @@ Attrs AttrsOf(const cublasLtMatmulAlgo_t& algo) {
   return a;
 }
 
-std::vector<uint32_t> CapArray(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t attr) {
+std::vector<uint32_t> CapArray(const cublasLtMatmulAlgo_t& algo,
+                               cublasLtMatmulAlgoCapAttributes_t attr) {
   size_t need = 0;
   if (cublasLtMatmulAlgoCapGetAttribute(&algo, attr, nullptr, 0, &need) != CUBLAS_STATUS_SUCCESS ||
       need == 0) {
@@ -139,18 +140,22 @@ nlohmann::json BenchGemmSearch(int reps) {
       {"UVQK, no cache, batch 8", 34816, 4096, 1024, false, 0.f},
       {"output + residual, no cache, batch 8", 34816, 1024, 1024, true, 1.f},
   };
-  std::printf("\n### cuBLASLt configuration search (row-major C[m, n] = A[m, k] · W[k, n], bf16 in, "
-              "fp32 accumulate; weights rotated over > 64 MiB; µs, median of %d samples of 4 "
-              "calls)\n\n", reps);
-  std::printf("| GEMM | m | cublasGemmEx | GemmTuner (heuristic's best) | searched best | its config "
-              "| its source | configs timed | max rel. diff vs GemmEx |\n"
-              "|---|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "\n### cuBLASLt configuration search (row-major C[m, n] = A[m, k] · W[k, n], bf16 in, "
+      "fp32 accumulate; weights rotated over > 64 MiB; µs, median of %d samples of 4 "
+      "calls)\n\n",
+      reps);
+  std::printf(
+      "| GEMM | m | cublasGemmEx | GemmTuner (heuristic's best) | searched best | its config "
+      "| its source | configs timed | max rel. diff vs GemmEx |\n"
+      "|---|---|---|---|---|---|---|---|---|\n");
   const cudaDataType_t kBf16 = CUDA_R_16BF;
   for (const Shape& sh : shapes) {
     const cudaDataType_t ct = sh.c_f32 ? CUDA_R_32F : CUDA_R_16BF;
     const size_t c_elem = sh.c_f32 ? 4 : 2;
     const int64_t w_elems = sh.k * sh.n;
-    const int num_w = static_cast<int>(std::max<int64_t>(2, (int64_t{64} << 20) / (w_elems * 2) + 1));
+    const int num_w =
+        static_cast<int>(std::max<int64_t>(2, (int64_t{64} << 20) / (w_elems * 2) + 1));
     cuda::DeviceBuffer a, w, c, ref, got;
     HSTU_BENCH_CHECK_CUDA(a.Reserve(sh.m * sh.k * 2));
     HSTU_BENCH_CHECK_CUDA(w.Reserve(num_w * w_elems * 2));
@@ -162,7 +167,10 @@ nlohmann::json BenchGemmSearch(int reps) {
     HSTU_BENCH_CHECK_CUDA(cudaMemset(c.get(), 0, sh.m * sh.n * c_elem));
     const cuda::bf16* w0 = w.as<cuda::bf16>();
     int rot = 0;
-    auto next_w = [&] { rot = (rot + 1) % num_w; return w0 + rot * w_elems; };
+    auto next_w = [&] {
+      rot = (rot + 1) % num_w;
+      return w0 + rot * w_elems;
+    };
 
     cublasLtMatmulDesc_t op = nullptr;
     HSTU_SEARCH_CHECK_LT(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -208,8 +216,8 @@ nlohmann::json BenchGemmSearch(int reps) {
     HSTU_SEARCH_CHECK_LT(cublasLtMatmulPreferenceSetAttribute(
         pref_id, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
     const uint32_t by_id = CUBLASLT_SEARCH_LIMITED_BY_ALGO_ID;
-    HSTU_SEARCH_CHECK_LT(cublasLtMatmulPreferenceSetAttribute(pref_id, CUBLASLT_MATMUL_PREF_SEARCH_MODE,
-                                                              &by_id, sizeof(by_id)));
+    HSTU_SEARCH_CHECK_LT(cublasLtMatmulPreferenceSetAttribute(
+        pref_id, CUBLASLT_MATMUL_PREF_SEARCH_MODE, &by_id, sizeof(by_id)));
     for (int t = 0; t < num_ids; ++t) {
       cublasLtMatmulAlgo_t base;
       if (cublasLtMatmulAlgoInit(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, kBf16, kBf16, ct, ct, ids[t],
@@ -284,16 +292,18 @@ nlohmann::json BenchGemmSearch(int reps) {
     auto to_host = [&](const cuda::DeviceBuffer& buf) {
       std::vector<float> out(sh.m * sh.n);
       if (sh.c_f32) {
-        HSTU_BENCH_CHECK_CUDA(cudaMemcpy(out.data(), buf.get(), out.size() * 4, cudaMemcpyDeviceToHost));
+        HSTU_BENCH_CHECK_CUDA(
+            cudaMemcpy(out.data(), buf.get(), out.size() * 4, cudaMemcpyDeviceToHost));
       } else {
         std::vector<cuda::bf16> tmp(out.size());
-        HSTU_BENCH_CHECK_CUDA(cudaMemcpy(tmp.data(), buf.get(), tmp.size() * 2, cudaMemcpyDeviceToHost));
+        HSTU_BENCH_CHECK_CUDA(
+            cudaMemcpy(tmp.data(), buf.get(), tmp.size() * 2, cudaMemcpyDeviceToHost));
         for (size_t i = 0; i < out.size(); ++i) out[i] = __bfloat162float(tmp[i]);
       }
       return out;
     };
-    HSTU_SEARCH_CHECK_LT(cuda::GemmBf16(blas, a.as<cuda::bf16>(), w0, ref.get(), sh.c_f32, sh.m,
-                                        sh.n, sh.k, 0.f));
+    HSTU_SEARCH_CHECK_LT(
+        cuda::GemmBf16(blas, a.as<cuda::bf16>(), w0, ref.get(), sh.c_f32, sh.m, sh.n, sh.k, 0.f));
     HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
     const std::vector<float> ref_h = to_host(ref);
     double ref_norm = 0;
@@ -326,12 +336,20 @@ nlohmann::json BenchGemmSearch(int reps) {
     std::fflush(stdout);
     nlohmann::json top_json = nlohmann::json::array();
     for (size_t i = 0; i < top; ++i) {
-      top_json.push_back({{"us", cands[i].us}, {"config", cands[i].attrs.Str()},
-                          {"source", cands[i].source}, {"workspace", cands[i].workspace}});
+      top_json.push_back({{"us", cands[i].us},
+                          {"config", cands[i].attrs.Str()},
+                          {"source", cands[i].source},
+                          {"workspace", cands[i].workspace}});
     }
-    rows.push_back({{"gemm", sh.name}, {"m", sh.m}, {"n", sh.n}, {"k", sh.k},
-                    {"gemmex_us", gemmex_us}, {"tuner_us", tuner_us}, {"configs", cands.size()},
-                    {"heuristic_configs", heuristic_count}, {"top", top_json}});
+    rows.push_back({{"gemm", sh.name},
+                    {"m", sh.m},
+                    {"n", sh.n},
+                    {"k", sh.k},
+                    {"gemmex_us", gemmex_us},
+                    {"tuner_us", tuner_us},
+                    {"configs", cands.size()},
+                    {"heuristic_configs", heuristic_count},
+                    {"top", top_json}});
     cublasLtMatmulPreferenceDestroy(pref);
     cublasLtMatmulPreferenceDestroy(pref_id);
     cublasLtMatrixLayoutDestroy(lw);

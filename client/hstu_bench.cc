@@ -991,7 +991,8 @@ int main(int argc, char** argv) {
     j["results"] = hstu::bench::BenchGemmSearch(reps);
   } else {
     std::fprintf(stderr, "unknown mode '%s' (attention | attention_trace | kernels | block | attention_sweep | layer | "
-                         "block_graphs | e2e | offload | gemm_algos | gemm_search)\n", mode.c_str());
+                         "block_graphs | e2e | offload | gemm_algos | gemm_search)\n",
+                 mode.c_str());
     return 2;
   }
   const std::string path = absl::GetFlag(FLAGS_json);

@@ -555,7 +555,8 @@ absl::Status CudaBackendImpl::Forward(const ForwardBatch& batch, bool keep_hidde
   // Read back by the SMs: a memcpy would queue behind the write-behind offloads in flight (up to
   // the offload backlog, ~2.4 ms of PCIe at 128 MiB; LaunchSmCopy).
   HSTU_CUDA_RETURN(cuda::LaunchSmCopy(scores_host_.get(), scores_dev, score_bytes, s));
-  HSTU_CUDA_RETURN(cuda::LaunchSmCopy(hidden_host_.get(), step_.ws->cand_raw.get(), hidden_bytes, s));
+  HSTU_CUDA_RETURN(
+      cuda::LaunchSmCopy(hidden_host_.get(), step_.ws->cand_raw.get(), hidden_bytes, s));
   HSTU_CUDA_RETURN(cudaEventRecord(step_end_, s));
   HSTU_CUDA_RETURN(cudaStreamSynchronize(s));
   float device_ms = 0;

@@ -249,9 +249,10 @@ void Engine::Prefetch(absl::Span<const RankRequest* const> running,
   for (const RankRequest* r : running) {
     const int64_t tokens = std::min<int64_t>(2 * static_cast<int64_t>(r->history_item_ids.size()),
                                              config_.max_history_tokens);
+    const int64_t cands = std::min<int64_t>(static_cast<int64_t>(r->candidate_item_ids.size()),
+                                            config_.max_candidates);
     before_rows += static_cast<double>(
-        std::min<int64_t>(static_cast<int64_t>(r->candidate_item_ids.size()), config_.max_candidates) +
-        std::max<int64_t>(0, tokens - cache_->CachedTokens(r->user_id)));
+        cands + std::max<int64_t>(0, tokens - cache_->CachedTokens(r->user_id)));
   }
   const double own_wave_rows = 0;  // the request's own wave is not known yet
   const OnloadFilter onload_ok = MakeOnloadFilter(&own_wave_rows, before_rows);

@@ -1,6 +1,6 @@
 // The MLP head's passes (bias + activation, the gather + L2 normalisation of candidate rows, the
-// fused narrow last layer), dtype conversions and the step's small host transfers (LaunchSmCopy). Bias + SiLU after the UVQK GEMM is in
-// bias_silu_append_kv.cu.
+// fused narrow last layer), dtype conversions and the step's small host transfers (LaunchSmCopy).
+// Bias + SiLU after the UVQK GEMM is in bias_silu_append_kv.cu.
 #include <algorithm>
 #include <cmath>
 
@@ -240,7 +240,8 @@ cudaError_t LaunchSmCopy(void* dst, const void* src, size_t bytes, cudaStream_t 
   if (d < s + bytes && s < d + bytes) return cudaErrorInvalidValue;
   const int64_t words = static_cast<int64_t>(bytes / 16);
   const int tail = static_cast<int>(bytes % 16);
-  const int blocks = static_cast<int>(std::min<int64_t>(std::max<int64_t>(1, (words + 255) / 256), 1024));
+  const int blocks =
+      static_cast<int>(std::min<int64_t>(std::max<int64_t>(1, (words + 255) / 256), 1024));
   SmCopyKernel<<<blocks, 256, 0, stream>>>(static_cast<uint4*>(dst), static_cast<const uint4*>(src),
                                            words, d + 16 * words, s + 16 * words, tail);
   return cudaPeekAtLastError();

@@ -105,8 +105,8 @@ cudaError_t LaunchHeadOutput(const float* in, int64_t rows, int64_t in_cols, con
                              const float* bias, int64_t out_cols, Activation act, float* out,
                              cudaStream_t stream);
 
-// dst[0, bytes) = src[0, bytes) by the SMs' loads and stores, for the step's small transfers between
-// device memory and pinned host memory (cudaMallocHost: device-accessible under unified
+// dst[0, bytes) = src[0, bytes) by the SMs' loads and stores, for the step's small transfers
+// between device memory and pinned host memory (cudaMallocHost: device-accessible under unified
 // addressing). A cudaMemcpyAsync of the same direction queues behind every copy the copy engines
 // already hold, on any stream: a few KB of step metadata or scores waited up to the whole KV onload
 // or write-behind offload in flight (2.4 ms behind 128 MiB, measured on an H200). Both pointers

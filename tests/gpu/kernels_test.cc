@@ -607,9 +607,10 @@ TEST(CudaKernels, SmCopyMovesBytesBetweenPinnedHostAndDevice) {
   auto* p = a.as<unsigned char>();
   EXPECT_EQ(cuda::LaunchSmCopy(nullptr, p, 16, stream.get()), cudaErrorInvalidValue);
   EXPECT_EQ(cuda::LaunchSmCopy(p, nullptr, 16, stream.get()), cudaErrorInvalidValue);
-  EXPECT_EQ(cuda::LaunchSmCopy(p + 8, p + 64, 16, stream.get()), cudaErrorInvalidValue);  // alignment
-  EXPECT_EQ(cuda::LaunchSmCopy(p + 16, p, 32, stream.get()), cudaErrorInvalidValue);      // overlap
-  EXPECT_EQ(cuda::LaunchSmCopy(p + 32, p, 32, stream.get()), cudaSuccess);                // adjacent
+  // Misaligned, overlapping, adjacent.
+  EXPECT_EQ(cuda::LaunchSmCopy(p + 8, p + 64, 16, stream.get()), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::LaunchSmCopy(p + 16, p, 32, stream.get()), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::LaunchSmCopy(p + 32, p, 32, stream.get()), cudaSuccess);
   HSTU_ASSERT_CUDA(cudaStreamSynchronize(stream.get()));
 }
 
