@@ -41,6 +41,11 @@ struct ForwardOutput {
   // The device's time on the step, from its first enqueued operation to the score read-back
   // (CUDA events; 0 on the CPU backend). The rest of the forward's wall time is host work.
   double device_seconds = 0;
+  // Whether the step waited for host → GPU KV copies (onloads or prefetches), and the device time
+  // its compute stream spent stalled on them: the sum over layers of the time from the layer's
+  // wait being reached to the copies it waits for being done (CUDA events; CPU backend: never).
+  bool waited_for_onloads = false;
+  double onload_wait_seconds = 0;
 };
 
 enum class CopyKind { kDeviceToHost, kHostToDevice };

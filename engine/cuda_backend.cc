@@ -82,6 +82,13 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
     HSTU_CUDA_RETURN(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     HSTU_CUDA_RETURN(cudaEventRecord(e, onload_stream_.get()));
   }
+  wait_begin_.assign(config_.num_layers, nullptr);
+  wait_end_.assign(config_.num_layers, nullptr);
+  wait_timed_.assign(config_.num_layers, false);
+  for (int l = 0; l < config_.num_layers; ++l) {
+    HSTU_CUDA_RETURN(cudaEventCreate(&wait_begin_[l]));
+    HSTU_CUDA_RETURN(cudaEventCreate(&wait_end_[l]));
+  }
   HSTU_CUDA_RETURN(prefetch_stream_.Create());
   prefetch_ready_.assign(config_.num_layers, nullptr);
   for (cudaEvent_t& e : prefetch_ready_) {
@@ -342,14 +349,25 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
 }
 
 absl::Status CudaBackendImpl::WaitForLayer(int layer) {
+  cudaStream_t s = stream_.get();
   if (capturing_) {
     // An external event-wait node in the waiting variant of the graph: each replay waits for the
-    // event's latest record (a no-op once the copies it stands for are done).
+    // event's latest record (a no-op once the copies it stands for are done). The stall is timed
+    // by external event-record nodes around it.
     if (capture_waits_) {
-      HSTU_CUDA_RETURN(cudaStreamWaitEvent(stream_.get(), layer_ready_[layer], cudaEventWaitExternal));
+      HSTU_CUDA_RETURN(cudaEventRecordWithFlags(wait_begin_[layer], s, cudaEventRecordExternal));
+      HSTU_CUDA_RETURN(cudaStreamWaitEvent(s, layer_ready_[layer], cudaEventWaitExternal));
+      HSTU_CUDA_RETURN(cudaEventRecordWithFlags(wait_end_[layer], s, cudaEventRecordExternal));
     }
   } else if (onload_waits_) {
-    HSTU_CUDA_RETURN(cudaStreamWaitEvent(stream_.get(), layer_ready_[layer], 0));
+    // A layer may be waited for twice in a step (a GEMM route's first timing); the first wait
+    // holds the stall.
+    const bool time = !wait_timed_[layer];
+    if (time) HSTU_CUDA_RETURN(cudaEventRecord(wait_begin_[layer], s));
+    HSTU_CUDA_RETURN(cudaStreamWaitEvent(s, layer_ready_[layer], 0));
+    if (time) HSTU_CUDA_RETURN(cudaEventRecord(wait_end_[layer], s));
+    wait_timed_[layer] = true;
+    step_waits_ = true;
   }
   return absl::OkStatus();
 }
@@ -543,6 +561,8 @@ absl::Status CudaBackendImpl::Forward(const ForwardBatch& batch, bool keep_hidde
   cudaStream_t s = stream_.get();
   // After the metadata upload: the device time below is the layers', the head's and the read-back.
   HSTU_CUDA_RETURN(cudaEventRecord(step_start_, s));
+  step_waits_ = false;
+  wait_timed_.assign(wait_timed_.size(), false);
   HSTU_RETURN_IF_ERROR(EnqueueStep());
   const int64_t d = config_.hidden_dim;
   const int32_t tasks = head_.empty() ? 0 : head_.back().out;
@@ -562,6 +582,24 @@ absl::Status CudaBackendImpl::Forward(const ForwardBatch& batch, bool keep_hidde
   float device_ms = 0;
   HSTU_CUDA_RETURN(cudaEventElapsedTime(&device_ms, step_start_, step_end_));
   out->device_seconds = 1e-3 * device_ms;
+  out->waited_for_onloads = false;
+  out->onload_wait_seconds = 0;
+  if (step_waits_) {
+    double wait_ms = 0;
+    bool timed = true;
+    for (size_t l = 0; l < wait_timed_.size() && timed; ++l) {
+      float ms = 0;
+      if (!wait_timed_[l]) continue;
+      timed = cudaEventElapsedTime(&ms, wait_begin_[l], wait_end_[l]) == cudaSuccess;
+      wait_ms += ms;
+    }
+    if (timed) {
+      out->waited_for_onloads = true;
+      out->onload_wait_seconds = 1e-3 * wait_ms;
+    } else {
+      cudaGetLastError();  // a stall that could not be timed is not reported; the step is fine
+    }
+  }
   out->scores.assign(scores_host_.as<float>(), scores_host_.as<float>() + score_bytes / 4);
   if (keep_hidden) {
     out->hidden.assign(hidden_host_.as<float>(), hidden_host_.as<float>() + hidden_bytes / 4);

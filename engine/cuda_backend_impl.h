@@ -222,6 +222,8 @@ class CudaBackendImpl final : public CudaBackend {
       }
     }
     for (cudaEvent_t e : layer_ready_) cudaEventDestroy(e);
+    for (cudaEvent_t e : wait_begin_) cudaEventDestroy(e);
+    for (cudaEvent_t e : wait_end_) cudaEventDestroy(e);
     for (cudaEvent_t e : prefetch_ready_) cudaEventDestroy(e);
     if (compute_done_ != nullptr) cudaEventDestroy(compute_done_);
     if (onload_start_ != nullptr) cudaEventDestroy(onload_start_);
@@ -420,6 +422,11 @@ class CudaBackendImpl final : public CudaBackend {
   uint8_t* host_pool_ = nullptr;  // pinned bf16 [layers, host_num_pages_, 2, page_size, H, D]
   int64_t host_num_pages_ = 0;
   std::vector<cudaEvent_t> layer_ready_;  // [layers] last onload copy of the layer, copy stream
+  // [layers] recorded on the compute stream around the wait for layer_ready_ (timing events; in
+  // the waiting graph variant as external event-record nodes): the stall, ForwardOutput.
+  std::vector<cudaEvent_t> wait_begin_, wait_end_;
+  std::vector<bool> wait_timed_;  // this step has recorded layer l's pair
+  bool step_waits_ = false;       // this step waits for onloads (eager waits or the waiting graph)
   cuda::Stream prefetch_stream_;            // host → GPU copies of queued requests (Prefetch)
   std::vector<cudaEvent_t> prefetch_ready_; // [layers] last prefetch copy of the layer
   cudaEvent_t compute_done_ = nullptr;    // compute stream, before copies that touch its pages

@@ -166,6 +166,13 @@ absl::Status Engine::Validate(const RankRequest& request) const {
   return ValidateRankRequest(request, config_, options_.limits);
 }
 
+std::vector<double> Engine::TakeOnloadWaits() {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  std::vector<double> out;
+  out.swap(onload_waits_);
+  return out;
+}
+
 EngineStats Engine::Stats() const {
   EngineStats s;
   {
@@ -445,6 +452,12 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
       ++stats_.forward_passes;
       stats_.compute_seconds += secs;
       stats_.device_seconds += out.device_seconds;
+      if (out.waited_for_onloads) {
+        ++stats_.onload_waits;
+        stats_.onload_wait_seconds += out.onload_wait_seconds;
+        constexpr size_t kKeptWaits = 4096;  // a scraper that never comes must not grow this
+        if (onload_waits_.size() < kKeptWaits) onload_waits_.push_back(out.onload_wait_seconds);
+      }
     }
     if (!failure.ok()) break;
     // Pass 0 may have waited for onloads or prefetches: its time is not the GPU's alone, and

@@ -60,6 +60,8 @@ struct EngineStats {
   uint64_t kv_offload_bytes = 0;    // GPU → host
   uint64_t kv_onload_bytes = 0;     // host → GPU
   uint64_t graph_replays = 0;       // forward passes replayed from a CUDA graph
+  uint64_t onload_waits = 0;        // forward passes that waited for host → GPU KV copies
+  double onload_wait_seconds = 0;   // the device time their compute stalled on those copies
   // The onload policy's current estimates (fixed or measured; see EngineOptions).
   double onload_bytes_per_second = 0;
   double recompute_seconds_per_token = 0;
@@ -95,6 +97,9 @@ class Engine {
   std::string attention_kernel() const { return backend_->attention_kernel(); }
   std::string gemm_routes() const { return backend_->gemm_routes(); }
   EngineStats Stats() const;
+  // The stalls of the forward passes that waited for host → GPU KV copies since the last call
+  // (seconds each, ForwardOutput::onload_wait_seconds; at most the last 4096), for a histogram.
+  std::vector<double> TakeOnloadWaits();
 
  private:
   Engine(const EngineOptions& options, ModelConfig config, std::unique_ptr<Backend> backend,
@@ -120,6 +125,7 @@ class Engine {
   OnloadCostModel onload_cost_;  // used by the thread that calls Rank() and Prefetch()
   mutable std::mutex stats_mu_;
   EngineStats stats_;
+  std::vector<double> onload_waits_;  // not yet taken (TakeOnloadWaits), under stats_mu_
 };
 
 }  // namespace hstu

@@ -150,7 +150,11 @@ absl::Status CudaBackendImpl::EnqueueStep() {
     }
     HSTU_CUDA_RETURN(cudaGraphLaunch(g.exec, stream_.get()));
     graph_replays_.fetch_add(1, std::memory_order_relaxed);
-    if (waits) graph_wait_replays_.fetch_add(1, std::memory_order_relaxed);
+    if (waits) {
+      graph_wait_replays_.fetch_add(1, std::memory_order_relaxed);
+      step_waits_ = true;  // the variant's event-record nodes time every layer's wait
+      wait_timed_.assign(wait_timed_.size(), true);
+    }
     onload_waits_ = false;  // the graph's wait nodes covered them; later work is ordered after it
     // The last layer's tail and the head run eagerly on the real candidate rows (cuBLAS bakes a
     // GEMM's row count into a capture).

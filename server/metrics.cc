@@ -42,8 +42,9 @@ ServerMetrics::ServerMetrics(const std::string& version)
                                             LatencyBucketsSeconds())),
       kv_onload_wait_(registry_.AddHistogram(
           "hstu_kv_onload_wait_seconds",
-          "Time compute waited for KV pages coming back from the host tier (0 observations "
-          "until the host tier exists).",
+          "Device time a forward pass's compute stalled on KV pages coming back from the host "
+          "tier (onloads, prefetches), one observation per pass that waited (none on the CPU "
+          "backend, whose copies are synchronous).",
           LatencyBucketsSeconds())),
       batch_size_(registry_.AddHistogram("hstu_batch_size", "Requests per engine batch.",
                                          BatchSizeBuckets())),
@@ -166,6 +167,10 @@ void ServerMetrics::ObserveBatch(const BatchInfo& info) {
   batch_compute_.WithLabels({}).Observe(info.compute_seconds);
   batch_size_.WithLabels({}).Observe(info.num_requests);
   batch_tokens_.WithLabels({}).Observe(static_cast<double>(info.num_tokens));
+}
+
+void ServerMetrics::ObserveOnloadWait(double seconds) {
+  kv_onload_wait_.WithLabels({}).Observe(seconds);
 }
 
 void ServerMetrics::AddInflight(int delta) { inflight_.WithLabels({}).Add(delta); }

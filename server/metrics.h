@@ -36,6 +36,8 @@ class ServerMetrics {
   void ObserveRequest(const std::string& code, double seconds);
   void ObserveQueue(double seconds);
   void ObserveBatch(const BatchInfo& info);
+  // One forward pass's stall on host → GPU KV copies (Engine::TakeOnloadWaits).
+  void ObserveOnloadWait(double seconds);
   void AddInflight(int delta);
   void SetQueueDepthSource(std::function<int64_t()> depth);
 

@@ -137,7 +137,12 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
   }
   ServerMetrics* metrics = s->metrics_.get();
   auto scheduler = Scheduler::Create(sched, std::move(run),
-                                     [metrics](const BatchInfo& info) { metrics->ObserveBatch(info); });
+                                     [metrics, engine_ptr](const BatchInfo& info) {
+                                       metrics->ObserveBatch(info);
+                                       for (const double s : engine_ptr->TakeOnloadWaits()) {
+                                         metrics->ObserveOnloadWait(s);
+                                       }
+                                     });
   if (!scheduler.ok()) {
     s->Shutdown(absl::ZeroDuration());
     return absl::Status(scheduler.status().code(),

@@ -129,12 +129,14 @@ std::unique_ptr<Engine> TierEngine(const std::string& device, const ModelWeights
 // Users cycle through a GPU pool far smaller than the working set; with `prefetch`, the next
 // batch's users are prefetched (as the scheduler does) before each batch runs. With
 // `slow_copies`, the cost policy is told the link is slow, so every host hit is recomputed.
-void RestoreUsersAndCompareWithCpu(bool prefetch, bool slow_copies = false) {
+// `graphs` false: every step eager (the onload waits are then stream waits, not graph nodes).
+void RestoreUsersAndCompareWithCpu(bool prefetch, bool slow_copies = false, bool graphs = true) {
   const ModelWeights w = RandomModel(test::SmallGpuModelConfig(), 11);
   // 12 users of up to 16 pages; the GPU pool holds about three of them, the host all.
   EngineOptions o;
   o.onload_policy = slow_copies ? OnloadPolicy::kCost : OnloadPolicy::kAlways;
   if (slow_copies) o.onload_bytes_per_second = 1;
+  o.use_cuda_graphs = graphs;
   auto gpu = TierEngine("cuda:0", w, 48, 400, o);
   auto cpu = TierEngine("cpu", w, 0, 0);
   ASSERT_TRUE(gpu && cpu);
@@ -191,7 +193,24 @@ void RestoreUsersAndCompareWithCpu(bool prefetch, bool slow_copies = false) {
   EXPECT_GT(s.cache.evictions, 0u);
   EXPECT_GT(s.recompute_seconds_per_token, 0);
   EXPECT_NE(s.recompute_seconds_per_token, OnloadCostModel::kStartSecondsPerToken);
+  // Every forward that waited for copies reported its stall, timed on the device: at least 0,
+  // within the steps' device time, one observation each.
+  const std::vector<double> waits = gpu->TakeOnloadWaits();
+  std::printf("  forwards that waited for onloads %llu (%.3f ms stalled in all), graphs %s\n",
+              static_cast<unsigned long long>(s.onload_waits), 1e3 * s.onload_wait_seconds,
+              graphs ? "on" : "off");
+  EXPECT_EQ(waits.size(), s.onload_waits);
+  double sum = 0;
+  for (const double x : waits) {
+    EXPECT_TRUE(std::isfinite(x));
+    EXPECT_GE(x, 0);
+    sum += x;
+  }
+  EXPECT_NEAR(sum, s.onload_wait_seconds, 1e-9);
+  EXPECT_LE(s.onload_wait_seconds, s.device_seconds);
+  EXPECT_TRUE(gpu->TakeOnloadWaits().empty());  // taken
   if (slow_copies) {
+    EXPECT_EQ(s.onload_waits, 0u);  // nothing copied, nothing waited for
     EXPECT_EQ(host_hits, 0u);
     EXPECT_GT(host_recomputes, 0u);
     EXPECT_EQ(s.cache.pages_onloaded, 0u);
@@ -207,6 +226,7 @@ void RestoreUsersAndCompareWithCpu(bool prefetch, bool slow_copies = false) {
   }
   EXPECT_EQ(host_recomputes, 0u);
   EXPECT_GT(host_hits, 0u);
+  EXPECT_GT(s.onload_waits, 0u);
   EXPECT_GT(s.cache.pages_onloaded, 0u);
   EXPECT_GT(s.cache.tokens_reused, 0u);
   EXPECT_EQ(s.kv_onload_bytes, s.cache.pages_onloaded * static_cast<uint64_t>(s.kv_page_bytes));
@@ -219,6 +239,11 @@ void RestoreUsersAndCompareWithCpu(bool prefetch, bool slow_copies = false) {
 TEST(CudaHostTier, RestoredUsersScoreLikeCpuEngine) {
   HSTU_SKIP_WITHOUT_GPU();
   RestoreUsersAndCompareWithCpu(/*prefetch=*/false);
+}
+
+TEST(CudaHostTier, RestoredUsersScoreLikeCpuEngineEagerSteps) {
+  HSTU_SKIP_WITHOUT_GPU();
+  RestoreUsersAndCompareWithCpu(/*prefetch=*/false, /*slow_copies=*/false, /*graphs=*/false);
 }
 
 TEST(CudaHostTier, PrefetchedUsersScoreLikeCpuEngine) {
