@@ -216,10 +216,16 @@ std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankReques
   return results;
 }
 
-OnloadFilter Engine::MakeOnloadFilter(const double* overlap_rows, double before_rows) {
+int64_t Engine::FirstChunkCandidates(const RankRequest& r) const {
+  return std::min<int64_t>(static_cast<int64_t>(r.candidate_item_ids.size()),
+                           config_.max_candidates);
+}
+
+OnloadFilter Engine::MakeOnloadFilter(const double* wave_rows, double before_rows) {
   if (options_.onload_policy == OnloadPolicy::kAlways) return nullptr;
-  return [this, overlap_rows, before_rows](int64_t pages, int64_t tokens) {
-    const double overlap = onload_cost_.OverlapSeconds(*overlap_rows, config_.num_layers) +
+  return [this, wave_rows, before_rows](int64_t pages, int64_t tokens) {
+    const double in_wave = wave_rows != nullptr ? *wave_rows : 0;
+    const double overlap = onload_cost_.OverlapSeconds(in_wave, config_.num_layers) +
                            before_rows * onload_cost_.seconds_per_token();
     return onload_cost_.ShouldOnload(pages * backend_->page_bytes(), tokens, NowSeconds(), overlap);
   };
@@ -256,13 +262,11 @@ void Engine::Prefetch(absl::Span<const RankRequest* const> running,
   for (const RankRequest* r : running) {
     const int64_t tokens = std::min<int64_t>(2 * static_cast<int64_t>(r->history_item_ids.size()),
                                              config_.max_history_tokens);
-    const int64_t cands = std::min<int64_t>(static_cast<int64_t>(r->candidate_item_ids.size()),
-                                            config_.max_candidates);
     before_rows += static_cast<double>(
-        cands + std::max<int64_t>(0, tokens - cache_->CachedTokens(r->user_id)));
+        FirstChunkCandidates(*r) + std::max<int64_t>(0, tokens - cache_->CachedTokens(r->user_id)));
   }
-  const double own_wave_rows = 0;  // the request's own wave is not known yet
-  const OnloadFilter onload_ok = MakeOnloadFilter(&own_wave_rows, before_rows);
+  // The request's own wave is not known yet: only the batch before it counts.
+  const OnloadFilter onload_ok = MakeOnloadFilter(/*wave_rows=*/nullptr, before_rows);
   for (const RankRequest* queued_request : queued) {
     const RankRequest& r = *queued_request;
     // Most queued users are GPU-resident or new: skip them before building their keys.
@@ -315,12 +319,9 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
   // The rows the wave's first pass computes whichever way its host hits go: every user's first
   // candidate chunk, then each admitted user's new and recomputed tokens. A host hit's onload
   // overlaps them (the onload rule, docs/architecture.md).
-  double overlap_rows = 0;
-  for (const RankRequest* r : wave) {
-    overlap_rows += static_cast<double>(
-        std::min<size_t>(r->candidate_item_ids.size(), static_cast<size_t>(max_cand)));
-  }
-  const OnloadFilter onload_ok = MakeOnloadFilter(&overlap_rows);
+  double wave_rows = 0;
+  for (const RankRequest* r : wave) wave_rows += static_cast<double>(FirstChunkCandidates(*r));
+  const OnloadFilter onload_ok = MakeOnloadFilter(&wave_rows);
   // Users whose K/V lives on the host only are admitted last, so that their onload decisions
   // count the other users' compute.
   std::vector<size_t> order(wave.size());
@@ -370,7 +371,7 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
     l.result.num_tasks = c.num_tasks;
     l.result.reused_tokens = static_cast<uint32_t>(l.res.reused_tokens);
     l.result.computed_tokens = static_cast<uint32_t>(l.kept.length - l.res.reused_tokens);
-    overlap_rows += static_cast<double>(l.result.computed_tokens);
+    wave_rows += static_cast<double>(l.result.computed_tokens);
     l.result.cache_result = l.res.result;
     l.result.scores.resize(wave[i]->candidate_item_ids.size() * c.num_tasks);
     if (options_.keep_hidden) l.result.hidden.resize(wave[i]->candidate_item_ids.size() * c.hidden_dim);

@@ -109,10 +109,13 @@ class Engine {
   // Runs one wave of requests in which each user appears at most once.
   void RankWave(absl::Span<const RankRequest* const> wave,
                 absl::Span<absl::StatusOr<RankResult>* const> results);
-  // The onload filter of the configured policy (null for kAlways). `overlap_rows`, read at each
-  // call: the rows the copies' wave computes whichever way the user goes (OverlapSeconds);
-  // `before_rows`: rows of a batch that runs whole while the copies proceed (a prefetch's).
-  OnloadFilter MakeOnloadFilter(const double* overlap_rows, double before_rows = 0);
+  // The onload filter of the configured policy (null for kAlways). `wave_rows` (null: none), read
+  // at each call: the rows the copies' own wave computes whichever way the user goes
+  // (OverlapSeconds); `before_rows`: rows of a batch that runs whole while the copies proceed (a
+  // prefetch's).
+  OnloadFilter MakeOnloadFilter(const double* wave_rows, double before_rows = 0);
+  // The rows of a request's first forward pass that are not history: its first candidate chunk.
+  int64_t FirstChunkCandidates(const RankRequest& r) const;
   // Forgets the estimated copy backlog once no host → GPU copy can still be running.
   void NoteCopiesIdleIfNoPrefetch();
   // Takes the backend's latest onload timing, and mirrors the rates into stats_.
