@@ -150,9 +150,9 @@ absl::Status CudaBackendImpl::EnqueueStep() {
     }
     HSTU_CUDA_RETURN(cudaGraphLaunch(g.exec, stream_.get()));
     graph_replays_.fetch_add(1, std::memory_order_relaxed);
-    if (waits) {
-      graph_wait_replays_.fetch_add(1, std::memory_order_relaxed);
-      step_waits_ = true;  // the variant's event-record nodes time every layer's wait
+    if (waits) graph_wait_replays_.fetch_add(1, std::memory_order_relaxed);
+    if (onload_waits_) {
+      step_waits_ = true;  // the waiting variant's event-record nodes time every layer's wait
       wait_timed_.assign(wait_timed_.size(), true);
     }
     onload_waits_ = false;  // the graph's wait nodes covered them; later work is ordered after it
