@@ -21,16 +21,6 @@
 namespace hstu::bench {
 namespace {
 
-#define HSTU_BENCH_CHECK_LT(expr)                                                        \
-  do {                                                                                   \
-    const cublasStatus_t st_ = (expr);                                                   \
-    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                  \
-      std::fprintf(stderr, "%s:%d: %s: cuBLAS status %d\n", __FILE__, __LINE__, #expr, \
-                   static_cast<int>(st_));                                               \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
-
 struct Shape {
   const char* name;
   int64_t n, k;

@@ -26,16 +26,6 @@
 namespace hstu::bench {
 namespace {
 
-#define HSTU_SEARCH_CHECK_LT(expr)                                                     \
-  do {                                                                                 \
-    const cublasStatus_t st_ = (expr);                                                 \
-    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                \
-      std::fprintf(stderr, "%s:%d: %s: cuBLAS status %d\n", __FILE__, __LINE__, #expr, \
-                   static_cast<int>(st_));                                             \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
-
 // A configuration's attributes, for de-duplication and the report.
 struct Attrs {
   int id = 0, tile = 0, splitk = 1, reduction = 0, swizzle = 0, custom = 0, stages = 0, inner = 0,
@@ -119,16 +109,16 @@ nlohmann::json BenchGemmSearch(int reps) {
   cuda::Stream stream;
   HSTU_BENCH_CHECK_CUDA(stream.Create());
   cublasHandle_t blas = nullptr;
-  HSTU_SEARCH_CHECK_LT(cublasCreate(&blas));
-  HSTU_SEARCH_CHECK_LT(cublasSetStream(blas, stream.get()));
+  HSTU_BENCH_CHECK_LT(cublasCreate(&blas));
+  HSTU_BENCH_CHECK_LT(cublasSetStream(blas, stream.get()));
   cublasLtHandle_t lt = nullptr;
-  HSTU_SEARCH_CHECK_LT(cublasLtCreate(&lt));
+  HSTU_BENCH_CHECK_LT(cublasLtCreate(&lt));
   size_t ws_bytes = 32u << 20;
   cuda::DeviceBuffer ws;
   HSTU_BENCH_CHECK_CUDA(ws.Reserve(ws_bytes));
-  HSTU_SEARCH_CHECK_LT(cublasSetWorkspace(blas, ws.get(), ws_bytes));
+  HSTU_BENCH_CHECK_LT(cublasSetWorkspace(blas, ws.get(), ws_bytes));
   cuda::GemmTuner tuner;
-  HSTU_SEARCH_CHECK_LT(tuner.Init(blas, ws.get(), ws_bytes));
+  HSTU_BENCH_CHECK_LT(tuner.Init(blas, ws.get(), ws_bytes));
 
   const Shape shapes[] = {
       {"UVQK, batch 1", 384, 4096, 1024, false, 0.f},
@@ -173,11 +163,11 @@ nlohmann::json BenchGemmSearch(int reps) {
     };
 
     cublasLtMatmulDesc_t op = nullptr;
-    HSTU_SEARCH_CHECK_LT(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    HSTU_BENCH_CHECK_LT(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     cublasLtMatrixLayout_t lw = nullptr, la = nullptr, lc = nullptr;
-    HSTU_SEARCH_CHECK_LT(cublasLtMatrixLayoutCreate(&lw, kBf16, sh.n, sh.k, sh.n));
-    HSTU_SEARCH_CHECK_LT(cublasLtMatrixLayoutCreate(&la, kBf16, sh.k, sh.m, sh.k));
-    HSTU_SEARCH_CHECK_LT(cublasLtMatrixLayoutCreate(&lc, ct, sh.n, sh.m, sh.n));
+    HSTU_BENCH_CHECK_LT(cublasLtMatrixLayoutCreate(&lw, kBf16, sh.n, sh.k, sh.n));
+    HSTU_BENCH_CHECK_LT(cublasLtMatrixLayoutCreate(&la, kBf16, sh.k, sh.m, sh.k));
+    HSTU_BENCH_CHECK_LT(cublasLtMatrixLayoutCreate(&lc, ct, sh.n, sh.m, sh.n));
     const float alpha = 1.f;
 
     std::vector<Candidate> cands;
@@ -194,13 +184,13 @@ nlohmann::json BenchGemmSearch(int reps) {
     };
     // 1. The heuristic's answers (what the tuner sees: its first 16).
     cublasLtMatmulPreference_t pref = nullptr;
-    HSTU_SEARCH_CHECK_LT(cublasLtMatmulPreferenceCreate(&pref));
-    HSTU_SEARCH_CHECK_LT(cublasLtMatmulPreferenceSetAttribute(
+    HSTU_BENCH_CHECK_LT(cublasLtMatmulPreferenceCreate(&pref));
+    HSTU_BENCH_CHECK_LT(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
     constexpr int kWide = 64;
     std::vector<cublasLtMatmulHeuristicResult_t> res(kWide);
     int found = 0;
-    HSTU_SEARCH_CHECK_LT(
+    HSTU_BENCH_CHECK_LT(
         cublasLtMatmulAlgoGetHeuristic(lt, op, lw, la, lc, lc, pref, kWide, res.data(), &found));
     for (int i = 0; i < found; ++i) {
       if (res[i].state == CUBLAS_STATUS_SUCCESS) add(res[i].algo, "heuristic");
@@ -209,14 +199,14 @@ nlohmann::json BenchGemmSearch(int reps) {
     // 2. The heuristic restricted to each algorithm id; 3. each id's grid.
     int ids[256];
     int num_ids = 0;
-    HSTU_SEARCH_CHECK_LT(cublasLtMatmulAlgoGetIds(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, kBf16, kBf16,
+    HSTU_BENCH_CHECK_LT(cublasLtMatmulAlgoGetIds(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, kBf16, kBf16,
                                                   ct, ct, 256, ids, &num_ids));
     cublasLtMatmulPreference_t pref_id = nullptr;
-    HSTU_SEARCH_CHECK_LT(cublasLtMatmulPreferenceCreate(&pref_id));
-    HSTU_SEARCH_CHECK_LT(cublasLtMatmulPreferenceSetAttribute(
+    HSTU_BENCH_CHECK_LT(cublasLtMatmulPreferenceCreate(&pref_id));
+    HSTU_BENCH_CHECK_LT(cublasLtMatmulPreferenceSetAttribute(
         pref_id, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
     const uint32_t by_id = CUBLASLT_SEARCH_LIMITED_BY_ALGO_ID;
-    HSTU_SEARCH_CHECK_LT(cublasLtMatmulPreferenceSetAttribute(
+    HSTU_BENCH_CHECK_LT(cublasLtMatmulPreferenceSetAttribute(
         pref_id, CUBLASLT_MATMUL_PREF_SEARCH_MODE, &by_id, sizeof(by_id)));
     for (int t = 0; t < num_ids; ++t) {
       cublasLtMatmulAlgo_t base;
@@ -261,7 +251,7 @@ nlohmann::json BenchGemmSearch(int reps) {
     // The timed call: 4 launches back to back, each on the next weight buffer.
     auto run = [&](const Candidate& cand, void* out) {
       for (int i = 0; i < 4; ++i) {
-        HSTU_SEARCH_CHECK_LT(cublasLtMatmul(lt, op, &alpha, next_w(), lw, a.get(), la, &sh.beta,
+        HSTU_BENCH_CHECK_LT(cublasLtMatmul(lt, op, &alpha, next_w(), lw, a.get(), la, &sh.beta,
                                             out, lc, out, lc, &cand.algo, ws.get(), ws_bytes,
                                             stream.get()));
       }
@@ -278,13 +268,13 @@ nlohmann::json BenchGemmSearch(int reps) {
               [](const Candidate& x, const Candidate& y) { return x.us < y.us; });
     const float gemmex_us = time_us(reps, [&] {
       for (int i = 0; i < 4; ++i) {
-        HSTU_SEARCH_CHECK_LT(cuda::GemmBf16(blas, a.as<cuda::bf16>(), next_w(), c.get(), sh.c_f32,
+        HSTU_BENCH_CHECK_LT(cuda::GemmBf16(blas, a.as<cuda::bf16>(), next_w(), c.get(), sh.c_f32,
                                             sh.m, sh.n, sh.k, sh.beta));
       }
     });
     const float tuner_us = time_us(reps, [&] {
       for (int i = 0; i < 4; ++i) {
-        HSTU_SEARCH_CHECK_LT(tuner.Run(a.as<cuda::bf16>(), next_w(), c.get(), sh.c_f32, sh.m, sh.n,
+        HSTU_BENCH_CHECK_LT(tuner.Run(a.as<cuda::bf16>(), next_w(), c.get(), sh.c_f32, sh.m, sh.n,
                                        sh.k, sh.beta, stream.get()));
       }
     });
@@ -302,7 +292,7 @@ nlohmann::json BenchGemmSearch(int reps) {
       }
       return out;
     };
-    HSTU_SEARCH_CHECK_LT(
+    HSTU_BENCH_CHECK_LT(
         cuda::GemmBf16(blas, a.as<cuda::bf16>(), w0, ref.get(), sh.c_f32, sh.m, sh.n, sh.k, 0.f));
     HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
     const std::vector<float> ref_h = to_host(ref);
@@ -311,7 +301,7 @@ nlohmann::json BenchGemmSearch(int reps) {
     const float zero = 0.f;
     std::vector<double> diffs;
     for (size_t i = 0; i < std::min<size_t>(3, top); ++i) {
-      HSTU_SEARCH_CHECK_LT(cublasLtMatmul(lt, op, &alpha, w0, lw, a.get(), la, &zero, got.get(), lc,
+      HSTU_BENCH_CHECK_LT(cublasLtMatmul(lt, op, &alpha, w0, lw, a.get(), la, &zero, got.get(), lc,
                                           got.get(), lc, &cands[i].algo, ws.get(), ws_bytes,
                                           stream.get()));
       HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(stream.get()));

@@ -322,6 +322,46 @@ EngineStats RunHostTierTraffic(EngineOptions o, std::vector<RankResult>* results
   return (*cached)->Stats();
 }
 
+// The onload-rule tests' engines: pages of 4 tokens, a pool of 40, a host tier that keeps every
+// copy, a recompute of 1 s a token, and a copy of `copy_seconds_per_page`.
+EngineOptions RuleOptions(double copy_seconds_per_page) {
+  EngineOptions o;
+  o.page_size = 4;
+  o.cache_pages = 40;
+  o.host_cache_pages = 128;
+  o.keep_hidden = true;
+  o.recompute_seconds_per_token = 1;
+  auto probe = Engine::Create(o, RandomModel(SmallConfig(), 7));
+  EXPECT_TRUE(probe.ok()) << probe.status();
+  if (probe.ok()) o.onload_bytes_per_second = (*probe)->Stats().kv_page_bytes / copy_seconds_per_page;
+  return o;
+}
+
+// A user's next visit: `events` more events and two new candidates.
+void Grow(std::mt19937& rng, RankRequest& r, int events) {
+  for (int i = 0; i < events; ++i) {
+    r.history_item_ids.push_back(rng() % 500);
+    r.history_actions.push_back(rng() % 16);
+  }
+  r.candidate_item_ids = {static_cast<int64_t>(rng() % 500), static_cast<int64_t>(rng() % 500)};
+}
+
+// Users 1-4 of 32 tokens (8 pages each), then users 5-7 of 64 tokens, which push users 1-5 to
+// the host tier of a RuleOptions engine. users: [10], ids set here.
+void PushUsersToTheHost(Engine& e, std::mt19937& rng, std::vector<RankRequest>* users) {
+  users->assign(10, RankRequest());
+  for (int u = 1; u <= 7; ++u) {
+    (*users)[u].user_id = u;
+    Grow(rng, (*users)[u], u <= 4 ? 16 : 32);
+    auto res = e.Rank({&(*users)[u], 1});
+    ASSERT_TRUE(res[0].ok()) << res[0].status();
+  }
+  const EngineStats s = e.Stats();
+  ASSERT_EQ(s.cache.evictions, 5u);
+  ASSERT_EQ(s.cache.dropped_entries, 0u);
+  ASSERT_EQ(s.cache.host_evictions, 0u);
+}
+
 uint64_t Lookups(const EngineStats& s, LookupResult r) {
   return s.cache.lookups[static_cast<int>(r)];
 }
@@ -451,47 +491,22 @@ TEST(HostTierEngine, MeasuredRatesMoveFromTheirStartValues) {
 }
 
 TEST(HostTierEngine, WaveOnloadsTheFirstHostHitsThenRecomputes) {
-  EngineOptions o;
-  o.page_size = 4;
-  o.cache_pages = 40;
-  o.host_cache_pages = 128;  // every host copy below stays
-  o.keep_hidden = true;
-  // Rates set below from the page size: a user's 32 host tokens take 32 s to recompute and 12.8 s
-  // to copy. The copies also hide behind half the wave's other compute (2 layers: all but the
-  // last layer's share): 8 candidate rows, plus 4 new tokens per onloaded user. So the first three
-  // copies finish in time (12.8 s <= 32 + 4, 25.6 <= 32 + 6, 38.4 <= 32 + 8) and the fourth would
-  // not (51.2 > 32 + 10).
-  o.recompute_seconds_per_token = 1;
-  auto probe = Engine::Create(o, RandomModel(SmallConfig(), 7));
-  ASSERT_TRUE(probe.ok()) << probe.status();
-  o.onload_bytes_per_second = 8.0 * (*probe)->Stats().kv_page_bytes / 12.8;
+  // A user's 32 host tokens take 32 s to recompute and 12.8 s to copy (1.6 s a page). The copies
+  // also hide behind half the wave's other compute (2 layers: all but the last layer's share): 8
+  // candidate rows, plus 4 new tokens per onloaded user. So the first three copies finish in time
+  // (12.8 s <= 32 + 4, 25.6 <= 32 + 6, 38.4 <= 32 + 8) and the fourth would not (51.2 > 32 + 10).
+  const EngineOptions o = RuleOptions(1.6);
   auto e = Engine::Create(o, RandomModel(SmallConfig(), 7));
   ASSERT_TRUE(e.ok()) << e.status();
   auto full = RecomputingEngine(o, 7);
   ASSERT_TRUE(full.ok());
   std::mt19937 rng(3);
-  auto grow = [&](RankRequest& r, int events) {
-    for (int i = 0; i < events; ++i) {
-      r.history_item_ids.push_back(rng() % 500);
-      r.history_actions.push_back(rng() % 16);
-    }
-    r.candidate_item_ids = {static_cast<int64_t>(rng() % 500), static_cast<int64_t>(rng() % 500)};
-  };
-  // Users 1-4 of 32 tokens (8 pages each), then users 5-7 of 64 tokens push them to the host.
-  std::vector<RankRequest> users(8);
-  for (int u = 1; u <= 7; ++u) {
-    users[u].user_id = u;
-    grow(users[u], u <= 4 ? 16 : 32);
-    auto res = (*e)->Rank({&users[u], 1});
-    ASSERT_TRUE(res[0].ok()) << res[0].status();
-  }
+  std::vector<RankRequest> users;
+  ASSERT_NO_FATAL_FAILURE(PushUsersToTheHost(**e, rng, &users));
   const EngineStats before = (*e)->Stats();
-  ASSERT_EQ(before.cache.evictions, 5u);  // users 1-5 live on the host only
-  ASSERT_EQ(before.cache.dropped_entries, 0u);
-  ASSERT_EQ(before.cache.host_evictions, 0u);
   std::vector<RankRequest> wave;
   for (int u = 1; u <= 4; ++u) {
-    grow(users[u], 2);
+    Grow(rng, users[u], 2);
     wave.push_back(users[u]);
   }
   auto got = (*e)->Rank(wave);
@@ -513,47 +528,27 @@ TEST(HostTierEngine, WaveOnloadsTheFirstHostHitsThenRecomputes) {
   EXPECT_EQ(Lookups(s, LookupResult::kHostRecompute), 1u);
   // The next wave starts with an idle link: the first host hit is onloaded again.
   for (int u = 5; u <= 7; ++u) {
-    grow(users[u], 1);
+    Grow(rng, users[u], 1);
     ASSERT_TRUE((*e)->Rank({&users[u], 1})[0].ok());
   }
-  grow(users[3], 1);
+  Grow(rng, users[3], 1);
   auto again = (*e)->Rank({&users[3], 1});
   ASSERT_TRUE(again[0].ok());
   EXPECT_EQ(again[0]->cache_result, LookupResult::kHostHit);
 }
 
 TEST(HostTierEngine, CopyHiddenBehindTheWaveIsOnloadedThoughSlowerThanItsRecompute) {
-  EngineOptions o;
-  o.page_size = 4;
-  o.cache_pages = 40;
-  o.host_cache_pages = 128;
-  o.keep_hidden = true;
   // A user's 32 host tokens (8 pages) take 32 s to recompute and 40 s to copy: alone, recomputing
   // wins. Beside a new user of 64 tokens the copy hides behind half of that user's compute (2
   // layers) and wins: 40 <= 32 + (4 candidate rows + 64 tokens) / 2.
-  o.recompute_seconds_per_token = 1;
-  auto probe = Engine::Create(o, RandomModel(SmallConfig(), 7));
-  ASSERT_TRUE(probe.ok()) << probe.status();
-  o.onload_bytes_per_second = 8.0 * (*probe)->Stats().kv_page_bytes / 40.0;
+  EngineOptions o = RuleOptions(5);
   auto e = Engine::Create(o, RandomModel(SmallConfig(), 7));
   ASSERT_TRUE(e.ok()) << e.status();
   auto full = RecomputingEngine(o, 7);
   ASSERT_TRUE(full.ok());
   std::mt19937 rng(5);
-  auto grow = [&](RankRequest& r, int events) {
-    for (int i = 0; i < events; ++i) {
-      r.history_item_ids.push_back(rng() % 500);
-      r.history_actions.push_back(rng() % 16);
-    }
-    r.candidate_item_ids = {static_cast<int64_t>(rng() % 500), static_cast<int64_t>(rng() % 500)};
-  };
-  std::vector<RankRequest> users(10);
-  for (int u = 1; u <= 7; ++u) {
-    users[u].user_id = u;
-    grow(users[u], u <= 4 ? 16 : 32);
-    ASSERT_TRUE((*e)->Rank({&users[u], 1})[0].ok());
-  }
-  ASSERT_EQ((*e)->Stats().cache.evictions, 5u);  // users 1-5 live on the host only
+  std::vector<RankRequest> users;
+  ASSERT_NO_FATAL_FAILURE(PushUsersToTheHost(**e, rng, &users));
   auto check = [&](const std::vector<RankRequest>& wave,
                    const std::vector<absl::StatusOr<RankResult>>& got) {
     auto want = (*full)->Rank(wave);
@@ -565,15 +560,15 @@ TEST(HostTierEngine, CopyHiddenBehindTheWaveIsOnloadedThoughSlowerThanItsRecompu
     }
   };
   // Alone: recomputed.
-  grow(users[1], 2);
+  Grow(rng, users[1], 2);
   std::vector<RankRequest> alone = {users[1]};
   auto got = (*e)->Rank(alone);
   check(alone, got);
   EXPECT_EQ(got[0]->cache_result, LookupResult::kHostRecompute);
   // Listed first beside a new user: admitted after it, and onloaded.
-  grow(users[2], 2);
+  Grow(rng, users[2], 2);
   users[9].user_id = 9;
-  grow(users[9], 32);
+  Grow(rng, users[9], 32);
   std::vector<RankRequest> wave = {users[2], users[9]};
   got = (*e)->Rank(wave);
   check(wave, got);
@@ -581,13 +576,13 @@ TEST(HostTierEngine, CopyHiddenBehindTheWaveIsOnloadedThoughSlowerThanItsRecompu
   EXPECT_EQ(got[0]->reused_tokens, 32u);
   EXPECT_EQ(got[1]->cache_result, LookupResult::kMiss);
   // A copy of 9 s a page (72 s) needs more compute to hide behind than that wave has.
-  o.onload_bytes_per_second = (*probe)->Stats().kv_page_bytes / 9.0;
+  o = RuleOptions(9);
   auto slow = Engine::Create(o, RandomModel(SmallConfig(), 7));
   ASSERT_TRUE(slow.ok());
   for (int u = 1; u <= 7; ++u) ASSERT_TRUE((*slow)->Rank({&users[u], 1})[0].ok());
-  grow(users[3], 2);
+  Grow(rng, users[3], 2);
   users[8].user_id = 8;
-  grow(users[8], 32);
+  Grow(rng, users[8], 32);
   wave = {users[3], users[8]};
   got = (*slow)->Rank(wave);
   check(wave, got);
@@ -743,42 +738,23 @@ TEST(HostTierPrefetchEngine, PrefetchedUsersScoreLikeAFullRecompute) {
 }
 
 TEST(HostTierPrefetchEngine, PrefetchCountsTheBatchItOverlapsInFull) {
-  EngineOptions o;
-  o.page_size = 4;
-  o.cache_pages = 40;
-  o.host_cache_pages = 128;
   // A host user's 32 tokens (8 pages): 32 s to recompute, 40 s to copy. The copy runs beside the
   // whole batch about to run: a returning user's 2 candidates and 2 new tokens hide 4 s of it
   // (40 > 32 + 4: not started); a new user's 2 candidates and 64 tokens hide 66 s (started).
-  o.recompute_seconds_per_token = 1;
-  auto probe = Engine::Create(o, RandomModel(SmallConfig(), 7));
-  ASSERT_TRUE(probe.ok()) << probe.status();
-  o.onload_bytes_per_second = 8.0 * (*probe)->Stats().kv_page_bytes / 40.0;
+  const EngineOptions o = RuleOptions(5);
   auto e = Engine::Create(o, RandomModel(SmallConfig(), 7));
   ASSERT_TRUE(e.ok()) << e.status();
   std::mt19937 rng(9);
-  auto grow = [&](RankRequest& r, int events) {
-    for (int i = 0; i < events; ++i) {
-      r.history_item_ids.push_back(rng() % 500);
-      r.history_actions.push_back(rng() % 16);
-    }
-    r.candidate_item_ids = {static_cast<int64_t>(rng() % 500), static_cast<int64_t>(rng() % 500)};
-  };
-  std::vector<RankRequest> users(10);
-  for (int u = 1; u <= 7; ++u) {
-    users[u].user_id = u;
-    grow(users[u], u <= 4 ? 16 : 32);
-    ASSERT_TRUE((*e)->Rank({&users[u], 1})[0].ok());
-  }
-  ASSERT_EQ((*e)->Stats().cache.evictions, 5u);  // users 1-5 on the host only; 8 pages free
-  grow(users[2], 2);
+  std::vector<RankRequest> users;
+  ASSERT_NO_FATAL_FAILURE(PushUsersToTheHost(**e, rng, &users));  // 8 pages free after it
+  Grow(rng, users[2], 2);
   const RankRequest* queued = &users[2];
-  grow(users[7], 1);
+  Grow(rng, users[7], 1);
   const RankRequest* returning = &users[7];
   (*e)->Prefetch({&returning, 1}, {&queued, 1});
   EXPECT_EQ((*e)->Stats().cache.pages_prefetched, 0u);
   users[9].user_id = 9;
-  grow(users[9], 32);
+  Grow(rng, users[9], 32);
   const RankRequest* fresh = &users[9];
   (*e)->Prefetch({&fresh, 1}, {&queued, 1});
   EXPECT_EQ((*e)->Stats().cache.pages_prefetched, 8u);
