@@ -226,7 +226,7 @@ OnloadFilter Engine::MakeOnloadFilter(const double* wave_rows, double before_row
   return [this, wave_rows, before_rows](int64_t pages, int64_t tokens) {
     const double in_wave = wave_rows != nullptr ? *wave_rows : 0;
     const double overlap = onload_cost_.OverlapSeconds(in_wave, config_.num_layers) +
-                           before_rows * onload_cost_.seconds_per_token();
+                           onload_cost_.ForwardSeconds(before_rows);
     return onload_cost_.ShouldOnload(pages * backend_->page_bytes(), tokens, NowSeconds(), overlap);
   };
 }

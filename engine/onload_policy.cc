@@ -55,9 +55,20 @@ bool OnloadCostModel::ShouldOnload(int64_t bytes, int64_t tokens, double now,
   return copy_s <= recompute_s + std::max(0.0, overlap_seconds);
 }
 
+double OnloadCostModel::forward_fixed_seconds() const {
+  if (fixed_seconds_per_token_ > 0 || !(fit_n_ > 0)) return 0;
+  const double mean_x = fit_x_ / fit_n_, mean_y = fit_y_ / fit_n_;
+  return std::max(0.0, mean_y - seconds_per_token() * mean_x);
+}
+
+double OnloadCostModel::ForwardSeconds(double rows) const {
+  if (!(rows > 0)) return 0;
+  return forward_fixed_seconds() + rows * seconds_per_token();
+}
+
 double OnloadCostModel::OverlapSeconds(double rows, int num_layers) const {
-  if (!(rows > 0) || num_layers <= 0) return 0;
-  return rows * seconds_per_token() * (num_layers - 1) / num_layers;
+  if (num_layers <= 0) return 0;
+  return ForwardSeconds(rows) * (num_layers - 1) / num_layers;
 }
 
 void OnloadCostModel::CopyIssued(int64_t bytes, double now) {

@@ -43,9 +43,11 @@ class OnloadCostModel {
   // spends PCIe, not GPU time.
   bool ShouldOnload(int64_t bytes, int64_t tokens, double now, double overlap_seconds = 0) const;
   // The compute a wave's copies overlap when the wave computes `rows` other rows through
-  // `num_layers` layers: the copies arrive layer by layer, and only the last layer's share of the
-  // rows must follow the last copy.
+  // `num_layers` layers: the forward's time for them (its fixed part and the rows at the marginal
+  // rate), of which only the last layer's share must follow the last copy.
   double OverlapSeconds(double rows, int num_layers) const;
+  // A forward's time for `rows` rows: its fixed part and the rows at the marginal rate.
+  double ForwardSeconds(double rows) const;
   // `bytes` of host → GPU copies were issued at `now` (onloads and prefetches share the link).
   void CopyIssued(int64_t bytes, double now);
   // Every host → GPU copy issued so far has completed (by `now`).
@@ -63,6 +65,9 @@ class OnloadCostModel {
 
   double bytes_per_second() const;
   double seconds_per_token() const;
+  // A forward's fixed part (launches, weight reads, the head): the intercept of the line whose
+  // slope is seconds_per_token(); 0 with a fixed rate or without forwards of different sizes.
+  double forward_fixed_seconds() const;
   // Estimated time until the copies issued so far are done (0 when idle).
   double queued_seconds(double now) const;
 

@@ -51,10 +51,17 @@ TEST(OnloadCostModel, RecomputeRateIsTheMarginalCostOfARow) {
     m.ObserveCompute(4000, 0.9e-3 - 0.122e-3 + 4000 * 0.3055e-6);
   }
   EXPECT_NEAR(m.seconds_per_token(), 0.3055e-6, 1e-9);
-  // Forwards of one size give no slope: seconds per row, as before.
+  // The line's intercept is the forward's fixed part; a wave's copies overlap all but the last
+  // layer's share of fixed part and rows.
+  EXPECT_NEAR(m.forward_fixed_seconds(), 0.778e-3, 1e-7);
+  EXPECT_NEAR(m.ForwardSeconds(1000), 0.778e-3 + 1000 * 0.3055e-6, 1e-7);
+  EXPECT_NEAR(m.OverlapSeconds(1000, 8), (0.778e-3 + 1000 * 0.3055e-6) * 7 / 8, 1e-7);
+  EXPECT_EQ(m.ForwardSeconds(0), 0);
+  // Forwards of one size give no slope: seconds per row, as before, and no fixed part.
   OnloadCostModel same(0, 0);
   for (int i = 0; i < 20; ++i) same.ObserveCompute(1000, 1e-3);
   EXPECT_NEAR(same.seconds_per_token(), 1e-6, 1e-12);
+  EXPECT_NEAR(same.forward_fixed_seconds(), 0, 1e-12);
   // A slope above the average rate (no fixed part, noise) is capped at the average.
   OnloadCostModel steep(0, 0);
   for (int i = 0; i < 20; ++i) {
@@ -72,6 +79,7 @@ TEST(OnloadCostModel, FixedRatesIgnoreObservations) {
   m.ObserveCompute(1000, 1.0);
   EXPECT_EQ(m.bytes_per_second(), 123.0);
   EXPECT_EQ(m.seconds_per_token(), 4.0);
+  EXPECT_EQ(m.forward_fixed_seconds(), 0);
 }
 
 TEST(OnloadCostModel, OnloadsWhileTheQueuedCopyFinishesNoLaterThanTheRecompute) {
