@@ -32,16 +32,13 @@ struct Shape {
 
 nlohmann::json BenchGemmAlgos(int reps) {
   nlohmann::json rows = nlohmann::json::array();
-  cuda::Stream stream;
-  HSTU_BENCH_CHECK_CUDA(stream.Create());
-  cublasHandle_t blas = nullptr;
-  HSTU_BENCH_CHECK_LT(cublasCreate(&blas));
-  HSTU_BENCH_CHECK_LT(cublasSetStream(blas, stream.get()));
-  cublasLtHandle_t lt = nullptr;
-  HSTU_BENCH_CHECK_LT(cublasLtCreate(&lt));
-  const size_t ws_bytes = 32u << 20;
-  cuda::DeviceBuffer ws;
-  HSTU_BENCH_CHECK_CUDA(ws.Reserve(ws_bytes));
+  GemmBenchContext ctx;  // the tuner in it is what the engine runs (gemm_tuner.h)
+  cuda::Stream& stream = ctx.stream;
+  cublasHandle_t blas = ctx.blas;
+  cublasLtHandle_t lt = ctx.lt;
+  const size_t ws_bytes = GemmBenchContext::kWorkspaceBytes;
+  cuda::DeviceBuffer& ws = ctx.ws;
+  cuda::GemmTuner& tuner = ctx.tuner;
   const Shape shapes[] = {{"UVQK (bf16 out)", 4096, 1024, false, 0.f},
                           {"output + residual (fp32 out, beta 1)", 1024, 1024, true, 1.f},
                           {"output alone (fp32 out, beta 0)", 1024, 1024, true, 0.f},
@@ -52,9 +49,6 @@ nlohmann::json BenchGemmAlgos(int reps) {
               "best algo (tile id, split-k, index) | best of the first 16 (us) | slowest (us) | "
               "algos | GemmTuner, as the engine (us) |\n"
               "|---|---|---|---|---|---|---|---|---|---|---|\n");
-  HSTU_BENCH_CHECK_LT(cublasSetWorkspace(blas, ws.get(), ws_bytes));
-  cuda::GemmTuner tuner;  // what the engine runs (gemm_tuner.h)
-  HSTU_BENCH_CHECK_LT(tuner.Init(blas, ws.get(), ws_bytes));
   for (const int64_t m : {int64_t{384}, int64_t{3072}, int64_t{4096}, int64_t{34816}}) {
     for (const Shape& sh : shapes) {
       cuda::DeviceBuffer a, w, c;
@@ -132,8 +126,6 @@ nlohmann::json BenchGemmAlgos(int reps) {
       cublasLtMatmulDescDestroy(op);
     }
   }
-  cublasLtDestroy(lt);
-  cublasDestroy(blas);
   return rows;
 }
 

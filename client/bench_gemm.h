@@ -6,6 +6,9 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "client/bench_util.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/gemm_tuner.h"
 #include "nlohmann/json.hpp"
 
 // A GEMM benchmark cannot report a number after a failed cuBLAS(Lt) call: print where and exit.
@@ -20,6 +23,33 @@
   } while (0)
 
 namespace hstu::bench {
+
+// What both GEMM benchmarks run on: a stream, a cuBLAS handle bound to it with a 32 MiB workspace,
+// a cuBLASLt handle, and the engine's GemmTuner on the same workspace.
+struct GemmBenchContext {
+  static constexpr size_t kWorkspaceBytes = 32u << 20;
+  cuda::Stream stream;
+  cublasHandle_t blas = nullptr;
+  cublasLtHandle_t lt = nullptr;
+  cuda::DeviceBuffer ws;
+  cuda::GemmTuner tuner;
+
+  GemmBenchContext() {
+    HSTU_BENCH_CHECK_CUDA(stream.Create());
+    HSTU_BENCH_CHECK_LT(cublasCreate(&blas));
+    HSTU_BENCH_CHECK_LT(cublasSetStream(blas, stream.get()));
+    HSTU_BENCH_CHECK_LT(cublasLtCreate(&lt));
+    HSTU_BENCH_CHECK_CUDA(ws.Reserve(kWorkspaceBytes));
+    HSTU_BENCH_CHECK_LT(cublasSetWorkspace(blas, ws.get(), kWorkspaceBytes));
+    HSTU_BENCH_CHECK_LT(tuner.Init(blas, ws.get(), kWorkspaceBytes));
+  }
+  ~GemmBenchContext() {
+    cublasLtDestroy(lt);
+    cublasDestroy(blas);
+  }
+  GemmBenchContext(const GemmBenchContext&) = delete;
+  GemmBenchContext& operator=(const GemmBenchContext&) = delete;
+};
 
 nlohmann::json BenchGemmAlgos(int reps);
 nlohmann::json BenchGemmSearch(int reps);

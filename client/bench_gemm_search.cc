@@ -106,19 +106,13 @@ struct Candidate {
 
 nlohmann::json BenchGemmSearch(int reps) {
   nlohmann::json rows = nlohmann::json::array();
-  cuda::Stream stream;
-  HSTU_BENCH_CHECK_CUDA(stream.Create());
-  cublasHandle_t blas = nullptr;
-  HSTU_BENCH_CHECK_LT(cublasCreate(&blas));
-  HSTU_BENCH_CHECK_LT(cublasSetStream(blas, stream.get()));
-  cublasLtHandle_t lt = nullptr;
-  HSTU_BENCH_CHECK_LT(cublasLtCreate(&lt));
-  size_t ws_bytes = 32u << 20;
-  cuda::DeviceBuffer ws;
-  HSTU_BENCH_CHECK_CUDA(ws.Reserve(ws_bytes));
-  HSTU_BENCH_CHECK_LT(cublasSetWorkspace(blas, ws.get(), ws_bytes));
-  cuda::GemmTuner tuner;
-  HSTU_BENCH_CHECK_LT(tuner.Init(blas, ws.get(), ws_bytes));
+  GemmBenchContext ctx;
+  cuda::Stream& stream = ctx.stream;
+  cublasHandle_t blas = ctx.blas;
+  cublasLtHandle_t lt = ctx.lt;
+  size_t ws_bytes = GemmBenchContext::kWorkspaceBytes;  // a preference attribute takes its address
+  cuda::DeviceBuffer& ws = ctx.ws;
+  cuda::GemmTuner& tuner = ctx.tuner;
 
   const Shape shapes[] = {
       {"UVQK, batch 1", 384, 4096, 1024, false, 0.f},
@@ -347,8 +341,6 @@ nlohmann::json BenchGemmSearch(int reps) {
     cublasLtMatrixLayoutDestroy(lc);
     cublasLtMatmulDescDestroy(op);
   }
-  cublasLtDestroy(lt);
-  cublasDestroy(blas);
   return rows;
 }
 
