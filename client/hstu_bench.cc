@@ -3,6 +3,7 @@
 //   hstu_bench kernels   [--json FILE]   every kernel of one decode-step layer, TFLOP/s and GB/s
 //   hstu_bench block     [--json FILE]   the 8-layer stack through the CUDA backend
 //   hstu_bench block_graphs              the decode step eager vs CUDA-graph replay
+//   hstu_bench timeline                  the decode step's kernels as the device ran them (CUPTI)
 //   hstu_bench e2e                       Engine::Rank over growing histories: baseline/cache/graphs
 //   hstu_bench offload                   host tier onload/offload time and GB/s, onload overlap
 // Timing: CUDA events, warm-up first, median of many reps, random (non-zero) inputs; attention
@@ -29,6 +30,7 @@
 #include "client/bench_attention_layer.h"
 #include "client/bench_gemm.h"
 #include "client/bench_util.h"
+#include "client/kernel_timeline.h"
 #include "engine/cuda_backend.h"
 #include "engine/engine.h"
 #include "engine/model_file.h"
@@ -47,7 +49,7 @@ ABSL_FLAG(int32_t, window, 0,
           "sliding window (max_attn_len) of the base model in block, block_graphs and e2e; 0 = none");
 ABSL_FLAG(std::string, batches, "1,8", "batch sizes (users)");
 ABSL_FLAG(int32_t, cached, 3968,
-          "kernels: history tokens per user already in the pages, of 4096 (0 = the no-cache block's "
+          "kernels, timeline: history tokens per user already in the pages, of 4096 (0 = the no-cache block's "
           "layer: 4096 new history rows + 256 candidates per user)");
 ABSL_FLAG(bool, no_cache_only, false,
           "block: only the no-cache rows with 256 candidates (pages kept and not, alternated three "
@@ -614,41 +616,59 @@ json BenchStepGraphs(int reps, int page_size, const std::vector<int>& batches) {
   std::printf("\n### decode step with CUDA graphs (3968 cached + 128 new + 256 candidates per user; "
               "gather, 8 layers and head; default buckets, %d graphs)\n\n", be.num_graphs());
   std::printf("| batch | rows | eager GPU (ms) | graph GPU (ms) | speedup | eager Forward wall (ms) | "
-              "graph Forward wall (ms) |\n|---|---|---|---|---|---|---|\n");
+              "graph Forward wall (ms) | eager / graph GPU a step, 10 back to back (ms) | "
+              "host: stage / enqueue / wait, eager (ms) | the same, graph (ms) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n");
   std::mt19937 rng(11);
   hstu::ForwardOutput out;
   // Prefix: every user's first 3968 tokens computed once (untimed), so the pages hold real K/V.
   OrDie(be.Forward(DecodeBatch(max_b, cached, 0, 0, ppu, &rng), false, &out));
   for (int B : batches) {
     const hstu::ForwardBatch fb = DecodeBatch(B, hist, cached, cand, ppu, &rng);
-    double gpu_ms[2], wall_ms[2];
+    double gpu_ms[2], wall_ms[2], b2b_ms[2];
+    std::string phases[2];
     for (int graph = 0; graph < 2; ++graph) {
       const bool staged_graph = OrDie(be.StageStep(fb, graph == 1));
       if (graph == 1 && !staged_graph) std::fprintf(stderr, "batch %d fits no graph bucket\n", B);
       const auto t = OrDie(be.Time([&] { return be.EnqueueStep(); }, 5, reps));
       gpu_ms[graph] = Median(t);
-      be.SetGraphReplay(true);
-      std::vector<double> wall;
-      // Forward replays whenever a bucket fits; for the eager row, graphs are bypassed by staging
-      // eagerly (StageStep(..., false)) and enqueuing exactly what Forward would.
+      // The same step enqueued kBackToBack times between two events: the host runs ahead, so a
+      // step's launch latency (the time from the stream being ready to its first kernel) and any
+      // host-bound gap are hidden; the difference to the single step is what they cost.
+      constexpr int kBackToBack = 10;
+      const auto t_b2b = OrDie(be.Time(
+          [&] {
+            for (int i = 0; i < kBackToBack; ++i) {
+              if (absl::Status st = be.EnqueueStep(); !st.ok()) return st;
+            }
+            return absl::OkStatus();
+          },
+          1, std::max(3, reps / 10)));
+      b2b_ms[graph] = Median(t_b2b) / kBackToBack;
+      // Forward's wall time (staging, metadata upload, step, score read-back), graphs on or off;
+      // then the host's phases of the same step done by hand: staging, enqueueing, the wait.
+      be.SetGraphReplay(graph == 1);
+      std::vector<double> wall, stage, enqueue, wait;
       for (int i = 0; i < reps; ++i) {
-        if (graph == 1) {
-          wall.push_back(WallMs([&] { OrDie(be.Forward(fb, false, &out)); }));
-        } else {
-          wall.push_back(WallMs([&] {
-            OrDie(be.StageStep(fb, false).status());
-            OrDie(be.EnqueueStep());
-            OrDie(be.Time([] { return absl::OkStatus(); }, 0, 1).status());  // waits for the stream
-          }));
-        }
+        wall.push_back(WallMs([&] { OrDie(be.Forward(fb, false, &out)); }));
+        stage.push_back(WallMs([&] { OrDie(be.StageStep(fb, graph == 1).status()); }));
+        enqueue.push_back(WallMs([&] { OrDie(be.EnqueueStep()); }));
+        wait.push_back(WallMs([&] {  // an empty timed call: returns once the stream is done
+          OrDie(be.Time([] { return absl::OkStatus(); }, 0, 1).status());
+        }));
       }
+      be.SetGraphReplay(true);
+      phases[graph] = absl::StrFormat("%.3f / %.3f / %.3f", MedianD(stage), MedianD(enqueue),
+                                      MedianD(wait));
       wall_ms[graph] = MedianD(wall);
     }
-    std::printf("| %d | %d | %.3f | %.3f | %.2fx | %.3f | %.3f |\n", B, fb.num_rows(), gpu_ms[0],
-                gpu_ms[1], gpu_ms[0] / gpu_ms[1], wall_ms[0], wall_ms[1]);
+    std::printf("| %d | %d | %.3f | %.3f | %.2fx | %.3f | %.3f | %.3f / %.3f | %s | %s |\n", B,
+                fb.num_rows(), gpu_ms[0], gpu_ms[1], gpu_ms[0] / gpu_ms[1], wall_ms[0], wall_ms[1],
+                b2b_ms[0], b2b_ms[1], phases[0].c_str(), phases[1].c_str());
     rows.push_back({{"batch", B}, {"rows", fb.num_rows()}, {"eager_gpu_ms", gpu_ms[0]},
                     {"graph_gpu_ms", gpu_ms[1]}, {"eager_wall_ms", wall_ms[0]},
-                    {"graph_wall_ms", wall_ms[1]}});
+                    {"graph_wall_ms", wall_ms[1]}, {"eager_back_to_back_ms", b2b_ms[0]},
+                    {"graph_back_to_back_ms", b2b_ms[1]}});
   }
   std::printf("\ngraph replays %llu, fallbacks %llu; backend creation %.0f ms with %d graphs "
               "(warm-up + capture), %.0f ms without\n",
@@ -659,6 +679,121 @@ json BenchStepGraphs(int reps, int page_size, const std::vector<int>& batches) {
   std::printf("UVQK GEMM route per row class: %s\n", be.gemm_routes().c_str());
   rows.push_back({{"backend_create_ms", create_ms}, {"backend_create_no_graphs_ms", create_eager_ms},
                   {"graphs", be.num_graphs()}, {"graph_summary", be.graph_summary()}});
+  return rows;
+}
+
+// The decode step's kernels as the device ran them (CUPTI, not serialised): per (batch, eager or
+// graph) the span from the first kernel's start to the last one's end, the time some kernel ran,
+// the idle gaps between kernels and the programmatic-launch overlap; then each kernel's share and
+// the gap before it, summed per kernel name, and layer 0's sequence kernel by kernel. Medians
+// over `reps` steps, each run alone (the stream synchronised between steps).
+json BenchStepTimeline(int reps, int page_size, const std::vector<int>& batches, int cached) {
+  json rows = json::array();
+  hstu::bench::KernelTimeline timeline;  // before the backend: its warm-ups are recorded too
+  const hstu::ModelWeights weights = BaseWeights();
+  const int hist = 4096, cand = 256;
+  const int max_b = *std::max_element(batches.begin(), batches.end());
+  const int ppu = (hist + page_size - 1) / page_size;
+  hstu::GraphOptions go;
+  go.enable = true;
+  auto be_ptr = OrDie(hstu::CreateCudaBackendExt(weights, page_size, int64_t{max_b} * ppu, 0, go));
+  hstu::CudaBackend& be = *be_ptr;
+  std::mt19937 rng(11);
+  hstu::ForwardOutput out;
+  if (cached > 0) OrDie(be.Forward(DecodeBatch(max_b, cached, 0, 0, ppu, &rng), false, &out));
+  std::printf("\n### step timeline (CUPTI kernel records; %d cached + %d new + 256 candidates per "
+              "user; median of %d steps)\n\n", cached, hist - cached, reps);
+  for (int B : batches) {
+    hstu::ForwardBatch fb = DecodeBatch(B, hist, cached, cand, ppu, &rng);
+    fb.keep_kv = cached > 0;  // as the engine with its cache off: nothing reads the pages after
+    for (int graph = 0; graph < 2; ++graph) {
+      const char* mode = graph ? "graph" : "eager";
+      if (OrDie(be.StageStep(fb, graph == 1)) != (graph == 1)) {
+        std::fprintf(stderr, "batch %d fits no graph bucket\n", B);
+        continue;
+      }
+      OrDie(be.Time([&] { return be.EnqueueStep(); }, 5, 1).status());
+      std::vector<std::vector<hstu::bench::KernelSpan>> steps;
+      std::vector<double> event_ms;
+      for (int r = 0; r < reps; ++r) {
+        timeline.Clear();
+        event_ms.push_back(OrDie(be.Time([&] { return be.EnqueueStep(); }, 0, 1))[0]);
+        steps.push_back(timeline.Take());
+      }
+      // Per step: span, busy (union of the kernels' intervals), gaps, overlap; per position in the
+      // step (the same kernel sequence every step): duration and the gap before it.
+      const size_t n = steps[0].size();
+      bool same = n > 0;
+      for (const auto& s : steps) same = same && s.size() == n;
+      if (!same) {
+        std::fprintf(stderr, "batch %d %s: the steps ran different kernel counts\n", B, mode);
+        continue;
+      }
+      std::vector<double> span, busy, gaps, overlap;
+      std::vector<std::vector<double>> dur(n), gap(n);
+      for (const auto& s : steps) {
+        uint64_t reach = s[0].start_ns, busy_ns = 0, gap_ns = 0, sum_ns = 0;
+        for (size_t i = 0; i < n; ++i) {
+          const int64_t g = static_cast<int64_t>(s[i].start_ns) - static_cast<int64_t>(reach);
+          if (i > 0) gap[i].push_back(g * 1e-3);
+          dur[i].push_back((s[i].end_ns - s[i].start_ns) * 1e-3);
+          if (g > 0) gap_ns += g;
+          const uint64_t from = std::max(reach, s[i].start_ns);
+          if (s[i].end_ns > from) busy_ns += s[i].end_ns - from;
+          reach = std::max(reach, s[i].end_ns);
+          sum_ns += s[i].end_ns - s[i].start_ns;
+        }
+        span.push_back((reach - s[0].start_ns) * 1e-3);
+        busy.push_back(busy_ns * 1e-3);
+        gaps.push_back(gap_ns * 1e-3);
+        overlap.push_back((static_cast<double>(sum_ns) - busy_ns) * 1e-3);
+      }
+      std::printf("#### batch %d, %s: %zu kernels; span %.1f us (CUDA events %.1f us), a kernel "
+                  "running %.1f us, idle gaps %.1f us, programmatic overlap %.1f us\n\n",
+                  B, mode, n, MedianD(span), 1e3 * MedianD(event_ms), MedianD(busy),
+                  MedianD(gaps), MedianD(overlap));
+      // Per kernel name, in order of first appearance.
+      std::vector<std::string> names;
+      std::vector<double> tot_dur, tot_gap, tot_neg;
+      std::vector<int> count;
+      for (size_t i = 0; i < n; ++i) {
+        const std::string nm = hstu::bench::ShortKernelName(steps[0][i].name);
+        size_t k = std::find(names.begin(), names.end(), nm) - names.begin();
+        if (k == names.size()) {
+          names.push_back(nm);
+          tot_dur.push_back(0), tot_gap.push_back(0), tot_neg.push_back(0), count.push_back(0);
+        }
+        ++count[k];
+        tot_dur[k] += MedianD(dur[i]);
+        const double g = i > 0 ? MedianD(gap[i]) : 0;
+        (g > 0 ? tot_gap[k] : tot_neg[k]) += g;
+      }
+      std::printf("| kernel | per step | us a step | us each | idle before it, us a step | "
+                  "overlapped with the one before, us a step |\n|---|---|---|---|---|---|\n");
+      json kinds = json::array();
+      for (size_t k = 0; k < names.size(); ++k) {
+        std::printf("| %s | %d | %.1f | %.2f | %.1f | %.1f |\n", names[k].c_str(), count[k],
+                    tot_dur[k], tot_dur[k] / count[k], tot_gap[k], -tot_neg[k]);
+        kinds.push_back({{"kernel", names[k]}, {"count", count[k]}, {"us", tot_dur[k]},
+                         {"idle_before_us", tot_gap[k]}, {"overlap_us", -tot_neg[k]}});
+      }
+      // The step's first 16 kernels (the gather, layer 0 and the start of layer 1), one by one.
+      std::printf("\n| # | kernel | grid | start (us) | us | gap before (us) |\n|---|---|---|---|---|---|\n");
+      const size_t show = std::min<size_t>(n, 16);
+      for (size_t i = 0; i < show; ++i) {
+        std::printf("| %zu | %s | %d | %.1f | %.2f | %.2f |\n", i,
+                    hstu::bench::ShortKernelName(steps[0][i].name).c_str(), steps[0][i].grid,
+                    (steps[0][i].start_ns - steps[0][0].start_ns) * 1e-3, MedianD(dur[i]),
+                    i > 0 ? MedianD(gap[i]) : 0.0);
+      }
+      std::printf("\n");
+      rows.push_back({{"batch", B}, {"mode", mode}, {"kernels", n}, {"span_us", MedianD(span)},
+                      {"event_us", 1e3 * MedianD(event_ms)}, {"busy_us", MedianD(busy)},
+                      {"idle_gaps_us", MedianD(gaps)}, {"overlap_us", MedianD(overlap)},
+                      {"per_kernel", kinds}});
+    }
+  }
+  std::printf("UVQK GEMM route per row class: %s\n", be.gemm_routes().c_str());
   return rows;
 }
 
@@ -946,7 +1081,7 @@ int main(int argc, char** argv) {
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::fprintf(stderr, "usage: hstu_bench attention|attention_trace|kernels|block|attention_sweep|layer|block_graphs|"
-                         "e2e|offload|gemm_algos|gemm_search [--json FILE]\n");
+                         "timeline|e2e|offload|gemm_algos|gemm_search [--json FILE]\n");
     return 2;
   }
   const std::string mode = args[1];
@@ -960,7 +1095,8 @@ int main(int argc, char** argv) {
   int driver = 0, runtime = 0;
   cudaDriverGetVersion(&driver);
   cudaRuntimeGetVersion(&runtime);
-  const bool with_graphs = mode == "block_graphs" || mode == "e2e" || mode == "offload";
+  const bool with_graphs =
+      mode == "block_graphs" || mode == "timeline" || mode == "e2e" || mode == "offload";
   std::printf("GPU: %s | model: hstu-base (8 layers, d 1024, 4 x 256, N 4352) | bf16, %s | "
               "page size %d | median of %d reps | CUDA runtime %d, driver %d\n",
               GpuName().c_str(), with_graphs ? "eager and CUDA graphs (per table)" : "eager",
@@ -981,6 +1117,8 @@ int main(int argc, char** argv) {
     j["results"] = hstu::bench::BenchLayer(reps);
   } else if (mode == "block_graphs") {
     j["results"] = BenchStepGraphs(reps, page_size, batches);
+  } else if (mode == "timeline") {
+    j["results"] = BenchStepTimeline(reps, page_size, batches, absl::GetFlag(FLAGS_cached));
   } else if (mode == "e2e") {
     j["results"] = BenchE2e(std::max(1, reps / 10), page_size);
   } else if (mode == "offload") {
@@ -991,7 +1129,7 @@ int main(int argc, char** argv) {
     j["results"] = hstu::bench::BenchGemmSearch(reps);
   } else {
     std::fprintf(stderr, "unknown mode '%s' (attention | attention_trace | kernels | block | attention_sweep | layer | "
-                         "block_graphs | e2e | offload | gemm_algos | gemm_search)\n",
+                         "block_graphs | timeline | e2e | offload | gemm_algos | gemm_search)\n",
                  mode.c_str());
     return 2;
   }
