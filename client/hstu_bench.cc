@@ -49,8 +49,8 @@ ABSL_FLAG(int32_t, window, 0,
           "sliding window (max_attn_len) of the base model in block, block_graphs and e2e; 0 = none");
 ABSL_FLAG(std::string, batches, "1,8", "batch sizes (users)");
 ABSL_FLAG(int32_t, cached, 3968,
-          "kernels, timeline: history tokens per user already in the pages, of 4096 (0 = the no-cache block's "
-          "layer: 4096 new history rows + 256 candidates per user)");
+          "kernels, timeline: history tokens per user already in the pages, of 4096 (0 = the "
+          "no-cache block's layer: 4096 new history rows + 256 candidates per user)");
 ABSL_FLAG(bool, no_cache_only, false,
           "block: only the no-cache rows with 256 candidates (pages kept and not, alternated three "
           "times), e.g. to profile or A/B them");
@@ -645,8 +645,9 @@ json BenchStepGraphs(int reps, int page_size, const std::vector<int>& batches) {
           },
           1, std::max(3, reps / 10)));
       b2b_ms[graph] = Median(t_b2b) / kBackToBack;
-      // Forward's wall time (staging, metadata upload, step, score read-back), graphs on or off;
-      // then the host's phases of the same step done by hand: staging, enqueueing, the wait.
+      // Forward's wall time (staging, metadata upload, step, score read-back) with graph replay
+      // on or off (off: Forward runs the step eagerly on the bucket's padded buffers); then the
+      // host's phases of the step above done by hand: staging, enqueueing, the wait.
       be.SetGraphReplay(graph == 1);
       std::vector<double> wall, stage, enqueue, wait;
       for (int i = 0; i < reps; ++i) {

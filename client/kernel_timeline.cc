@@ -54,7 +54,6 @@ void CUPTIAPI BufferCompleted(CUcontext, uint32_t, uint8_t* buffer, size_t, size
     s.start_ns = k->start;
     s.end_ns = k->end;
     s.grid = k->gridX * k->gridY * k->gridZ;
-    s.from_graph = k->graphId != 0;
     g_spans->push_back(std::move(s));
   }
   std::free(buffer);

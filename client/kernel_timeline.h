@@ -15,7 +15,6 @@ struct KernelSpan {
   std::string name;  // demangled, without its arguments
   uint64_t start_ns = 0, end_ns = 0;
   int grid = 0;  // blocks (x · y · z)
-  bool from_graph = false;
 };
 
 class KernelTimeline {
