@@ -63,14 +63,9 @@ nlohmann::json BenchGemmAlgos(int reps) {
         HSTU_BENCH_CHECK_LT(cuda::GemmBf16(blas, a.as<cuda::bf16>(), w.as<cuda::bf16>(), c.get(),
                                            sh.c_f32, m, sh.n, sh.k, sh.beta));
       });
-      // Column-major view: Cᵀ[n, m] = Wᵀ[n, k] · Aᵀ[k, m].
-      cublasLtMatmulDesc_t op = nullptr;
-      HSTU_BENCH_CHECK_LT(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-      cublasLtMatrixLayout_t lw = nullptr, la = nullptr, lc = nullptr;
-      HSTU_BENCH_CHECK_LT(cublasLtMatrixLayoutCreate(&lw, CUDA_R_16BF, sh.n, sh.k, sh.n));
-      HSTU_BENCH_CHECK_LT(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, sh.k, m, sh.k));
-      HSTU_BENCH_CHECK_LT(
-          cublasLtMatrixLayoutCreate(&lc, sh.c_f32 ? CUDA_R_32F : CUDA_R_16BF, sh.n, m, sh.n));
+      const LtGemmDescs descs(m, sh.n, sh.k, sh.c_f32 ? CUDA_R_32F : CUDA_R_16BF);
+      cublasLtMatmulDesc_t op = descs.op;
+      cublasLtMatrixLayout_t lw = descs.w, la = descs.a, lc = descs.c;
       cublasLtMatmulPreference_t pref = nullptr;
       HSTU_BENCH_CHECK_LT(cublasLtMatmulPreferenceCreate(&pref));
       HSTU_BENCH_CHECK_LT(cublasLtMatmulPreferenceSetAttribute(
@@ -120,10 +115,6 @@ nlohmann::json BenchGemmAlgos(int reps) {
                       {"slowest_lt_us", worst * 1e3}, {"algos", tried},
                       {"tuner_us", tuned_ms * 1e3}});
       cublasLtMatmulPreferenceDestroy(pref);
-      cublasLtMatrixLayoutDestroy(lw);
-      cublasLtMatrixLayoutDestroy(la);
-      cublasLtMatrixLayoutDestroy(lc);
-      cublasLtMatmulDescDestroy(op);
     }
   }
   return rows;

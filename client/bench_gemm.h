@@ -3,6 +3,7 @@
 
 #include <cublasLt.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 
@@ -49,6 +50,29 @@ struct GemmBenchContext {
   }
   GemmBenchContext(const GemmBenchContext&) = delete;
   GemmBenchContext& operator=(const GemmBenchContext&) = delete;
+};
+
+// The row-major GEMM C[m, n] = A[m, k] · W[k, n] as cuBLASLt sees it, column-major
+// Cᵀ[n, m] = Wᵀ[n, k] · Aᵀ[k, m]: the operation (fp32 compute) and the bf16 W and A and the C
+// layouts, destroyed with it.
+struct LtGemmDescs {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t w = nullptr, a = nullptr, c = nullptr;
+
+  LtGemmDescs(int64_t m, int64_t n, int64_t k, cudaDataType_t c_type) {
+    HSTU_BENCH_CHECK_LT(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    HSTU_BENCH_CHECK_LT(cublasLtMatrixLayoutCreate(&w, CUDA_R_16BF, n, k, n));
+    HSTU_BENCH_CHECK_LT(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, k, m, k));
+    HSTU_BENCH_CHECK_LT(cublasLtMatrixLayoutCreate(&c, c_type, n, m, n));
+  }
+  ~LtGemmDescs() {
+    cublasLtMatrixLayoutDestroy(c);
+    cublasLtMatrixLayoutDestroy(a);
+    cublasLtMatrixLayoutDestroy(w);
+    cublasLtMatmulDescDestroy(op);
+  }
+  LtGemmDescs(const LtGemmDescs&) = delete;
+  LtGemmDescs& operator=(const LtGemmDescs&) = delete;
 };
 
 nlohmann::json BenchGemmAlgos(int reps);

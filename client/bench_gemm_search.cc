@@ -156,12 +156,9 @@ nlohmann::json BenchGemmSearch(int reps) {
       return w0 + rot * w_elems;
     };
 
-    cublasLtMatmulDesc_t op = nullptr;
-    HSTU_BENCH_CHECK_LT(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublasLtMatrixLayout_t lw = nullptr, la = nullptr, lc = nullptr;
-    HSTU_BENCH_CHECK_LT(cublasLtMatrixLayoutCreate(&lw, kBf16, sh.n, sh.k, sh.n));
-    HSTU_BENCH_CHECK_LT(cublasLtMatrixLayoutCreate(&la, kBf16, sh.k, sh.m, sh.k));
-    HSTU_BENCH_CHECK_LT(cublasLtMatrixLayoutCreate(&lc, ct, sh.n, sh.m, sh.n));
+    const LtGemmDescs descs(sh.m, sh.n, sh.k, ct);
+    cublasLtMatmulDesc_t op = descs.op;
+    cublasLtMatrixLayout_t lw = descs.w, la = descs.a, lc = descs.c;
     const float alpha = 1.f;
 
     std::vector<Candidate> cands;
@@ -336,10 +333,6 @@ nlohmann::json BenchGemmSearch(int reps) {
                     {"top", top_json}});
     cublasLtMatmulPreferenceDestroy(pref);
     cublasLtMatmulPreferenceDestroy(pref_id);
-    cublasLtMatrixLayoutDestroy(lw);
-    cublasLtMatrixLayoutDestroy(la);
-    cublasLtMatrixLayoutDestroy(lc);
-    cublasLtMatmulDescDestroy(op);
   }
   return rows;
 }
