@@ -105,7 +105,7 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
   probe.kv = MakePagedKvView(pool_.as<bf16>(), page_size_, config_.num_heads, config_.head_dim, 0,
                              nullptr, nullptr, nullptr);
   probe.max_attn_len = config_.max_attn_len;
-  attention_kernel_ = cuda::HstuAttentionKernelName(probe, stream_.get());
+  attention_kernel_ = cuda::HstuAttentionKernelName(probe);
   kv_from_rows_ = attention_kernel_ == "warp-specialised TMA kernel" &&
                   cuda::HstuAttentionKvFromRowsEnabled();
   const char* drop = std::getenv("HSTU_DROP_KV");  // 0: write the pages anyway (A/B timing)

@@ -3,6 +3,9 @@
 # benchmarks; logs and JSON go to $OUT. Usage (device tool, carry ["pack"]):
 #   bash scripts/run_device.sh [tests|bench|all] [bench modes, default "attention kernels block
 #   block_graphs e2e offload"]
+#   bash scripts/run_device.sh sanitize [tools, default "memcheck racecheck synccheck initcheck"]
+#     [gtest filter] — the GPU tests under compute-sanitizer, one run a tool (HSTU_SANITIZE_TIMEOUT
+#     seconds each, default 240), each log in $OUT/sanitize_TOOL.log; any report fails the run.
 set -uo pipefail
 WHAT="${1:-all}"
 OUT="${OUT:-/tmp/hstu_out}"
@@ -23,6 +26,29 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|error|Expected|Which is|actual|  " \
     "$OUT/gpu_tests.log" | head -150
   echo "gpu tests exit code: $rc"
+fi
+if [ "$WHAT" = sanitize ]; then
+  CS="$(command -v compute-sanitizer || true)"
+  for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+    [ -z "$CS" ] && [ -x "$c" ] && CS="$c"
+  done
+  if [ -z "$CS" ]; then echo "run_device.sh: compute-sanitizer not found" >&2; exit 2; fi
+  for tool in ${2:-memcheck racecheck synccheck initcheck}; do
+    extra=()
+    case "$tool" in
+      memcheck) extra=(--leak-check full) ;;
+    esac
+    start=$(date +%s)
+    timeout "${HSTU_SANITIZE_TIMEOUT:-240}" "$CS" --tool "$tool" "${extra[@]}" --error-exitcode 9 \
+      --print-limit 40 "$H/bin/hstu_gpu_tests" --gtest_filter="${3:-*}" \
+      > "$OUT/sanitize_$tool.log" 2>&1
+    trc=$?
+    echo "== $tool: exit $trc in $(( $(date +%s) - start )) s (9: errors reported, 124: timed out)"
+    grep -E "ERROR SUMMARY|LEAK SUMMARY|^\[  (FAILED|PASSED) |tests ran" "$OUT/sanitize_$tool.log"
+    grep -E "^========= [A-Z]" "$OUT/sanitize_$tool.log" | grep -v "ERROR SUMMARY" | sort | uniq -c \
+      | sort -rn | head -12
+    [ $trc -ne 0 ] && rc=$trc
+  done
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   for mode in ${2:-attention kernels block block_graphs e2e offload}; do

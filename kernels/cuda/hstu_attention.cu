@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <vector>
 
@@ -21,9 +22,8 @@ namespace {
 // {64, 1, box_rows, 1} is box_rows rows of one 64-column slab of one head of one page, which the
 // 128-byte swizzle writes in exactly the layout of the kernel's tiles. The pool size is not known
 // here, so the last dimension gets a bound past any pool (the kernel only asks for pages of the page
-// table). A map is built once per (device, pool base, geometry), copied to device memory and kept
-// for the life of the process (128 bytes each; a CUDA graph may hold its address), so it is never
-// built while a stream is being captured: a capture without a cached map takes the cp.async kernel.
+// table). The kernel takes its maps by value, as __grid_constant__ parameters: a launch, or the
+// node a stream capture records, carries its own copy, so no map lives in device memory.
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
                                    const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
                                    const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
@@ -61,83 +61,60 @@ int KvBoxRows(int page_size) {
 }
 
 // A 4-D bf16 tensor map with the 128-byte swizzle over `base` (dims and box fastest first, byte
-// strides of dims 1..3), encoded and copied to device memory once per (device, base, dims) and kept
-// for the life of the process: 128 bytes each, and a CUDA graph may hold the address. So it is
-// never built while `stream` is being captured. nullptr with *why set when it cannot be had.
-const CUtensorMap* DeviceTensorMap(const void* base, const cuuint64_t (&dims)[4],
-                                   const cuuint64_t (&strides)[3], const cuuint32_t (&box)[4],
-                                   cudaStream_t stream, const char** why) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();
-    *why = "cudaGetDevice failed";
-    return nullptr;
-  }
+// strides of dims 1..3), encoded on the host into *map. Encoded maps are kept per (base, geometry)
+// — a backend has a few: its pool and each uvqk buffer — so a step's launches do not encode again;
+// the cache holds at most kMaxCachedMaps (the oldest goes first). Host memory only, so a stream
+// may be capturing. false with *why set when the driver cannot encode it.
+bool EncodeTensorMap(const void* base, const cuuint64_t (&dims)[4], const cuuint64_t (&strides)[3],
+                     const cuuint32_t (&box)[4], CUtensorMap* map, const char** why) {
   struct Entry {
-    int device;
     const void* base;
     std::array<cuuint64_t, 7> shape;  // dims, strides
     std::array<cuuint32_t, 4> box;
-    CUtensorMap* map;
+    CUtensorMap map;
   };
+  constexpr size_t kMaxCachedMaps = 64;
   const std::array<cuuint64_t, 7> shape = {dims[0], dims[1], dims[2], dims[3],
                                            strides[0], strides[1], strides[2]};
   const std::array<cuuint32_t, 4> box_key = {box[0], box[1], box[2], box[3]};
   static std::mutex mu;
-  static std::vector<Entry>* cache = new std::vector<Entry>();
+  static std::deque<Entry>* cache = new std::deque<Entry>();  // never destroyed: no exit order
   std::lock_guard<std::mutex> lock(mu);
   for (const Entry& e : *cache) {
-    if (e.device == device && e.base == base && e.shape == shape && e.box == box_key) return e.map;
-  }
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
-      capture != cudaStreamCaptureStatusNone) {
-    cudaGetLastError();
-    *why = "its first launch is inside a stream capture";
-    return nullptr;
+    if (e.base == base && e.shape == shape && e.box == box_key) {
+      *map = e.map;
+      return true;
+    }
   }
   const EncodeTiledFn encode = GetEncodeTiled();
   if (encode == nullptr) {
     *why = "the driver has no cuTensorMapEncodeTiled";
-    return nullptr;
+    return false;
   }
-  CUtensorMap host{};
   const cuuint32_t elem[4] = {1, 1, 1, 1};
-  if (encode(&host, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(base), dims, strides,
+  if (encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(base), dims, strides,
              box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
     *why = "cuTensorMapEncodeTiled refused the layout";
-    return nullptr;
+    return false;
   }
-  CUtensorMap* dev = nullptr;
-  if (cudaMalloc(&dev, sizeof(CUtensorMap)) != cudaSuccess) {
-    cudaGetLastError();
-    *why = "no device memory for the tensor map";
-    return nullptr;
-  }
-  if (cudaMemcpy(dev, &host, sizeof(host), cudaMemcpyHostToDevice) != cudaSuccess) {
-    cudaGetLastError();
-    cudaFree(dev);
-    *why = "copying the tensor map failed";
-    return nullptr;
-  }
-  cache->push_back(Entry{device, base, shape, box_key, dev});
-  return dev;
+  if (cache->size() == kMaxCachedMaps) cache->pop_front();
+  cache->push_back(Entry{base, shape, box_key, *map});
+  return true;
 }
 
-// The device copy of p's K/V tensor map, or nullptr when the warp-specialised kernel does not apply
-// (*why, when given, then says why). The pool is viewed as {64 columns, H·D/64 slabs, page_size
-// rows, 2·num_pages K|V halves}, the last dimension bounded past any pool (its size is not known
-// here; the kernel only asks for pages of the page table).
-const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stream,
-                               const char** why = nullptr) {
+// p's K/V tensor map into *map; false when the warp-specialised kernel does not apply (*why, when
+// given, then says why). The pool is viewed as {64 columns, H·D/64 slabs, page_size rows,
+// 2·num_pages K|V halves}, the last dimension bounded past any pool (its size is not known here;
+// the kernel only asks for pages of the page table).
+bool KvTensorMap(const AttentionParams<bf16>& p, CUtensorMap* map, const char** why = nullptr) {
   const auto& kv = p.kv;
   const int64_t hd = static_cast<int64_t>(kv.num_heads) * kv.head_dim;
   const char* ignored = nullptr;
   if (why == nullptr) why = &ignored;
-  auto fail = [why](const char* reason) -> const CUtensorMap* {
+  auto fail = [why](const char* reason) {
     *why = reason;
-    return nullptr;
+    return false;
   };
   if (kv.head_dim != 256) return fail("head dim is not 256");
   if (!WsEnabled()) return fail("HSTU_ATTN_WS=0");
@@ -151,27 +128,26 @@ const CUtensorMap* KvTensorMap(const AttentionParams<bf16>& p, cudaStream_t stre
   const cuuint64_t strides[3] = {128, static_cast<cuuint64_t>(hd * 2),
                                  static_cast<cuuint64_t>(kv.kv_stride * 2)};
   const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(KvBoxRows(kv.page_size)), 1};
-  return DeviceTensorMap(kv.base, dims, strides, box, stream, why);
+  return EncodeTensorMap(kv.base, dims, strides, box, map, why);
 }
 
 // The tensor map of p's uvqk rows for the new K/V read there (new_kv_from_rows): the rows
 // [uvqk_rows, 4·H·D] bf16 viewed as {64 columns, 4·H·D/64 slabs of 128 bytes, uvqk_rows rows, 1},
 // box {64, 1, 64, 1} — a 64-key block of one slab in the swizzled layout of the pool map's boxes.
-// Rows past the allocation read as zeros. nullptr when it cannot be had (*why says why).
-const CUtensorMap* RowsTensorMap(const AttentionParams<bf16>& p, cudaStream_t stream,
-                                 const char** why) {
+// Rows past the allocation read as zeros. false when it cannot be had (*why says why).
+bool RowsTensorMap(const AttentionParams<bf16>& p, CUtensorMap* map, const char** why) {
   const int64_t cols = 4LL * p.kv.num_heads * p.kv.head_dim;
   if (p.uvqk_rows < p.num_rows || p.uvqk_rows <= 0 || p.uvqk_rows > INT32_MAX ||
       p.uvqk_row_stride != cols || reinterpret_cast<uintptr_t>(p.uvqk) % 16 != 0) {
     *why = "uvqk rows are not packed, or uvqk_rows < num_rows";
-    return nullptr;
+    return false;
   }
   const cuuint64_t dims[4] = {64, static_cast<cuuint64_t>(cols / 64),
                               static_cast<cuuint64_t>(p.uvqk_rows), 1};
   const cuuint64_t strides[3] = {128, static_cast<cuuint64_t>(cols * 2),
                                  static_cast<cuuint64_t>(p.uvqk_rows * cols * 2)};
   const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(kAttnBlockN), 1};
-  return DeviceTensorMap(p.uvqk, dims, strides, box, stream, why);
+  return EncodeTensorMap(p.uvqk, dims, strides, box, map, why);
 }
 
 template <int kD>
@@ -179,14 +155,15 @@ cudaError_t Launch(const AttentionParams<bf16>& p, const AttentionWorkItem* item
                    int32_t num_split_tiles, float* partials, cudaStream_t stream, int32_t cluster) {
   const dim3 grid(num_items * p.kv.num_heads);  // x = item * H + head
   cudaError_t err = cudaSuccess;
-  const CUtensorMap* kv_map = kD == 256 ? KvTensorMap(p, stream) : nullptr;
-  if (cluster > 0 && kv_map == nullptr) return cudaErrorInvalidValue;  // the WS kernel only
+  CUtensorMap kv_map{}, rows_map{};  // rows_map stays zero unless p.new_kv_from_rows
+  const bool ws = kD == 256 && KvTensorMap(p, &kv_map);
+  if (cluster > 0 && !ws) return cudaErrorInvalidValue;  // the WS kernel only
   // The rows' users' new K/V are in no page yet: only the WS kernel reads them from the rows.
   const char* why = "";
-  const CUtensorMap* rows_map =
-      p.new_kv_from_rows && kv_map != nullptr ? RowsTensorMap(p, stream, &why) : nullptr;
-  if (p.new_kv_from_rows && rows_map == nullptr) return cudaErrorInvalidValue;
-  if (kv_map != nullptr) {
+  if (p.new_kv_from_rows && !(ws && RowsTensorMap(p, &rows_map, &why))) {
+    return cudaErrorInvalidValue;
+  }
+  if (ws) {
     constexpr int kSmem = AttnWsTraits::kSmemBytes;
     // Not a stream operation, so it is allowed while a stream is being captured.
     err = cudaFuncSetAttribute(HstuAttentionWsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -276,10 +253,11 @@ cudaError_t HstuAttentionMaxClusters(int32_t cluster, int* max_clusters) {
   return cudaOccupancyMaxActiveClusters(max_clusters, HstuAttentionWsKernel, &config);
 }
 
-std::string HstuAttentionKernelName(const AttentionParams<bf16>& p, cudaStream_t stream) {
+std::string HstuAttentionKernelName(const AttentionParams<bf16>& p) {
   if (!HeadDimSupported(p.kv.head_dim)) return "none (unsupported head dim)";
   const char* why = "";
-  if (KvTensorMap(p, stream, &why) != nullptr) return "warp-specialised TMA kernel";
+  CUtensorMap map;
+  if (KvTensorMap(p, &map, &why)) return "warp-specialised TMA kernel";
   return std::string("2-warpgroup cp.async kernel (") + why + ")";
 }
 

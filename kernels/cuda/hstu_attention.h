@@ -90,10 +90,9 @@ int64_t ListScheduleMakespan(const std::vector<std::pair<int32_t, int64_t>>& run
                              int32_t machines, std::vector<int32_t>* scratch = nullptr);
 
 // Which kernel LaunchHstuAttention runs for p's pool and shape, and when it is not the
-// warp-specialised TMA kernel, why (builds and caches the pool's tensor map as a launch would; call
-// outside a stream capture). Only p.kv's base, page size, heads, head dim and strides and
-// p.max_attn_len are read.
-std::string HstuAttentionKernelName(const AttentionParams<__nv_bfloat16>& p, cudaStream_t stream);
+// warp-specialised TMA kernel, why (encodes the pool's tensor map as a launch would). Only p.kv's
+// base, page size, heads, head dim and strides and p.max_attn_len are read.
+std::string HstuAttentionKernelName(const AttentionParams<__nv_bfloat16>& p);
 
 // Diagnostic timeline of the warp-specialised kernel (D = 256), only in builds configured with
 // -DHSTU_ATTN_TRACE=ON: per CTA (block x < kAttnTraceCtas) kAttnTraceFields words — %globaltimer

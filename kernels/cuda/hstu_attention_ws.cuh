@@ -39,7 +39,7 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
 }
 // One box of the K/V tensor map (see KvTensorMap in hstu_attention.cu): dims, fastest first,
 // {64 columns, H*D/64 slabs, page_size rows, 2*num_pages K|V halves}; box {64, 1, box_rows, 1}.
-// The map lives in global memory (a plain pointer parameter).
+// `map` points at a __grid_constant__ kernel parameter (the kernel takes its maps by value).
 __device__ __forceinline__ void TmaLoad4d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
                                           int c1, int c2, int c3) {
   asm volatile(
@@ -224,7 +224,7 @@ struct AttnWsTraits {
 // after the key loop they sum their O through distributed shared memory (ClusterReduceEpilogue)
 // instead of writing partials for the reduction kernel. 384 threads. Each consumer warpgroup runs S, SiLU, P·V of a block in order;
 // the two warpgroups overlap each other. (A FlashAttention-3 ping-pong of the two, with S(j) and
-// P(j-1)·V(j-1) issued in one turn, measured 30 % slower: docs/cuda_kernels.md, round 6.) kv_map: the pool's tensor map in global memory; box_rows: rows
+// P(j-1)·V(j-1) issued in one turn, measured 30 % slower: docs/cuda_kernels.md, round 6.) kv_map: the pool's tensor map, by value; box_rows: rows
 // of one TMA box (64, 32, 16 or 8, dividing the page size).
 //
 // New K/V from the rows (p.new_kv_from_rows; users NewKvFromRows picks, rounds 19 and 27): the
@@ -236,8 +236,8 @@ struct AttnWsTraits {
 // pages with TMA (the pool map's boxes), which costs the CTA no loads and no kernel.
 __global__ void __launch_bounds__(384, 1)
     HstuAttentionWsKernel(const AttentionParams<bf16> p, const AttentionWorkItem* __restrict__ items,
-                          float* __restrict__ partials, const CUtensorMap* __restrict__ kv_map,
-                          const CUtensorMap* __restrict__ rows_map, int box_rows, int cluster) {
+                          float* __restrict__ partials, const __grid_constant__ CUtensorMap kv_map,
+                          const __grid_constant__ CUtensorMap rows_map, int box_rows, int cluster) {
 #ifdef HSTU_WGMMA_ENABLED
   HSTU_ATTN_TRACE_AT(kTraceEntry, GlobalTimerNs());
   // Launched dependent on the kernel before it (LaunchDependent). Until WaitForPredecessor this
@@ -296,11 +296,10 @@ __global__ void __launch_bounds__(384, 1)
     // ---- Producer warpgroup: warp 0 issues every TMA box; the other three warps leave. ----
     SetMaxNRegDec<24>();
     if (warp != 0) return;
-    // The map was written to global memory by a host copy; order its reads by the TMA unit after it.
-    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(kv_map) : "memory");
-    if (rows_user) {
-      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(rows_map) : "memory");
-    }
+    // The maps are kernel parameters (no generic-proxy write to order against): only fetch them
+    // into the TMA unit's descriptor cache ahead of the first box.
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(&kv_map) : "memory");
+    if (rows_user) asm volatile("prefetch.tensormap [%0];\n" ::"l"(&rows_map) : "memory");
     const int32_t* pages = p.kv.page_ids + p.kv.indptr[b];
     const int page_size = p.kv.page_size;
     const int G = kN / box_rows;               // box groups per 64-key tile: 1, 2, 4, 8
@@ -326,7 +325,7 @@ __global__ void __launch_bounds__(384, 1)
         __syncwarp();
         if (lane < Tr::kSlabs) {
           const uint32_t dst = ring_addr + slot * Tr::kSlotBytes + lane * (kN * 128);
-          TmaLoad4d(dst, rows_map, full_bar(slot), 0,
+          TmaLoad4d(dst, &rows_map, full_bar(slot), 0,
                     (kv == 1 ? kV : kK) * part_slab + h * Tr::kSlabs + lane,
                     row_base + kstart - first_rows_key, 0);
         }
@@ -339,7 +338,7 @@ __global__ void __launch_bounds__(384, 1)
       if (box_lane && gi < groups) {
         const int row_in_page = (kstart + gi * box_rows) % page_size;
         const uint32_t dst = ring_addr + slot * Tr::kSlotBytes + slab * (kN * 128) + gi * box_rows * 128;
-        TmaLoad4d(dst, kv_map, full_bar(slot), 0, h * Tr::kSlabs + slab, row_in_page, 2 * page + kv);
+        TmaLoad4d(dst, &kv_map, full_bar(slot), 0, h * Tr::kSlabs + slab, row_in_page, 2 * page + kv);
       }
       if (kv == 1) page = page_of_group(blk + 1);  // the next block's pages, while this one flies
     }
@@ -529,7 +528,6 @@ __global__ void __launch_bounds__(384, 1)
   if (stores) {
     NamedBarrierSync(3, 256);
     if (cwarp == 0) {
-      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(kv_map) : "memory");
       const int32_t* pages = p.kv.page_ids + p.kv.indptr[b];
       const int page_size = p.kv.page_size;
       const int G = kN / box_rows;
@@ -540,7 +538,7 @@ __global__ void __launch_bounds__(384, 1)
           const int t = kv_begin + blk * kN + gi * box_rows;
           if (t < kv_end) {
             const int32_t page = __ldg(pages + t / page_size);
-            TmaStore4d(kv_map, tile_of(i) + slab * (kN * 128) + gi * box_rows * 128, 0,
+            TmaStore4d(&kv_map, tile_of(i) + slab * (kN * 128) + gi * box_rows * 128, 0,
                        h * Tr::kSlabs + slab, t % page_size, 2 * page + kv);
           }
         }

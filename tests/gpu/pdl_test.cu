@@ -66,8 +66,13 @@ TEST(ProgrammaticLaunch, WaitCoversGridsBeforeAKernelThatReturnedWithoutWaiting)
   HSTU_ASSERT_CUDA(cudaStreamCreate(&stream));
   test::DeviceArray<int> stale(1);
   constexpr int kRounds = 500;
-  // The control first: without its wait C overtakes A (else the check below proves nothing).
-  EXPECT_GT(StaleReads(stream, kRounds, /*wait=*/false, stale.get()), 0);
+  // The control first: without its wait C overtakes A, else the check below proves nothing. A
+  // tool that serialises kernels (compute-sanitizer does) leaves nothing to overtake: skip there.
+  if (StaleReads(stream, kRounds, /*wait=*/false, stale.get()) == 0) {
+    cudaStreamDestroy(stream);
+    GTEST_SKIP() << "no dependent kernel overtook its predecessor (kernels serialised, e.g. under "
+                    "compute-sanitizer): the wait cannot be checked here";
+  }
   EXPECT_EQ(StaleReads(stream, kRounds, /*wait=*/true, stale.get()), 0);
 
   // The same chains captured in a graph, as the decode step replays them.

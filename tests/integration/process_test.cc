@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <fstream>
@@ -329,22 +330,26 @@ TEST(ProcessTest, LoadgenShortRunsReportZeroErrors) {
   const std::string csv = ReadFile(dir + "/closed.csv");
   EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 4) << csv;  // header + 3 levels
 
-  // Open loop at a constant 150 rps for 1 s: about 150 requests, all OK.
+  // Open loop at a constant rate for 1 s: about that many requests, all OK. 150 rps, or half of
+  // what one caller reached above where that is less (a sanitizer build serves far slower, and an
+  // open loop past the server's rate only measures its queue).
+  const int64_t rate = std::clamp<int64_t>(
+      static_cast<int64_t>(j["levels"][0]["throughput_rps"].get<double>() / 2), 20, 150);
   const auto [rc2, out2] = RunCommand(absl::StrCat(
-      HSTU_LOADGEN_BIN, " --target=", server.target(),
-      " --rate=150 --arrival=constant --duration=1 --warmup=0.2 --progress=false --json=", dir,
+      HSTU_LOADGEN_BIN, " --target=", server.target(), " --rate=", rate,
+      " --arrival=constant --duration=1 --warmup=0.2 --progress=false --json=", dir,
       "/open.json"));
   ASSERT_EQ(rc2, 0) << out2;
   const auto o = nlohmann::json::parse(ReadFile(dir + "/open.json"), nullptr, false);
   ASSERT_FALSE(o.is_discarded());
   EXPECT_TRUE(o["errors"].empty()) << out2;
-  EXPECT_NEAR(o["requests"].get<int64_t>(), 150, 3) << out2;
+  EXPECT_NEAR(o["requests"].get<int64_t>(), rate, 3) << out2;
   // The server saw them all.
   auto body = HttpGet(server.metrics_port(), "/metrics");
   ASSERT_TRUE(body.ok());
   auto expo = ParseExposition(*body);
   ASSERT_TRUE(expo.ok());
-  EXPECT_GE(expo->Sum("hstu_requests_total", {{"code", "OK"}}), 900 + 145);
+  EXPECT_GE(expo->Sum("hstu_requests_total", {{"code", "OK"}}), 900 + rate - 5);
   EXPECT_EQ(expo->Sum("hstu_requests_total") - expo->Sum("hstu_requests_total", {{"code", "OK"}}), 0);
 }
 

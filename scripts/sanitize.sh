@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds the host code (no CUDA) with sanitizers and runs the CPU tests under them.
+#   scripts/sanitize.sh [address,undefined | thread] [ctest args...]
+# Build dirs: build-asan/ (address,undefined) or build-tsan/ (thread). Any report fails the run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SAN="${1:-address,undefined}"
+shift || true
+case "$SAN" in
+  thread) DIR=build-tsan ;;
+  address,undefined | address | undefined) DIR=build-asan ;;
+  *) echo "sanitize.sh: unknown sanitizer set '$SAN' (address,undefined | thread)" >&2; exit 2 ;;
+esac
+JOBS="${HSTU_JOBS:-$(nproc)}"
+if [ ! -f "$DIR/CMakeCache.txt" ]; then
+  cmake -S . -B "$DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHSTU_ENABLE_CUDA=OFF \
+    -DHSTU_SANITIZE="$SAN"
+fi
+cmake --build "$DIR" -j "$JOBS"
+export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1}"
+export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+export TSAN_OPTIONS="${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1:suppressions=$PWD/tests/tsan_suppressions.txt}"
+ctest --test-dir "$DIR" --output-on-failure -j "$JOBS" "$@"
