@@ -17,3 +17,13 @@ unpack_and_setup() {
   CUDA_LIB="$cuda_lib"
   export LD_LIBRARY_PATH="$H/lib:$cuda_lib:${LD_LIBRARY_PATH:-}"
 }
+
+# Sets CS to the machine's compute-sanitizer (PATH, else the toolkit's); returns 1 when none.
+find_compute_sanitizer() {
+  CS="$(command -v compute-sanitizer || true)"
+  local c
+  for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+    [ -z "$CS" ] && [ -x "$c" ] && CS="$c"
+  done
+  [ -n "$CS" ]
+}

@@ -28,11 +28,7 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   echo "gpu tests exit code: $rc"
 fi
 if [ "$WHAT" = sanitize ]; then
-  CS="$(command -v compute-sanitizer || true)"
-  for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
-    [ -z "$CS" ] && [ -x "$c" ] && CS="$c"
-  done
-  if [ -z "$CS" ]; then echo "run_device.sh: compute-sanitizer not found" >&2; exit 2; fi
+  if ! find_compute_sanitizer; then echo "run_device.sh: compute-sanitizer not found" >&2; exit 2; fi
   for tool in ${2:-memcheck racecheck synccheck initcheck}; do
     extra=()
     case "$tool" in

@@ -5,7 +5,8 @@
 # (every user GPU-resident, ~256 new tokens + 256 candidates per request, as `hstu_bench e2e`), to
 # compare the server's throughput with the engine's. JSON and logs → $OUT.
 #   bash scripts/run_device_server.sh [duration_s] [parts: "parity cache cache_always nocache e2e"]
-# (cache_always: the cache with --onload_policy=always, every host hit onloaded: the A/B of the
+# (memcheck: the server under compute-sanitizer's memcheck with a small pool, 300 requests;
+# cache_always: the cache with --onload_policy=always, every host hit onloaded: the A/B of the
 # onload-or-recompute rule; cache_gpu: the GPU pool alone, no host tier; cache_b128: a write-behind backlog of
 # 128 MiB instead of 512; cache_window: the cache's load on the base shapes with a sliding window
 # of 512 tokens (a model file), whose cache holds a user's last ~600 tokens only; these three are
@@ -107,6 +108,30 @@ if has cache_window; then
     --out "$DIR/window.safetensors" > /dev/null
   RUN_MODEL="$DIR/window.safetensors" run cache_window "$ZIPF" --cache_pages=2048 \
     --host_cache_pages=8192
+fi
+# The server under compute-sanitizer memcheck, leak check on: a GPU pool of ~13 users and a host
+# tier of ~54 for 60 users, so evictions, write-behind offloads, onloads, prefetches and graph
+# replays all run; 300 requests, then SIGTERM (drain, clean exit) and the tool's report at exit.
+# Passes when the server exits 0 and the tool reports no error and no leak.
+if has memcheck; then
+  if find_compute_sanitizer; then
+    "$CS" --tool memcheck --leak-check full --error-exitcode 9 --print-limit 40 \
+      "$H/bin/hstu_server" --model="$MODEL" --device=cuda:0 --listen=127.0.0.1:50051 \
+      --metrics_listen=127.0.0.1:9464 --max_batch_size=8 --cache_pages=512 \
+      --host_cache_pages=2048 --graph_buckets=1x512,8x4096 > "$OUT/server_memcheck.log" 2>&1 &
+    pid=$!
+    "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --wait_ready_s=400 --users=60 --zipf=1.0 \
+      --initial_events=600 --new_events=64 --candidates=256 --concurrency=4 --requests=300 \
+      --warmup=0 --timeout_ms=60000 --progress=false --json="$OUT/loadgen_memcheck.json" 2>&1 \
+      | tee "$OUT/loadgen_memcheck.txt"
+    curl -sf http://127.0.0.1:9464/metrics > "$OUT/metrics_memcheck.txt" 2>/dev/null || true
+    kill -TERM "$pid"; wait "$pid"; echo "server (memcheck) exit code: $? (9: errors reported)"
+    grep -E "ERROR SUMMARY|LEAK SUMMARY" "$OUT/server_memcheck.log"
+    grep -E '^hstu_kv_lookups_total|^hstu_kv_evictions_total|^hstu_kv_prefetch|^hstu_cuda_graph_replays_total' \
+      "$OUT/metrics_memcheck.txt" || true
+  else
+    echo "memcheck: compute-sanitizer not found"
+  fi
 fi
 # The e2e shape (`hstu_bench e2e`: users from 256 to 4096 history tokens in 16 steps of 256 new
 # tokens + 256 candidates): 512 users of uniform popularity, each starting at up to 64 events and
