@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/engine.h"
@@ -121,8 +122,58 @@ void CheckSame(const absl::StatusOr<RankResult>& cached, const absl::StatusOr<Ra
   }
 }
 
+// What the inputs run so far reached, for the corpus replay's check (HstuFuzzReplayCheck).
+struct Reached {
+  uint64_t lookups[static_cast<int>(LookupResult::kNumResults)] = {};
+  uint64_t evictions = 0, host_evictions = 0, pages_onloaded = 0, pages_prefetched = 0;
+  uint64_t rejected = 0, exhausted = 0;
+};
+Reached reached;
+
+void Tally(const CacheStats& s) {
+  for (int i = 0; i < static_cast<int>(LookupResult::kNumResults); ++i) {
+    reached.lookups[i] += s.lookups[i];
+  }
+  reached.evictions += s.evictions;
+  reached.host_evictions += s.host_evictions;
+  reached.pages_onloaded += s.pages_onloaded;
+  reached.pages_prefetched += s.pages_prefetched;
+}
+
 }  // namespace
 }  // namespace hstu
+
+// Called by the corpus replay (fuzz_replay_main.cc) after every input: the checked-in corpus must
+// keep reaching each way the cache serves a request (host hits onloaded or recomputed counted
+// together: the cost rule decides between them by measured rates), evictions from both tiers,
+// onloads, prefetches, rejected requests and users too large for their pool. Nonzero if not.
+extern "C" int HstuFuzzReplayCheck() {
+  using hstu::LookupResult;
+  const auto& r = hstu::reached;
+  const auto n = [&](LookupResult l) { return r.lookups[static_cast<int>(l)]; };
+  const std::pair<const char*, uint64_t> counts[] = {
+      {"gpu hits", n(LookupResult::kHit)},
+      {"host hits", n(LookupResult::kHostHit) + n(LookupResult::kHostRecompute)},
+      {"partial hits", n(LookupResult::kPartial)},
+      {"misses", n(LookupResult::kMiss)},
+      {"hash mismatches", n(LookupResult::kMismatch)},
+      {"GPU evictions", r.evictions},
+      {"host evictions", r.host_evictions},
+      {"pages onloaded", r.pages_onloaded},
+      {"pages prefetched", r.pages_prefetched},
+      {"invalid requests", r.rejected},
+      {"users too large for the pool", r.exhausted},
+  };
+  int missing = 0;
+  for (const auto& [what, count] : counts) {
+    std::printf("engine fuzz corpus: %s %llu\n", what, static_cast<unsigned long long>(count));
+    if (count == 0) {
+      std::fprintf(stderr, "engine fuzz corpus: never reached: %s\n", what);
+      ++missing;
+    }
+  }
+  return missing;
+}
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace hstu;
@@ -155,9 +206,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::vector<RankRequest> batch(1 + in.Below(4));  // a user may appear twice
     for (RankRequest& r : batch) r = Visit(in, &users[in.Below(kUsers)]);
     if (in.Below(4) == 0) {  // prefetch the next batch's users behind this one
+      std::vector<RankRequest> next(users);  // every user's next visit, as far as known
+      for (RankRequest& r : next) r.candidate_item_ids = {1};
       std::vector<const RankRequest*> running, queued;
       for (const RankRequest& r : batch) running.push_back(&r);
-      for (int u = 0; u < kUsers; ++u) queued.push_back(&users[u]);
+      for (const RankRequest& r : next) queued.push_back(&r);
       cached->Prefetch(running, queued);
     }
     const auto a = cached->Rank(batch);
@@ -166,6 +219,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (a.size() != batch.size()) Fail("one result a request");
     for (size_t i = 0; i < batch.size(); ++i) {
       CheckSame(a[i], b[i], "step " + std::to_string(step) + " request " + std::to_string(i));
+      if (!b[i].ok()) ++reached.rejected;
+      if (!a[i].ok() && a[i].status().code() == absl::StatusCode::kResourceExhausted) {
+        ++reached.exhausted;
+      }
     }
     const CacheStats s = cached->Stats().cache;
     if (s.pages_pinned != 0) Fail("pages still pinned after a batch");
@@ -174,5 +231,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Fail("free host pages out of range");
     }
   }
+  Tally(cached->Stats().cache);
   return 0;
 }

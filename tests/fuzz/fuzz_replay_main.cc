@@ -1,6 +1,7 @@
 // Runs a fuzz target (LLVMFuzzerTestOneInput, linked in) over files and folders of inputs: the
 // checked-in corpus as a regression test under any compiler, without libFuzzer. Exit 1 when a path
-// cannot be read or holds no input; a failing input aborts, naming itself first.
+// cannot be read or holds no input, or the target's HstuFuzzReplayCheck fails; a failing input
+// aborts, naming itself first.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -11,6 +12,8 @@
 #include <vector>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
+// Optional, defined by a target whose corpus must keep reaching given paths: nonzero fails.
+extern "C" __attribute__((weak)) int HstuFuzzReplayCheck();
 
 int main(int argc, char** argv) {
   namespace fs = std::filesystem;
@@ -40,5 +43,6 @@ int main(int argc, char** argv) {
     LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
   }
   std::printf("fuzz replay: %zu inputs passed\n", inputs.size());
+  if (HstuFuzzReplayCheck != nullptr && HstuFuzzReplayCheck() != 0) return 1;
   return 0;
 }
