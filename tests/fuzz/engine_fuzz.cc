@@ -1,8 +1,8 @@
 // Fuzz target: a sequence of batches on the CPU engine with the KV cache, each request also scored
 // by an engine without the cache (the oracle). The input picks the cache's shape (page size, a GPU
 // pool small enough to evict, a host tier or none, the onload policy, a window, position encoding)
-// and then the traffic: visits that extend, edit, shorten or replace a user's history, batches
-// holding one user twice, invalid requests, prefetches. Every request must get what the oracle got:
+// and then the traffic: visits that extend, edit, shorten or replace a user's history, more
+// candidates than one forward takes, batches holding one user twice, invalid requests, prefetches. Every request must get what the oracle got:
 // the same scores (fp32 rounding apart) or the same error, except RESOURCE_EXHAUSTED when a user
 // outgrows the cached engine's pool; no page may stay pinned after a batch; the tokens reused and
 // computed must add up to the history the oracle computed.
@@ -85,7 +85,8 @@ RankRequest Visit(fuzz::FuzzInput& in, RankRequest* user) {
     }
   }
   RankRequest r = *user;
-  const uint32_t cands = in.Below(7);  // 0: invalid
+  // 0: invalid; past the model's max_candidates (6): scored in several candidate chunks.
+  const uint32_t cands = in.Below(in.Bool() ? 7 : 15);
   for (uint32_t i = 0; i < cands; ++i) r.candidate_item_ids.push_back(in.Below(kItems));
   switch (in.Below(16)) {  // now and then an invalid request
     case 0: if (!r.history_actions.empty()) r.history_actions.back() = kActions; break;
@@ -203,7 +204,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<RankRequest> users(kUsers);
   for (int u = 0; u < kUsers; ++u) users[u].user_id = 1000 + u;
   for (int step = 0; step < 24 && !in.empty(); ++step) {
-    std::vector<RankRequest> batch(1 + in.Below(4));  // a user may appear twice
+    std::vector<RankRequest> batch(1 + in.Below(6));  // a user may appear twice
     for (RankRequest& r : batch) r = Visit(in, &users[in.Below(kUsers)]);
     if (in.Below(4) == 0) {  // prefetch the next batch's users behind this one
       std::vector<RankRequest> next(users);  // every user's next visit, as far as known
