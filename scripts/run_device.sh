@@ -3,9 +3,11 @@
 # benchmarks; logs and JSON go to $OUT. Usage (device tool, carry ["pack"]):
 #   bash scripts/run_device.sh [tests|bench|all] [bench modes, default "attention kernels block
 #   block_graphs e2e offload"]
-#   bash scripts/run_device.sh sanitize [tools, default "memcheck racecheck synccheck initcheck"]
-#     [gtest filter] — the GPU tests under compute-sanitizer, one run a tool (HSTU_SANITIZE_TIMEOUT
-#     seconds each, default 240), each log in $OUT/sanitize_TOOL.log; any report fails the run.
+#   bash scripts/run_device.sh sanitize [tools [gtest filter]] — the GPU tests under
+#     compute-sanitizer, one run a tool (HSTU_SANITIZE_TIMEOUT seconds each, default 240), each log
+#     in $OUT/sanitize_TOOL.log; any report fails the run. Without tools, the gate (~2.5 min on an
+#     H100): memcheck with the leak check over every test, racecheck and synccheck over the kernel
+#     tests (the rest run cuBLAS's kernels, in which racecheck reports hazards: docs/gpu.md).
 set -uo pipefail
 WHAT="${1:-all}"
 OUT="${OUT:-/tmp/hstu_out}"
@@ -29,17 +31,24 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
 fi
 if [ "$WHAT" = sanitize ]; then
   if ! find_compute_sanitizer; then echo "run_device.sh: compute-sanitizer not found" >&2; exit 2; fi
-  for tool in ${2:-memcheck racecheck synccheck initcheck}; do
+  if [ -n "${2:-}" ]; then
+    runs=()
+    for tool in $2; do runs+=("$tool:${3:-*}"); done
+  else
+    runs=("memcheck:*" "racecheck:CudaKernels.*" "synccheck:CudaKernels.*")
+  fi
+  for run in "${runs[@]}"; do
+    tool="${run%%:*}" filter="${run#*:}"
     extra=()
     case "$tool" in
       memcheck) extra=(--leak-check full) ;;
     esac
     start=$(date +%s)
     timeout "${HSTU_SANITIZE_TIMEOUT:-240}" "$CS" --tool "$tool" "${extra[@]}" --error-exitcode 9 \
-      --print-limit 40 "$H/bin/hstu_gpu_tests" --gtest_filter="${3:-*}" \
+      --print-limit 40 "$H/bin/hstu_gpu_tests" --gtest_filter="$filter" \
       > "$OUT/sanitize_$tool.log" 2>&1
     trc=$?
-    echo "== $tool: exit $trc in $(( $(date +%s) - start )) s (9: errors reported, 124: timed out)"
+    echo "== $tool ($filter): exit $trc in $(( $(date +%s) - start )) s (9: errors reported, 124: timed out)"
     grep -E "ERROR SUMMARY|LEAK SUMMARY|^\[  (FAILED|PASSED) |tests ran" "$OUT/sanitize_$tool.log"
     grep -E "^========= [A-Z]" "$OUT/sanitize_$tool.log" | grep -v "ERROR SUMMARY" | sort | uniq -c \
       | sort -rn | head -12
