@@ -40,9 +40,7 @@ if [ "$WHAT" = sanitize ]; then
   for run in "${runs[@]}"; do
     tool="${run%%:*}" filter="${run#*:}"
     extra=()
-    case "$tool" in
-      memcheck) extra=(--leak-check full) ;;
-    esac
+    [ "$tool" = memcheck ] && extra=(--leak-check full)
     start=$(date +%s)
     timeout "${HSTU_SANITIZE_TIMEOUT:-240}" "$CS" --tool "$tool" "${extra[@]}" --error-exitcode 9 \
       --print-limit 40 "$H/bin/hstu_gpu_tests" --gtest_filter="$filter" \

@@ -2,10 +2,11 @@
 // by an engine without the cache (the oracle). The input picks the cache's shape (page size, a GPU
 // pool small enough to evict, a host tier or none, the onload policy, a window, position encoding)
 // and then the traffic: visits that extend, edit, shorten or replace a user's history, more
-// candidates than one forward takes, batches holding one user twice, invalid requests, prefetches. Every request must get what the oracle got:
-// the same scores (fp32 rounding apart) or the same error, except RESOURCE_EXHAUSTED when a user
-// outgrows the cached engine's pool; no page may stay pinned after a batch; the tokens reused and
-// computed must add up to the history the oracle computed.
+// candidates than one forward takes, batches holding one user twice, invalid requests, prefetches.
+// Every request must get what the oracle got: the same scores (fp32 rounding apart) or the same
+// error, except RESOURCE_EXHAUSTED when a user outgrows the cached engine's pool; no page may stay
+// pinned after a batch; the tokens reused and computed must add up to the history the oracle
+// computed.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -60,7 +61,7 @@ std::unique_ptr<Engine> MakeEngine(const EngineOptions& o, const ModelConfig& c)
   return *std::move(e);
 }
 
-// The next visit of user u: its history changed as the input says, new candidates.
+// The next visit of `user`: its history changed as the input says, new candidates.
 RankRequest Visit(fuzz::FuzzInput& in, RankRequest* user) {
   switch (in.Below(8)) {
     case 0:  // an edit inside the history
@@ -188,11 +189,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   EngineOptions cached_options;
   static constexpr int kPageSizes[] = {1, 3, 7, 16};
   cached_options.page_size = kPageSizes[in.Below(4)];
-  // Pages for 40 + 6 tokens at most a user: from less than one user to all of them.
+  // Pages of one user's full history (40 tokens): the pool holds from less than one user to all.
   const int64_t user_pages = (config.max_history_tokens + cached_options.page_size - 1) /
                              cached_options.page_size;
   cached_options.cache_pages = 1 + in.Below(static_cast<uint32_t>(user_pages * kUsers));
-  cached_options.host_cache_pages = in.Bool() ? 0 : in.Below(static_cast<uint32_t>(user_pages * kUsers));
+  cached_options.host_cache_pages =
+      in.Bool() ? 0 : in.Below(static_cast<uint32_t>(user_pages * kUsers));
   cached_options.onload_policy = in.Bool() ? OnloadPolicy::kAlways : OnloadPolicy::kCost;
   EngineOptions full_options = cached_options;
   full_options.enable_cache = false;
