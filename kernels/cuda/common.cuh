@@ -58,9 +58,23 @@ cudaError_t LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, si
   return LaunchDependentCluster(kernel, grid, block, smem, 0, stream, std::forward<Args>(args)...);
 }
 
-// 8 bf16 values moved as one 16-byte access.
+// 8 bf16 values moved as one 16-byte access. The copies are spelled out: __nv_bfloat162's own
+// copy made a Bf16x8 load or store from global memory four 4-byte accesses (on an H200 the output
+// LayerNorm · u moved 2.7 TB/s where the LayerNorm of the same bytes moved 3.8; round 34).
 struct alignas(16) Bf16x8 {
   __nv_bfloat162 h[4];
+
+  Bf16x8() = default;
+  __host__ __device__ __forceinline__ Bf16x8(const Bf16x8& o) { Copy(o); }
+  __host__ __device__ __forceinline__ Bf16x8& operator=(const Bf16x8& o) {
+    Copy(o);
+    return *this;
+  }
+
+ private:
+  __host__ __device__ __forceinline__ void Copy(const Bf16x8& o) {
+    *reinterpret_cast<uint4*>(h) = *reinterpret_cast<const uint4*>(o.h);
+  }
 };
 
 __device__ __forceinline__ void Unpack8(const Bf16x8& v, float (&f)[8]) {
