@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kNormWarps * 32)
 // a is held packed (4 registers per group, not 8) and unpacked in each pass, so that u (and, up to
 // 1024 columns, w and b) can be loaded up front with it: their latency then hides behind the
 // statistics, and 4096 columns still fit in the register file (2 × 64 registers of data per lane).
-template <int kGroups>
+template <int kGroups, bool kEarlyAffine>
 __global__ void __launch_bounds__(kNormWarps * 32)
     NormMulUWarpKernel(const bf16* __restrict__ a, const bf16* __restrict__ u, int64_t u_stride,
                        int64_t rows, int hd, const float* __restrict__ w,
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kNormWarps * 32)
     }
   }
   g.CopyX(r, src, lane, 32);  // its loads overlap a's and u's
-  const NormAffine<kGroups> affine(w, b, hd, lane);
+  const NormAffine<kGroups, kEarlyAffine> affine(w, b, hd, lane);
   // The same two passes as WarpRowStats, over the unpacked groups.
   float s = 0.f;
 #pragma unroll
@@ -226,6 +226,9 @@ __global__ void __launch_bounds__(kThreads) NormMulUKernel(const bf16* __restric
   }
 }
 
+// From this many rows on, LayerNorm · u loads w and b after the statistics (NormAffine).
+constexpr int64_t kNormLateAffineRows = 8192;
+
 unsigned NormBlocks(int64_t rows) {
   return static_cast<unsigned>((rows + kNormWarps - 1) / kNormWarps);
 }
@@ -269,10 +272,13 @@ cudaError_t NormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64_t row
     return LaunchDependent(NormMulUKernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0,
                            stream, a, u, u_stride, hd, w, b, eps, y, g);
   }
+  // Many rows: w and b loaded after the statistics, so that more rows are in flight an SM.
+  const bool early = rows < kNormLateAffineRows;
   const cudaError_t err = DispatchNormLaneGroups(groups, [&](auto lanes) {
-    return LaunchDependent(NormMulUWarpKernel<decltype(lanes)::value>, dim3(NormBlocks(rows)),
-                           dim3(kNormWarps * 32), 0, stream, a, u, u_stride, rows,
-                           static_cast<int>(hd), w, b, eps, y, g);
+    constexpr int kLanes = decltype(lanes)::value;
+    return LaunchDependent(early ? NormMulUWarpKernel<kLanes, true> : NormMulUWarpKernel<kLanes, false>,
+                           dim3(NormBlocks(rows)), dim3(kNormWarps * 32), 0, stream, a, u, u_stride,
+                           rows, static_cast<int>(hd), w, b, eps, y, g);
   });
   return err != cudaSuccess ? err : cudaPeekAtLastError();
 }

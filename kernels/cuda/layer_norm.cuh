@@ -76,9 +76,11 @@ __device__ __forceinline__ float2 WarpRowStats(const float (&v)[kGroups][8], int
 // instead of following them (on an H200 at batch 1 of the decode step: 0.7–1.0 µs of a 7 µs
 // LayerNorm, and no loss at batch 8); wider rows load them group by group after the statistics,
 // which keeps 4096 columns inside the register file.
-template <int kGroups>
+// kAllowEarly false keeps them late at any width (64 registers a lane fewer: more rows in flight
+// where there are many rows, LaunchNormMulU).
+template <int kGroups, bool kAllowEarly = true>
 struct NormAffine {
-  static constexpr bool kEarly = kGroups <= 4;
+  static constexpr bool kEarly = kAllowEarly && kGroups <= 4;
   static constexpr int kHeld = kEarly ? kGroups : 1;
   const float* w;
   const float* b;
@@ -113,10 +115,11 @@ struct NormAffine {
 };
 
 // out[c] = (v[c] - mean) * rstd * w[c] + b[c] as bf16 for this lane's valid groups.
-template <int kGroups>
+template <int kGroups, bool kAllowEarly>
 __device__ __forceinline__ void WarpRowNormStore(const float (&v)[kGroups][8], float2 stats,
                                                  int cols, int lane,
-                                                 const NormAffine<kGroups>& affine, bf16* out) {
+                                                 const NormAffine<kGroups, kAllowEarly>& affine,
+                                                 bf16* out) {
 #pragma unroll
   for (int j = 0; j < kGroups; ++j) {
     const int c = NormGroupCol(j, lane);
