@@ -226,7 +226,9 @@ __global__ void __launch_bounds__(kThreads) NormMulUKernel(const bf16* __restric
   }
 }
 
-// From this many rows on, LayerNorm · u loads w and b after the statistics (NormAffine).
+// From this many rows on, LayerNorm · u loads w and b after the statistics (NormAffine): 92
+// registers instead of 133, 20 rows in flight an SM instead of 12 (round 35). The input LayerNorm
+// measured slower that way (55 → 58.7 µs at 34 816 rows on an H200), so it keeps them early.
 constexpr int64_t kNormLateAffineRows = 8192;
 
 unsigned NormBlocks(int64_t rows) {
