@@ -169,6 +169,26 @@ TEST(CudaKernels, LayerNormAndNormMulUMatchCpu) {
       }
     }
   }
+  // From 8192 rows NormMulU loads w and b after the statistics (layer_norm.cu): the same math.
+  for (int cols : {1024, 520}) {
+    const int rows = 8200, stride = cols * 3;
+    const std::string what = std::to_string(rows) + "x" + std::to_string(cols);
+    auto w = RandomVector(rng, cols, 0.5f, 1.5f), b = RandomVector(rng, cols);
+    auto a = RoundBf16(RandomVector(rng, static_cast<size_t>(rows) * cols, -2.f, 2.f));
+    auto u = RoundBf16(RandomVector(rng, static_cast<size_t>(rows) * stride));
+    std::vector<float> want_y(static_cast<size_t>(rows) * cols);
+    cpu::NormMulU(a.data(), u.data() + cols, stride, rows, cols, w.data(), b.data(), 1e-5f,
+                  want_y.data());
+    DeviceArray<float> d_w(w), d_b(b);
+    DeviceArray<bf16> d_a(ToBf16(a)), d_u(ToBf16(u)), d_y(static_cast<size_t>(rows) * cols);
+    d_y.Poison();
+    HSTU_ASSERT_CUDA(cuda::LaunchNormMulU(d_a.get(), d_u.get() + cols, stride, rows, cols,
+                                          d_w.get(), d_b.get(), 1e-5f, d_y.get(), nullptr));
+    HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+    const auto got_y = ToF32(d_y.Download());
+    ASSERT_TRUE(AllFinite(got_y)) << what;
+    EXPECT_LT(test::RelL2(got_y, want_y), test::kBf16RoundRelL2) << what;
+  }
   // Rejected with nothing launched: a width that is not a multiple of 8, a misaligned row.
   DeviceArray<float> d_x(64), d_w(64);
   DeviceArray<bf16> d_o(64);
