@@ -111,8 +111,10 @@ TEST(CudaKernels, EmbeddingGatherAndFusedLayerNormMatchCpu) {
 TEST(CudaKernels, LayerNormAndNormMulUMatchCpu) {
   HSTU_SKIP_WITHOUT_GPU();
   std::mt19937 rng(2);
+  // 8200 rows: from 8192 on, LayerNorm · u loads w and b after the statistics (layer_norm.cu).
   for (int cols : {1024, 512, 2048, 520, 136, 4360}) {
-    for (int rows = 1; rows <= 17; rows += 2) {
+    for (int rows : {1, 3, 5, 7, 9, 11, 13, 15, 17, 8200}) {
+      if (rows > 17 && cols != 1024 && cols != 520) continue;
       const std::string what = std::to_string(rows) + "x" + std::to_string(cols);
       auto x = RandomVector(rng, rows * cols, -3.f, 5.f);
       auto w = RandomVector(rng, cols, 0.5f, 1.5f), b = RandomVector(rng, cols);
@@ -168,26 +170,6 @@ TEST(CudaKernels, LayerNormAndNormMulUMatchCpu) {
         }
       }
     }
-  }
-  // From 8192 rows NormMulU loads w and b after the statistics (layer_norm.cu): the same math.
-  for (int cols : {1024, 520}) {
-    const int rows = 8200, stride = cols * 3;
-    const std::string what = std::to_string(rows) + "x" + std::to_string(cols);
-    auto w = RandomVector(rng, cols, 0.5f, 1.5f), b = RandomVector(rng, cols);
-    auto a = RoundBf16(RandomVector(rng, static_cast<size_t>(rows) * cols, -2.f, 2.f));
-    auto u = RoundBf16(RandomVector(rng, static_cast<size_t>(rows) * stride));
-    std::vector<float> want_y(static_cast<size_t>(rows) * cols);
-    cpu::NormMulU(a.data(), u.data() + cols, stride, rows, cols, w.data(), b.data(), 1e-5f,
-                  want_y.data());
-    DeviceArray<float> d_w(w), d_b(b);
-    DeviceArray<bf16> d_a(ToBf16(a)), d_u(ToBf16(u)), d_y(static_cast<size_t>(rows) * cols);
-    d_y.Poison();
-    HSTU_ASSERT_CUDA(cuda::LaunchNormMulU(d_a.get(), d_u.get() + cols, stride, rows, cols,
-                                          d_w.get(), d_b.get(), 1e-5f, d_y.get(), nullptr));
-    HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
-    const auto got_y = ToF32(d_y.Download());
-    ASSERT_TRUE(AllFinite(got_y)) << what;
-    EXPECT_LT(test::RelL2(got_y, want_y), test::kBf16RoundRelL2) << what;
   }
   // Rejected with nothing launched: a width that is not a multiple of 8, a misaligned row.
   DeviceArray<float> d_x(64), d_w(64);
