@@ -115,11 +115,10 @@ struct NormAffine {
 };
 
 // out[c] = (v[c] - mean) * rstd * w[c] + b[c] as bf16 for this lane's valid groups.
-template <int kGroups, bool kAllowEarly>
+template <int kGroups>
 __device__ __forceinline__ void WarpRowNormStore(const float (&v)[kGroups][8], float2 stats,
                                                  int cols, int lane,
-                                                 const NormAffine<kGroups, kAllowEarly>& affine,
-                                                 bf16* out) {
+                                                 const NormAffine<kGroups>& affine, bf16* out) {
 #pragma unroll
   for (int j = 0; j < kGroups; ++j) {
     const int c = NormGroupCol(j, lane);
