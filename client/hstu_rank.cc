@@ -17,7 +17,8 @@
 ABSL_FLAG(std::string, model, "random:tiny", "model file, or random:PRESET (tiny | base)");
 ABSL_FLAG(uint64_t, seed, 1, "seed of a random:PRESET model");
 ABSL_FLAG(std::string, input, "", "JSONL requests, one per line ('-' = stdin)");
-ABSL_FLAG(std::string, device, "cpu", "cpu | cuda:N | auto");
+ABSL_FLAG(std::string, device, "cpu",
+          "cpu | cpu-bf16 (the CPU reference rounded as the GPU rounds, DESIGN §2.4) | cuda:N | auto");
 ABSL_FLAG(bool, no_cache, false, "recompute every history (no KV reuse between requests)");
 ABSL_FLAG(int32_t, page_size, 32, "tokens per KV page");
 ABSL_FLAG(int64_t, cache_pages, 0, "KV pool size in pages (0 = default for the device)");
@@ -64,7 +65,7 @@ absl::StatusOr<hstu::RankRequest> ParseRequest(const std::string& line) {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "hstu_rank: scores JSONL requests offline.\n"
-      "  hstu_rank --model FILE|random:PRESET --input FILE.jsonl [--device cpu|cuda:N] [--no-cache]\n"
+      "  hstu_rank --model FILE|random:PRESET --input FILE.jsonl [--device cpu|cpu-bf16|cuda:N] [--no-cache]\n"
       "            [--page-size N] [--cache-pages N] [--host-cache-pages N]\n"
       "Input line: {\"user_id\": 7, \"history_item_ids\": [...], \"history_actions\": [...],\n"
       "             \"candidate_item_ids\": [...]}\n"

@@ -120,10 +120,21 @@ class Backend {
   virtual int64_t page_bytes() const { return num_pages() > 0 ? kv_pool_bytes() / num_pages() : 0; }
 };
 
-// CPU reference backend (fp32).
-absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const ModelWeights& weights,
-                                                           int32_t page_size, int64_t num_pages);
-// "cpu", "cuda:N" or "auto" (cuda:0 when a GPU is present, else cpu).
+// What the CPU backend computes in. kFp32 is the reference of DESIGN §2.2–2.3. kBf16 rounds where
+// the CUDA backend stores bf16 (DESIGN §2.4, docs/cuda_kernels.md "Numerics"): embedding tables and
+// layer GEMM weights, LayerNorm outputs, the UVQK GEMM's output and its bias + SiLU (so u, v, q and
+// the K/V pages), P before P·V, the attention's output and LayerNorm · u; the residual stream,
+// statistics and accumulations stay fp32, and the head's hidden layers take TF32 inputs. It is the
+// "straightforward bf16 computation" that DESIGN §2.4 measures a GPU result against: a GPU is as
+// close to kFp32 as it should be when it is about as close as kBf16 is.
+enum class CpuNumerics { kFp32, kBf16 };
+
+// CPU reference backend (name "cpu", or "cpu-bf16" with CpuNumerics::kBf16).
+absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(
+    const ModelWeights& weights, int32_t page_size, int64_t num_pages,
+    CpuNumerics numerics = CpuNumerics::kFp32);
+// "cpu", "cpu-bf16" (the CPU backend with CpuNumerics::kBf16), "cuda:N" or "auto" (cuda:0 when a
+// GPU is present, else cpu).
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device,
                                                        const ModelWeights& weights,
                                                        int32_t page_size, int64_t num_pages,

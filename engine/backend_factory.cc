@@ -13,12 +13,15 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device
                                                        int32_t page_size, int64_t num_pages,
                                                        const GraphOptions& graphs) {
   if (device == "cpu") return CreateCpuBackend(weights, page_size, num_pages);
+  if (device == "cpu-bf16") {
+    return CreateCpuBackend(weights, page_size, num_pages, CpuNumerics::kBf16);
+  }
   int index = 0;
   const bool is_auto = device == "auto";
   if (!is_auto) {
     if (!absl::StartsWith(device, "cuda:") || !absl::SimpleAtoi(device.substr(5), &index) || index < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("device '", device, "' is not one of cpu, cuda:N, auto"));
+          absl::StrCat("device '", device, "' is not one of cpu, cpu-bf16, cuda:N, auto"));
     }
   }
 #if defined(HSTU_WITH_CUDA)

@@ -1,4 +1,5 @@
-// CPU reference backend: the forward of DESIGN §2.2–2.3 in fp32, composed of kernels/cpu ops.
+// CPU reference backend: the forward of DESIGN §2.2–2.3 in fp32, composed of kernels/cpu ops; or,
+// with CpuNumerics::kBf16, the same forward rounded where the CUDA backend stores bf16.
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -15,9 +16,21 @@ constexpr float kLayerNormEps = 1e-5f;
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(const ModelWeights& weights, int32_t page_size, int64_t num_pages)
-      : w_(weights), page_size_(page_size), num_pages_(num_pages) {
+  CpuBackend(const ModelWeights& weights, int32_t page_size, int64_t num_pages,
+             CpuNumerics numerics)
+      : w_(weights), bf16_(numerics == CpuNumerics::kBf16), page_size_(page_size),
+        num_pages_(num_pages) {
     const ModelConfig& c = w_.config;
+    if (bf16_) {
+      // The tensors the CUDA backend keeps in bf16; norms, biases and the head stay fp32.
+      for (std::vector<float>* t : {&w_.item_embedding, &w_.action_embedding, &w_.position_embedding}) {
+        Round(t);
+      }
+      for (LayerWeights& l : w_.layers) {
+        Round(&l.uvqk_w);
+        Round(&l.output_w);
+      }
+    }
     page_elems_ = 2LL * page_size_ * c.hd();
     layer_elems_ = page_elems_ * num_pages_;
     // Left uninitialised on purpose: pages are always written (append) before they are read, and a
@@ -25,7 +38,7 @@ class CpuBackend final : public Backend {
     pool_.reset(new float[static_cast<size_t>(layer_elems_ * c.num_layers)]);
   }
 
-  std::string name() const override { return "cpu"; }
+  std::string name() const override { return bf16_ ? "cpu-bf16" : "cpu"; }
   int64_t num_pages() const override { return num_pages_; }
   int64_t kv_pool_bytes() const override { return layer_elems_ * w_.config.num_layers * 4; }
   int64_t device_memory_bytes() const override { return 0; }
@@ -86,7 +99,14 @@ class CpuBackend final : public Backend {
                            batch.num_tokens.data());
   }
 
-  const ModelWeights w_;  // own copy: the engine drops its host weights after start-up
+  // Rounds to bf16 in the kBf16 numerics, where the CUDA backend stores bf16; else a no-op.
+  void Round(float* x, int64_t count) const {
+    if (bf16_) cpu::RoundToBf16InPlace(x, count);
+  }
+  void Round(std::vector<float>* x) const { Round(x->data(), static_cast<int64_t>(x->size())); }
+
+  ModelWeights w_;  // own copy (rounded in kBf16): the engine drops its host weights after start-up
+  const bool bf16_;
   int32_t page_size_;
   int64_t num_pages_;
   int64_t page_elems_ = 0;
@@ -127,8 +147,19 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, bool keep_hidden, Fo
     const LayerWeights& l = w_.layers[layer];
     cpu::LayerNorm(x.data(), rows, d, l.input_norm_w.data(), l.input_norm_b.data(), kLayerNormEps,
                    n.data());
-    cpu::Gemm(n.data(), l.uvqk_w.data(), l.uvqk_b.data(), rows, 4 * hd, d, 0.f, uvqk.data());
+    Round(&n);
+    if (bf16_) {
+      // As the cuBLAS route: the GEMM's bf16 output, then bias + SiLU rounded once more.
+      cpu::Gemm(n.data(), l.uvqk_w.data(), nullptr, rows, 4 * hd, d, 0.f, uvqk.data());
+      Round(&uvqk);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < 4 * hd; ++j) uvqk[r * 4 * hd + j] += l.uvqk_b[j];
+      }
+    } else {
+      cpu::Gemm(n.data(), l.uvqk_w.data(), l.uvqk_b.data(), rows, 4 * hd, d, 0.f, uvqk.data());
+    }
     cpu::SiluInPlace(uvqk.data(), rows * 4 * hd);
+    Round(&uvqk);
 
     const PagedKvView<float> kv = View(layer, batch);
     AppendKvParams<float> ap;
@@ -150,10 +181,12 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, bool keep_hidden, Fo
     att.alpha = 1.f / std::sqrt(static_cast<float>(c.head_dim));
     att.inv_norm = 1.f / static_cast<float>(c.attention_norm_len);
     att.max_attn_len = c.max_attn_len;
-    cpu::HstuAttention(att);
+    cpu::HstuAttention(att, /*round_p_to_bf16=*/bf16_);
+    Round(&a);
 
     cpu::NormMulU(a.data(), uvqk.data() + kU * hd, 4 * hd, rows, hd, l.output_norm_w.data(),
                   l.output_norm_b.data(), kLayerNormEps, y.data());
+    Round(&y);
     cpu::Gemm(y.data(), l.output_w.data(), nullptr, rows, d, hd, 1.f, x.data());
   }
 
@@ -172,7 +205,15 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, bool keep_hidden, Fo
   for (size_t j = 0; j < w_.head.size(); ++j) {
     const HeadLayerWeights& hl = w_.head[j];
     std::vector<float> next(num_cand * hl.out);
-    cpu::Gemm(act.data(), hl.w.data(), hl.b.data(), num_cand, hl.out, hl.in, 0.f, next.data());
+    if (bf16_ && j + 1 < w_.head.size()) {
+      // The hidden layers run on the TF32 tensor cores; the last, narrow one in fp32.
+      cpu::RoundToTf32InPlace(act.data(), static_cast<int64_t>(act.size()));
+      std::vector<float> w_tf32 = hl.w;
+      cpu::RoundToTf32InPlace(w_tf32.data(), static_cast<int64_t>(w_tf32.size()));
+      cpu::Gemm(act.data(), w_tf32.data(), hl.b.data(), num_cand, hl.out, hl.in, 0.f, next.data());
+    } else {
+      cpu::Gemm(act.data(), hl.w.data(), hl.b.data(), num_cand, hl.out, hl.in, 0.f, next.data());
+    }
     if (j + 1 < w_.head.size()) cpu::ReluInPlace(next.data(), static_cast<int64_t>(next.size()));
     act = std::move(next);
   }
@@ -206,10 +247,11 @@ absl::Status CpuBackend::ReadKv(const std::vector<int32_t>& page_ids, int32_t nu
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const ModelWeights& weights,
-                                                          int32_t page_size, int64_t num_pages) {
+                                                          int32_t page_size, int64_t num_pages,
+                                                          CpuNumerics numerics) {
   if (page_size <= 0) return absl::InvalidArgumentError("page_size must be > 0");
   if (num_pages <= 0) return absl::InvalidArgumentError("the KV pool needs at least one page");
-  return std::unique_ptr<Backend>(new CpuBackend(weights, page_size, num_pages));
+  return std::unique_ptr<Backend>(new CpuBackend(weights, page_size, num_pages, numerics));
 }
 
 }  // namespace hstu

@@ -105,7 +105,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   auto make_backend = [&](const std::string& device) {
     num_pages = options.cache_pages;
     if (num_pages == 0) {
-      const bool cpu = device == "cpu";
+      const bool cpu = device.rfind("cpu", 0) == 0;  // cpu, cpu-bf16: fp32 pages
       const int64_t page_bytes = 2LL * options.page_size * c.hd() * (cpu ? 4 : 2) * c.num_layers;
       num_pages = std::max(pages_per_user * 2,
                            (cpu ? kDefaultCpuPoolBytes : kDefaultGpuPoolBytes) / page_bytes);

@@ -23,7 +23,7 @@ namespace hstu {
 struct EngineOptions {
   std::string model = "random:tiny";  // file path or random:PRESET
   uint64_t seed = 1;                  // for random models
-  std::string device = "cpu";         // cpu | cuda:N | auto
+  std::string device = "cpu";         // cpu | cpu-bf16 | cuda:N | auto
   int32_t page_size = 32;             // tokens per KV page
   int64_t cache_pages = 0;            // KV pool size in pages; 0 = room for 64 users of max history
   int64_t host_cache_pages = 0;       // host (pinned) KV tier in pages; 0 = none; -1 = auto (on a

@@ -16,7 +16,7 @@
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "HSTU ranking server.\n"
-      "  hstu_server [--model=random:tiny|FILE] [--device=auto|cpu|cuda:N] [--listen=0.0.0.0:50051]\n"
+      "  hstu_server [--model=random:tiny|FILE] [--device=auto|cpu|cpu-bf16|cuda:N] [--listen=0.0.0.0:50051]\n"
       "              [--metrics_listen=0.0.0.0:9464] [batching, cache and limit flags]\n"
       "Serves hstu.v1.Ranker (proto/hstu/v1/ranking.proto), grpc.health.v1 and reflection;\n"
       "Prometheus metrics on http://METRICS_LISTEN/metrics. See docs/server.md.");

@@ -81,7 +81,8 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                c.model_name, c.num_layers, c.hidden_dim, c.num_heads, c.head_dim, c.num_tasks,
                c.max_history_tokens, c.max_candidates, s->engine_->device_name());
   if (s->engine_->device_name().rfind("cpu", 0) == 0) {
-    spdlog::warn("engine: running on the CPU reference backend (fp32), not on a GPU");
+    spdlog::warn("engine: running on the CPU reference backend ({}), not on a GPU",
+                 s->engine_->device_name());
   }
   const EngineStats stats = s->engine_->Stats();
   if (stats.cache.host_pages_total == 0) {

@@ -8,6 +8,14 @@ all arithmetic is float64 so that the only error in a comparison is the engine's
 
 Usage:
     hstu_reference.py --model MODEL.safetensors --input REQUESTS.jsonl [--output SCORES.jsonl]
+                      [--numerics fp64|bf16]
+
+--numerics bf16 rounds where the CUDA engine stores bf16 (DESIGN §2.4; docs/cuda_kernels.md,
+"Numerics"), everything else staying float64: the embedding tables and layer GEMM weights, LayerNorm
+outputs, the UVQK GEMM's output and its bias + SiLU, P before P·V, the attention output and
+LayerNorm · u; the head's hidden layers take TF32 inputs. It is the "straightforward bf16
+computation" that DESIGN §2.4 measures a GPU result against, written independently of the C++
+engine's `--device cpu-bf16`, which it checks.
 
 Each input line {"user_id": 7, "history_item_ids": [...], "history_actions": [...],
 "candidate_item_ids": [...]} produces one output line {"user_id": 7, "scores": [[t0, t1, ...], ...]}
@@ -160,6 +168,56 @@ def load_model(path: str) -> Model:
 
 
 # --------------------------------------------------------------------------------------------------
+# The GPU's roundings (--numerics bf16)
+# --------------------------------------------------------------------------------------------------
+
+
+def round_mantissa(x, dropped_bits: int) -> np.ndarray:
+    """x through float32, then its low `dropped_bits` mantissa bits rounded off (nearest, ties to even)."""
+    f = np.asarray(x, dtype=np.float32)
+    u = f.view(np.uint32).astype(np.uint64)
+    lsb = (u >> np.uint64(dropped_bits)) & np.uint64(1)
+    u = (u + np.uint64((1 << (dropped_bits - 1)) - 1) + lsb) & ~np.uint64((1 << dropped_bits) - 1)
+    rounded = (u & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(f), f, rounded).astype(np.float64)
+
+
+def to_bf16(x) -> np.ndarray:
+    return round_mantissa(x, 16)
+
+
+def to_tf32(x) -> np.ndarray:
+    return round_mantissa(x, 13)
+
+
+def exact(x):
+    return x
+
+
+@dataclass
+class Numerics:
+    act: callable = exact  # applied where the GPU stores an activation in bf16
+    head_hidden: callable = exact  # applied to the inputs of the head's hidden layers (TF32)
+
+
+FP64 = Numerics()
+BF16 = Numerics(act=to_bf16, head_hidden=to_tf32)
+
+
+def with_bf16_weights(model: Model) -> Model:
+    """The model as the GPU holds it: embeddings and layer GEMM weights in bf16."""
+    layers = [
+        Layer(l.input_norm_w, l.input_norm_b, to_bf16(l.uvqk_w), l.uvqk_b, l.output_norm_w,
+              l.output_norm_b, to_bf16(l.output_w))
+        for l in model.layers
+    ]
+    pos = None if model.position_emb is None else to_bf16(model.position_emb)
+    return Model(**{**model.__dict__, "item_emb": to_bf16(model.item_emb),
+                    "action_emb": to_bf16(model.action_emb), "position_emb": pos,
+                    "layers": layers})
+
+
+# --------------------------------------------------------------------------------------------------
 # Forward (DESIGN §2) with truncation (DESIGN §4)
 # --------------------------------------------------------------------------------------------------
 
@@ -211,11 +269,12 @@ def attention_mask(num_history: int, num_candidates: int, window: int) -> np.nda
     return allowed
 
 
-def hstu_layer(x: np.ndarray, layer: Layer, model: Model, mask: np.ndarray) -> np.ndarray:
+def hstu_layer(x: np.ndarray, layer: Layer, model: Model, mask: np.ndarray,
+               num: Numerics = FP64) -> np.ndarray:
     H, D = model.num_heads, model.head_dim
     hd = H * D
-    normed = layer_norm(x, layer.input_norm_w, layer.input_norm_b)
-    uvqk = silu(normed @ layer.uvqk_w + layer.uvqk_b)
+    normed = num.act(layer_norm(x, layer.input_norm_w, layer.input_norm_b))
+    uvqk = num.act(silu(num.act(normed @ layer.uvqk_w) + layer.uvqk_b))
     u, v, q, k = (uvqk[:, c * hd : (c + 1) * hd] for c in range(4))
 
     alpha = 1.0 / math.sqrt(D)
@@ -224,15 +283,17 @@ def hstu_layer(x: np.ndarray, layer: Layer, model: Model, mask: np.ndarray) -> n
         cols = slice(h * D, (h + 1) * D)
         scores = alpha * (q[:, cols] @ k[:, cols].T)  # [T, T]
         # No softmax: SiLU of the score divided by a constant of the model, masked pairs exactly 0.
-        p = np.where(mask, silu(scores) / model.attention_norm_len, 0.0)
+        p = num.act(np.where(mask, silu(scores) / model.attention_norm_len, 0.0))
         attn[:, cols] = p @ v[:, cols]
 
-    y = layer_norm(attn, layer.output_norm_w, layer.output_norm_b) * u
+    y = num.act(layer_norm(num.act(attn), layer.output_norm_w, layer.output_norm_b) * u)
     return y @ layer.output_w + x
 
 
-def score_request(model: Model, item_ids: list, actions: list, candidates: list) -> np.ndarray:
-    """Scores one request from scratch: returns [num_candidates, num_tasks] in (0, 1)."""
+def score_request(model: Model, item_ids: list, actions: list, candidates: list,
+                  num: Numerics = FP64) -> np.ndarray:
+    """Scores one request from scratch: returns [num_candidates, num_tasks] in (0, 1). With BF16
+    numerics the model must come from with_bf16_weights."""
     tokens = history_tokens(item_ids, actions)
     start = truncation_start(len(tokens), model)
     tokens = tokens[start:]
@@ -254,14 +315,15 @@ def score_request(model: Model, item_ids: list, actions: list, candidates: list)
 
     mask = attention_mask(num_history, len(candidates), model.max_attn_len)
     for layer in model.layers:
-        x = hstu_layer(x, layer, model, mask)
+        x = hstu_layer(x, layer, model, mask, num)
 
     cand = x[num_history:]
     norms = np.sqrt((cand**2).sum(axis=1, keepdims=True))
     h = cand / np.maximum(norms, L2_NORM_FLOOR)
     for j, (w, b) in enumerate(model.head):
-        h = h @ w + b
-        if j + 1 < len(model.head):
+        hidden = j + 1 < len(model.head)
+        h = (num.head_hidden(h) @ num.head_hidden(w) if hidden else h @ w) + b
+        if hidden:
             h = np.maximum(h, 0.0)
     return 1.0 / (1.0 + np.exp(-h))
 
@@ -309,9 +371,14 @@ def main(argv=None) -> int:
     parser.add_argument("--model", required=True, help="safetensors model file")
     parser.add_argument("--input", required=True, help="JSONL requests")
     parser.add_argument("--output", help="write JSONL scores here instead of stdout")
+    parser.add_argument("--numerics", choices=("fp64", "bf16"), default="fp64",
+                        help="bf16: round as the CUDA engine does (see above)")
     args = parser.parse_args(argv)
 
     model = load_model(args.model)
+    num = FP64
+    if args.numerics == "bf16":
+        model, num = with_bf16_weights(model), BF16
     out = open(args.output, "w") if args.output else sys.stdout
     with open(args.input) as f:
         for line_no, line in enumerate(f, start=1):
@@ -322,7 +389,7 @@ def main(argv=None) -> int:
             except (ValueError, json.JSONDecodeError) as e:
                 out.write(json.dumps({"line": line_no, "error": str(e)}) + "\n")
                 continue
-            scores = score_request(model, items, actions, candidates)
+            scores = score_request(model, items, actions, candidates, num)
             # repr-exact floats: the comparison tolerance is the test's business, not ours.
             out.write(json.dumps({"user_id": user_id, "scores": scores.tolist()}) + "\n")
     if out is not sys.stdout:

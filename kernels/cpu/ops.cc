@@ -12,6 +12,19 @@ namespace {
 
 inline float Silu(float x) { return x / (1.f + std::exp(-x)); }
 
+// Rounds x to its top 32 - dropped_bits bits, to nearest with ties to even.
+float RoundMantissa(float x, int dropped_bits) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return x;  // NaN stays NaN
+  const uint32_t half = (1u << (dropped_bits - 1)) - 1u;
+  u += half + ((u >> dropped_bits) & 1u);  // a carry into the exponent is the right result
+  u &= ~((1u << dropped_bits) - 1u);
+  float r;
+  std::memcpy(&r, &u, sizeof(r));
+  return r;
+}
+
 }  // namespace
 
 void EmbeddingGather(const EmbeddingParams<float>& p) {
@@ -88,7 +101,7 @@ void AppendKv(const AppendKvParams<float>& p) {
   }
 }
 
-void HstuAttention(const AttentionParams<float>& p) {
+void HstuAttention(const AttentionParams<float>& p, bool round_p_to_bf16) {
   const int H = p.kv.num_heads, D = p.kv.head_dim;
   const int64_t hd = static_cast<int64_t>(H) * D;
   const int64_t W = p.max_attn_len;
@@ -110,7 +123,8 @@ void HstuAttention(const AttentionParams<float>& p) {
         auto accumulate = [&](const float* k, const float* v) {
           float s = 0.f;
           for (int c = 0; c < D; ++c) s += q[c] * k[c];
-          const float w = Silu(p.alpha * s) * p.inv_norm;
+          float w = Silu(p.alpha * s) * p.inv_norm;
+          if (round_p_to_bf16) w = RoundToBf16(w);
           for (int c = 0; c < D; ++c) acc[c] += w * v[c];
         };
         for (int64_t j = first_key; j <= last_key; ++j) {
@@ -139,6 +153,17 @@ void L2NormalizeRows(float* x, int64_t rows, int64_t cols) {
     const float inv = 1.f / std::max(static_cast<float>(std::sqrt(ss)), 1e-6f);
     for (int64_t c = 0; c < cols; ++c) xr[c] *= inv;
   }
+}
+
+float RoundToBf16(float x) { return RoundMantissa(x, 16); }
+float RoundToTf32(float x) { return RoundMantissa(x, 13); }
+
+void RoundToBf16InPlace(float* x, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) x[i] = RoundToBf16(x[i]);
+}
+
+void RoundToTf32InPlace(float* x, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) x[i] = RoundToTf32(x[i]);
 }
 
 void ReluInPlace(float* x, int64_t count) {

@@ -29,7 +29,9 @@ void AppendKv(const AppendKvParams<float>& p);
 
 // HSTU attention (see AttentionParams): out[i] = sum_j SiLU(alpha <q_i, k_j>) / N * v_j over the
 // allowed pairs. Parallel over heads and rows is not attempted: this is the readable oracle.
-void HstuAttention(const AttentionParams<float>& p);
+// With `round_p_to_bf16` each weight SiLU(alpha s) / N is rounded to bf16 before it multiplies v_j,
+// as the GPU's P·V MMA takes it (DESIGN §2.4).
+void HstuAttention(const AttentionParams<float>& p, bool round_p_to_bf16 = false);
 
 // y[r] = LayerNorm(a[r]; w, b) * u[r] over H*D columns.
 //   a: [rows, hd] (row stride hd); u: column block of uvqk rows, row stride `u_stride`; y: [rows, hd].
@@ -38,6 +40,14 @@ void NormMulU(const float* a, const float* u, int64_t u_stride, int64_t rows, in
 
 // x[r] /= max(|x[r]|_2, 1e-6) for each row of x: [rows, cols].
 void L2NormalizeRows(float* x, int64_t rows, int64_t cols);
+
+// The GPU's roundings, for the CPU backend's emulation of them (CpuNumerics::kBf16):
+// to bf16 (8 significant bits) and to TF32 (11), both to nearest with ties to even; NaN stays NaN,
+// values beyond the format's largest finite become infinities.
+float RoundToBf16(float x);
+float RoundToTf32(float x);
+void RoundToBf16InPlace(float* x, int64_t count);
+void RoundToTf32InPlace(float* x, int64_t count);
 
 // x = max(x, 0) / sigmoid(x) element-wise.
 void ReluInPlace(float* x, int64_t count);

@@ -264,6 +264,41 @@ TEST(Engine, RejectsANonPositiveOffloadBacklog) {
   EXPECT_NE(e.status().message().find("offload_backlog_mib"), std::string::npos) << e.status();
 }
 
+TEST(Engine, DeviceNamesAndTheBf16Emulation) {
+  EngineOptions o;
+  o.device = "cpu-bf16";
+  o.keep_hidden = true;
+  auto bf16 = Engine::Create(o);
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  EXPECT_EQ((*bf16)->device_name(), "cpu-bf16");
+  o.device = "cpu";
+  auto fp32 = Engine::Create(o);
+  ASSERT_TRUE(fp32.ok()) << fp32.status();
+  EXPECT_EQ((*fp32)->device_name(), "cpu");
+
+  // The same request: the emulation rounds (hidden states a few bf16 steps off), yet scores stay
+  // near the fp32 ones. tests/reference checks where it rounds against an independent emulation.
+  RankRequest r{1, {}, {}, {}};
+  for (int i = 0; i < 40; ++i) {
+    r.history_item_ids.push_back(i * 11);
+    r.history_actions.push_back(i % 16);
+  }
+  for (int i = 0; i < 16; ++i) r.candidate_item_ids.push_back(i * 5);
+  const RankResult a = RankOne(**fp32, r), b = RankOne(**bf16, r);
+  ASSERT_EQ(a.hidden.size(), b.hidden.size());
+  const double off = test::RelL2(b.hidden, a.hidden);
+  EXPECT_GT(off, 1e-4);
+  EXPECT_LT(off, test::kBf16RelL2);
+  EXPECT_LT(test::MaxAbsDiff(b.scores, a.scores), 1e-2);
+
+  o.device = "cpu-fp8";
+  auto bad = Engine::Create(o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'cpu-fp8' is not one of cpu, cpu-bf16, cuda:N, auto"),
+            std::string::npos)
+      << bad.status();
+}
+
 TEST(Engine, RandomTinyModelGivesUsefulScores) {
   auto e = Engine::Create(EngineOptions{});
   ASSERT_TRUE(e.ok());

@@ -1,6 +1,7 @@
 // Each CPU op against a naive formula written differently (explicit loops, dense masks).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -34,6 +35,45 @@ TEST(CpuOps, LayerNormMatchesFormula) {
     for (int c = 0; c < cols; ++c) ref[r * cols + c] = float((x[r * cols + c] - mean) / std::sqrt(var + 1e-5) * w[c] + b[c]);
   }
   EXPECT_LT(test::RelL2(out, ref), test::kF32RelL2);
+}
+
+// The GPU's roundings that CpuNumerics::kBf16 emulates: nearest, ties to even, on the bits.
+TEST(CpuOps, RoundToBf16AndTf32) {
+  auto bits = [](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  };
+  EXPECT_EQ(cpu::RoundToBf16(1.f), 1.f);
+  EXPECT_EQ(cpu::RoundToBf16(-2.5f), -2.5f);
+  // bf16 keeps 8 significant bits: 1 + 2^-7 is exact, 1 + 2^-8 is a tie (to the even 1), 1 + 3·2^-8
+  // a tie to the even 1 + 2^-6, and anything past half a step rounds up.
+  EXPECT_EQ(cpu::RoundToBf16(1.f + 0x1p-7f), 1.f + 0x1p-7f);
+  EXPECT_EQ(cpu::RoundToBf16(1.f + 0x1p-8f), 1.f);
+  EXPECT_EQ(cpu::RoundToBf16(1.f + 3 * 0x1p-8f), 1.f + 0x1p-6f);
+  EXPECT_EQ(cpu::RoundToBf16(1.f + 0x1p-8f + 0x1p-20f), 1.f + 0x1p-7f);
+  EXPECT_EQ(cpu::RoundToBf16(-(1.f + 0x1p-8f + 0x1p-20f)), -(1.f + 0x1p-7f));
+  EXPECT_EQ(cpu::RoundToBf16(0x1.fep-1f), 0x1.fep-1f);    // 0.99609375, exact
+  EXPECT_EQ(cpu::RoundToBf16(0x1.ffp-1f), 1.f);           // the carry moves into the exponent
+  EXPECT_EQ(cpu::RoundToBf16(3.4e38f), INFINITY);         // past bf16's largest finite
+  EXPECT_EQ(cpu::RoundToBf16(-INFINITY), -INFINITY);
+  EXPECT_TRUE(std::isnan(cpu::RoundToBf16(NAN)));
+  EXPECT_TRUE(std::isnan(cpu::RoundToBf16(bits(0x7f800001u))));  // a NaN whose payload would round away
+  EXPECT_EQ(cpu::RoundToBf16(0x1p-133f), 0x1p-133f);            // subnormals keep their top bits
+  // TF32 keeps 11 significant bits.
+  EXPECT_EQ(cpu::RoundToTf32(1.f + 0x1p-10f), 1.f + 0x1p-10f);
+  EXPECT_EQ(cpu::RoundToTf32(1.f + 0x1p-11f), 1.f);
+  EXPECT_EQ(cpu::RoundToTf32(1.f + 3 * 0x1p-11f), 1.f + 0x1p-9f);
+  EXPECT_EQ(cpu::RoundToTf32(1.f + 0x1p-11f + 0x1p-20f), 1.f + 0x1p-10f);
+
+  std::vector<float> v = {1.f + 0x1p-8f + 0x1p-20f, 0.1f, -7.3f};
+  cpu::RoundToBf16InPlace(v.data(), static_cast<int64_t>(v.size()));
+  for (float x : v) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof(u));
+    EXPECT_EQ(u & 0xffffu, 0u) << x;
+  }
+  EXPECT_EQ(v[0], 1.f + 0x1p-7f);
 }
 
 TEST(CpuOps, GemmWithBiasAndAccumulate) {
@@ -155,7 +195,9 @@ TEST(CpuOps, AppendKvWritesEveryNewTokenIntoItsPage) {
 }
 
 // Naive HSTU attention: dense allowed(i, j) over a contiguous key list that includes candidates.
-std::vector<float> NaiveAttention(const PagedFixture& f, float alpha, float inv_n, int W) {
+// With round_p, each weight is rounded to bf16 before it multiplies v (the GPU's P).
+std::vector<float> NaiveAttention(const PagedFixture& f, float alpha, float inv_n, int W,
+                                  bool round_p = false) {
   const int H = f.H, D = f.D, hd = H * D;
   std::vector<float> out(size_t(f.row_offsets.back()) * hd, 0.f);
   for (int b = 0; b < f.B; ++b) {
@@ -187,7 +229,8 @@ std::vector<float> NaiveAttention(const PagedFixture& f, float alpha, float inv_
           }
           double s = 0;
           for (int c = 0; c < D; ++c) s += double(qrow[kQ * hd + h * D + c]) * k[c];
-          const double p = SiluD(alpha * s) * inv_n;
+          double p = SiluD(alpha * s) * inv_n;
+          if (round_p) p = cpu::RoundToBf16(static_cast<float>(p));
           for (int c = 0; c < D; ++c) out[size_t(f.row_offsets[b] + qi) * hd + h * D + c] += float(p * v[c]);
         }
       }
@@ -219,6 +262,16 @@ TEST(CpuOps, HstuAttentionMatchesDenseMaskFormula) {
       cpu::HstuAttention(p);
       auto ref = NaiveAttention(f, 0.25f, 1.f / 100.f, W);
       EXPECT_LT(test::RelL2(out, ref), test::kF32RelL2) << "page size " << ps << " window " << W;
+
+      // P rounded to bf16: close to the formula with P rounded, a bf16 step from the one without.
+      std::vector<float> out_bf16(out.size(), NAN);
+      p.out = out_bf16.data();
+      cpu::HstuAttention(p, /*round_p_to_bf16=*/true);
+      const auto ref_bf16 = NaiveAttention(f, 0.25f, 1.f / 100.f, W, /*round_p=*/true);
+      const double off = test::RelL2(out_bf16, ref);
+      EXPECT_GT(off, 10 * test::kF32RelL2) << "page size " << ps << " window " << W;
+      EXPECT_LT(off, test::kBf16RoundRelL2) << "page size " << ps << " window " << W;
+      EXPECT_LT(test::RelL2(out_bf16, ref_bf16), 0.1 * off) << "page size " << ps << " window " << W;
     }
   }
 }
