@@ -47,11 +47,16 @@ cd "$DIR"
   --max-history 1024 --max-candidates 128 --items 100000 --position-encoding true --window 600 \
   --out mid.safetensors > /dev/null
 python3 "$H/make_requests.py" --model mid.safetensors --users 12 --visits 5 --seed 3 --out mid.jsonl
-for dev in cpu cuda:0; do
-  "$H/bin/hstu_rank" --model mid.safetensors --input mid.jsonl --device "$dev" > "mid_${dev%%:*}.jsonl"
-done
+# Each model also runs on cpu-bf16, the CPU reference rounded where the GPU stores bf16: DESIGN §2.4
+# calls the GPU correct when it is as close to the fp32 CPU as that is (compare_rank_outputs --bf16).
+rank3() {  # model, requests, output prefix
+  for dev in cpu cpu-bf16 cuda:0; do
+    "$H/bin/hstu_rank" --model "$1" --input "$2" --device "$dev" > "$3_${dev%%:*}.jsonl"
+  done
+}
+rank3 mid.safetensors mid.jsonl mid
 echo "parity mid model (4 layers, d 512, 2 x 128, window 600, position encoding):" | tee "$OUT/parity.txt"
-python3 "$H/compare_rank_outputs.py" mid_cpu.jsonl mid_cuda.jsonl 2>&1 | tee -a "$OUT/parity.txt"
+python3 "$H/compare_rank_outputs.py" mid_cpu.jsonl mid_cuda.jsonl --bf16 mid_cpu-bf16.jsonl 2>&1 | tee -a "$OUT/parity.txt"
 python3 - <<'PY' > base.jsonl
 import json, random
 r = random.Random(9)
@@ -63,20 +68,16 @@ for v in range(2):
                           "history_actions": [ra.randrange(128) for _ in range(n)],
                           "candidate_item_ids": [r.randrange(10**6) for _ in range(256)]}))
 PY
-for dev in cpu cuda:0; do
-  "$H/bin/hstu_rank" --model random:base --input base.jsonl --device "$dev" > "base_${dev%%:*}.jsonl"
-done
+rank3 random:base base.jsonl base
 echo "parity base preset (6 requests, 3 returning users, up to 290 events, 256 candidates):" | tee -a "$OUT/parity.txt"
-python3 "$H/compare_rank_outputs.py" base_cpu.jsonl base_cuda.jsonl 2>&1 | tee -a "$OUT/parity.txt"
+python3 "$H/compare_rank_outputs.py" base_cpu.jsonl base_cuda.jsonl --bf16 base_cpu-bf16.jsonl 2>&1 | tee -a "$OUT/parity.txt"
 # The same shapes from a bf16 checkpoint (what a model served in bf16 is): both devices then hold
 # the same weights, and what is left is the GPU's bf16 activations. (The fp32 random preset above
 # adds the rounding of every weight to bf16 on the GPU.) The preset's 1M item rows: a 2 GB file.
 "$H/bin/hstu_model" init --preset base --seed 1 --dtype bf16 --items 1000000 --out base_bf16.safetensors > /dev/null
-for dev in cpu cuda:0; do
-  "$H/bin/hstu_rank" --model base_bf16.safetensors --input base.jsonl --device "$dev" > "base16_${dev%%:*}.jsonl"
-done
+rank3 base_bf16.safetensors base.jsonl base16
 echo "parity base shapes from a bf16 checkpoint (same requests):" | tee -a "$OUT/parity.txt"
-python3 "$H/compare_rank_outputs.py" base16_cpu.jsonl base16_cuda.jsonl 2>&1 | tee -a "$OUT/parity.txt"
+python3 "$H/compare_rank_outputs.py" base16_cpu.jsonl base16_cuda.jsonl --bf16 base16_cpu-bf16.jsonl 2>&1 | tee -a "$OUT/parity.txt"
 cd - > /dev/null
 fi
 

@@ -1,6 +1,7 @@
 // The engine on the GPU (EngineOptions.device = "cuda:0") against the engine on the CPU, and the
 // GPU engine with its KV cache against the GPU engine without one, over returning users.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <random>
 
@@ -174,6 +175,69 @@ TEST(CudaEngine, CacheOffScoresSingleAndMultiPassWaves) {
       EXPECT_LT(test::RelL2(rg[i]->hidden, rc[i]->hidden), test::kBf16RelL2) << what;
     }
   }
+}
+
+// DESIGN §2.4's own test, on the `base` shapes (8 layers, d 1024, 4 x 256, head 1024-512-4; 4000
+// item rows instead of 1M): the GPU engine is as close to the fp32 CPU engine as the CPU engine
+// rounded where the GPU stores bf16 ("cpu-bf16") is, on the mean and the worst score difference
+// and on the hidden rows. On these shapes neither is within 2e-3 of fp32 (round 31 in
+// docs/cuda_kernels.md: the bf16 weights alone cost ~4.5e-3), so the small models' absolute check
+// is not the one that applies.
+TEST(CudaEngine, BaseShapesAsCloseToFp32AsTheBf16Emulation) {
+  HSTU_SKIP_WITHOUT_GPU();
+  ModelConfig c = *PresetConfig("base");
+  c.item_rows = 4000;
+  const ModelWeights w = RandomModel(c, 5);
+  auto cpu = MakeEngine("cpu", true, w);
+  auto emu = MakeEngine("cpu-bf16", true, w);
+  auto gpu = MakeEngine("cuda:0", true, w);
+  ASSERT_TRUE(cpu && emu && gpu);
+  std::mt19937 rng(12);
+  std::vector<RankRequest> users(3);
+  for (size_t u = 0; u < users.size(); ++u) users[u].user_id = 300 + u;
+  std::vector<double> d_gpu, d_emu;
+  double hidden_gpu = 0, hidden_emu = 0;
+  for (int visit = 0; visit < 2; ++visit) {
+    for (RankRequest& r : users) {
+      const int add = visit == 0 ? 150 + static_cast<int>(rng() % 100) : 40;
+      for (int i = 0; i < add; ++i) {
+        r.history_item_ids.push_back(rng() % 4000);
+        r.history_actions.push_back(rng() % 128);
+      }
+      r.candidate_item_ids.assign(64, 0);
+      for (auto& id : r.candidate_item_ids) id = rng() % 4000;
+    }
+    auto rc = cpu->Rank(users);
+    auto re = emu->Rank(users);
+    auto rg = gpu->Rank(users);
+    for (size_t i = 0; i < users.size(); ++i) {
+      ASSERT_TRUE(rc[i].ok() && re[i].ok() && rg[i].ok()) << rg[i].status() << re[i].status();
+      ASSERT_TRUE(test::AllFinite(rg[i]->scores) && test::AllFinite(rg[i]->hidden));
+      ASSERT_EQ(rg[i]->scores.size(), rc[i]->scores.size());
+      if (visit > 0) EXPECT_GT(rg[i]->reused_tokens, 0u) << "user " << i;
+      for (size_t j = 0; j < rc[i]->scores.size(); ++j) {
+        d_gpu.push_back(std::abs(double(rg[i]->scores[j]) - rc[i]->scores[j]));
+        d_emu.push_back(std::abs(double(re[i]->scores[j]) - rc[i]->scores[j]));
+      }
+      hidden_gpu = std::max(hidden_gpu, test::RelL2(rg[i]->hidden, rc[i]->hidden));
+      hidden_emu = std::max(hidden_emu, test::RelL2(re[i]->hidden, rc[i]->hidden));
+    }
+  }
+  auto mean = [](const std::vector<double>& v) {
+    double s = 0;
+    for (double x : v) s += x;
+    return s / static_cast<double>(v.size());
+  };
+  auto worst = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
+  std::printf("  base shapes, %zu scores, against the fp32 CPU engine: GPU mean %.2e worst %.2e "
+              "hidden rel L2 %.2e; cpu-bf16 mean %.2e worst %.2e hidden rel L2 %.2e\n",
+              d_gpu.size(), mean(d_gpu), worst(d_gpu), hidden_gpu, mean(d_emu), worst(d_emu),
+              hidden_emu);
+  constexpr double kSlack = 1.25;  // as tools/compare_rank_outputs.py --bf16
+  EXPECT_GT(worst(d_emu), 1e-4) << "the emulation does not round";
+  EXPECT_LE(mean(d_gpu), kSlack * mean(d_emu));
+  EXPECT_LE(worst(d_gpu), kSlack * worst(d_emu));
+  EXPECT_LE(hidden_gpu, kSlack * hidden_emu);
 }
 
 }  // namespace
