@@ -2,7 +2,9 @@
 # Runs on the GPU machine from pack/hstu_pack.tar.gz (scripts/pack_device.sh): GPU tests, then the
 # benchmarks; logs and JSON go to $OUT. Usage (device tool, carry ["pack"]):
 #   bash scripts/run_device.sh [tests|bench|all] [bench modes, default "attention kernels block
-#   block_graphs e2e offload"]
+#   block_graphs e2e offload"]; HSTU_BENCH_FLAGS adds flags to every mode (e.g. "--batches 8
+#   --no_cache_only"). The SM clock, power and throttle reasons are logged meanwhile
+#   ($OUT/gpu_clocks.csv, summed up per mode in $OUT/gpu_clocks_summary.txt).
 #   bash scripts/run_device.sh sanitize [tools [gtest filter]] — the GPU tests under
 #     compute-sanitizer, one run a tool (HSTU_SANITIZE_TIMEOUT seconds each, default 240), each log
 #     in $OUT/sanitize_TOOL.log; any report fails the run. Without tools, the gate (~2.5 min on an
@@ -54,8 +56,19 @@ if [ "$WHAT" = sanitize ]; then
   done
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
+  # The SM clock, power and throttle reasons every 250 ms while the benchmarks run: under sustained
+  # load the GPU can hit its power cap and lower its clock (docs/gpu.md), which moves the numbers.
+  TZ=UTC nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
+    --format=csv,noheader,nounits -lms 250 -f "$OUT/gpu_clocks.csv" & clk=$!
+  : > "$OUT/bench_spans.txt"
   for mode in ${2:-attention kernels block block_graphs e2e offload}; do
-    "$H/bin/hstu_bench" "$mode" --json "$OUT/bench_$mode.json" 2>&1 | tee -a "$OUT/bench.log"
+    start=$(date +%s.%N)
+    # shellcheck disable=SC2086  # HSTU_BENCH_FLAGS: extra flags for every mode, e.g. "--batches 8"
+    "$H/bin/hstu_bench" "$mode" --json "$OUT/bench_$mode.json" ${HSTU_BENCH_FLAGS:-} 2>&1 | tee -a "$OUT/bench.log"
+    echo "$mode $start $(date +%s.%N)" >> "$OUT/bench_spans.txt"
   done
+  kill -INT "$clk"; wait "$clk" 2> /dev/null
+  python3 "$(dirname "$0")/clock_summary.py" "$OUT/gpu_clocks.csv" "$OUT/bench_spans.txt" \
+    | tee "$OUT/gpu_clocks_summary.txt"
 fi
 exit $rc

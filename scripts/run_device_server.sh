@@ -24,6 +24,7 @@ set -uo pipefail
 DUR="${1:-8}"
 PARTS="${2:-parity cache cache_always nocache e2e}"
 has() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
+status=0  # the exit code: 1 when a parity comparison failed
 OUT="${OUT:-/tmp/hstu_out}"
 mkdir -p "$OUT"
 DIR=/tmp/hstu_srv
@@ -56,7 +57,7 @@ rank3() {  # model, requests, output prefix
 }
 rank3 mid.safetensors mid.jsonl mid
 echo "parity mid model (4 layers, d 512, 2 x 128, window 600, position encoding):" | tee "$OUT/parity.txt"
-python3 "$H/compare_rank_outputs.py" mid_cpu.jsonl mid_cuda.jsonl --bf16 mid_cpu-bf16.jsonl 2>&1 | tee -a "$OUT/parity.txt"
+python3 "$H/compare_rank_outputs.py" mid_cpu.jsonl mid_cuda.jsonl --bf16 mid_cpu-bf16.jsonl 2>&1 | tee -a "$OUT/parity.txt" || status=1
 python3 - <<'PY' > base.jsonl
 import json, random
 r = random.Random(9)
@@ -70,14 +71,14 @@ for v in range(2):
 PY
 rank3 random:base base.jsonl base
 echo "parity base preset (6 requests, 3 returning users, up to 290 events, 256 candidates):" | tee -a "$OUT/parity.txt"
-python3 "$H/compare_rank_outputs.py" base_cpu.jsonl base_cuda.jsonl --bf16 base_cpu-bf16.jsonl 2>&1 | tee -a "$OUT/parity.txt"
+python3 "$H/compare_rank_outputs.py" base_cpu.jsonl base_cuda.jsonl --bf16 base_cpu-bf16.jsonl 2>&1 | tee -a "$OUT/parity.txt" || status=1
 # The same shapes from a bf16 checkpoint (what a model served in bf16 is): both devices then hold
 # the same weights, and what is left is the GPU's bf16 activations. (The fp32 random preset above
 # adds the rounding of every weight to bf16 on the GPU.) The preset's 1M item rows: a 2 GB file.
 "$H/bin/hstu_model" init --preset base --seed 1 --dtype bf16 --items 1000000 --out base_bf16.safetensors > /dev/null
 rank3 base_bf16.safetensors base.jsonl base16
 echo "parity base shapes from a bf16 checkpoint (same requests):" | tee -a "$OUT/parity.txt"
-python3 "$H/compare_rank_outputs.py" base16_cpu.jsonl base16_cuda.jsonl --bf16 base16_cpu-bf16.jsonl 2>&1 | tee -a "$OUT/parity.txt"
+python3 "$H/compare_rank_outputs.py" base16_cpu.jsonl base16_cuda.jsonl --bf16 base16_cpu-bf16.jsonl 2>&1 | tee -a "$OUT/parity.txt" || status=1
 cd - > /dev/null
 fi
 
@@ -200,3 +201,4 @@ if has e2e_sat; then
 fi
 has e2e_var_adapt && run_levels e2e_var_adapt "$VAR" "1 8" $E2E_SRV --max_batch_size=8 --batch_timeout_us="$ADAPT_US"
 has e2e_var_eager && run_levels e2e_var_eager "$VAR" "1 8" $E2E_SRV --max_batch_size=8 --batch_timeout_us="$ADAPT_US" --cuda_graphs=false
+exit "$status"
