@@ -3,11 +3,12 @@
 
     clock_summary.py gpu_clocks.csv bench_spans.txt
 
-gpu_clocks.csv: nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,
-clocks_event_reasons.active --format=csv,noheader,nounits lines; bench_spans.txt: "mode start end"
-lines (Unix seconds, UTC). Prints, per run, the SM clock's median and minimum, the power's median
-and maximum, and the share of samples in which the software power cap (reason bit 0x4) held the
-clock down.
+gpu_clocks.csv: nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,utilization.gpu,
+clocks_event_reasons.active --format=csv,noheader,nounits lines (timestamps in UTC);
+bench_spans.txt: "mode start end" lines (Unix seconds). Prints, per run, over the samples in which
+the GPU was busy (utilisation >= 50 %, so that start-up and host-side phases do not count): the SM
+clock's median and minimum, the power's median and maximum, and the share of samples in which the
+software power cap (reason bit 0x4) held the clock down.
 """
 
 import datetime
@@ -15,6 +16,7 @@ import statistics
 import sys
 
 SW_POWER_CAP = 0x4
+BUSY_UTILISATION = 50
 
 
 def samples(path):
@@ -27,7 +29,7 @@ def samples(path):
             try:
                 t = datetime.datetime.strptime(cells[0], "%Y/%m/%d %H:%M:%S.%f")
                 out.append((t.replace(tzinfo=datetime.timezone.utc).timestamp(), float(cells[1]),
-                            float(cells[2]), int(cells[4], 16)))
+                            float(cells[2]), float(cells[3]), int(cells[4], 16)))
             except ValueError:
                 continue  # a cut-off last line, or a field nvidia-smi could not read
     return out
@@ -37,17 +39,18 @@ def main():
     if len(sys.argv) != 3:
         sys.exit(__doc__)
     log = samples(sys.argv[1])
-    print("| run | samples | SM clock median / min (MHz) | power median / max (W) | power-capped |")
+    print("| run | busy samples | SM clock median / min (MHz) | power median / max (W) | power-capped |")
     print("|---|---|---|---|---|")
     with open(sys.argv[2]) as f:
         for line in f:
             mode, start, end = line.split()
-            sel = [s for s in log if float(start) <= s[0] <= float(end)]
+            sel = [s for s in log
+                   if float(start) <= s[0] <= float(end) and s[3] >= BUSY_UTILISATION]
             if not sel:
                 print(f"| {mode} | 0 | – | – | – |")
                 continue
             clocks, power = [s[1] for s in sel], [s[2] for s in sel]
-            capped = sum(1 for s in sel if s[3] & SW_POWER_CAP) / len(sel)
+            capped = sum(1 for s in sel if s[4] & SW_POWER_CAP) / len(sel)
             print(f"| {mode} | {len(sel)} | {statistics.median(clocks):.0f} / {min(clocks):.0f} | "
                   f"{statistics.median(power):.0f} / {max(power):.0f} | {100 * capped:.0f} % |")
 

@@ -56,10 +56,10 @@ if [ "$WHAT" = sanitize ]; then
   done
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
-  # The SM clock, power and throttle reasons every 250 ms while the benchmarks run: under sustained
+  # The SM clock, power, utilisation and throttle reasons every 100 ms while the benchmarks run: under sustained
   # load the GPU can hit its power cap and lower its clock (docs/gpu.md), which moves the numbers.
-  TZ=UTC nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
-    --format=csv,noheader,nounits -lms 250 -f "$OUT/gpu_clocks.csv" & clk=$!
+  TZ=UTC nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,utilization.gpu,clocks_event_reasons.active \
+    --format=csv,noheader,nounits -lms 100 -f "$OUT/gpu_clocks.csv" & clk=$!
   : > "$OUT/bench_spans.txt"
   for mode in ${2:-attention kernels block block_graphs e2e offload}; do
     start=$(date +%s.%N)
