@@ -21,14 +21,13 @@ Usage (CTest passes the executables):
     compare_bf16_emulation.py --hstu-model PATH --hstu-rank PATH --work-dir DIR --case tiny [...]
 """
 
-import argparse
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.dont_write_bytecode = True  # keep the source tree clean: no __pycache__ under tests/ or tools/
-from compare_with_reference import CASES, DEFAULT_TOOLS, read_jsonl, run  # noqa: E402
+from compare_with_reference import CASES, case_arguments, read_jsonl, run  # noqa: E402
 
 MEAN_RATIO = 0.15
 WORST_RATIO = 0.5
@@ -99,13 +98,7 @@ def run_case(case: str, args) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hstu-model", required=True)
-    parser.add_argument("--hstu-rank", required=True)
-    parser.add_argument("--work-dir", required=True)
-    parser.add_argument("--tools-dir", default=DEFAULT_TOOLS)
-    parser.add_argument("--case", action="append", choices=sorted(CASES), required=True)
-    args = parser.parse_args(argv)
+    args = case_arguments(__doc__.split("\n\n")[0]).parse_args(argv)
     ok = True
     for case in args.case:
         ok &= run_case(case, args)

@@ -293,14 +293,19 @@ def run_case(case: str, args, ref) -> bool:
     return ok
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def case_arguments(description: str) -> argparse.ArgumentParser:
+    """The command line of the scripts here: the executables, a work dir, and the cases to run."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--hstu-model", required=True)
     parser.add_argument("--hstu-rank", required=True)
     parser.add_argument("--work-dir", required=True)
     parser.add_argument("--tools-dir", default=DEFAULT_TOOLS)
     parser.add_argument("--case", action="append", choices=sorted(CASES), required=True)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = case_arguments(__doc__.split("\n\n")[0]).parse_args(argv)
 
     sys.path.insert(0, args.tools_dir)
     sys.dont_write_bytecode = True  # keep the source tree clean: no __pycache__ under tools/
