@@ -2,6 +2,7 @@
 //   hstu_bench attention [--json FILE]   paged HSTU attention alone, base shapes, batch 1 and 8
 //   hstu_bench kernels   [--json FILE]   every kernel of one decode-step layer, TFLOP/s and GB/s
 //   hstu_bench block     [--json FILE]   the 8-layer stack through the CUDA backend
+//                                        (--sustained_ms N: also under N ms of sustained load)
 //   hstu_bench block_graphs              the decode step eager vs CUDA-graph replay
 //   hstu_bench timeline                  the decode step's kernels as the device ran them (CUPTI)
 //   hstu_bench e2e                       Engine::Rank over growing histories: baseline/cache/graphs
@@ -16,7 +17,9 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -30,6 +33,7 @@
 #include "client/bench_attention_layer.h"
 #include "client/bench_gemm.h"
 #include "client/bench_util.h"
+#include "client/gpu_monitor.h"
 #include "client/kernel_timeline.h"
 #include "engine/cuda_backend.h"
 #include "engine/engine.h"
@@ -54,6 +58,9 @@ ABSL_FLAG(int32_t, cached, 3968,
 ABSL_FLAG(bool, no_cache_only, false,
           "block: only the no-cache rows with 256 candidates (pages kept and not, alternated three "
           "times), e.g. to profile or A/B them");
+ABSL_FLAG(int32_t, sustained_ms, 0,
+          "block: also run each row's forward back to back for at least this long and report "
+          "its time, SM clock and energy (J) a forward under that sustained load (0 = off)");
 ABSL_FLAG(std::string, attn_slots, "0",
           "attention: CTA slots the work plan assumes, a list (0 = the GPU's SMs x CTAs per SM); "
           "smaller values give fewer, longer chunks per tile, to separate a CTA's fixed cost from "
@@ -64,6 +71,7 @@ namespace {
 using hstu::cuda::bf16;
 using json = nlohmann::json;
 using hstu::bench::FillRandom;
+using hstu::bench::GpuMonitor;
 using hstu::bench::GpuName;
 using hstu::bench::Median;
 using hstu::bench::TimeMs;
@@ -456,7 +464,18 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
   return rows;
 }
 
-json BenchBlock(int reps, int page_size, const std::vector<int>& batches) {
+json ClocksJson(const GpuMonitor::Summary& c) {
+  return {{"samples", c.samples},
+          {"sm_mhz_median", c.sm_mhz_median},
+          {"sm_mhz_min", c.sm_mhz_min},
+          {"power_w_median", c.power_w_median},
+          {"power_w_max", c.power_w_max},
+          {"power_capped_share", c.power_capped_share},
+          {"thermal_share", c.thermal_share}};
+}
+
+json BenchBlock(int reps, int page_size, const std::vector<int>& batches,
+                const GpuMonitor* monitor) {
   json rows = json::array();
   auto config = hstu::PresetConfig("base");
   if (!config.ok()) std::exit(1);
@@ -473,7 +492,16 @@ json BenchBlock(int reps, int page_size, const std::vector<int>& batches) {
   }
   hstu::CudaBackend& be = **backend;
   std::printf("\n### block (8 layers, eager; embedding gather included, head excluded; history 4096 tokens per user)\n\n");
-  std::printf("| batch | cached | new | candidates | time (ms) | speedup vs 0 cached | attention / layer (us) |\n|---|---|---|---|---|---|---|\n");
+  const int sustained_ms = absl::GetFlag(FLAGS_sustained_ms);
+  if (sustained_ms > 0) {
+    std::printf("Sustained: each row's forward again, back to back for >= %d ms; its time a "
+                "forward, the SM clock meanwhile and the board's energy a forward (NVML).\n\n",
+                sustained_ms);
+  }
+  std::printf("| batch | cached | new | candidates | time (ms) | speedup vs 0 cached | attention / layer (us) | SM MHz |%s\n"
+              "|---|---|---|---|---|---|---|---|%s\n",
+              sustained_ms > 0 ? " sustained (ms) | sustained SM MHz | J / forward |" : "",
+              sustained_ms > 0 ? "---|---|---|" : "");
   std::mt19937 rng(5);
   const bool no_cache_only = absl::GetFlag(FLAGS_no_cache_only);
   for (int B : batches) {
@@ -512,18 +540,53 @@ json BenchBlock(int reps, int page_size, const std::vector<int>& batches) {
         }
         auto st = be.Stage(fb);
         if (!st.ok()) { std::fprintf(stderr, "%s\n", st.ToString().c_str()); std::exit(1); }
+        const auto c0 = GpuMonitor::Clock::now();
         auto t = be.Time([&] { return be.EnqueueLayerStack(); }, 2, std::max(5, reps / 5));
         if (!t.ok()) { std::fprintf(stderr, "%s\n", t.status().ToString().c_str()); std::exit(1); }
+        const GpuMonitor::Summary clocks =
+            monitor != nullptr ? monitor->Between(c0, GpuMonitor::Clock::now()) : GpuMonitor::Summary();
         auto ta = be.Time([&] { return be.EnqueueAttention(0); }, 2, reps);
         if (!ta.ok()) { std::fprintf(stderr, "%s\n", ta.status().ToString().c_str()); std::exit(1); }
         const double ms = Median(*t), att_us = Median(*ta) * 1e3;
         if (cached == 0 && keep) base_ms = ms;
-        std::printf("| %d | %d%s | %d | %d | %.3f | %.2fx | %.1f |\n", B, cached,
-                    keep ? "" : " (pages not kept)", hist - cached, cand, ms, base_ms / ms, att_us);
-        rows.push_back({{"batch", B}, {"cached", cached}, {"pages_kept", keep},
-                        {"new", hist - cached}, {"candidates", cand},
-                        {"time_ms", ms}, {"speedup_vs_uncached", base_ms / ms},
-                        {"attention_layer0_us", att_us}, {"attention_ctas", be.attention_items() * 4}});
+        json row = {{"batch", B}, {"cached", cached}, {"pages_kept", keep},
+                    {"new", hist - cached}, {"candidates", cand},
+                    {"time_ms", ms}, {"speedup_vs_uncached", base_ms / ms},
+                    {"attention_layer0_us", att_us}, {"attention_ctas", be.attention_items() * 4},
+                    {"clocks", ClocksJson(clocks)}};
+        std::string sustained;
+        if (sustained_ms > 0) {
+          // Forwards back to back for the span asked for: the time a forward takes, and the
+          // energy it draws, once the power cap has settled the clock.
+          const int forwards = std::max(1, static_cast<int>(std::ceil(sustained_ms / ms)));
+          const std::optional<double> e0 = monitor ? monitor->EnergyJoules() : std::nullopt;
+          const auto s0 = GpuMonitor::Clock::now();
+          auto ts = be.Time(
+              [&]() -> absl::Status {
+                for (int f = 0; f < forwards; ++f) {
+                  if (absl::Status st = be.EnqueueLayerStack(); !st.ok()) return st;
+                }
+                return absl::OkStatus();
+              },
+              0, 1);
+          if (!ts.ok()) { std::fprintf(stderr, "%s\n", ts.status().ToString().c_str()); std::exit(1); }
+          const std::optional<double> e1 = monitor ? monitor->EnergyJoules() : std::nullopt;
+          const GpuMonitor::Summary sc = monitor != nullptr
+                                             ? monitor->Between(s0, GpuMonitor::Clock::now())
+                                             : GpuMonitor::Summary();
+          const double per_ms = (*ts)[0] / forwards;
+          const double joules = e0 && e1 ? (*e1 - *e0) / forwards : NAN;
+          sustained = absl::StrFormat(" %.3f | %.0f | %s |", per_ms, sc.sm_mhz_median,
+                                      std::isnan(joules) ? "-" : absl::StrFormat("%.2f", joules));
+          row["sustained"] = {{"forwards", forwards}, {"time_ms", per_ms},
+                              {"joules_per_forward", e0 && e1 ? json(joules) : json(nullptr)},
+                              {"clocks", ClocksJson(sc)}};
+        }
+        std::printf("| %d | %d%s | %d | %d | %.3f | %.2fx | %.1f | %s |%s\n", B, cached,
+                    keep ? "" : " (pages not kept)", hist - cached, cand, ms, base_ms / ms, att_us,
+                    clocks.samples > 0 ? absl::StrFormat("%.0f", clocks.sm_mhz_median).c_str() : "-",
+                    sustained.c_str());
+        rows.push_back(std::move(row));
       }
     }
   }
@@ -1104,6 +1167,12 @@ int main(int argc, char** argv) {
               page_size, reps, runtime, driver);
   json j = {{"gpu", GpuName()}, {"mode", mode}, {"page_size", page_size}, {"reps", reps},
             {"cuda_runtime", runtime}, {"cuda_driver", driver}};
+  // The clock and power through the whole mode (and per row where a mode reports it).
+  std::string no_monitor;
+  const std::unique_ptr<GpuMonitor> monitor =
+      GpuMonitor::Start(0, std::chrono::milliseconds(10), &no_monitor);
+  if (monitor == nullptr) std::printf("(no clock samples: %s)\n", no_monitor.c_str());
+  const auto mode_start = GpuMonitor::Clock::now();
   if (mode == "attention") {
     j["results"] = BenchAttention(reps, page_size, batches);
   } else if (mode == "attention_trace") {
@@ -1111,7 +1180,7 @@ int main(int argc, char** argv) {
   } else if (mode == "kernels") {
     j["results"] = BenchKernels(reps, page_size, batches, absl::GetFlag(FLAGS_cached));
   } else if (mode == "block") {
-    j["results"] = BenchBlock(reps, page_size, batches);
+    j["results"] = BenchBlock(reps, page_size, batches, monitor.get());
   } else if (mode == "attention_sweep") {
     j["results"] = hstu::bench::BenchAttentionSweep(reps);
   } else if (mode == "layer") {
@@ -1133,6 +1202,11 @@ int main(int argc, char** argv) {
                          "block_graphs | timeline | e2e | offload | gemm_algos | gemm_search)\n",
                  mode.c_str());
     return 2;
+  }
+  if (monitor != nullptr) {
+    const GpuMonitor::Summary all = monitor->Between(mode_start, GpuMonitor::Clock::now());
+    std::printf("\nGPU during this run: %s\n", hstu::bench::DescribeClocks(all).c_str());
+    j["clocks"] = ClocksJson(all);
   }
   const std::string path = absl::GetFlag(FLAGS_json);
   if (!path.empty()) std::ofstream(path) << j.dump(2) << "\n";
