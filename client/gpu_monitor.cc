@@ -1,7 +1,6 @@
 #include "client/gpu_monitor.h"
 
 #include <cuda_runtime_api.h>
-#include <dlfcn.h>
 
 #include <algorithm>
 
@@ -10,23 +9,6 @@
 namespace hstu::bench {
 namespace {
 
-// The few NVML entry points used here, as the NVML API reference declares them (nvml.h is not
-// part of the toolkit installed here; the library is the driver's).
-using NvmlReturn = int;  // nvmlReturn_t; 0 = NVML_SUCCESS
-using NvmlDevice = struct NvmlDeviceOpaque*;
-constexpr NvmlReturn kNvmlSuccess = 0;
-constexpr int kNvmlClockSm = 1;  // NVML_CLOCK_SM
-// nvmlClocksEventReason* bits.
-constexpr unsigned long long kSwPowerCap = 0x4;
-constexpr unsigned long long kThermal = 0x20 | 0x40;  // software and hardware thermal slowdown
-
-using InitFn = NvmlReturn (*)();
-using HandleByPciFn = NvmlReturn (*)(const char*, NvmlDevice*);
-using ClockFn = NvmlReturn (*)(NvmlDevice, int, unsigned*);
-using PowerFn = NvmlReturn (*)(NvmlDevice, unsigned*);
-using ReasonsFn = NvmlReturn (*)(NvmlDevice, unsigned long long*);
-using EnergyFn = NvmlReturn (*)(NvmlDevice, unsigned long long*);
-
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
@@ -34,60 +16,19 @@ double Median(std::vector<double> v) {
 
 }  // namespace
 
-struct GpuMonitor::Nvml {
-  void* lib = nullptr;
-  NvmlDevice device = nullptr;
-  InitFn shutdown = nullptr;
-  ClockFn clock = nullptr;
-  PowerFn power = nullptr;
-  ReasonsFn reasons = nullptr;  // may be missing on old drivers
-  EnergyFn energy = nullptr;    // may be missing too
-
-  ~Nvml() {
-    if (shutdown != nullptr) shutdown();
-    if (lib != nullptr) dlclose(lib);
-  }
-};
-
 std::unique_ptr<GpuMonitor> GpuMonitor::Start(int cuda_device, std::chrono::milliseconds period,
                                               std::string* why) {
-  auto nvml = std::make_unique<Nvml>();
-  nvml->lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (nvml->lib == nullptr) {
-    *why = absl::StrFormat("NVML not loaded (%s)", dlerror());
-    return nullptr;
-  }
-  auto sym = [&](const char* name) { return dlsym(nvml->lib, name); };
-  auto init = reinterpret_cast<InitFn>(sym("nvmlInit_v2"));
-  auto by_pci = reinterpret_cast<HandleByPciFn>(sym("nvmlDeviceGetHandleByPciBusId_v2"));
-  nvml->clock = reinterpret_cast<ClockFn>(sym("nvmlDeviceGetClockInfo"));
-  nvml->power = reinterpret_cast<PowerFn>(sym("nvmlDeviceGetPowerUsage"));
-  nvml->reasons = reinterpret_cast<ReasonsFn>(sym("nvmlDeviceGetCurrentClocksEventReasons"));
-  if (nvml->reasons == nullptr) {
-    nvml->reasons = reinterpret_cast<ReasonsFn>(sym("nvmlDeviceGetCurrentClocksThrottleReasons"));
-  }
-  nvml->energy = reinterpret_cast<EnergyFn>(sym("nvmlDeviceGetTotalEnergyConsumption"));
-  if (init == nullptr || by_pci == nullptr || nvml->clock == nullptr || nvml->power == nullptr) {
-    *why = "NVML lacks nvmlInit_v2, nvmlDeviceGetHandleByPciBusId_v2, nvmlDeviceGetClockInfo or "
-           "nvmlDeviceGetPowerUsage";
-    return nullptr;
-  }
-  if (const NvmlReturn r = init(); r != kNvmlSuccess) {
-    *why = absl::StrFormat("nvmlInit_v2 returned %d", r);
-    return nullptr;
-  }
-  nvml->shutdown = reinterpret_cast<InitFn>(sym("nvmlShutdown"));
   char bus_id[32] = {};
   if (cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), cuda_device) != cudaSuccess) {
     *why = "cudaDeviceGetPCIBusId failed";
     return nullptr;
   }
-  if (const NvmlReturn r = by_pci(bus_id, &nvml->device); r != kNvmlSuccess) {
-    *why = absl::StrFormat("NVML has no device at PCI bus id %s (%d)", bus_id, r);
+  auto telemetry = GpuTelemetry::Open(bus_id);
+  if (!telemetry.ok()) {
+    *why = std::string(telemetry.status().message());
     return nullptr;
   }
-  std::unique_ptr<GpuMonitor> m(new GpuMonitor());
-  m->nvml_ = std::move(nvml);
+  std::unique_ptr<GpuMonitor> m(new GpuMonitor(*std::move(telemetry)));
   m->thread_ = std::thread([raw = m.get(), period] { raw->Run(period); });
   return m;
 }
@@ -103,16 +44,14 @@ GpuMonitor::~GpuMonitor() {
 void GpuMonitor::Run(std::chrono::milliseconds period) {
   auto next = Clock::now();
   while (true) {
-    Sample s{Clock::now(), 0, 0, 0};
-    unsigned mw = 0;
-    const bool ok = nvml_->clock(nvml_->device, kNvmlClockSm, &s.sm_mhz) == kNvmlSuccess &&
-                    nvml_->power(nvml_->device, &mw) == kNvmlSuccess;
-    s.power_w = mw / 1000.0;
-    if (nvml_->reasons != nullptr) nvml_->reasons(nvml_->device, &s.reasons);
+    const auto at = Clock::now();
+    const absl::StatusOr<GpuReading> r = telemetry_->Read();
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stop_) return;
-      if (ok) samples_.push_back(s);
+      if (r.ok()) {
+        samples_.push_back({at, r->sm_clock_hz * 1e-6, r->power_watts, r->clock_event_reasons});
+      }
     }
     next += period;
     std::this_thread::sleep_until(next);
@@ -128,8 +67,8 @@ GpuMonitor::Summary GpuMonitor::Between(Clock::time_point from, Clock::time_poin
       if (s.at < from || s.at > to) continue;
       mhz.push_back(s.sm_mhz);
       watts.push_back(s.power_w);
-      capped += (s.reasons & kSwPowerCap) != 0;
-      thermal += (s.reasons & kThermal) != 0;
+      capped += (s.reasons & kClockEventSwPowerCap) != 0;
+      thermal += (s.reasons & kClockEventThermal) != 0;
     }
   }
   Summary out;
@@ -145,11 +84,9 @@ GpuMonitor::Summary GpuMonitor::Between(Clock::time_point from, Clock::time_poin
 }
 
 std::optional<double> GpuMonitor::EnergyJoules() const {
-  unsigned long long mj = 0;
-  if (nvml_->energy == nullptr || nvml_->energy(nvml_->device, &mj) != kNvmlSuccess) {
-    return std::nullopt;
-  }
-  return mj / 1000.0;
+  const absl::StatusOr<GpuReading> r = telemetry_->Read();
+  if (!r.ok() || r->energy_joules < 0) return std::nullopt;
+  return r->energy_joules;
 }
 
 std::string DescribeClocks(const GpuMonitor::Summary& s) {

@@ -1,13 +1,10 @@
-// What the GPU's clock and power did while a benchmark ran, through NVML.
+// What the GPU's clock and power did while a benchmark ran (engine/gpu_telemetry.h, NVML).
 //
 // Under sustained load an H100 or H200 reaches its power limit and the driver lowers the SM clock
 // (docs/benchmarks.md, twenty-second session), so a time means little without the clock it ran at.
 // GpuMonitor samples the SM clock, the power draw and the clock-event reasons on a thread, and
 // reads the board's energy counter, so that a benchmark can report both beside each time: the
 // clock over a span and the energy of a piece of work, which the power cap does not change.
-//
-// NVML comes from the GPU machine's driver (libnvidia-ml.so.1), loaded with dlopen: nothing to
-// link at build time, and a machine without it just reports no samples.
 #pragma once
 
 #include <chrono>
@@ -18,6 +15,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "engine/gpu_telemetry.h"
 
 namespace hstu::bench {
 
@@ -33,8 +32,8 @@ class GpuMonitor {
     double thermal_share = 0;       // samples slowed by temperature (software or hardware)
   };
 
-  // Starts sampling `cuda_device` (matched to NVML by PCI bus id) every `period`; nullptr, with the
-  // reason in *why, when NVML or the device cannot be used.
+  // Starts sampling `cuda_device` (matched to NVML by its PCI bus id) every `period`; nullptr, with
+  // the reason in *why, when NVML or the device cannot be used.
   static std::unique_ptr<GpuMonitor> Start(int cuda_device, std::chrono::milliseconds period,
                                            std::string* why);
   ~GpuMonitor();  // stops the sampler
@@ -50,16 +49,14 @@ class GpuMonitor {
  private:
   struct Sample {
     Clock::time_point at;
-    unsigned sm_mhz;
+    double sm_mhz;
     double power_w;
-    unsigned long long reasons;
+    uint64_t reasons;
   };
-  struct Nvml;  // the loaded library and the device handle
-
-  GpuMonitor() = default;
+  explicit GpuMonitor(std::unique_ptr<GpuTelemetry> telemetry) : telemetry_(std::move(telemetry)) {}
   void Run(std::chrono::milliseconds period);
 
-  std::unique_ptr<Nvml> nvml_;
+  const std::unique_ptr<GpuTelemetry> telemetry_;
   mutable std::mutex mu_;
   std::vector<Sample> samples_;  // guarded by mu_
   bool stop_ = false;            // guarded by mu_

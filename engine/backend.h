@@ -72,6 +72,9 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;  // "cpu" or "cuda:0 (NVIDIA H100 ...)"
+  // The GPU's PCI bus id (as cudaDeviceGetPCIBusId writes it), for its telemetry
+  // (engine/gpu_telemetry.h); empty on the CPU.
+  virtual std::string pci_bus_id() const { return {}; }
   // The attention implementation in use, and why when it is not the fastest one (start-up logs).
   virtual std::string attention_kernel() const { return "CPU reference"; }
   // The UVQK projection's route per row class (fused GEMM or GEMM + pass), for the same logs.

@@ -24,6 +24,9 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
   cudaDeviceProp prop{};
   HSTU_CUDA_RETURN(cudaGetDeviceProperties(&prop, device_));
   gpu_name_ = prop.name;
+  char bus_id[32] = {};
+  HSTU_CUDA_RETURN(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device_));
+  pci_bus_id_ = bus_id;
   if (prop.unifiedAddressing == 0) {
     // The step's metadata and scores move between pinned host memory and the GPU by kernels that
     // dereference cudaMallocHost pointers (cuda::LaunchSmCopy).

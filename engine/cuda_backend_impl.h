@@ -238,6 +238,7 @@ class CudaBackendImpl final : public CudaBackend {
 
   std::string name() const override { return absl::StrCat("cuda:", device_, " (", gpu_name_, ")"); }
   std::string gpu_name() const override { return gpu_name_; }
+  std::string pci_bus_id() const override { return pci_bus_id_; }
   std::string attention_kernel() const override { return attention_kernel_; }
   std::string gemm_routes() const override { return gemm_.BiasSiluRoutes(); }
   int64_t num_pages() const override { return num_pages_; }
@@ -366,6 +367,7 @@ class CudaBackendImpl final : public CudaBackend {
   const int64_t num_pages_;
   const int device_;
   std::string gpu_name_;
+  std::string pci_bus_id_;
   std::string attention_kernel_;  // cuda::HstuAttentionKernelName of the pool, found at Init
   // New K/V of fresh users and of those whose cached prefix is whole key blocks go from their rows
   // straight into the attention, which stores them to the pages (AttentionParams::

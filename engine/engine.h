@@ -94,6 +94,7 @@ class Engine {
   const ModelConfig& config() const { return config_; }
   const EngineOptions& options() const { return options_; }
   std::string device_name() const { return backend_->name(); }
+  std::string device_pci_bus_id() const { return backend_->pci_bus_id(); }
   std::string attention_kernel() const { return backend_->attention_kernel(); }
   std::string gemm_routes() const { return backend_->gemm_routes(); }
   EngineStats Stats() const;

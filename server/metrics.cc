@@ -97,6 +97,24 @@ ServerMetrics::ServerMetrics(const std::string& version)
       gpu_memory_(registry_.AddGauge("hstu_gpu_memory_bytes",
                                      "Device memory held by the engine, by kind (0 on the CPU).",
                                      {"kind"})),
+      gpu_sm_clock_(registry_.AddGauge("hstu_gpu_sm_clock_hertz",
+                                       "The GPU's SM clock at the scrape (NVML; no series on the "
+                                       "CPU). Under sustained load the power limit lowers it.")),
+      gpu_power_(registry_.AddGauge("hstu_gpu_power_watts",
+                                    "The GPU board's power draw at the scrape (NVML).")),
+      gpu_clock_event_(registry_.AddGauge(
+          "hstu_gpu_clock_event_active",
+          "1 while the driver holds the SM clock down for this reason at the scrape (NVML clock "
+          "event reasons: power_cap = the software power limit, thermal = temperature), else 0.",
+          {"reason"})),
+      gpu_energy_(registry_.AddCounter(
+          "hstu_gpu_energy_joules_total",
+          "The GPU board's energy since the driver loaded (NVML); its rate is the mean power.")),
+      gpu_throttled_(registry_.AddCounter(
+          "hstu_gpu_throttled_seconds_total",
+          "Time the GPU's clock was held below its target, by cause (NVML violation counters, since "
+          "the driver loaded); its rate is the share of time throttled.",
+          {"reason"})),
       engine_compute_(registry_.AddCounter(
           "hstu_engine_compute_seconds_total",
           "Total time inside the engine's backend forward passes.")),
@@ -144,6 +162,11 @@ ServerMetrics::ServerMetrics(const std::string& version)
   registry_.AddCollectHook([this] { Collect(); });
 }
 
+void ServerMetrics::SetGpuTelemetry(std::unique_ptr<GpuTelemetry> telemetry) {
+  std::lock_guard<std::mutex> lock(mu_);
+  gpu_telemetry_ = std::move(telemetry);
+}
+
 void ServerMetrics::SetEngineStatsSource(std::function<EngineStats()> stats,
                                          const std::string& device, const std::string& model) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -178,12 +201,32 @@ void ServerMetrics::AddInflight(int delta) { inflight_.WithLabels({}).Add(delta)
 void ServerMetrics::Collect() {
   std::function<EngineStats()> stats_fn;
   std::function<int64_t()> depth_fn;
+  std::shared_ptr<const GpuTelemetry> telemetry;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_fn = engine_stats_;
     depth_fn = queue_depth_source_;
+    telemetry = gpu_telemetry_;
   }
   if (depth_fn) queue_depth_.WithLabels({}).Set(static_cast<double>(depth_fn()));
+  if (telemetry != nullptr) {
+    // A failed read leaves the previous values: a scrape is not the place to report it.
+    if (const absl::StatusOr<GpuReading> r = telemetry->Read(); r.ok()) {
+      gpu_sm_clock_.WithLabels({}).Set(r->sm_clock_hz);
+      gpu_power_.WithLabels({}).Set(r->power_watts);
+      gpu_clock_event_.WithLabels({"power_cap"})
+          .Set((r->clock_event_reasons & kClockEventSwPowerCap) != 0 ? 1 : 0);
+      gpu_clock_event_.WithLabels({"thermal"})
+          .Set((r->clock_event_reasons & kClockEventThermal) != 0 ? 1 : 0);
+      if (r->energy_joules >= 0) gpu_energy_.WithLabels({}).Set(r->energy_joules);
+      if (r->power_throttled_seconds >= 0) {
+        gpu_throttled_.WithLabels({"power"}).Set(r->power_throttled_seconds);
+      }
+      if (r->thermal_throttled_seconds >= 0) {
+        gpu_throttled_.WithLabels({"thermal"}).Set(r->thermal_throttled_seconds);
+      }
+    }
+  }
   if (!stats_fn) return;
   const EngineStats s = stats_fn();
   const CacheStats& c = s.cache;

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "engine/engine.h"
+#include "engine/gpu_telemetry.h"
 #include "server/http_exposer.h"
 #include "server/prom_registry.h"
 
@@ -40,6 +41,9 @@ class ServerMetrics {
   void ObserveOnloadWait(double seconds);
   void AddInflight(int delta);
   void SetQueueDepthSource(std::function<int64_t()> depth);
+  // The GPU's clock, power, energy and throttling, read at each scrape (the hstu_gpu_* families
+  // below have no series without it: on the CPU, or without NVML).
+  void SetGpuTelemetry(std::unique_ptr<GpuTelemetry> telemetry);
 
   std::string Serialize() const { return registry_.Serialize(); }
   Registry& registry() { return registry_; }
@@ -70,6 +74,11 @@ class ServerMetrics {
   Family<Gauge>& kv_recompute_cost_;
   Family<Counter>& cuda_graph_replays_;
   Family<Gauge>& gpu_memory_;
+  Family<Gauge>& gpu_sm_clock_;
+  Family<Gauge>& gpu_power_;
+  Family<Gauge>& gpu_clock_event_;
+  Family<Counter>& gpu_energy_;
+  Family<Counter>& gpu_throttled_;
   Family<Counter>& engine_compute_;
   Family<Counter>& engine_device_;
   Family<Counter>& engine_batches_;
@@ -78,6 +87,7 @@ class ServerMetrics {
   std::mutex mu_;  // guards the sources below
   std::function<EngineStats()> engine_stats_;
   std::function<int64_t()> queue_depth_source_;
+  std::shared_ptr<const GpuTelemetry> gpu_telemetry_;
 };
 
 // Serves `GET /metrics` (and `/` with a pointer to it) on its own port (server/http_exposer.h).

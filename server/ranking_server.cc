@@ -158,6 +158,15 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
   metrics->SetQueueDepthSource([sched_ptr] { return sched_ptr->QueueDepth(); });
   metrics->SetEngineStatsSource([engine_ptr] { return engine_ptr->Stats(); },
                                 s->engine_->device_name(), c.model_name);
+  if (const std::string bus_id = s->engine_->device_pci_bus_id(); !bus_id.empty()) {
+    if (auto telemetry = GpuTelemetry::Open(bus_id); telemetry.ok()) {
+      metrics->SetGpuTelemetry(*std::move(telemetry));
+      spdlog::info("metrics: GPU clock, power and throttling of {} through NVML", bus_id);
+    } else {
+      spdlog::warn("metrics: no GPU clock and power metrics ({})",
+                   std::string(telemetry.status().message()));
+    }
+  }
 
   s->service_->Attach(s->engine_.get(), s->scheduler_.get());
   s->SetServing(true);

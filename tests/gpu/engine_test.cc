@@ -1,11 +1,13 @@
 // The engine on the GPU (EngineOptions.device = "cuda:0") against the engine on the CPU, and the
 // GPU engine with its KV cache against the GPU engine without one, over returning users.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <random>
 
 #include "engine/engine.h"
+#include "engine/gpu_telemetry.h"
 #include "engine/model_file.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/util/tolerance.h"
@@ -214,7 +216,9 @@ TEST(CudaEngine, BaseShapesAsCloseToFp32AsTheBf16Emulation) {
       ASSERT_TRUE(rc[i].ok() && re[i].ok() && rg[i].ok()) << rg[i].status() << re[i].status();
       ASSERT_TRUE(test::AllFinite(rg[i]->scores) && test::AllFinite(rg[i]->hidden));
       ASSERT_EQ(rg[i]->scores.size(), rc[i]->scores.size());
-      if (visit > 0) EXPECT_GT(rg[i]->reused_tokens, 0u) << "user " << i;
+      if (visit > 0) {
+        EXPECT_GT(rg[i]->reused_tokens, 0u) << "user " << i;
+      }
       for (size_t j = 0; j < rc[i]->scores.size(); ++j) {
         d_gpu.push_back(std::abs(double(rg[i]->scores[j]) - rc[i]->scores[j]));
         d_emu.push_back(std::abs(double(re[i]->scores[j]) - rc[i]->scores[j]));
@@ -238,6 +242,50 @@ TEST(CudaEngine, BaseShapesAsCloseToFp32AsTheBf16Emulation) {
   EXPECT_LE(mean(d_gpu), kSlack * mean(d_emu));
   EXPECT_LE(worst(d_gpu), kSlack * worst(d_emu));
   EXPECT_LE(hidden_gpu, kSlack * hidden_emu);
+}
+
+// The server's GPU metrics come from GpuTelemetry on the engine's GPU: its readings are sane and
+// the energy counter moves while the GPU works.
+TEST(CudaEngine, GpuTelemetryReadsTheEnginesGpu) {
+  HSTU_SKIP_WITHOUT_GPU();
+  const ModelWeights w = RandomModel(test::SmallGpuModelConfig(), 3);
+  auto gpu = MakeEngine("cuda:0", false, w);
+  ASSERT_TRUE(gpu);
+  const std::string bus_id = gpu->device_pci_bus_id();
+  ASSERT_FALSE(bus_id.empty());
+  auto t = GpuTelemetry::Open(bus_id);
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto r0 = (*t)->Read();
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  EXPECT_GT(r0->sm_clock_hz, 1e8);
+  EXPECT_LT(r0->sm_clock_hz, 5e9);
+  EXPECT_GT(r0->power_watts, 5);
+  EXPECT_LT(r0->power_watts, 2000);
+  std::vector<RankRequest> batch(8);
+  for (size_t u = 0; u < batch.size(); ++u) {
+    batch[u].user_id = 70 + u;
+    for (int i = 0; i < 200; ++i) {
+      batch[u].history_item_ids.push_back((i * 7 + u) % 500);
+      batch[u].history_actions.push_back(i % 6);
+    }
+    batch[u].candidate_item_ids.assign(32, 11);
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+  while (std::chrono::steady_clock::now() < until) {
+    for (const auto& r : gpu->Rank(batch)) ASSERT_TRUE(r.ok()) << r.status();
+  }
+  auto r1 = (*t)->Read();
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  std::printf("  %s: SM clock %.0f MHz, %.0f W, energy %.1f J, throttled by power %.1f s, by "
+              "temperature %.1f s since the driver loaded\n",
+              bus_id.c_str(), r1->sm_clock_hz * 1e-6, r1->power_watts, r1->energy_joules,
+              r1->power_throttled_seconds, r1->thermal_throttled_seconds);
+  if (r0->energy_joules >= 0) {
+    EXPECT_GT(r1->energy_joules, r0->energy_joules);
+  }
+  if (r0->power_throttled_seconds >= 0) {
+    EXPECT_GE(r1->power_throttled_seconds, r0->power_throttled_seconds);
+  }
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <random>
 
 #include "engine/engine.h"
+#include "engine/gpu_telemetry.h"
 #include "engine/model_file.h"
 #include "gtest/gtest.h"
 #include "tests/util/tolerance.h"
@@ -297,6 +298,23 @@ TEST(Engine, DeviceNamesAndTheBf16Emulation) {
   EXPECT_NE(bad.status().message().find("'cpu-fp8' is not one of cpu, cpu-bf16, cuda:N, auto"),
             std::string::npos)
       << bad.status();
+}
+
+TEST(GpuTelemetry, OpenNamesWhatIsMissing) {
+  // No GPU at this bus id on any machine (and no NVML at all on a CPU-only one): an error that says
+  // which, never a crash.
+  auto t = GpuTelemetry::Open("ffff:ff:1f.7");
+  ASSERT_FALSE(t.ok());
+  const std::string msg(t.status().message());
+  EXPECT_TRUE(msg.find("NVML") != std::string::npos) << msg;
+  EXPECT_TRUE(t.status().code() == absl::StatusCode::kUnavailable ||
+              (t.status().code() == absl::StatusCode::kNotFound &&
+               msg.find("ffff:ff:1f.7") != std::string::npos))
+      << t.status();
+  // The engine on the CPU has no GPU to name.
+  auto e = Engine::Create(EngineOptions{});
+  ASSERT_TRUE(e.ok());
+  EXPECT_EQ((*e)->device_pci_bus_id(), "");
 }
 
 TEST(Engine, RandomTinyModelGivesUsefulScores) {
