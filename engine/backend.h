@@ -82,6 +82,8 @@ class Backend {
   virtual int64_t num_pages() const = 0;
   virtual int64_t kv_pool_bytes() const = 0;
   virtual int64_t device_memory_bytes() const = 0;
+  // Of those, the model's weights on the device (0 on the CPU).
+  virtual int64_t device_weight_bytes() const { return 0; }
   // Appends the new history K/V to the pages and scores the candidate rows.
   virtual absl::Status Forward(const ForwardBatch& batch, bool keep_hidden, ForwardOutput* out) = 0;
   // Copies every layer's K and V of `num_tokens` tokens stored in `page_ids` into `out`

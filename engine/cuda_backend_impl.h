@@ -243,6 +243,7 @@ class CudaBackendImpl final : public CudaBackend {
   std::string gemm_routes() const override { return gemm_.BiasSiluRoutes(); }
   int64_t num_pages() const override { return num_pages_; }
   int64_t kv_pool_bytes() const override { return static_cast<int64_t>(pool_.bytes()); }
+  int64_t device_weight_bytes() const override { return weight_bytes_; }
   int64_t device_memory_bytes() const override {
     return weight_bytes_ + static_cast<int64_t>(pool_.bytes() + eager_ws_.bytes() +
                                                 graph_ws_.bytes() + cublas_ws_.bytes());

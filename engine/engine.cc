@@ -156,6 +156,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   std::unique_ptr<Engine> engine(new Engine(options, c, *std::move(backend), std::move(cache)));
   engine->stats_.kv_pool_bytes = engine->backend_->kv_pool_bytes();
   engine->stats_.device_memory_bytes = engine->backend_->device_memory_bytes();
+  engine->stats_.weight_bytes = engine->backend_->device_weight_bytes();
   engine->stats_.kv_page_bytes = engine->backend_->page_bytes();
   engine->stats_.onload_bytes_per_second = engine->onload_cost_.bytes_per_second();
   engine->stats_.recompute_seconds_per_token = engine->onload_cost_.seconds_per_token();

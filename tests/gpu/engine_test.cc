@@ -244,13 +244,18 @@ TEST(CudaEngine, BaseShapesAsCloseToFp32AsTheBf16Emulation) {
   EXPECT_LE(hidden_gpu, kSlack * hidden_emu);
 }
 
-// The server's GPU metrics come from GpuTelemetry on the engine's GPU: its readings are sane and
-// the energy counter moves while the GPU works.
-TEST(CudaEngine, GpuTelemetryReadsTheEnginesGpu) {
+// The sources of the server's GPU metrics: the engine's device memory split (weights within the
+// total), and GpuTelemetry on the engine's GPU, whose readings are sane and whose energy counter
+// moves while the GPU works.
+TEST(CudaEngine, GpuMetricSources) {
   HSTU_SKIP_WITHOUT_GPU();
   const ModelWeights w = RandomModel(test::SmallGpuModelConfig(), 3);
   auto gpu = MakeEngine("cuda:0", false, w);
   ASSERT_TRUE(gpu);
+  const EngineStats stats = gpu->Stats();
+  EXPECT_GT(stats.weight_bytes, 0);
+  EXPECT_GT(stats.kv_pool_bytes, 0);
+  EXPECT_LT(stats.weight_bytes + stats.kv_pool_bytes, stats.device_memory_bytes + 1);
   const std::string bus_id = gpu->device_pci_bus_id();
   ASSERT_FALSE(bus_id.empty());
   auto t = GpuTelemetry::Open(bus_id);
