@@ -59,8 +59,8 @@ ABSL_FLAG(bool, no_cache_only, false,
           "block: only the no-cache rows with 256 candidates (pages kept and not, alternated three "
           "times), e.g. to profile or A/B them");
 ABSL_FLAG(int32_t, sustained_ms, 0,
-          "block: also run each row's forward back to back for at least this long and report "
-          "its time, SM clock and energy (J) a forward under that sustained load (0 = off)");
+          "block, kernels: also run each row's forward (each kernel) back to back for at least "
+          "this long and report its time, SM clock and energy under that sustained load (0 = off)");
 ABSL_FLAG(std::string, attn_slots, "0",
           "attention: CTA slots the work plan assumes, a list (0 = the GPU's SMs x CTAs per SM); "
           "smaller values give fewer, longer chunks per tile, to separate a CTA's fixed cost from "
@@ -328,7 +328,40 @@ json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batche
 
 // Every kernel of one layer (base model: d 1024, 4 x 256), batch B, of a step with `cached` of
 // 4096 history tokens per user in the pages (3968: the decode step; 0: the no-cache block).
-json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int cached) {
+// `fn` (enqueueing `per_call` units on `s`) back to back for at least `span_ms`, given that a unit
+// takes about `unit_ms`: the time a unit then takes, the board's energy a unit, and the SM clock.
+struct Sustained {
+  double ms = NAN, joules = NAN, watts = NAN, sm_mhz = 0;
+};
+Sustained RunSustained(const GpuMonitor& monitor, cudaStream_t s, int span_ms, double unit_ms,
+                       int per_call, const std::function<void()>& fn) {
+  const int calls = std::max(1, static_cast<int>(std::ceil(span_ms / (unit_ms * per_call))));
+  hstu::cuda::Event start, stop;
+  HSTU_BENCH_CHECK_CUDA(start.Create());
+  HSTU_BENCH_CHECK_CUDA(stop.Create());
+  HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(s));
+  const std::optional<double> e0 = monitor.EnergyJoules();
+  const auto t0 = GpuMonitor::Clock::now();
+  HSTU_BENCH_CHECK_CUDA(cudaEventRecord(start.get(), s));
+  for (int c = 0; c < calls; ++c) fn();
+  HSTU_BENCH_CHECK_CUDA(cudaEventRecord(stop.get(), s));
+  HSTU_BENCH_CHECK_CUDA(cudaEventSynchronize(stop.get()));
+  const std::optional<double> e1 = monitor.EnergyJoules();
+  float total_ms = 0;
+  HSTU_BENCH_CHECK_CUDA(cudaEventElapsedTime(&total_ms, start.get(), stop.get()));
+  Sustained out;
+  const double units = static_cast<double>(calls) * per_call;
+  out.ms = total_ms / units;
+  out.sm_mhz = monitor.Between(t0, GpuMonitor::Clock::now()).sm_mhz_median;
+  if (e0 && e1) {
+    out.joules = (*e1 - *e0) / units;
+    out.watts = (*e1 - *e0) / (total_ms * 1e-3);
+  }
+  return out;
+}
+
+json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int cached,
+                  const GpuMonitor* monitor) {
   json rows = json::array();
   const int hist = 4096;
   if (cached < 0 || cached >= hist) {
@@ -337,7 +370,15 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
   }
   std::printf("\n### kernels of one layer (d 1024, 4 x 256; %d cached + %d new history tokens + 256 "
               "candidates per user)\n\n", cached, hist - cached);
-  std::printf("| batch | kernel | time (us) | TFLOP/s | GB/s |\n|---|---|---|---|---|\n");
+  const int sustained_ms = monitor != nullptr ? absl::GetFlag(FLAGS_sustained_ms) : 0;
+  if (sustained_ms > 0) {
+    std::printf("Sustained: each kernel again, back to back for >= %d ms: its time, the board's "
+                "mean power and energy a launch (NVML), and the SM clock meanwhile.\n\n",
+                sustained_ms);
+  }
+  std::printf("| batch | kernel | time (us) | TFLOP/s | GB/s |%s\n|---|---|---|---|---|%s\n",
+              sustained_ms > 0 ? " sustained (us) | W | mJ | SM MHz |" : "",
+              sustained_ms > 0 ? "---|---|---|---|" : "");
   hstu::cuda::Stream stream;
   HSTU_BENCH_CHECK_CUDA(stream.Create());
   cublasHandle_t h;
@@ -446,11 +487,21 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
       if (name.find("128x256 cooperative") != std::string::npos) fused_us[0] = us;
       if (name.find("128x128 ping-pong") != std::string::npos) fused_us[1] = us;
       if (name.rfind("append K/V from the rows", 0) == 0) append_us = us;
-      std::printf("| %d | %s | %.1f | %s | %.0f |\n", B, k.name, us,
+      json row = {{"batch", B}, {"kernel", k.name}, {"time_us", us},
+                  {"tflops", k.flops / (ms * 1e-3) / 1e12}, {"gbps", k.bytes / (ms * 1e-3) / 1e9}};
+      std::string sustained;
+      if (sustained_ms > 0) {
+        const Sustained su = RunSustained(*monitor, stream.get(), sustained_ms, ms, k.per_call, k.fn);
+        sustained = absl::StrFormat(" %.1f | %.0f | %.3f | %.0f |", su.ms * 1e3, su.watts,
+                                    su.joules * 1e3, su.sm_mhz);
+        row["sustained"] = {{"time_us", su.ms * 1e3}, {"watts", su.watts},
+                            {"joules", std::isnan(su.joules) ? json(nullptr) : json(su.joules)},
+                            {"sm_mhz_median", su.sm_mhz}};
+      }
+      std::printf("| %d | %s | %.1f | %s | %.0f |%s\n", B, k.name, us,
                   k.flops > 0 ? absl::StrFormat("%.1f", k.flops / (ms * 1e-3) / 1e12).c_str() : "-",
-                  k.bytes / (ms * 1e-3) / 1e9);
-      rows.push_back({{"batch", B}, {"kernel", k.name}, {"time_us", us},
-                      {"tflops", k.flops / (ms * 1e-3) / 1e12}, {"gbps", k.bytes / (ms * 1e-3) / 1e9}});
+                  k.bytes / (ms * 1e-3) / 1e9, sustained.c_str());
+      rows.push_back(std::move(row));
     }
     std::printf("| %d | **sum of one layer** | %.1f | | |\n", B, total_us);
     if (fused_ok) {
@@ -1178,7 +1229,7 @@ int main(int argc, char** argv) {
   } else if (mode == "attention_trace") {
     j["results"] = BenchAttentionTrace(reps, page_size, batches, absl::GetFlag(FLAGS_cached));
   } else if (mode == "kernels") {
-    j["results"] = BenchKernels(reps, page_size, batches, absl::GetFlag(FLAGS_cached));
+    j["results"] = BenchKernels(reps, page_size, batches, absl::GetFlag(FLAGS_cached), monitor.get());
   } else if (mode == "block") {
     j["results"] = BenchBlock(reps, page_size, batches, monitor.get());
   } else if (mode == "attention_sweep") {
