@@ -76,6 +76,10 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
                                 int32_t max_split = 64, int32_t cluster = 0,
                                 int32_t max_clusters = 0, bool candidates_only = false);
 
+// Whether PlanHstuAttention orders a plan without split tiles user by user (round 38 in
+// docs/cuda_kernels.md); HSTU_ATTN_USER_ORDER=0 turns it off, for A/B timing. Read once.
+bool HstuAttentionUserOrderEnabled();
+
 // The list schedule PlanHstuAttention times its chunk lengths with: costs (descending, >= 0; each
 // CTA's key blocks plus its fixed work) each taken `copies` times (the heads) in order, by the
 // first of `machines` (SM slots, all free at 0) to free up. Returns when the last one finishes.

@@ -1,6 +1,9 @@
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -34,6 +37,14 @@ AttentionWorkItem ChunkOf(const Tile& t, int32_t s, int32_t splits, int32_t chun
 }
 
 }  // namespace
+
+bool HstuAttentionUserOrderEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("HSTU_ATTN_USER_ORDER");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled;
+}
 
 int64_t ListScheduleMakespan(const std::vector<std::pair<int32_t, int64_t>>& runs,
                              int32_t machines, std::vector<int32_t>* scratch) {
@@ -267,18 +278,43 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   // Longest first; among equal lengths the split tiles' first chunks lead (a split tile's first
   // chunk is a whole chunk, as long as any item, so items[t] is split 0 of split tile t: the split
   // reduction's grid covers exactly those), then the order above (a tile's chunks, then the next
-  // tile of the same user, which reads the same keys). Sorted as (key, index) pairs: the order of
-  // a stable sort without its buffer.
-  std::vector<std::pair<int64_t, int32_t>> order(plan.items.size());
+  // tile of the same user, which reads the same keys).
+  //
+  // Without split tiles and with several users (the no-cache shapes), the long items go user by
+  // user instead (round 38): longest first, a user's query tiles start at different times and
+  // read the same keys from 0 up, so every user's K/V had to stay in L2 for the whole kernel
+  // (142 MB at batch 8; 810 MB of DRAM reads a layer for 213 MB of q, k, v). User by user, about
+  // two users' keys are in flight. The items shorter than half the longest still come last,
+  // longest first, which keeps the list schedule's tail short for users of unequal lengths.
+  // Sorted as (key, index) pairs: the order of a stable sort without its buffer.
+  int32_t longest = 0;
+  for (const AttentionWorkItem& it : plan.items) longest = std::max(longest, it.kv_end - it.kv_begin);
+  const bool by_user =
+      plan.num_split_tiles == 0 && batch_size > 1 && HstuAttentionUserOrderEnabled();
+  std::vector<int32_t> user_rank(static_cast<size_t>(batch_size), 0);
+  if (by_user) {
+    // Users with the longest items first (then in batch order).
+    std::vector<std::pair<int32_t, int32_t>> users(static_cast<size_t>(batch_size), {0, 0});
+    for (int32_t b = 0; b < batch_size; ++b) users[b].second = b;
+    for (const AttentionWorkItem& it : plan.items) {
+      users[it.user].first = std::min(users[it.user].first, -(it.kv_end - it.kv_begin));
+    }
+    std::sort(users.begin(), users.end());
+    for (int32_t r = 0; r < batch_size; ++r) user_rank[users[r].second] = r;
+  }
+  using Key = std::tuple<int32_t, int32_t, int64_t, int32_t>;  // (late, user rank, -length, index)
+  std::vector<Key> order(plan.items.size());
   for (size_t i = 0; i < plan.items.size(); ++i) {
     const AttentionWorkItem& it = plan.items[i];
+    const int32_t length = it.kv_end - it.kv_begin;
     const bool leads = it.num_splits > 1 && it.split == 0;
-    order[i] = {-(2 * static_cast<int64_t>(it.kv_end - it.kv_begin) + (leads ? 1 : 0)),
-                static_cast<int32_t>(i)};
+    const bool grouped = by_user && 2 * length >= longest;
+    order[i] = {by_user && !grouped ? 1 : 0, grouped ? user_rank[it.user] : 0,
+                -(2 * static_cast<int64_t>(length) + (leads ? 1 : 0)), static_cast<int32_t>(i)};
   }
   std::sort(order.begin(), order.end());
   std::vector<AttentionWorkItem> sorted(order.size());
-  for (size_t i = 0; i < order.size(); ++i) sorted[i] = plan.items[order[i].second];
+  for (size_t i = 0; i < order.size(); ++i) sorted[i] = plan.items[std::get<3>(order[i])];
   plan.items = std::move(sorted);
   return plan;
 }

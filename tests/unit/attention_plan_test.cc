@@ -108,10 +108,39 @@ void CheckPlan(const Batch& b, int32_t window, const AttentionPlan& plan, const 
     EXPECT_EQ(plan.items[t].split, 0) << what << ": item " << t;
     EXPECT_GT(plan.items[t].num_splits, 1) << what << ": item " << t;
   }
-  for (size_t i = 1; i < plan.items.size(); ++i) {
-    EXPECT_GE(plan.items[i - 1].kv_end - plan.items[i - 1].kv_begin,
-              plan.items[i].kv_end - plan.items[i].kv_begin)
-        << what << ": items must come longest first";
+  auto length = [](const AttentionWorkItem& it) { return it.kv_end - it.kv_begin; };
+  if (plan.num_split_tiles > 0 || b.size() < 2) {
+    for (size_t i = 1; i < plan.items.size(); ++i) {
+      EXPECT_GE(length(plan.items[i - 1]), length(plan.items[i]))
+          << what << ": items must come longest first";
+    }
+    return;
+  }
+  // Without split tiles, several users: the items of at least half the longest length first, user
+  // by user (users with the longest items first), each user's longest first; then the rest,
+  // longest first.
+  int32_t longest = 0;
+  for (const AttentionWorkItem& it : plan.items) longest = std::max(longest, length(it));
+  size_t i = 0;
+  std::set<int32_t> users_done;
+  int32_t user = -1, user_longest = 0;
+  for (; i < plan.items.size() && 2 * length(plan.items[i]) >= longest; ++i) {
+    const AttentionWorkItem& it = plan.items[i];
+    if (it.user != user) {
+      EXPECT_TRUE(users_done.insert(it.user).second) << what << ": user " << it.user << " split up";
+      EXPECT_TRUE(user < 0 || length(it) <= user_longest) << what << ": user " << it.user
+                                                          << " should come earlier";
+      user = it.user;
+      user_longest = length(it);
+    } else {
+      EXPECT_GE(length(plan.items[i - 1]), length(it)) << what << ": a user's longest first";
+    }
+  }
+  for (size_t j = i; j < plan.items.size(); ++j) {
+    EXPECT_LT(2 * length(plan.items[j]), longest) << what << ": item " << j << " belongs earlier";
+    if (j > i) {
+      EXPECT_GE(length(plan.items[j - 1]), length(plan.items[j])) << what << ": tail longest first";
+    }
   }
 }
 
@@ -131,6 +160,31 @@ TEST(AttentionPlanTest, RandomBatchesCoverEveryKeyOnceWithConsistentSplits) {
     for (const AttentionWorkItem& it : plan.items) ASSERT_LE(it.num_splits, max_split) << what;
     if (HasFailure()) return;
   }
+}
+
+// The no-cache block's attention (8 users of 4096 new history tokens and 256 candidates, 4 heads):
+// no split tiles, the items user by user so that about two users' keys are read at a time, and
+// the launch's makespan no longer than the longest-first order's.
+TEST(AttentionPlanTest, NoCacheBatchGoesUserByUser) {
+  Batch b;
+  for (int u = 0; u < 8; ++u) b.Add(4096 + 256, 4096, 4096);
+  const AttentionPlan plan = PlanHstuAttention(b.row_offsets.data(), b.num_new.data(),
+                                               b.num_tokens.data(), b.size(), 0, 4, 132);
+  CheckPlan(b, 0, plan, "no cache, 8 users");
+  ASSERT_EQ(plan.num_split_tiles, 0);
+  // The users' long items are contiguous, in batch order (all users are alike).
+  int32_t last_user = 0;
+  for (const AttentionWorkItem& it : plan.items) {
+    if (2 * (it.kv_end - it.kv_begin) < 4096) break;
+    EXPECT_GE(it.user, last_user);
+    last_user = it.user;
+  }
+  EXPECT_EQ(last_user, 7);
+  AttentionPlan lpt = plan;
+  std::stable_sort(lpt.items.begin(), lpt.items.end(), [](const auto& x, const auto& y) {
+    return x.kv_end - x.kv_begin > y.kv_end - y.kv_begin;
+  });
+  EXPECT_LE(Makespan(plan, 4, 132), Makespan(lpt, 4, 132));
 }
 
 TEST(AttentionPlanTest, ListScheduleMakespanMatchesTheFirstFreeMachineRule) {
