@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <queue>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -34,6 +35,26 @@ AttentionWorkItem ChunkOf(const Tile& t, int32_t s, int32_t splits, int32_t chun
   it.tile = tile_idx;
   it.partial_base = partial_base;
   return it;
+}
+
+// When the last CTA of a launch of `items` in this order ends (block x = item · heads + head, each
+// CTA taken by the first free of `slots`), a CTA costing its key blocks plus its fixed work.
+constexpr double kUserOrderSlack = 1.02;
+
+double LaunchMakespan(const std::vector<AttentionWorkItem>& items, int32_t heads, int32_t slots) {
+  std::priority_queue<double, std::vector<double>, std::greater<>> free_at;
+  for (int32_t i = 0; i < std::max(slots, 1); ++i) free_at.push(0.0);
+  double span = 0;
+  for (const AttentionWorkItem& it : items) {
+    const double cost = CeilDiv(it.kv_end - it.kv_begin, kAttnBlockN) + kAttnCtaOverheadBlocks;
+    for (int32_t h = 0; h < heads; ++h) {
+      const double end = free_at.top() + cost;
+      free_at.pop();
+      free_at.push(end);
+      span = std::max(span, end);
+    }
+  }
+  return span;
 }
 
 }  // namespace
@@ -280,13 +301,14 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   // reduction's grid covers exactly those), then the order above (a tile's chunks, then the next
   // tile of the same user, which reads the same keys).
   //
-  // Without split tiles and with several users (the no-cache shapes), the long items go user by
-  // user instead (round 38): longest first, a user's query tiles start at different times and
-  // read the same keys from 0 up, so every user's K/V had to stay in L2 for the whole kernel
-  // (142 MB at batch 8; 810 MB of DRAM reads a layer for 213 MB of q, k, v). User by user, about
-  // two users' keys are in flight. The items shorter than half the longest still come last,
-  // longest first, which keeps the list schedule's tail short for users of unequal lengths.
-  // Sorted as (key, index) pairs: the order of a stable sort without its buffer.
+  // Without split tiles and with several users (the no-cache shapes), the items go user by user
+  // instead (round 38): longest first, a user's query tiles start at different times and read the
+  // same keys from 0 up, so every user's K/V had to stay in L2 for the whole kernel (142 MB at
+  // batch 8; 810 MB of DRAM reads a layer for 213 MB of q, k, v). User by user, one or two users'
+  // keys are in flight. For users of unequal lengths that can lengthen the launch's tail, so the
+  // plan also considers keeping the items shorter than half the longest at the end, longest
+  // first, and takes whichever of the two the list schedule finishes first (ties: all user by
+  // user), unless longest first would finish more than kUserOrderSlack earlier.
   int32_t longest = 0;
   for (const AttentionWorkItem& it : plan.items) longest = std::max(longest, it.kv_end - it.kv_begin);
   const bool by_user =
@@ -302,19 +324,37 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
     std::sort(users.begin(), users.end());
     for (int32_t r = 0; r < batch_size; ++r) user_rank[users[r].second] = r;
   }
-  using Key = std::tuple<int32_t, int32_t, int64_t, int32_t>;  // (late, user rank, -length, index)
-  std::vector<Key> order(plan.items.size());
-  for (size_t i = 0; i < plan.items.size(); ++i) {
-    const AttentionWorkItem& it = plan.items[i];
-    const int32_t length = it.kv_end - it.kv_begin;
-    const bool leads = it.num_splits > 1 && it.split == 0;
-    const bool grouped = by_user && 2 * length >= longest;
-    order[i] = {by_user && !grouped ? 1 : 0, grouped ? user_rank[it.user] : 0,
-                -(2 * static_cast<int64_t>(length) + (leads ? 1 : 0)), static_cast<int32_t>(i)};
+  // The items in order; tail_from: items shorter than this many keys go last, longest first.
+  // Sorted as (key, index) pairs: the order of a stable sort without its buffer.
+  auto ordered = [&](int32_t tail_below) {
+    using Key = std::tuple<int32_t, int32_t, int64_t, int32_t>;  // (late, user, -length, index)
+    std::vector<Key> order(plan.items.size());
+    for (size_t i = 0; i < plan.items.size(); ++i) {
+      const AttentionWorkItem& it = plan.items[i];
+      const int32_t length = it.kv_end - it.kv_begin;
+      const bool leads = it.num_splits > 1 && it.split == 0;
+      const bool grouped = by_user && length >= tail_below;
+      order[i] = {by_user && !grouped ? 1 : 0, grouped ? user_rank[it.user] : 0,
+                  -(2 * static_cast<int64_t>(length) + (leads ? 1 : 0)), static_cast<int32_t>(i)};
+    }
+    std::sort(order.begin(), order.end());
+    std::vector<AttentionWorkItem> sorted(order.size());
+    for (size_t i = 0; i < order.size(); ++i) sorted[i] = plan.items[std::get<3>(order[i])];
+    return sorted;
+  };
+  std::vector<AttentionWorkItem> sorted = ordered(0);
+  if (by_user) {
+    double span = LaunchMakespan(sorted, num_heads, slots);
+    std::vector<AttentionWorkItem> with_tail = ordered((longest + 1) / 2);
+    if (const double s = LaunchMakespan(with_tail, num_heads, slots); s < span) {
+      sorted = std::move(with_tail);
+      span = s;
+    }
+    // Longest first after all when the launch would end more than 2 % later user by user (few
+    // CTAs a slot, where one long item placed late shows).
+    std::vector<AttentionWorkItem> lpt = ordered(longest + 1);
+    if (span > kUserOrderSlack * LaunchMakespan(lpt, num_heads, slots)) sorted = std::move(lpt);
   }
-  std::sort(order.begin(), order.end());
-  std::vector<AttentionWorkItem> sorted(order.size());
-  for (size_t i = 0; i < order.size(); ++i) sorted[i] = plan.items[std::get<3>(order[i])];
   plan.items = std::move(sorted);
   return plan;
 }

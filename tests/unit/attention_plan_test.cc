@@ -116,32 +116,39 @@ void CheckPlan(const Batch& b, int32_t window, const AttentionPlan& plan, const 
     }
     return;
   }
-  // Without split tiles, several users: the items of at least half the longest length first, user
-  // by user (users with the longest items first), each user's longest first; then the rest,
-  // longest first.
+  // Without split tiles, several users: user by user (users with the longest items first, each
+  // user's longest first), either every item or those of at least half the longest length, the
+  // rest then following longest first; or longest first where that ends the launch sooner (the
+  // random test below checks by how much).
+  auto user_major = [&](size_t from, size_t to) {
+    std::set<int32_t> done;
+    for (size_t i = from; i < to; ++i) {
+      const AttentionWorkItem& it = plan.items[i];
+      if (i == from || it.user != plan.items[i - 1].user) {
+        if (!done.insert(it.user).second) return false;  // a user's items split up
+        if (i > from && length(it) > length(plan.items[from])) return false;
+      } else if (length(plan.items[i - 1]) < length(it)) {
+        return false;
+      }
+    }
+    return true;
+  };
+  auto longest_first = [&](size_t from) {
+    for (size_t i = from + 1; i < plan.items.size(); ++i) {
+      if (length(plan.items[i - 1]) < length(plan.items[i])) return false;
+    }
+    return true;
+  };
   int32_t longest = 0;
   for (const AttentionWorkItem& it : plan.items) longest = std::max(longest, length(it));
-  size_t i = 0;
-  std::set<int32_t> users_done;
-  int32_t user = -1, user_longest = 0;
-  for (; i < plan.items.size() && 2 * length(plan.items[i]) >= longest; ++i) {
-    const AttentionWorkItem& it = plan.items[i];
-    if (it.user != user) {
-      EXPECT_TRUE(users_done.insert(it.user).second) << what << ": user " << it.user << " split up";
-      EXPECT_TRUE(user < 0 || length(it) <= user_longest) << what << ": user " << it.user
-                                                          << " should come earlier";
-      user = it.user;
-      user_longest = length(it);
-    } else {
-      EXPECT_GE(length(plan.items[i - 1]), length(it)) << what << ": a user's longest first";
-    }
-  }
-  for (size_t j = i; j < plan.items.size(); ++j) {
-    EXPECT_LT(2 * length(plan.items[j]), longest) << what << ": item " << j << " belongs earlier";
-    if (j > i) {
-      EXPECT_GE(length(plan.items[j - 1]), length(plan.items[j])) << what << ": tail longest first";
-    }
-  }
+  size_t head = 0;
+  while (head < plan.items.size() && length(plan.items[head]) >= (longest + 1) / 2) ++head;
+  bool tail_short = true;
+  for (size_t i = head; i < plan.items.size(); ++i) tail_short &= length(plan.items[i]) < (longest + 1) / 2;
+  EXPECT_TRUE(user_major(0, plan.items.size()) ||
+              (tail_short && user_major(0, head) && longest_first(head)) || longest_first(0))
+      << what << ": items neither user by user (with or without a longest-first tail) nor "
+                 "longest first";
 }
 
 TEST(AttentionPlanTest, RandomBatchesCoverEveryKeyOnceWithConsistentSplits) {
@@ -158,12 +165,20 @@ TEST(AttentionPlanTest, RandomBatchesCoverEveryKeyOnceWithConsistentSplits) {
     const std::string what = "trial " + std::to_string(trial);
     CheckPlan(b, window, plan, what);
     for (const AttentionWorkItem& it : plan.items) ASSERT_LE(it.num_splits, max_split) << what;
+    if (plan.num_split_tiles == 0 && b.size() > 1) {
+      // User by user (round 38) only where the launch ends at most 2 % later than longest first.
+      AttentionPlan lpt = plan;
+      std::stable_sort(lpt.items.begin(), lpt.items.end(), [](const auto& x, const auto& y) {
+        return x.kv_end - x.kv_begin > y.kv_end - y.kv_begin;
+      });
+      EXPECT_LE(Makespan(plan, heads, slots), 1.02 * Makespan(lpt, heads, slots)) << what;
+    }
     if (HasFailure()) return;
   }
 }
 
 // The no-cache block's attention (8 users of 4096 new history tokens and 256 candidates, 4 heads):
-// no split tiles, the items user by user so that about two users' keys are read at a time, and
+// no split tiles, the items user by user so that one or two users' keys are read at a time, and
 // the launch's makespan no longer than the longest-first order's.
 TEST(AttentionPlanTest, NoCacheBatchGoesUserByUser) {
   Batch b;
@@ -172,10 +187,9 @@ TEST(AttentionPlanTest, NoCacheBatchGoesUserByUser) {
                                                b.num_tokens.data(), b.size(), 0, 4, 132);
   CheckPlan(b, 0, plan, "no cache, 8 users");
   ASSERT_EQ(plan.num_split_tiles, 0);
-  // The users' long items are contiguous, in batch order (all users are alike).
+  // All alike: every item user by user, in batch order (the longest-first tail is not needed).
   int32_t last_user = 0;
   for (const AttentionWorkItem& it : plan.items) {
-    if (2 * (it.kv_end - it.kv_begin) < 4096) break;
     EXPECT_GE(it.user, last_user);
     last_user = it.user;
   }
