@@ -88,7 +88,7 @@ bool HstuAttentionUserOrderEnabled();
 // a CTA; the result is the same. scratch: reused storage, may be nullptr.
 int64_t ListScheduleMakespan(const std::vector<int32_t>& costs, int32_t copies, int32_t machines,
                              std::vector<int32_t>* scratch = nullptr);
-// The same over runs: (cost, how many CTAs of it), costs descending, counts > 0 (the copies
+// The same over runs: (cost, how many CTAs of it) in launch order, counts > 0 (the copies
 // already counted in); two runs of one cost schedule as one.
 int64_t ListScheduleMakespan(const std::vector<std::pair<int32_t, int64_t>>& runs,
                              int32_t machines, std::vector<int32_t>* scratch = nullptr);

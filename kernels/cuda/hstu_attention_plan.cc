@@ -3,7 +3,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <queue>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -37,24 +36,22 @@ AttentionWorkItem ChunkOf(const Tile& t, int32_t s, int32_t splits, int32_t chun
   return it;
 }
 
-// When the last CTA of a launch of `items` in this order ends (block x = item · heads + head, each
-// CTA taken by the first free of `slots`), a CTA costing its key blocks plus its fixed work.
+// Round 38: user-by-user orders are taken unless longest first ends this much sooner.
 constexpr double kUserOrderSlack = 1.02;
 
-double LaunchMakespan(const std::vector<AttentionWorkItem>& items, int32_t heads, int32_t slots) {
-  std::priority_queue<double, std::vector<double>, std::greater<>> free_at;
-  for (int32_t i = 0; i < std::max(slots, 1); ++i) free_at.push(0.0);
-  double span = 0;
+// When the last CTA of a launch of `items` in this order ends (block x = item · heads + head, each
+// CTA taken by the first free of `slots`), a CTA costing its key blocks plus its fixed work.
+int64_t LaunchMakespan(const std::vector<AttentionWorkItem>& items, int32_t heads, int32_t slots,
+                       std::vector<std::pair<int32_t, int64_t>>* runs,
+                       std::vector<int32_t>* scratch) {
+  runs->clear();
   for (const AttentionWorkItem& it : items) {
-    const double cost = CeilDiv(it.kv_end - it.kv_begin, kAttnBlockN) + kAttnCtaOverheadBlocks;
-    for (int32_t h = 0; h < heads; ++h) {
-      const double end = free_at.top() + cost;
-      free_at.pop();
-      free_at.push(end);
-      span = std::max(span, end);
-    }
+    const int32_t cost = CeilDiv(it.kv_end - it.kv_begin, kAttnBlockN) +
+                         static_cast<int32_t>(kAttnCtaOverheadBlocks);
+    if (runs->empty() || runs->back().first != cost) runs->push_back({cost, 0});
+    runs->back().second += heads;
   }
-  return span;
+  return ListScheduleMakespan(*runs, slots, scratch);
 }
 
 }  // namespace
@@ -73,12 +70,15 @@ int64_t ListScheduleMakespan(const std::vector<std::pair<int32_t, int64_t>>& run
   machines = std::max(machines, 1);
   // The least finish time never decreases (a machine taken at the minimum t finishes later), and
   // it is at most the work assigned so far over the machines, so a count of machines per finish
-  // time up to total / machines + the longest cost holds the schedule: the minimum is found by a
+  // time up to total / machines + the longest cost holds the schedule, whatever the runs' order: the minimum is found by a
   // pointer that only moves forward. The CTAs of a run take the machines free at the least finish
   // time together (which of those machines takes which CTA does not change the finish times).
-  int64_t total = 0;
-  for (const auto& [cost, count] : runs) total += cost * count;
-  const int64_t cap = total / machines + runs.front().first + 2;
+  int64_t total = 0, longest = 0;
+  for (const auto& [cost, count] : runs) {
+    total += cost * count;
+    longest = std::max<int64_t>(longest, cost);
+  }
+  const int64_t cap = total / machines + longest + 2;
   std::vector<int32_t> local;
   std::vector<int32_t>& free_at = scratch != nullptr ? *scratch : local;
   free_at.assign(static_cast<size_t>(cap), 0);
@@ -344,16 +344,22 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   };
   std::vector<AttentionWorkItem> sorted = ordered(0);
   if (by_user) {
-    double span = LaunchMakespan(sorted, num_heads, slots);
+    std::vector<std::pair<int32_t, int64_t>> scratch_runs;
+    std::vector<int32_t> scratch_counts;
+    auto span_of = [&](const std::vector<AttentionWorkItem>& items) {
+      return static_cast<double>(
+          LaunchMakespan(items, num_heads, slots, &scratch_runs, &scratch_counts));
+    };
+    double span = span_of(sorted);
     std::vector<AttentionWorkItem> with_tail = ordered((longest + 1) / 2);
-    if (const double s = LaunchMakespan(with_tail, num_heads, slots); s < span) {
+    if (const double s = span_of(with_tail); s < span) {
       sorted = std::move(with_tail);
       span = s;
     }
     // Longest first after all when the launch would end more than 2 % later user by user (few
     // CTAs a slot, where one long item placed late shows).
     std::vector<AttentionWorkItem> lpt = ordered(longest + 1);
-    if (span > kUserOrderSlack * LaunchMakespan(lpt, num_heads, slots)) sorted = std::move(lpt);
+    if (span > kUserOrderSlack * span_of(lpt)) sorted = std::move(lpt);
   }
   plan.items = std::move(sorted);
   return plan;
