@@ -96,7 +96,9 @@ std::string DescribeClocks(const GpuMonitor::Summary& s) {
       "of %d samples",
       s.sm_mhz_median, s.sm_mhz_min, s.power_w_median, s.power_w_max,
       100 * s.power_capped_share, s.samples);
-  if (s.thermal_share > 0) out += absl::StrFormat(", thermal slowdown in %.0f %%", 100 * s.thermal_share);
+  if (s.thermal_share > 0) {
+    out += absl::StrFormat(", thermal slowdown in %.0f %%", 100 * s.thermal_share);
+  }
   return out;
 }
 

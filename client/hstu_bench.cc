@@ -491,7 +491,8 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
                   {"tflops", k.flops / (ms * 1e-3) / 1e12}, {"gbps", k.bytes / (ms * 1e-3) / 1e9}};
       std::string sustained;
       if (sustained_ms > 0) {
-        const Sustained su = RunSustained(*monitor, stream.get(), sustained_ms, ms, k.per_call, k.fn);
+        const Sustained su =
+            RunSustained(*monitor, stream.get(), sustained_ms, ms, k.per_call, k.fn);
         sustained = absl::StrFormat(" %.1f | %.0f | %.3f | %.0f |", su.ms * 1e3, su.watts,
                                     su.joules * 1e3, su.sm_mhz);
         row["sustained"] = {{"time_us", su.ms * 1e3}, {"watts", su.watts},
@@ -594,8 +595,9 @@ json BenchBlock(int reps, int page_size, const std::vector<int>& batches,
         const auto c0 = GpuMonitor::Clock::now();
         auto t = be.Time([&] { return be.EnqueueLayerStack(); }, 2, std::max(5, reps / 5));
         if (!t.ok()) { std::fprintf(stderr, "%s\n", t.status().ToString().c_str()); std::exit(1); }
-        const GpuMonitor::Summary clocks =
-            monitor != nullptr ? monitor->Between(c0, GpuMonitor::Clock::now()) : GpuMonitor::Summary();
+        const GpuMonitor::Summary clocks = monitor != nullptr
+                                               ? monitor->Between(c0, GpuMonitor::Clock::now())
+                                               : GpuMonitor::Summary();
         auto ta = be.Time([&] { return be.EnqueueAttention(0); }, 2, reps);
         if (!ta.ok()) { std::fprintf(stderr, "%s\n", ta.status().ToString().c_str()); std::exit(1); }
         const double ms = Median(*t), att_us = Median(*ta) * 1e3;
@@ -620,7 +622,10 @@ json BenchBlock(int reps, int page_size, const std::vector<int>& batches,
                 return absl::OkStatus();
               },
               0, 1);
-          if (!ts.ok()) { std::fprintf(stderr, "%s\n", ts.status().ToString().c_str()); std::exit(1); }
+          if (!ts.ok()) {
+            std::fprintf(stderr, "%s\n", ts.status().ToString().c_str());
+            std::exit(1);
+          }
           const std::optional<double> e1 = monitor ? monitor->EnergyJoules() : std::nullopt;
           const GpuMonitor::Summary sc = monitor != nullptr
                                              ? monitor->Between(s0, GpuMonitor::Clock::now())
@@ -1229,7 +1234,8 @@ int main(int argc, char** argv) {
   } else if (mode == "attention_trace") {
     j["results"] = BenchAttentionTrace(reps, page_size, batches, absl::GetFlag(FLAGS_cached));
   } else if (mode == "kernels") {
-    j["results"] = BenchKernels(reps, page_size, batches, absl::GetFlag(FLAGS_cached), monitor.get());
+    j["results"] =
+        BenchKernels(reps, page_size, batches, absl::GetFlag(FLAGS_cached), monitor.get());
   } else if (mode == "block") {
     j["results"] = BenchBlock(reps, page_size, batches, monitor.get());
   } else if (mode == "attention_sweep") {

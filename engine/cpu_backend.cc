@@ -23,7 +23,8 @@ class CpuBackend final : public Backend {
     const ModelConfig& c = w_.config;
     if (bf16_) {
       // The tensors the CUDA backend keeps in bf16; norms, biases and the head stay fp32.
-      for (std::vector<float>* t : {&w_.item_embedding, &w_.action_embedding, &w_.position_embedding}) {
+      for (std::vector<float>* t :
+           {&w_.item_embedding, &w_.action_embedding, &w_.position_embedding}) {
         Round(t);
       }
       for (LayerWeights& l : w_.layers) {

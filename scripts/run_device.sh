@@ -56,8 +56,9 @@ if [ "$WHAT" = sanitize ]; then
   done
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
-  # The SM clock, power, utilisation and throttle reasons every 100 ms while the benchmarks run: under sustained
-  # load the GPU can hit its power cap and lower its clock (docs/gpu.md), which moves the numbers.
+  # The SM clock, power, utilisation and throttle reasons every 100 ms while the benchmarks run:
+  # under sustained load the GPU can hit its power cap and lower its clock (docs/gpu.md), which
+  # moves the numbers.
   TZ=UTC nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,utilization.gpu,clocks_event_reasons.active \
     --format=csv,noheader,nounits -lms 100 -f "$OUT/gpu_clocks.csv" & clk=$!
   : > "$OUT/bench_spans.txt"

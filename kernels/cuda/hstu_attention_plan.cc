@@ -70,9 +70,10 @@ int64_t ListScheduleMakespan(const std::vector<std::pair<int32_t, int64_t>>& run
   machines = std::max(machines, 1);
   // The least finish time never decreases (a machine taken at the minimum t finishes later), and
   // it is at most the work assigned so far over the machines, so a count of machines per finish
-  // time up to total / machines + the longest cost holds the schedule, whatever the runs' order: the minimum is found by a
-  // pointer that only moves forward. The CTAs of a run take the machines free at the least finish
-  // time together (which of those machines takes which CTA does not change the finish times).
+  // time up to total / machines + the longest cost holds the schedule, whatever the runs' order:
+  // the minimum is found by a pointer that only moves forward. The CTAs of a run take the
+  // machines free at the least finish time together (which of those machines takes which CTA
+  // does not change the finish times).
   int64_t total = 0, longest = 0;
   for (const auto& [cost, count] : runs) {
     total += cost * count;
@@ -310,7 +311,9 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   // first, and takes whichever of the two the list schedule finishes first (ties: all user by
   // user), unless longest first would finish more than kUserOrderSlack earlier.
   int32_t longest = 0;
-  for (const AttentionWorkItem& it : plan.items) longest = std::max(longest, it.kv_end - it.kv_begin);
+  for (const AttentionWorkItem& it : plan.items) {
+    longest = std::max(longest, it.kv_end - it.kv_begin);
+  }
   const bool by_user =
       plan.num_split_tiles == 0 && batch_size > 1 && HstuAttentionUserOrderEnabled();
   std::vector<int32_t> user_rank(static_cast<size_t>(batch_size), 0);
@@ -324,7 +327,7 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
     std::sort(users.begin(), users.end());
     for (int32_t r = 0; r < batch_size; ++r) user_rank[users[r].second] = r;
   }
-  // The items in order; tail_from: items shorter than this many keys go last, longest first.
+  // The items in order; tail_below: items shorter than this many keys go last, longest first.
   // Sorted as (key, index) pairs: the order of a stable sort without its buffer.
   auto ordered = [&](int32_t tail_below) {
     using Key = std::tuple<int32_t, int32_t, int64_t, int32_t>;  // (late, user, -length, index)
