@@ -5,16 +5,9 @@
 #include <algorithm>
 
 #include "absl/strings/str_format.h"
+#include "client/bench_util.h"
 
 namespace hstu::bench {
-namespace {
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
-}  // namespace
 
 std::unique_ptr<GpuMonitor> GpuMonitor::Start(int cuda_device, std::chrono::milliseconds period,
                                               std::string* why) {
@@ -50,7 +43,8 @@ void GpuMonitor::Run(std::chrono::milliseconds period) {
       std::lock_guard<std::mutex> lock(mu_);
       if (stop_) return;
       if (r.ok()) {
-        samples_.push_back({at, r->sm_clock_hz * 1e-6, r->power_watts, r->clock_event_reasons});
+        samples_.push_back({at, static_cast<float>(r->sm_clock_hz * 1e-6),
+                            static_cast<float>(r->power_watts), r->clock_event_reasons});
       }
     }
     next += period;
@@ -59,7 +53,7 @@ void GpuMonitor::Run(std::chrono::milliseconds period) {
 }
 
 GpuMonitor::Summary GpuMonitor::Between(Clock::time_point from, Clock::time_point to) const {
-  std::vector<double> mhz, watts;
+  std::vector<float> mhz, watts;
   int capped = 0, thermal = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);

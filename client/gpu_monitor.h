@@ -49,8 +49,8 @@ class GpuMonitor {
  private:
   struct Sample {
     Clock::time_point at;
-    double sm_mhz;
-    double power_w;
+    float sm_mhz;
+    float power_w;
     uint64_t reasons;
   };
   explicit GpuMonitor(std::unique_ptr<GpuTelemetry> telemetry) : telemetry_(std::move(telemetry)) {}

@@ -328,36 +328,47 @@ json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batche
 
 // Every kernel of one layer (base model: d 1024, 4 x 256), batch B, of a step with `cached` of
 // 4096 history tokens per user in the pages (3968: the decode step; 0: the no-cache block).
-// `fn` (enqueueing `per_call` units on `s`) back to back for at least `span_ms`, given that a unit
-// takes about `unit_ms`: the time a unit then takes, the board's energy a unit, and the SM clock.
+// A piece of work under sustained load: `run` enqueues `units` units back to back, waits for
+// them and returns their GPU time in ms. The time a unit then takes, the board's energy a unit and
+// the clocks meanwhile (NaN energy, no samples, without a monitor or an energy counter).
 struct Sustained {
-  double ms = NAN, joules = NAN, watts = NAN, sm_mhz = 0;
+  double ms = NAN, joules = NAN, watts = NAN;
+  GpuMonitor::Summary clocks;
 };
-Sustained RunSustained(const GpuMonitor& monitor, cudaStream_t s, int span_ms, double unit_ms,
-                       int per_call, const std::function<void()>& fn) {
-  const int calls = std::max(1, static_cast<int>(std::ceil(span_ms / (unit_ms * per_call))));
-  hstu::cuda::Event start, stop;
-  HSTU_BENCH_CHECK_CUDA(start.Create());
-  HSTU_BENCH_CHECK_CUDA(stop.Create());
-  HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(s));
-  const std::optional<double> e0 = monitor.EnergyJoules();
+Sustained MeasureSustained(const GpuMonitor* monitor, double units,
+                           const std::function<double()>& run) {
+  const std::optional<double> e0 = monitor ? monitor->EnergyJoules() : std::nullopt;
   const auto t0 = GpuMonitor::Clock::now();
-  HSTU_BENCH_CHECK_CUDA(cudaEventRecord(start.get(), s));
-  for (int c = 0; c < calls; ++c) fn();
-  HSTU_BENCH_CHECK_CUDA(cudaEventRecord(stop.get(), s));
-  HSTU_BENCH_CHECK_CUDA(cudaEventSynchronize(stop.get()));
-  const std::optional<double> e1 = monitor.EnergyJoules();
-  float total_ms = 0;
-  HSTU_BENCH_CHECK_CUDA(cudaEventElapsedTime(&total_ms, start.get(), stop.get()));
+  const double total_ms = run();
+  const std::optional<double> e1 = monitor ? monitor->EnergyJoules() : std::nullopt;
   Sustained out;
-  const double units = static_cast<double>(calls) * per_call;
   out.ms = total_ms / units;
-  out.sm_mhz = monitor.Between(t0, GpuMonitor::Clock::now()).sm_mhz_median;
+  if (monitor != nullptr) out.clocks = monitor->Between(t0, GpuMonitor::Clock::now());
   if (e0 && e1) {
     out.joules = (*e1 - *e0) / units;
     out.watts = (*e1 - *e0) / (total_ms * 1e-3);
   }
   return out;
+}
+
+// `fn` (enqueueing `per_call` units on `s`) back to back for at least `span_ms`, given that a unit
+// takes about `unit_ms`.
+Sustained RunSustained(const GpuMonitor* monitor, cudaStream_t s, int span_ms, double unit_ms,
+                       int per_call, const std::function<void()>& fn) {
+  const int calls = std::max(1, static_cast<int>(std::ceil(span_ms / (unit_ms * per_call))));
+  return MeasureSustained(monitor, static_cast<double>(calls) * per_call, [&] {
+    hstu::cuda::Event start, stop;
+    HSTU_BENCH_CHECK_CUDA(start.Create());
+    HSTU_BENCH_CHECK_CUDA(stop.Create());
+    HSTU_BENCH_CHECK_CUDA(cudaStreamSynchronize(s));
+    HSTU_BENCH_CHECK_CUDA(cudaEventRecord(start.get(), s));
+    for (int c = 0; c < calls; ++c) fn();
+    HSTU_BENCH_CHECK_CUDA(cudaEventRecord(stop.get(), s));
+    HSTU_BENCH_CHECK_CUDA(cudaEventSynchronize(stop.get()));
+    float total_ms = 0;
+    HSTU_BENCH_CHECK_CUDA(cudaEventElapsedTime(&total_ms, start.get(), stop.get()));
+    return static_cast<double>(total_ms);
+  });
 }
 
 json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int cached,
@@ -492,12 +503,12 @@ json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int 
       std::string sustained;
       if (sustained_ms > 0) {
         const Sustained su =
-            RunSustained(*monitor, stream.get(), sustained_ms, ms, k.per_call, k.fn);
+            RunSustained(monitor, stream.get(), sustained_ms, ms, k.per_call, k.fn);
         sustained = absl::StrFormat(" %.1f | %.0f | %.3f | %.0f |", su.ms * 1e3, su.watts,
-                                    su.joules * 1e3, su.sm_mhz);
+                                    su.joules * 1e3, su.clocks.sm_mhz_median);
         row["sustained"] = {{"time_us", su.ms * 1e3}, {"watts", su.watts},
                             {"joules", std::isnan(su.joules) ? json(nullptr) : json(su.joules)},
-                            {"sm_mhz_median", su.sm_mhz}};
+                            {"sm_mhz_median", su.clocks.sm_mhz_median}};
       }
       std::printf("| %d | %s | %.1f | %s | %.0f |%s\n", B, k.name, us,
                   k.flops > 0 ? absl::StrFormat("%.1f", k.flops / (ms * 1e-3) / 1e12).c_str() : "-",
@@ -612,31 +623,28 @@ json BenchBlock(int reps, int page_size, const std::vector<int>& batches,
           // Forwards back to back for the span asked for: the time a forward takes, and the
           // energy it draws, once the power cap has settled the clock.
           const int forwards = std::max(1, static_cast<int>(std::ceil(sustained_ms / ms)));
-          const std::optional<double> e0 = monitor ? monitor->EnergyJoules() : std::nullopt;
-          const auto s0 = GpuMonitor::Clock::now();
-          auto ts = be.Time(
-              [&]() -> absl::Status {
-                for (int f = 0; f < forwards; ++f) {
-                  if (absl::Status st = be.EnqueueLayerStack(); !st.ok()) return st;
-                }
-                return absl::OkStatus();
-              },
-              0, 1);
-          if (!ts.ok()) {
-            std::fprintf(stderr, "%s\n", ts.status().ToString().c_str());
-            std::exit(1);
-          }
-          const std::optional<double> e1 = monitor ? monitor->EnergyJoules() : std::nullopt;
-          const GpuMonitor::Summary sc = monitor != nullptr
-                                             ? monitor->Between(s0, GpuMonitor::Clock::now())
-                                             : GpuMonitor::Summary();
-          const double per_ms = (*ts)[0] / forwards;
-          const double joules = e0 && e1 ? (*e1 - *e0) / forwards : NAN;
-          sustained = absl::StrFormat(" %.3f | %.0f | %s |", per_ms, sc.sm_mhz_median,
-                                      std::isnan(joules) ? "-" : absl::StrFormat("%.2f", joules));
-          row["sustained"] = {{"forwards", forwards}, {"time_ms", per_ms},
-                              {"joules_per_forward", e0 && e1 ? json(joules) : json(nullptr)},
-                              {"clocks", ClocksJson(sc)}};
+          const Sustained su = MeasureSustained(monitor, forwards, [&] {
+            auto ts = be.Time(
+                [&]() -> absl::Status {
+                  for (int f = 0; f < forwards; ++f) {
+                    if (absl::Status st = be.EnqueueLayerStack(); !st.ok()) return st;
+                  }
+                  return absl::OkStatus();
+                },
+                0, 1);
+            if (!ts.ok()) {
+              std::fprintf(stderr, "%s\n", ts.status().ToString().c_str());
+              std::exit(1);
+            }
+            return static_cast<double>((*ts)[0]);
+          });
+          sustained = absl::StrFormat(
+              " %.3f | %.0f | %s |", su.ms, su.clocks.sm_mhz_median,
+              std::isnan(su.joules) ? "-" : absl::StrFormat("%.2f", su.joules));
+          row["sustained"] = {{"forwards", forwards}, {"time_ms", su.ms},
+                              {"joules_per_forward",
+                               std::isnan(su.joules) ? json(nullptr) : json(su.joules)},
+                              {"clocks", ClocksJson(su.clocks)}};
         }
         std::printf("| %d | %d%s | %d | %d | %.3f | %.2fx | %.1f | %s |%s\n", B, cached,
                     keep ? "" : " (pages not kept)", hist - cached, cand, ms, base_ms / ms, att_us,

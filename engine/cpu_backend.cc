@@ -31,6 +31,10 @@ class CpuBackend final : public Backend {
         Round(&l.uvqk_w);
         Round(&l.output_w);
       }
+      // The head's hidden layers run on the TF32 tensor cores; the last, narrow one in fp32.
+      for (size_t j = 0; j + 1 < w_.head.size(); ++j) {
+        cpu::RoundToTf32InPlace(w_.head[j].w.data(), static_cast<int64_t>(w_.head[j].w.size()));
+      }
     }
     page_elems_ = 2LL * page_size_ * c.hd();
     layer_elems_ = page_elems_ * num_pages_;
@@ -101,10 +105,9 @@ class CpuBackend final : public Backend {
   }
 
   // Rounds to bf16 in the kBf16 numerics, where the CUDA backend stores bf16; else a no-op.
-  void Round(float* x, int64_t count) const {
-    if (bf16_) cpu::RoundToBf16InPlace(x, count);
+  void Round(std::vector<float>* x) const {
+    if (bf16_) cpu::RoundToBf16InPlace(x->data(), static_cast<int64_t>(x->size()));
   }
-  void Round(std::vector<float>* x) const { Round(x->data(), static_cast<int64_t>(x->size())); }
 
   ModelWeights w_;  // own copy (rounded in kBf16): the engine drops its host weights after start-up
   const bool bf16_;
@@ -207,14 +210,10 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, bool keep_hidden, Fo
     const HeadLayerWeights& hl = w_.head[j];
     std::vector<float> next(num_cand * hl.out);
     if (bf16_ && j + 1 < w_.head.size()) {
-      // The hidden layers run on the TF32 tensor cores; the last, narrow one in fp32.
+      // TF32 inputs, as the weights were rounded at construction.
       cpu::RoundToTf32InPlace(act.data(), static_cast<int64_t>(act.size()));
-      std::vector<float> w_tf32 = hl.w;
-      cpu::RoundToTf32InPlace(w_tf32.data(), static_cast<int64_t>(w_tf32.size()));
-      cpu::Gemm(act.data(), w_tf32.data(), hl.b.data(), num_cand, hl.out, hl.in, 0.f, next.data());
-    } else {
-      cpu::Gemm(act.data(), hl.w.data(), hl.b.data(), num_cand, hl.out, hl.in, 0.f, next.data());
     }
+    cpu::Gemm(act.data(), hl.w.data(), hl.b.data(), num_cand, hl.out, hl.in, 0.f, next.data());
     if (j + 1 < w_.head.size()) cpu::ReluInPlace(next.data(), static_cast<int64_t>(next.size()));
     act = std::move(next);
   }

@@ -278,9 +278,9 @@ cudaError_t NormMulU(const bf16* a, const bf16* u, int64_t u_stride, int64_t row
   const bool early = rows < kNormLateAffineRows;
   const cudaError_t err = DispatchNormLaneGroups(groups, [&](auto lanes) {
     constexpr int kLanes = decltype(lanes)::value;
-    return LaunchDependent(early ? NormMulUWarpKernel<kLanes, true> : NormMulUWarpKernel<kLanes, false>,
-                           dim3(NormBlocks(rows)), dim3(kNormWarps * 32), 0, stream, a, u, u_stride,
-                           rows, static_cast<int>(hd), w, b, eps, y, g);
+    auto* kernel = early ? NormMulUWarpKernel<kLanes, true> : NormMulUWarpKernel<kLanes, false>;
+    return LaunchDependent(kernel, dim3(NormBlocks(rows)), dim3(kNormWarps * 32), 0, stream, a, u,
+                           u_stride, rows, static_cast<int>(hd), w, b, eps, y, g);
   });
   return err != cudaSuccess ? err : cudaPeekAtLastError();
 }
