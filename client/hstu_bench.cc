@@ -555,6 +555,7 @@ json BenchBlock(int reps, int page_size, const std::vector<int>& batches,
   }
   hstu::CudaBackend& be = **backend;
   std::printf("\n### block (8 layers, eager; embedding gather included, head excluded; history 4096 tokens per user)\n\n");
+  std::printf("Attention: %s.\n\n", be.attention_kernel().c_str());
   const int sustained_ms = absl::GetFlag(FLAGS_sustained_ms);
   if (sustained_ms > 0) {
     std::printf("Sustained: each row's forward again, back to back for >= %d ms; its time a "
