@@ -179,16 +179,29 @@ __device__ __forceinline__ void ClusterReduceEpilogue(const AttentionParams<bf16
   for (int idx = ctid; idx < rows * kVec; idx += 256) {
     const int r = row_begin + idx / kVec, c = (idx % kVec) * 4;
     const uint32_t at = o_addr + static_cast<uint32_t>((r * kStride + c) * 4);
+    // Every load of the step is issued before the first sum, so that their latencies overlap:
+    // a candidate row's v for the diagonal, then the cluster's O, summed in rank order after.
+    const bool cand = r < it.num_q && it.q_local + r >= num_new;
+    uint2 vv = make_uint2(0u, 0u);
+    if (cand) {
+      vv = __ldg(reinterpret_cast<const uint2*>(
+          rows_base + static_cast<int64_t>(r) * p.uvqk_row_stride + kV * hd + c));
+    }
+    float4 part[kMaxAttnCluster];
+#pragma unroll
+    for (int s = 0; s < kMaxAttnCluster; ++s) {
+      if (s < cluster) part[s] = LdClusterF4(at, static_cast<uint32_t>(s));
+    }
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < cluster; ++s) {
-      const float4 v = LdClusterF4(at, static_cast<uint32_t>(s));
-      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+#pragma unroll
+    for (int s = 0; s < kMaxAttnCluster; ++s) {
+      if (s < cluster) {
+        acc.x += part[s].x; acc.y += part[s].y; acc.z += part[s].z; acc.w += part[s].w;
+      }
     }
     if (r < it.num_q) {
-      if (it.q_local + r >= num_new) {
+      if (cand) {
         const float pd = s_pd[r - row_begin];
-        const uint2 vv = __ldg(reinterpret_cast<const uint2*>(
-            rows_base + static_cast<int64_t>(r) * p.uvqk_row_stride + kV * hd + c));
         const float2 v01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&vv.x));
         const float2 v23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&vv.y));
         acc.x = fmaf(pd, v01.x, acc.x);
