@@ -310,10 +310,6 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   // plan also considers keeping the items shorter than half the longest at the end, longest
   // first, and takes whichever of the two the list schedule finishes first (ties: all user by
   // user), unless longest first would finish more than kUserOrderSlack earlier.
-  int32_t longest = 0;
-  for (const AttentionWorkItem& it : plan.items) {
-    longest = std::max(longest, it.kv_end - it.kv_begin);
-  }
   const bool by_user =
       plan.num_split_tiles == 0 && batch_size > 1 && HstuAttentionUserOrderEnabled();
   std::vector<int32_t> user_rank(static_cast<size_t>(batch_size), 0);
@@ -347,6 +343,10 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
   };
   std::vector<AttentionWorkItem> sorted = ordered(0);
   if (by_user) {
+    int32_t longest = 0;
+    for (const AttentionWorkItem& it : plan.items) {
+      longest = std::max(longest, it.kv_end - it.kv_begin);
+    }
     std::vector<std::pair<int32_t, int64_t>> scratch_runs;
     std::vector<int32_t> scratch_counts;
     auto span_of = [&](const std::vector<AttentionWorkItem>& items) {
