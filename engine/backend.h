@@ -123,6 +123,11 @@ class Backend {
   virtual uint64_t graph_replays() const { return 0; }
   // Bytes of one page over all layers (K and V).
   virtual int64_t page_bytes() const { return num_pages() > 0 ? kv_pool_bytes() / num_pages() : 0; }
+  // OK while the device can still run work. Once an error has left it unusable for the rest of the
+  // process (a sticky CUDA error: a kernel fault or an uncorrectable ECC error, after which every
+  // CUDA call in the process fails), that error as UNAVAILABLE. The engine asks after a call
+  // failed; it does not block.
+  virtual absl::Status DeviceStatus() { return absl::OkStatus(); }
 };
 
 // What the CPU backend computes in. kFp32 is the reference of DESIGN §2.2–2.3. kBf16 rounds where

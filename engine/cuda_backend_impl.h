@@ -255,6 +255,7 @@ class CudaBackendImpl final : public CudaBackend {
   absl::Status CopyPages(CopyKind kind, const std::vector<int32_t>& src,
                          const std::vector<int32_t>& dst) override;
   absl::Status WaitCopies() override;
+  absl::Status DeviceStatus() override;
   bool CopiesDone() override;
   absl::Status PrefetchPages(const std::vector<int32_t>& src,
                              const std::vector<int32_t>& dst) override;

@@ -123,6 +123,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     backend = make_backend("cpu");
   }
   if (!backend.ok()) return backend.status();
+  if (options.wrap_backend) backend = options.wrap_backend(*std::move(backend));
   if (num_pages < pages_per_user) {
     spdlog::warn("KV pool of {} pages cannot hold one user of max history ({} pages)", num_pages,
                  pages_per_user);
@@ -179,6 +180,7 @@ EngineStats Engine::Stats() const {
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
     s = stats_;
+    s.device_lost = !health_.ok();
   }
   s.cache = cache_->Stats();
   s.graph_replays = backend_->graph_replays();
@@ -187,7 +189,26 @@ EngineStats Engine::Stats() const {
   return s;
 }
 
+absl::Status Engine::health() const {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  return health_;
+}
+
+void Engine::CheckDevice() {
+  absl::Status lost = backend_->DeviceStatus();
+  if (lost.ok()) return;
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  if (!health_.ok()) return;
+  health_ = std::move(lost);
+  spdlog::error("device lost: {}; every request is answered UNAVAILABLE from now on",
+                std::string(health_.message()));
+}
+
 std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankRequest> batch) {
+  if (absl::Status h = health(); !h.ok()) {
+    return std::vector<absl::StatusOr<RankResult>>(
+        batch.size(), absl::UnavailableError(absl::StrCat("engine unavailable: ", h.message())));
+  }
   std::vector<absl::StatusOr<RankResult>> results(batch.size(), absl::UnknownError("not run"));
   // Waves: the k-th request of each user goes into wave k, so a user's later request sees the
   // cache its earlier one committed.
@@ -210,6 +231,13 @@ std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankReques
       outs.push_back(&results[i]);
     }
     RankWave(reqs, outs);
+  }
+  // Requests fail alone as INTERNAL only where a backend call failed (bad requests fail
+  // validation): then the device may be gone.
+  if (std::any_of(results.begin(), results.end(), [](const absl::StatusOr<RankResult>& r) {
+        return r.status().code() == absl::StatusCode::kInternal;
+      })) {
+    CheckDevice();
   }
   std::lock_guard<std::mutex> lock(stats_mu_);
   ++stats_.batches;
@@ -250,9 +278,11 @@ void Engine::UpdateOnloadRates() {
 
 void Engine::Prefetch(absl::Span<const RankRequest* const> running,
                       absl::Span<const RankRequest* const> queued) {
-  if (!has_host_tier()) return;
+  if (!has_host_tier() || !health().ok()) return;
   std::vector<uint64_t> keep;
   for (const RankRequest* r : running) keep.push_back(r->user_id);
+  // Write-behind copies that have completed make their users evictable to make room.
+  SettleOffloads(/*wait=*/false);
   NoteCopiesIdleIfNoPrefetch();
   // The same rule as at admission: a prefetch the policy would refuse is not started (the request
   // is decided again when its batch runs, against the copy backlog of that moment). The copy
@@ -280,6 +310,7 @@ void Engine::Prefetch(absl::Span<const RankRequest* const> running,
     if (auto s = backend_->PrefetchPages(copies.src, copies.dst); !s.ok()) {
       // The pages hold nothing valid: wait for what is in flight and drop the user's entry.
       spdlog::warn("KV prefetch failed: {}", std::string(s.message()));
+      CheckDevice();
       SettleOffloads(/*wait=*/true);
       backend_->WaitCopies().IgnoreError();
       cache_->PrefetchesComplete();
@@ -294,6 +325,7 @@ void Engine::SettleOffloads(bool wait) {
     if (auto s = backend_->WaitCopies(); !s.ok()) {
       // A failed copy leaves host pages with unknown contents: nothing cached can be trusted.
       spdlog::error("KV copy failed: {}; clearing the cache", std::string(s.message()));
+      CheckDevice();
       cache_->OffloadsComplete();
       cache_->Clear();
       return;

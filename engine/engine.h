@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -44,6 +45,8 @@ struct EngineOptions {
   double onload_bytes_per_second = 0;
   double recompute_seconds_per_token = 0;
   RequestLimits limits;
+  // Tests only: wraps the backend the engine creates (fault injection).
+  std::function<std::unique_ptr<Backend>(std::unique_ptr<Backend>)> wrap_backend;
 };
 
 struct EngineStats {
@@ -60,6 +63,7 @@ struct EngineStats {
   uint64_t kv_offload_bytes = 0;    // GPU → host
   uint64_t kv_onload_bytes = 0;     // host → GPU
   uint64_t graph_replays = 0;       // forward passes replayed from a CUDA graph
+  bool device_lost = false;         // Engine::health() is not OK: nothing more can run
   uint64_t onload_waits = 0;        // forward passes that waited for host → GPU KV copies
   double onload_wait_seconds = 0;   // the device time their compute stalled on those copies
   // The onload policy's current estimates (fixed or measured; see EngineOptions).
@@ -98,6 +102,10 @@ class Engine {
   std::string attention_kernel() const { return backend_->attention_kernel(); }
   std::string gemm_routes() const { return backend_->gemm_routes(); }
   EngineStats Stats() const;
+  // OK while the engine can serve. Once its device is lost (Backend::DeviceStatus, checked after a
+  // failed device call) that error, for good: every later Rank answers UNAVAILABLE at once without
+  // touching the device, and only a new process can serve again. Thread-safe.
+  absl::Status health() const;
   // The stalls of the forward passes that waited for host → GPU KV copies since the last call
   // (seconds each, ForwardOutput::onload_wait_seconds; at most the last 4096), for a histogram.
   std::vector<double> TakeOnloadWaits();
@@ -121,6 +129,9 @@ class Engine {
   void NoteCopiesIdleIfNoPrefetch();
   // Takes the backend's latest onload timing, and mirrors the rates into stats_.
   void UpdateOnloadRates();
+  // After a failed backend call: asks the backend whether its device is lost, and if so keeps
+  // that as health_.
+  void CheckDevice();
 
   EngineOptions options_;
   ModelConfig config_;
@@ -130,6 +141,7 @@ class Engine {
   mutable std::mutex stats_mu_;
   EngineStats stats_;
   std::vector<double> onload_waits_;  // not yet taken (TakeOnloadWaits), under stats_mu_
+  absl::Status health_;               // under stats_mu_; not OK once the device is lost
 };
 
 }  // namespace hstu

@@ -1,5 +1,7 @@
 // hstu_server: the HSTU ranking service (hstu.v1.Ranker over gRPC, Prometheus on /metrics).
 // SIGTERM/SIGINT drain gracefully: health NOT_SERVING, no new calls, in-flight calls finish, exit 0.
+// A lost GPU (a sticky CUDA error: nothing more can run in this process) drains the same way and
+// exits 1, so that the supervisor (Kubernetes, systemd) restarts the server.
 #include <csignal>
 #include <cstdio>
 #include <pthread.h>
@@ -58,13 +60,26 @@ int main(int argc, char** argv) {
     spdlog::error("start-up failed: {}", server.status().ToString());
     return 1;
   }
-  int sig = 0;
-  sigwait(&stop_signals, &sig);
+  // Wait for a stop signal, looking at the engine's health between waits.
+  const timespec poll = {0, 200 * 1000 * 1000};
+  int sig = -1;
+  absl::Status engine_health;
+  while (sig < 0 && engine_health.ok()) {
+    sig = sigtimedwait(&stop_signals, nullptr, &poll);
+    engine_health = (*server)->engine_health();
+  }
   const int grace_s = hstu::server::ShutdownGraceSeconds();
-  spdlog::info("received {}, draining (health NOT_SERVING, up to {} s for in-flight requests)",
-               sig == SIGTERM ? "SIGTERM" : "SIGINT", grace_s);
+  if (sig < 0) {
+    spdlog::error("engine lost its device ({}); draining (up to {} s) and exiting with status 1 "
+                  "so that the process is restarted",
+                  std::string(engine_health.message()), grace_s);
+  } else {
+    spdlog::info("received {}, draining (health NOT_SERVING, up to {} s for in-flight requests)",
+                 sig == SIGTERM ? "SIGTERM" : "SIGINT", grace_s);
+  }
   (*server)->Shutdown(absl::Seconds(grace_s));
   server->reset();
+  if (!engine_health.ok()) return 1;
   spdlog::info("stopped cleanly");
   return 0;
 }

@@ -124,6 +124,11 @@ ServerMetrics::ServerMetrics(const std::string& version)
           "the score read-back (CUDA events; 0 on the CPU). The rest is host work.")),
       engine_batches_(registry_.AddCounter("hstu_engine_batches_total",
                                            "Batches the engine has run.")),
+      engine_healthy_(registry_.AddGauge(
+          "hstu_engine_healthy",
+          "1 while the engine can run work; 0 once its device is lost (a sticky CUDA error): "
+          "requests are then answered UNAVAILABLE, health is NOT_SERVING, and the process exits "
+          "to be restarted.")),
       build_info_(registry_.AddGauge("hstu_build_info",
                                      "Always 1; labels say the version, device and model.",
                                      {"version", "device", "model"})) {
@@ -159,6 +164,7 @@ ServerMetrics::ServerMetrics(const std::string& version)
   for (const char* kind : {"total", "kv_pool", "weights"}) gpu_memory_.WithLabels({kind});
   engine_compute_.WithLabels({});
   engine_batches_.WithLabels({});
+  engine_healthy_.WithLabels({}).Set(1);
   registry_.AddCollectHook([this] { Collect(); });
 }
 
@@ -261,6 +267,7 @@ void ServerMetrics::Collect() {
   engine_compute_.WithLabels({}).Set(s.compute_seconds);
   engine_device_.WithLabels({}).Set(s.device_seconds);
   engine_batches_.WithLabels({}).Set(static_cast<double>(s.batches));
+  engine_healthy_.WithLabels({}).Set(s.device_lost ? 0 : 1);
 }
 
 // ---- HTTP ------------------------------------------------------------------------------------

@@ -82,6 +82,7 @@ class ServerMetrics {
   Family<Counter>& engine_compute_;
   Family<Counter>& engine_device_;
   Family<Counter>& engine_batches_;
+  Family<Gauge>& engine_healthy_;
   Family<Gauge>& build_info_;
 
   std::mutex mu_;  // guards the sources below

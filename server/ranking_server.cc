@@ -136,6 +136,11 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
     run = [interceptor = options.batch_interceptor, inner = run](
               absl::Span<const RankRequest> batch) { return interceptor(batch, inner); };
   }
+  run = [server = s.get(), inner = std::move(run)](absl::Span<const RankRequest> batch) {
+    auto results = inner(batch);
+    server->NoteEngineHealth();
+    return results;
+  };
   ServerMetrics* metrics = s->metrics_.get();
   auto scheduler = Scheduler::Create(sched, std::move(run),
                                      [metrics, engine_ptr](const BatchInfo& info) {
@@ -180,6 +185,17 @@ void RankingServer::SetServing(bool serving) {
   if (health == nullptr) return;
   health->SetServingStatus(serving);                     // the whole server ("")
   health->SetServingStatus("hstu.v1.Ranker", serving);  // and the service by name
+}
+
+void RankingServer::NoteEngineHealth() {
+  if (engine_lost_.load(std::memory_order_relaxed)) return;
+  const absl::Status health = engine_->health();
+  if (health.ok() || engine_lost_.exchange(true)) return;
+  // Not under shutdown_mu_: Shutdown() holds it while the scheduler drains, i.e. while this runs.
+  // The health service takes updates from any thread and ignores them once shut down.
+  SetServing(false);
+  spdlog::error("engine: {}; health NOT_SERVING, every request is answered UNAVAILABLE",
+                std::string(health.message()));
 }
 
 void RankingServer::Shutdown(absl::Duration grace) {

@@ -5,6 +5,7 @@
 // Thread-safety: Shutdown() may be called from any thread, once or more.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -47,6 +48,11 @@ class RankingServer {
   // `grace`), the scheduler drains, the exposer stops.
   void Shutdown(absl::Duration grace = absl::Seconds(30));
 
+  // OK while the engine can serve; its error once its device is lost (Engine::health). Health is
+  // then NOT_SERVING and stays so: main() drains and exits with status 1, for the supervisor to
+  // restart the process, which is the only way back to a working GPU.
+  absl::Status engine_health() const { return engine_->health(); }
+
   int port() const { return port_; }
   int metrics_port() const { return http_ ? http_->port() : 0; }
   const Engine& engine() const { return *engine_; }
@@ -56,6 +62,8 @@ class RankingServer {
  private:
   RankingServer() = default;
   void SetServing(bool serving);
+  // After each batch: the first time the engine reports its device lost, health NOT_SERVING.
+  void NoteEngineHealth();
 
   ServerOptions options_;
   std::unique_ptr<ServerMetrics> metrics_;
@@ -67,6 +75,7 @@ class RankingServer {
   int port_ = 0;
   std::mutex shutdown_mu_;
   bool shut_down_ = false;
+  std::atomic<bool> engine_lost_{false};
 };
 
 // The version reported in hstu_build_info and the start-up log.

@@ -18,6 +18,7 @@
 #include "server/ranking_server.h"
 #include "server/validation.h"
 #include "tests/integration/test_util.h"
+#include "tests/util/faulty_backend.h"
 
 namespace hstu::server {
 namespace {
@@ -380,6 +381,42 @@ TEST_F(ServerTest, EngineFailureAnswersInternalAndServingContinues) {
   const grpc::Status s = Rank(MakeRequest(Gate::kFailUser, 5, 3, 1), &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL);
   EXPECT_TRUE(Rank(MakeRequest(5, 5, 3, 1), &resp).ok());
+}
+
+// A lost device (a sticky CUDA error, injected): its batch answers INTERNAL, then health turns
+// NOT_SERVING for good, later requests answer UNAVAILABLE without reaching the device, and the
+// server says so to main() (which then exits to be restarted) and to Prometheus.
+TEST_F(ServerTest, LostDeviceTurnsHealthNotServingAndAnswersUnavailable) {
+  auto faults = std::make_shared<hstu::testing::Faults>();
+  ServerOptions o;
+  o.engine.wrap_backend = hstu::testing::WrapWithFaults(faults);
+  StartServer(o);
+  hstu::v1::RankResponse resp;
+  ASSERT_TRUE(Rank(MakeRequest(5, 5, 3, 1), &resp).ok());
+  EXPECT_TRUE(server_->engine_health().ok());
+  EXPECT_EQ(Scrape().Sum("hstu_engine_healthy"), 1);
+
+  faults->device_lost = true;
+  EXPECT_EQ(Rank(MakeRequest(6, 5, 3, 1), &resp).error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_EQ(server_->engine_health().code(), absl::StatusCode::kUnavailable);
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  for (const char* service : {"", "hstu.v1.Ranker"}) {
+    grpc::ClientContext ctx;
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    ASSERT_TRUE(health->Check(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING) << service;
+  }
+  const int forwards = faults->forwards;
+  const grpc::Status s = Rank(MakeRequest(5, 6, 3, 1), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(s.error_message().find("the device is lost"), std::string::npos) << s.error_message();
+  EXPECT_EQ(faults->forwards, forwards);
+  const auto m = Scrape();
+  EXPECT_EQ(m.Sum("hstu_engine_healthy"), 0);
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "UNAVAILABLE"}}), 1);
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "INTERNAL"}}), 1);
 }
 
 TEST_F(ServerTest, ConcurrentClientsWithRepeatedUsersLoseNothingAndReuseCorrectly) {

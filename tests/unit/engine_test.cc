@@ -7,6 +7,7 @@
 #include "engine/gpu_telemetry.h"
 #include "engine/model_file.h"
 #include "gtest/gtest.h"
+#include "tests/util/faulty_backend.h"
 #include "tests/util/tolerance.h"
 
 namespace hstu {
@@ -215,6 +216,72 @@ TEST(Engine, UserLargerThanThePoolFailsAloneWithResourceExhausted) {
   auto res = e->Rank(std::vector<RankRequest>{big, small});
   EXPECT_EQ(res[0].status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(res[1].ok());
+}
+
+// A one-off backend failure fails its batch alone (INTERNAL) and the engine keeps serving. A lost
+// device (DeviceStatus not OK after a failure) fails that batch too; from then on every request is
+// answered UNAVAILABLE without reaching the backend, and prefetches stop.
+TEST(Engine, ALostDeviceIsNotUsedAgain) {
+  const ModelConfig c = TestConfig(false, 0);
+  auto faults = std::make_shared<testing::Faults>();
+  EngineOptions o;
+  o.page_size = 4;
+  o.cache_pages = 12;  // one user of 40 tokens at a time: the others go to the host tier
+  o.host_cache_pages = 200;
+  o.onload_policy = OnloadPolicy::kAlways;
+  o.wrap_backend = testing::WrapWithFaults(faults);
+  auto made = Engine::Create(o, RandomModel(c, 3));
+  ASSERT_TRUE(made.ok()) << made.status();
+  Engine& e = **made;
+  ASSERT_TRUE(e.has_host_tier());
+  auto visit = [](uint64_t user, int events) {
+    RankRequest r{user, {}, {}, {7, 8, 9}};
+    for (int i = 0; i < events; ++i) {
+      r.history_item_ids.push_back(static_cast<int64_t>(user * 31 + i) % 97);
+      r.history_actions.push_back(i % 5);
+    }
+    return r;
+  };
+  RankOne(e, visit(1, 20));
+  RankOne(e, visit(2, 20));  // user 1 moves to the host
+
+  faults->fail_next_forward = true;
+  const RankRequest once = visit(2, 20);
+  auto res = e.Rank({&once, 1});
+  EXPECT_EQ(res[0].status().code(), absl::StatusCode::kInternal) << res[0].status();
+  EXPECT_TRUE(e.health().ok());
+  RankOne(e, visit(2, 20));  // serving again
+  EXPECT_FALSE(e.Stats().device_lost);
+
+  // The control for the prefetch check below: a queued visit of user 1 is onloaded early (user 2,
+  // whose pages all have host copies, goes to the host to make room).
+  const RankRequest again1 = visit(1, 20);
+  const RankRequest* queued[] = {&again1};
+  e.Prefetch({}, queued);
+  ASSERT_EQ(faults->prefetches, 1);
+  RankOne(e, again1);
+  RankOne(e, visit(2, 20));  // user 1 to the host again
+
+  faults->device_lost = true;
+  const RankRequest lost = visit(3, 5);
+  res = e.Rank({&lost, 1});
+  EXPECT_EQ(res[0].status().code(), absl::StatusCode::kInternal) << res[0].status();
+  EXPECT_EQ(e.health().code(), absl::StatusCode::kUnavailable) << e.health();
+  EXPECT_TRUE(e.Stats().device_lost);
+
+  const int forwards = faults->forwards;
+  std::vector<RankRequest> batch = {visit(2, 20), visit(4, 3)};
+  batch[1].candidate_item_ids.clear();  // invalid too: the device's state is the answer
+  res = e.Rank(batch);
+  for (const auto& r : res) {
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+    EXPECT_NE(r.status().message().find("the device is lost"), std::string::npos) << r.status();
+  }
+  const RankRequest later1 = visit(1, 20);
+  const RankRequest* queued_after[] = {&later1};
+  e.Prefetch({}, queued_after);
+  EXPECT_EQ(faults->forwards, forwards);
+  EXPECT_EQ(faults->prefetches, 1);
 }
 
 TEST(Engine, ValidationNamesTheField) {
