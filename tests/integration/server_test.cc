@@ -118,6 +118,19 @@ class ServerTest : public ::testing::Test {
     return std::move(*e);
   }
 
+  // The whole server's health ("") and the Ranker service's, both `want`.
+  void ExpectHealth(grpc::health::v1::HealthCheckResponse::ServingStatus want) {
+    auto health = grpc::health::v1::Health::NewStub(channel_);
+    for (const char* service : {"", "hstu.v1.Ranker"}) {
+      grpc::ClientContext ctx;
+      grpc::health::v1::HealthCheckRequest req;
+      req.set_service(service);
+      grpc::health::v1::HealthCheckResponse resp;
+      ASSERT_TRUE(health->Check(&ctx, req, &resp).ok()) << service;
+      EXPECT_EQ(resp.status(), want) << service;
+    }
+  }
+
   hstu::testing::Exposition Scrape() {
     auto body = hstu::testing::HttpGet(server_->metrics_port(), "/metrics");
     EXPECT_TRUE(body.ok()) << body.status();
@@ -156,15 +169,7 @@ hstu::v1::RankRequest Prefix(const hstu::v1::RankRequest& full, int events) {
 
 TEST_F(ServerTest, HealthIsServingAndModelInfoDescribesTheModel) {
   StartServer();
-  auto health = grpc::health::v1::Health::NewStub(channel_);
-  for (const char* service : {"", "hstu.v1.Ranker"}) {
-    grpc::ClientContext ctx;
-    grpc::health::v1::HealthCheckRequest req;
-    req.set_service(service);
-    grpc::health::v1::HealthCheckResponse resp;
-    ASSERT_TRUE(health->Check(&ctx, req, &resp).ok());
-    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING) << service;
-  }
+  ExpectHealth(grpc::health::v1::HealthCheckResponse::SERVING);
   grpc::ClientContext ctx;
   hstu::v1::ModelInfo info;
   ASSERT_TRUE(stub_->GetModelInfo(&ctx, hstu::v1::GetModelInfoRequest(), &info).ok());
@@ -399,15 +404,7 @@ TEST_F(ServerTest, LostDeviceTurnsHealthNotServingAndAnswersUnavailable) {
   faults->device_lost = true;
   EXPECT_EQ(Rank(MakeRequest(6, 5, 3, 1), &resp).error_code(), grpc::StatusCode::INTERNAL);
   EXPECT_EQ(server_->engine_health().code(), absl::StatusCode::kUnavailable);
-  auto health = grpc::health::v1::Health::NewStub(channel_);
-  for (const char* service : {"", "hstu.v1.Ranker"}) {
-    grpc::ClientContext ctx;
-    grpc::health::v1::HealthCheckRequest req;
-    req.set_service(service);
-    grpc::health::v1::HealthCheckResponse resp;
-    ASSERT_TRUE(health->Check(&ctx, req, &resp).ok());
-    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING) << service;
-  }
+  ExpectHealth(grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   const int forwards = faults->forwards;
   const grpc::Status s = Rank(MakeRequest(5, 6, 3, 1), &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
