@@ -60,26 +60,10 @@ int main(int argc, char** argv) {
     spdlog::error("start-up failed: {}", server.status().ToString());
     return 1;
   }
-  // Wait for a stop signal, looking at the engine's health between waits.
-  const timespec poll = {0, 200 * 1000 * 1000};
-  int sig = -1;
-  absl::Status engine_health;
-  while (sig < 0 && engine_health.ok()) {
-    sig = sigtimedwait(&stop_signals, nullptr, &poll);
-    engine_health = (*server)->engine_health();
-  }
-  const int grace_s = hstu::server::ShutdownGraceSeconds();
-  if (sig < 0) {
-    spdlog::error("engine lost its device ({}); draining (up to {} s) and exiting with status 1 "
-                  "so that the process is restarted",
-                  std::string(engine_health.message()), grace_s);
-  } else {
-    spdlog::info("received {}, draining (health NOT_SERVING, up to {} s for in-flight requests)",
-                 sig == SIGTERM ? "SIGTERM" : "SIGINT", grace_s);
-  }
-  (*server)->Shutdown(absl::Seconds(grace_s));
+  const int code = hstu::server::ServeUntilStopped(
+      **server, stop_signals, absl::Seconds(hstu::server::ShutdownGraceSeconds()));
   server->reset();
-  if (!engine_health.ok()) return 1;
+  if (code != 0) return code;
   spdlog::info("stopped cleanly");
   return 0;
 }

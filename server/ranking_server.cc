@@ -4,6 +4,7 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -213,5 +214,27 @@ void RankingServer::Shutdown(absl::Duration grace) {
 }
 
 RankingServer::~RankingServer() { Shutdown(absl::ZeroDuration()); }
+
+int ServeUntilStopped(RankingServer& server, const sigset_t& stop_signals, absl::Duration grace) {
+  // Waits of 200 ms for a signal, the engine's health looked at between them.
+  const timespec poll = {0, 200 * 1000 * 1000};
+  int sig = -1;
+  absl::Status engine_health;
+  while (sig < 0 && engine_health.ok()) {
+    sig = sigtimedwait(&stop_signals, nullptr, &poll);
+    engine_health = server.engine_health();
+  }
+  if (!engine_health.ok()) {
+    spdlog::error("engine lost its device ({}); draining (up to {} s) and exiting with status 1 "
+                  "so that the process is restarted",
+                  std::string(engine_health.message()), absl::ToInt64Seconds(grace));
+  } else {
+    spdlog::info("received {}, draining (health NOT_SERVING, up to {} s for in-flight requests)",
+                 sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : strsignal(sig),
+                 absl::ToInt64Seconds(grace));
+  }
+  server.Shutdown(grace);
+  return engine_health.ok() ? 0 : 1;
+}
 
 }  // namespace hstu::server

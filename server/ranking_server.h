@@ -5,6 +5,8 @@
 // Thread-safety: Shutdown() may be called from any thread, once or more.
 #pragma once
 
+#include <signal.h>
+
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -77,6 +79,11 @@ class RankingServer {
   bool shut_down_ = false;
   std::atomic<bool> engine_lost_{false};
 };
+
+// main()'s life after start-up: waits for one of `stop_signals` (blocked in every thread, so that
+// it is taken here synchronously), then drains with `grace` and returns 0; or, once the engine
+// reports its device lost, drains the same way and returns 1 (restart the process).
+int ServeUntilStopped(RankingServer& server, const sigset_t& stop_signals, absl::Duration grace);
 
 // The version reported in hstu_build_info and the start-up log.
 const char* ServerVersion();

@@ -1,12 +1,14 @@
 // The real server in-process on loopback, driven by a real gRPC client: scores against a separate
 // engine (the reference), validation errors, deadlines, queue limits, cancellation, concurrency
-// with repeated users, engine failures and the /metrics exposition.
+// with repeated users, engine failures (a lost device among them) and the /metrics exposition.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <future>
 #include <mutex>
 #include <random>
 #include <set>
@@ -414,6 +416,15 @@ TEST_F(ServerTest, LostDeviceTurnsHealthNotServingAndAnswersUnavailable) {
   EXPECT_EQ(m.Sum("hstu_engine_healthy"), 0);
   EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "UNAVAILABLE"}}), 1);
   EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "INTERNAL"}}), 1);
+
+  // main()'s wait: it drains the server and returns 1 (no signal needed).
+  sigset_t no_signals;
+  sigemptyset(&no_signals);
+  auto serving = std::async(std::launch::async, [&] {
+    return ServeUntilStopped(*server_, no_signals, absl::Seconds(5));
+  });
+  ASSERT_EQ(serving.wait_for(10s), std::future_status::ready);
+  EXPECT_EQ(serving.get(), 1);
 }
 
 TEST_F(ServerTest, ConcurrentClientsWithRepeatedUsersLoseNothingAndReuseCorrectly) {
