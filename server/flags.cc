@@ -68,6 +68,10 @@ ABSL_FLAG(bool, no_cache, false, "Same as --noenable_cache.");
 ABSL_FLAG(bool, warmup, true, "Run one request through the engine before reporting SERVING.");
 ABSL_FLAG(int32_t, shutdown_grace_s, 30,
           "On SIGTERM/SIGINT, how long in-flight requests may take before they are cancelled.");
+ABSL_FLAG(int32_t, engine_stall_timeout_s, -1,
+          "A batch still running after this many seconds means a hung GPU: the server exits with "
+          "status 2 at once (it cannot drain) for its supervisor to restart it. -1 = 60 on a GPU "
+          "and off on the CPU (whose batches of large models can take minutes); 0 = off.");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level: trace, debug, info, warn, error, off.");
 
 namespace hstu::server {
@@ -119,6 +123,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.scheduler.max_queue = absl::GetFlag(FLAGS_max_queue);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.warmup = absl::GetFlag(FLAGS_warmup);
+  o.engine_stall_timeout_s = absl::GetFlag(FLAGS_engine_stall_timeout_s);
 
   auto bad = [](const char* flag, auto value, const char* want) {
     return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", want));
@@ -135,6 +140,9 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   if (o.engine.cache_pages < 0) return bad("cache_pages", o.engine.cache_pages, "must be >= 0");
   if (o.engine.offload_backlog_mib < 1) {
     return bad("offload_backlog_mib", o.engine.offload_backlog_mib, "must be >= 1");
+  }
+  if (o.engine_stall_timeout_s < -1) {
+    return bad("engine_stall_timeout_s", o.engine_stall_timeout_s, "must be >= 0, or -1 for auto");
   }
   if (o.engine.host_cache_pages < -1) {
     return bad("host_cache_pages", o.engine.host_cache_pages, "must be >= 0, or -1 for auto");

@@ -1,9 +1,11 @@
 // hstu_server: the HSTU ranking service (hstu.v1.Ranker over gRPC, Prometheus on /metrics).
 // SIGTERM/SIGINT drain gracefully: health NOT_SERVING, no new calls, in-flight calls finish, exit 0.
 // A lost GPU (a sticky CUDA error: nothing more can run in this process) drains the same way and
-// exits 1, so that the supervisor (Kubernetes, systemd) restarts the server.
+// exits 1, so that the supervisor (Kubernetes, systemd) restarts the server; a hung one (a batch
+// past --engine_stall_timeout_s) exits 2 at once.
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <pthread.h>
 
 #include "absl/flags/parse.h"
@@ -62,6 +64,10 @@ int main(int argc, char** argv) {
   }
   const int code = hstu::server::ServeUntilStopped(
       **server, stop_signals, absl::Seconds(hstu::server::ShutdownGraceSeconds()));
+  if (code == hstu::server::kEngineStalled) {  // the engine thread is stuck: no destructors
+    spdlog::shutdown();
+    std::_Exit(code);
+  }
   server->reset();
   if (code != 0) return code;
   spdlog::info("stopped cleanly");

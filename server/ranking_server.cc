@@ -174,6 +174,16 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
     }
   }
 
+  // The stall timeout: on a GPU a decode step takes milliseconds and a whole no-cache batch well
+  // under a second, so a minute means a hung kernel; CPU batches of large models take minutes.
+  const bool on_cpu = s->engine_->device_name().rfind("cpu", 0) == 0;
+  const int32_t stall_s = options.engine_stall_timeout_s >= 0 ? options.engine_stall_timeout_s
+                                                               : (on_cpu ? 0 : 60);
+  s->stall_timeout_ = absl::Seconds(stall_s);
+  spdlog::info("engine: stall timeout {}", stall_s > 0 ? absl::StrCat(stall_s, " s (a batch "
+                                                         "running longer ends the process)")
+                                                       : std::string("off"));
+
   s->service_->Attach(s->engine_.get(), s->scheduler_.get());
   s->SetServing(true);
   spdlog::info("ready: health SERVING on port {}", s->port_);
@@ -215,13 +225,30 @@ void RankingServer::Shutdown(absl::Duration grace) {
 
 RankingServer::~RankingServer() { Shutdown(absl::ZeroDuration()); }
 
+absl::Status RankingServer::CheckStall() {
+  if (stall_timeout_ <= absl::ZeroDuration() || scheduler_ == nullptr) return absl::OkStatus();
+  const absl::Duration busy = scheduler_->BusyFor();
+  if (busy <= stall_timeout_) return absl::OkStatus();
+  SetServing(false);
+  return absl::DeadlineExceededError(absl::StrCat(
+      "the engine has been running one batch for ", absl::FormatDuration(busy),
+      ", more than the stall timeout of ", absl::FormatDuration(stall_timeout_),
+      " (--engine_stall_timeout_s): the GPU looks hung"));
+}
+
 int ServeUntilStopped(RankingServer& server, const sigset_t& stop_signals, absl::Duration grace) {
-  // Waits of 200 ms for a signal, the engine's health looked at between them.
+  // Waits of 200 ms for a signal, the engine's health and progress looked at between them.
   const timespec poll = {0, 200 * 1000 * 1000};
   int sig = -1;
   absl::Status engine_health;
   while (sig < 0 && engine_health.ok()) {
     sig = sigtimedwait(&stop_signals, nullptr, &poll);
+    if (absl::Status stall = server.CheckStall(); !stall.ok()) {
+      spdlog::critical("{}; exiting with status {} without draining, so that the process is "
+                       "restarted",
+                       std::string(stall.message()), kEngineStalled);
+      return kEngineStalled;
+    }
     engine_health = server.engine_health();
   }
   if (!engine_health.ok()) {

@@ -32,6 +32,9 @@ struct ServerOptions {
   int64_t max_message_bytes = 16 << 20;  // gRPC receive/send limit
   bool warmup = true;                    // one request through the engine before SERVING
   bool prefetch_onload = true;           // start queued host hits' onloads before their batch
+  // A batch running longer than this means a hung GPU (ServeUntilStopped then exits). -1: 60 s
+  // when the engine runs on a GPU, off on the CPU; 0: off.
+  int32_t engine_stall_timeout_s = -1;
   // Tests only: runs each batch instead of the engine, with the engine's run as `run`.
   std::function<std::vector<absl::StatusOr<RankResult>>(absl::Span<const RankRequest>,
                                                         const Scheduler::RunBatchFn& run)>
@@ -54,6 +57,10 @@ class RankingServer {
   // then NOT_SERVING and stays so: main() drains and exits with status 1, for the supervisor to
   // restart the process, which is the only way back to a working GPU.
   absl::Status engine_health() const { return engine_->health(); }
+  // OK unless the batch now running has run longer than the stall timeout (a hung GPU): then
+  // DEADLINE_EXCEEDED naming the time, and health turns NOT_SERVING. Thread-safe.
+  absl::Status CheckStall();
+  absl::Duration stall_timeout() const { return stall_timeout_; }
 
   int port() const { return port_; }
   int metrics_port() const { return http_ ? http_->port() : 0; }
@@ -78,11 +85,15 @@ class RankingServer {
   std::mutex shutdown_mu_;
   bool shut_down_ = false;
   std::atomic<bool> engine_lost_{false};
+  absl::Duration stall_timeout_ = absl::ZeroDuration();  // zero: off
 };
 
 // main()'s life after start-up: waits for one of `stop_signals` (blocked in every thread, so that
 // it is taken here synchronously), then drains with `grace` and returns 0; or, once the engine
-// reports its device lost, drains the same way and returns 1 (restart the process).
+// reports its device lost, drains the same way and returns 1 (restart the process). Once a batch
+// has run past the stall timeout it returns kEngineStalled at once, without draining: the engine
+// thread is stuck, and main() must end the process without destructors (std::_Exit).
+inline constexpr int kEngineStalled = 2;
 int ServeUntilStopped(RankingServer& server, const sigset_t& stop_signals, absl::Duration grace);
 
 // The version reported in hstu_build_info and the start-up log.

@@ -69,6 +69,12 @@ absl::Status Scheduler::Submit(PendingRank pending) {
 
 int64_t Scheduler::QueueDepth() const { return depth_.load(std::memory_order_relaxed); }
 
+absl::Duration Scheduler::BusyFor() const {
+  const int64_t start = batch_start_ns_.load();
+  if (start == 0) return absl::ZeroDuration();
+  return absl::Nanoseconds(Clock::now().time_since_epoch() / std::chrono::nanoseconds(1) - start);
+}
+
 void Scheduler::Drain() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -189,8 +195,10 @@ void Scheduler::RunBatch(std::vector<Item>& batch) {
     requests.push_back(std::move(item.pending.request));
   }
   const Clock::time_point start = Clock::now();
+  batch_start_ns_.store(std::max<int64_t>(1, start.time_since_epoch() / std::chrono::nanoseconds(1)));
   std::vector<absl::StatusOr<RankResult>> results = run_batch_(requests);
   const Clock::time_point end = Clock::now();
+  batch_start_ns_.store(0);
   info.compute_seconds = Seconds(end - start);
   if (results.size() != batch.size()) {
     // A broken engine contract fails this batch only; the server keeps serving.

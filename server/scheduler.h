@@ -36,6 +36,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "engine/request.h"
 
@@ -103,6 +104,9 @@ class Scheduler {
   // returned status says why; the caller answers the RPC itself.
   absl::Status Submit(PendingRank pending);
   int64_t QueueDepth() const;
+  // How long the batch now on the engine has been running; zero while the worker is idle.
+  // Thread-safe.
+  absl::Duration BusyFor() const;
   // Stops admitting, finishes queued and running work, joins the worker. Idempotent.
   void Drain();
 
@@ -131,6 +135,7 @@ class Scheduler {
   std::deque<Item> queue_;
   bool draining_ = false;
   std::atomic<int64_t> depth_{0};
+  std::atomic<int64_t> batch_start_ns_{0};  // steady clock of the running batch's start; 0: idle
   int32_t last_batch_size_ = 0;  // requests in the batch the worker took last (guarded by mu_)
   std::mutex join_mu_;  // Drain() may race with itself (signal path and destructor)
   std::thread worker_;

@@ -427,6 +427,47 @@ TEST_F(ServerTest, LostDeviceTurnsHealthNotServingAndAnswersUnavailable) {
   EXPECT_EQ(serving.get(), 1);
 }
 
+// A batch that never returns (a hung GPU, here a batch held at the gate): past the stall timeout,
+// main()'s wait turns health NOT_SERVING and returns kEngineStalled without draining, which would
+// wait for that batch forever. Off on the CPU unless asked for.
+TEST_F(ServerTest, StalledBatchEndsServingWithoutDraining) {
+  ServerOptions o;
+  o.engine_stall_timeout_s = 1;
+  StartServer(o);
+  EXPECT_EQ(server_->stall_timeout(), absl::Seconds(1));
+  sigset_t no_signals;
+  sigemptyset(&no_signals);
+  gate_.Close();
+  std::thread caller([&] {
+    hstu::v1::RankResponse resp;
+    Rank(MakeRequest(5, 5, 3, 1), &resp, 30s);
+  });
+  ASSERT_TRUE(gate_.WaitEntered(1));
+  const auto start = std::chrono::steady_clock::now();
+  auto serving = std::async(std::launch::async, [&] {
+    return ServeUntilStopped(*server_, no_signals, absl::Seconds(5));
+  });
+  ASSERT_EQ(serving.wait_for(10s), std::future_status::ready);
+  EXPECT_EQ(serving.get(), kEngineStalled);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 500ms);  // the batch's age, not at once
+  EXPECT_GE(server_->scheduler().BusyFor(), absl::Seconds(1));
+  ExpectHealth(grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  gate_.Open();  // the test's own teardown drains
+  caller.join();
+  EXPECT_EQ(server_->scheduler().BusyFor(), absl::ZeroDuration());
+}
+
+TEST(ServerStallDefault, OffOnTheCpu) {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "";
+  o.engine.device = "cpu";
+  auto s = RankingServer::Start(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ((*s)->stall_timeout(), absl::ZeroDuration());
+  (*s)->Shutdown(absl::Seconds(1));
+}
+
 TEST_F(ServerTest, ConcurrentClientsWithRepeatedUsersLoseNothingAndReuseCorrectly) {
   ServerOptions o;
   o.scheduler.max_batch_size = 4;
