@@ -232,13 +232,6 @@ std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankReques
     }
     RankWave(reqs, outs);
   }
-  // Requests fail alone as INTERNAL only where a backend call failed (bad requests fail
-  // validation): then the device may be gone.
-  if (std::any_of(results.begin(), results.end(), [](const absl::StatusOr<RankResult>& r) {
-        return r.status().code() == absl::StatusCode::kInternal;
-      })) {
-    CheckDevice();
-  }
   std::lock_guard<std::mutex> lock(stats_mu_);
   ++stats_.batches;
   stats_.requests += batch.size();
@@ -395,6 +388,7 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
           !s.ok()) {
         cache_->Release(*res);
         *results[i] = absl::InternalError(absl::StrCat("KV onload failed: ", s.message()));
+        CheckDevice();
         continue;
       }
       uses_onload = true;
@@ -514,7 +508,10 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
   }
 
   // A failed wave frees its pages: no copy may still be writing into them.
-  if (!failure.ok()) backend_->WaitCopies().IgnoreError();
+  if (!failure.ok()) {
+    CheckDevice();
+    backend_->WaitCopies().IgnoreError();
+  }
   for (Live& l : live) {
     if (failure.ok()) {
       const PageCopies offload = cache_->Commit(l.res, l.kept.keys);
@@ -522,6 +519,7 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
         if (auto s = backend_->CopyPages(CopyKind::kDeviceToHost, offload.src, offload.dst); !s.ok()) {
           spdlog::warn("KV offload failed, host copy dropped: {}", std::string(s.message()));
           cache_->ForgetHostCopy(l.res.user_id);
+          CheckDevice();
         }
       }
       *results[l.idx] = std::move(l.result);

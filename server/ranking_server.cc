@@ -81,7 +81,8 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                "tokens, {} candidates per forward; device {}",
                c.model_name, c.num_layers, c.hidden_dim, c.num_heads, c.head_dim, c.num_tasks,
                c.max_history_tokens, c.max_candidates, s->engine_->device_name());
-  if (s->engine_->device_name().rfind("cpu", 0) == 0) {
+  const bool on_cpu = s->engine_->device_name().rfind("cpu", 0) == 0;
+  if (on_cpu) {
     spdlog::warn("engine: running on the CPU reference backend ({}), not on a GPU",
                  s->engine_->device_name());
   }
@@ -176,7 +177,6 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
 
   // The stall timeout: on a GPU a decode step takes milliseconds and a whole no-cache batch well
   // under a second, so a minute means a hung kernel; CPU batches of large models take minutes.
-  const bool on_cpu = s->engine_->device_name().rfind("cpu", 0) == 0;
   const int32_t stall_s = options.engine_stall_timeout_s >= 0 ? options.engine_stall_timeout_s
                                                                : (on_cpu ? 0 : 60);
   s->stall_timeout_ = absl::Seconds(stall_s);
@@ -199,14 +199,10 @@ void RankingServer::SetServing(bool serving) {
 }
 
 void RankingServer::NoteEngineHealth() {
-  if (engine_lost_.load(std::memory_order_relaxed)) return;
-  const absl::Status health = engine_->health();
-  if (health.ok() || engine_lost_.exchange(true)) return;
-  // Not under shutdown_mu_: Shutdown() holds it while the scheduler drains, i.e. while this runs.
-  // The health service takes updates from any thread and ignores them once shut down.
-  SetServing(false);
-  spdlog::error("engine: {}; health NOT_SERVING, every request is answered UNAVAILABLE",
-                std::string(health.message()));
+  // The engine logged the loss. Not under shutdown_mu_: Shutdown() holds it while the scheduler
+  // drains, i.e. while this runs; the health service takes updates from any thread (repeats
+  // included) and ignores them once shut down.
+  if (!engine_->health().ok()) SetServing(false);
 }
 
 void RankingServer::Shutdown(absl::Duration grace) {

@@ -7,7 +7,6 @@
 
 #include <signal.h>
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -71,7 +70,7 @@ class RankingServer {
  private:
   RankingServer() = default;
   void SetServing(bool serving);
-  // After each batch: the first time the engine reports its device lost, health NOT_SERVING.
+  // After each batch: health NOT_SERVING once the engine reports its device lost.
   void NoteEngineHealth();
 
   ServerOptions options_;
@@ -84,7 +83,6 @@ class RankingServer {
   int port_ = 0;
   std::mutex shutdown_mu_;
   bool shut_down_ = false;
-  std::atomic<bool> engine_lost_{false};
   absl::Duration stall_timeout_ = absl::ZeroDuration();  // zero: off
 };
 
