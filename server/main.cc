@@ -23,7 +23,10 @@ int main(int argc, char** argv) {
       "  hstu_server [--model=random:tiny|FILE] [--device=auto|cpu|cpu-bf16|cuda:N] [--listen=0.0.0.0:50051]\n"
       "              [--metrics_listen=0.0.0.0:9464] [batching, cache and limit flags]\n"
       "Serves hstu.v1.Ranker (proto/hstu/v1/ranking.proto), grpc.health.v1 and reflection;\n"
-      "Prometheus metrics on http://METRICS_LISTEN/metrics. See docs/server.md.");
+      "Prometheus metrics on http://METRICS_LISTEN/metrics. See docs/server.md.\n"
+      "Exit status: 0 stopped by SIGTERM/SIGINT and drained; 1 unknown flag, start-up failure, or\n"
+      "the GPU lost (after a drain); 2 bad flag value, or a batch past --engine_stall_timeout_s;\n"
+      "3 a second signal during the drain.");
   absl::FlagsUsageConfig usage;
   // --help lists the server's flags (absl's default matches files named after the binary).
   usage.contains_help_flags = [](absl::string_view path) {
@@ -64,7 +67,8 @@ int main(int argc, char** argv) {
   }
   const int code = hstu::server::ServeUntilStopped(
       **server, stop_signals, absl::Seconds(hstu::server::ShutdownGraceSeconds()));
-  if (code == hstu::server::kEngineStalled) {  // the engine thread is stuck: no destructors
+  if (code == hstu::server::kEngineStalled || code == hstu::server::kDrainInterrupted) {
+    // The engine thread is stuck, or the drain is cut short: no destructors.
     spdlog::shutdown();
     std::_Exit(code);
   }

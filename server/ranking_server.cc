@@ -4,7 +4,10 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <memory>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -235,16 +238,19 @@ absl::Status RankingServer::CheckStall() {
 int ServeUntilStopped(RankingServer& server, const sigset_t& stop_signals, absl::Duration grace) {
   // Waits of 200 ms for a signal, the engine's health and progress looked at between them.
   const timespec poll = {0, 200 * 1000 * 1000};
+  const auto stalled = [&server]() -> bool {
+    const absl::Status stall = server.CheckStall();
+    if (stall.ok()) return false;
+    spdlog::critical("{}; exiting with status {} without draining, so that the process is "
+                     "restarted",
+                     std::string(stall.message()), kEngineStalled);
+    return true;
+  };
   int sig = -1;
   absl::Status engine_health;
   while (sig < 0 && engine_health.ok()) {
     sig = sigtimedwait(&stop_signals, nullptr, &poll);
-    if (absl::Status stall = server.CheckStall(); !stall.ok()) {
-      spdlog::critical("{}; exiting with status {} without draining, so that the process is "
-                       "restarted",
-                       std::string(stall.message()), kEngineStalled);
-      return kEngineStalled;
-    }
+    if (stalled()) return kEngineStalled;
     engine_health = server.engine_health();
   }
   if (!engine_health.ok()) {
@@ -252,11 +258,37 @@ int ServeUntilStopped(RankingServer& server, const sigset_t& stop_signals, absl:
                   "so that the process is restarted",
                   std::string(engine_health.message()), absl::ToInt64Seconds(grace));
   } else {
-    spdlog::info("received {}, draining (health NOT_SERVING, up to {} s for in-flight requests)",
+    spdlog::info("received {}, draining (health NOT_SERVING, up to {} s for in-flight requests; "
+                 "a second signal exits at once)",
                  sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : strsignal(sig),
                  absl::ToInt64Seconds(grace));
   }
-  server.Shutdown(grace);
+  // The drain waits for the batch on the engine, so it runs beside this thread, which keeps
+  // watching: a batch that hangs during the drain, or a second signal, ends the wait. The drain's
+  // thread is then left running (the caller ends the process without destructors); its state
+  // is shared so that it never touches this frame.
+  auto drained = std::make_shared<std::atomic<bool>>(false);
+  std::thread drain([&server, grace, drained] {
+    server.Shutdown(grace);
+    drained->store(true);
+  });
+  while (!drained->load()) {
+    sig = sigtimedwait(&stop_signals, nullptr, &poll);
+    if (drained->load()) break;
+    if (stalled()) {
+      drain.detach();
+      return kEngineStalled;
+    }
+    if (sig >= 0) {
+      spdlog::warn("received {} while draining; exiting with status {} without finishing the "
+                   "drain",
+                   sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : strsignal(sig),
+                   kDrainInterrupted);
+      drain.detach();
+      return kDrainInterrupted;
+    }
+  }
+  drain.join();
   return engine_health.ok() ? 0 : 1;
 }
 

@@ -89,9 +89,12 @@ class RankingServer {
 // main()'s life after start-up: waits for one of `stop_signals` (blocked in every thread, so that
 // it is taken here synchronously), then drains with `grace` and returns 0; or, once the engine
 // reports its device lost, drains the same way and returns 1 (restart the process). Once a batch
-// has run past the stall timeout it returns kEngineStalled at once, without draining: the engine
-// thread is stuck, and main() must end the process without destructors (std::_Exit).
+// has run past the stall timeout, before or during the drain, it returns kEngineStalled at once
+// without waiting for the drain: the engine thread is stuck. A second signal during the drain
+// returns kDrainInterrupted at once. After either, main() must end the process without
+// destructors (std::_Exit): the drain may still be running.
 inline constexpr int kEngineStalled = 2;
+inline constexpr int kDrainInterrupted = 3;
 int ServeUntilStopped(RankingServer& server, const sigset_t& stop_signals, absl::Duration grace);
 
 // The version reported in hstu_build_info and the start-up log.

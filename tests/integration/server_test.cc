@@ -457,6 +457,111 @@ TEST_F(ServerTest, StalledBatchEndsServingWithoutDraining) {
   EXPECT_EQ(server_->scheduler().BusyFor(), absl::ZeroDuration());
 }
 
+// main()'s wait on a thread of its own, with SIGUSR1 as its stop signal (blocked there, so that a
+// signal sent to that thread with Signal() waits for sigtimedwait, as SIGTERM does in main()).
+class ServingThread {
+ public:
+  ServingThread(RankingServer& server, absl::Duration grace) {
+    thread_ = std::thread([this, &server, grace] {
+      sigset_t stop;
+      sigemptyset(&stop);
+      sigaddset(&stop, SIGUSR1);
+      pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+      ready_.set_value();
+      result_.set_value(ServeUntilStopped(server, stop, grace));
+      done_ = true;
+    });
+    ready_.get_future().wait();
+    code_ = result_.get_future();
+  }
+  // A test that failed early leaves the wait running: two signals end it.
+  ~ServingThread() {
+    while (!done_) {
+      pthread_kill(thread_.native_handle(), SIGUSR1);
+      std::this_thread::sleep_for(50ms);
+    }
+    thread_.join();
+  }
+  void Signal() { ASSERT_EQ(pthread_kill(thread_.native_handle(), SIGUSR1), 0); }
+  bool Returned(std::chrono::milliseconds within) {
+    return code_.wait_for(within) == std::future_status::ready;
+  }
+  int code() { return code_.get(); }
+
+ private:
+  std::promise<void> ready_;
+  std::promise<int> result_;
+  std::future<int> code_;
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
+
+// The drain waits for the batch on the engine. A batch that hangs during the drain still ends
+// main()'s wait once it is past the stall timeout; so does a second signal (a second Ctrl-C).
+TEST_F(ServerTest, StallDuringTheDrainEndsTheWait) {
+  ServerOptions o;
+  o.engine_stall_timeout_s = 1;
+  StartServer(o);
+  gate_.Close();
+  std::thread caller([&] {
+    hstu::v1::RankResponse resp;
+    Rank(MakeRequest(5, 5, 3, 1), &resp, 30s);
+  });
+  ASSERT_TRUE(gate_.WaitEntered(1));
+  const auto start = std::chrono::steady_clock::now();
+  {
+    ServingThread serving(*server_, absl::Seconds(30));
+    serving.Signal();
+    ASSERT_TRUE(serving.Returned(10s));
+    EXPECT_EQ(serving.code(), kEngineStalled);
+  }
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 500ms);
+  EXPECT_GE(server_->scheduler().BusyFor(), absl::Seconds(1));
+  gate_.Open();  // the drain left running finishes; the teardown waits for it
+  caller.join();
+}
+
+TEST_F(ServerTest, SecondSignalDuringTheDrainEndsTheWait) {
+  StartServer();  // stall timeout off on the CPU
+  gate_.Close();
+  std::thread caller([&] {
+    hstu::v1::RankResponse resp;
+    Rank(MakeRequest(5, 5, 3, 1), &resp, 30s);
+  });
+  ASSERT_TRUE(gate_.WaitEntered(1));
+  {
+    ServingThread serving(*server_, absl::Seconds(30));
+    serving.Signal();
+    EXPECT_FALSE(serving.Returned(600ms));  // draining: the batch is still held
+    serving.Signal();
+    ASSERT_TRUE(serving.Returned(5s));
+    EXPECT_EQ(serving.code(), kDrainInterrupted);
+  }
+  gate_.Open();
+  caller.join();
+}
+
+// Without a second signal the drain finishes the held batch: the caller gets its scores and
+// main()'s wait returns 0.
+TEST_F(ServerTest, SignalDrainsTheHeldBatchAndReturnsZero) {
+  StartServer();
+  gate_.Close();
+  grpc::Status status;
+  std::thread caller([&] {
+    hstu::v1::RankResponse resp;
+    status = Rank(MakeRequest(5, 5, 3, 1), &resp, 30s);
+  });
+  ASSERT_TRUE(gate_.WaitEntered(1));
+  ServingThread serving(*server_, absl::Seconds(30));
+  serving.Signal();
+  EXPECT_FALSE(serving.Returned(300ms));
+  gate_.Open();
+  ASSERT_TRUE(serving.Returned(10s));
+  EXPECT_EQ(serving.code(), 0);
+  caller.join();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+}
+
 TEST(ServerStallDefault, OffOnTheCpu) {
   ServerOptions o;
   o.listen = "127.0.0.1:0";
