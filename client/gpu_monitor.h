@@ -1,7 +1,8 @@
 // What the GPU's clock and power did while a benchmark ran (engine/gpu_telemetry.h, NVML).
 //
 // Under sustained load an H100 or H200 reaches its power limit and the driver lowers the SM clock
-// (docs/benchmarks.md, twenty-second session), so a time means little without the clock it ran at.
+// (docs/benchmark_history.md, twenty-second session), so a time means little without the clock
+// it ran at.
 // GpuMonitor samples the SM clock, the power draw and the clock-event reasons on a thread, and
 // reads the board's energy counter, so that a benchmark can report both beside each time: the
 // clock over a span and the energy of a piece of work, which the power cap does not change.

@@ -439,7 +439,7 @@ absl::Status CudaBackendImpl::EnqueueTrunk() {
     // Returning users' new K/V go through the rows only where a separate append would copy them
     // to the pages (the fused GEMM's route): the cuBLAS route's pass writes them there at no cost
     // beyond writing them back to the rows, while the attention's stores of them would lengthen
-    // its history tiles (batch 1: +8 µs a step, docs/cuda_kernels.md round 27).
+    // its history tiles (batch 1: +8 µs a step, docs/kernel_rounds.md, round 27).
     ap.returning_kv_from_rows = route >= 0;
     returning_kv_from_rows_ = ap.returning_kv_from_rows;
     if (route >= 0) {

@@ -144,7 +144,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   // Write-behind backlog (offload_backlog_mib; 128 MiB is ~2.4 ms of PCIe at 55 GB/s) but at least
   // one whole user, so the copy engine never falls far behind, a burst of misses cannot pin the
   // GPU pool, and waiting for the copies (when nothing else can be evicted) is short. On an H200
-  // under a Zipf load 128 MiB gave 1.2x the throughput of 512 MiB (docs/benchmarks.md, run 7).
+  // under a Zipf load 128 MiB gave 1.2x the throughput of 512 MiB (docs/benchmark_history.md,
+  // run 7).
   if (options.offload_backlog_mib < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("offload_backlog_mib must be >= 1, got ", options.offload_backlog_mib));

@@ -1,8 +1,8 @@
 // The GPU's clock, power, energy and throttling, read through NVML.
 //
 // Under sustained load an H100 or H200 reaches its power limit and the driver lowers the SM clock,
-// so latency depends on it (docs/benchmarks.md, twenty-second session). The server exports these
-// readings to Prometheus; hstu_bench samples them beside its timings.
+// so latency depends on it (docs/benchmark_history.md, twenty-second session). The server exports
+// these readings to Prometheus; hstu_bench samples them beside its timings.
 //
 // NVML comes from the GPU machine's driver (libnvidia-ml.so.1) and is loaded with dlopen: nothing
 // to link at build time, so CPU-only builds and machines without a driver just get an error from

@@ -91,7 +91,7 @@ size_t Fastest(const std::vector<float>& ms, float margin = 0.02f) {
 // 1024 rows. Timed alone, the routes differ by a few percent at the decode step's row counts, and
 // at batch 1 the timing does not carry over into the step: at 384 rows a fused config timed 2.3 %
 // faster made the batch-1 graph replay 40 µs slower (H200), as it had in rounds 15 and 24, and
-// one was timed 6.3 % faster on an H100 (docs/cuda_kernels.md round 27). At 3072 rows and up the
+// one was timed 6.3 % faster on an H100 (docs/kernel_rounds.md, round 27). At 3072 rows and up the
 // fused configs were timed 7-22 % faster (H200 and H100), where the margin does not decide.
 float FusedRouteMargin(int64_t rows) { return rows < 1024 ? 0.10f : 0.05f; }
 

@@ -10,7 +10,7 @@
 // bf16 output; an unsplit tile's CTA adds its diagonal and writes the output itself. A cluster
 // plan (a decode step of a few users, one wave of clusters) makes each tile and head a thread
 // block cluster instead: its CTAs sum their chunks in distributed shared memory, with no partials
-// in global memory and no second kernel (docs/cuda_kernels.md, round 14).
+// in global memory and no second kernel (docs/kernel_rounds.md, round 14).
 //
 // The plan is plain data (no device pointers), so it can be built into static buffers for CUDA
 // graphs, whose replays resize the two kernels' grids to the plan.
@@ -31,7 +31,7 @@ inline constexpr int kAttnBlockM = 128;  // query rows per tile (2 warpgroups ×
 inline constexpr int kAttnBlockN = 64;   // keys per pipeline stage (2 stages)
 inline constexpr int kMaxAttnCluster = 8;  // portable thread block cluster size
 // A CTA's fixed work outside its key loop, in 64-key blocks, as the planner counts it
-// (PlanHstuAttention; docs/cuda_kernels.md, round 26).
+// (PlanHstuAttention; docs/kernel_rounds.md, round 26).
 inline constexpr int32_t kAttnCtaOverheadBlocks = 4;
 
 struct AttentionWorkItem {
@@ -77,7 +77,7 @@ AttentionPlan PlanHstuAttention(const int32_t* row_offsets, const int32_t* num_n
                                 int32_t max_clusters = 0, bool candidates_only = false);
 
 // Whether PlanHstuAttention orders a plan without split tiles user by user (round 38 in
-// docs/cuda_kernels.md); HSTU_ATTN_USER_ORDER=0 turns it off, for A/B timing. Read once.
+// docs/kernel_rounds.md); HSTU_ATTN_USER_ORDER=0 turns it off, for A/B timing. Read once.
 bool HstuAttentionUserOrderEnabled();
 
 // The list schedule PlanHstuAttention times its chunk lengths with: costs (descending, >= 0; each

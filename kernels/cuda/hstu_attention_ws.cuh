@@ -1,7 +1,7 @@
 // Warp-specialised paged HSTU attention for D = 256 (sm_90a): a producer warp moves each 64-key
 // K or V tile from the pages into a ring of shared-memory slots with TMA (copy engine, no warps
 // spent on the gather); two consumer warpgroups run the same S / SiLU / P·V as HstuAttentionKernel
-// and hand each slot back as soon as their wgmma has read it. See docs/cuda_kernels.md, round 6.
+// and hand each slot back as soon as their wgmma has read it. See docs/kernel_rounds.md, round 6.
 //
 // Same work items, grid (items × H), plan, partials and reduction as HstuAttentionKernel — and
 // cluster plans, which only this kernel runs (ClusterReduceEpilogue, round 14); it only
@@ -235,10 +235,11 @@ struct AttnWsTraits {
 // Grid (items × H), or with cluster > 0 (a cluster plan, PlanHstuAttention) grid (cluster,
 // tiles × H) in clusters of (cluster, 1, 1): the chunks of one tile and head are one cluster, and
 // after the key loop they sum their O through distributed shared memory (ClusterReduceEpilogue)
-// instead of writing partials for the reduction kernel. 384 threads. Each consumer warpgroup runs S, SiLU, P·V of a block in order;
-// the two warpgroups overlap each other. (A FlashAttention-3 ping-pong of the two, with S(j) and
-// P(j-1)·V(j-1) issued in one turn, measured 30 % slower: docs/cuda_kernels.md, round 6.) kv_map: the pool's tensor map, by value; box_rows: rows
-// of one TMA box (64, 32, 16 or 8, dividing the page size).
+// instead of writing partials for the reduction kernel. 384 threads. Each consumer warpgroup runs
+// S, SiLU, P·V of a block in order; the two warpgroups overlap each other. (A FlashAttention-3
+// ping-pong of the two, with S(j) and P(j-1)·V(j-1) issued in one turn, measured 30 % slower:
+// docs/kernel_rounds.md, round 6.) kv_map: the pool's tensor map, by value; box_rows: rows of one
+// TMA box (64, 32, 16 or 8, dividing the page size).
 //
 // New K/V from the rows (p.new_kv_from_rows; users NewKvFromRows picks, rounds 19 and 27): the
 // producer loads their new keys' K/V blocks from the uvqk rows through rows_map (box {64 columns,
@@ -412,7 +413,7 @@ __global__ void __launch_bounds__(384, 1)
   // The first kQRegSteps k-steps (16 columns each) of this warp's 16 Q rows live in registers, in
   // the wgmma register-A layout (ldmatrix once), so those S wgmmas read only K from shared memory.
   // Measured 2 % faster at batch 8 than all of Q in shared memory; 12 steps gave the same, 16
-  // (all of Q) spills (docs/cuda_kernels.md, round 6).
+  // (all of Q) spills (docs/kernel_rounds.md, round 6).
   constexpr int kQRegSteps = 8;
   uint32_t qa[kQRegSteps][4];
 #pragma unroll

@@ -183,7 +183,7 @@ TEST(CudaEngine, CacheOffScoresSingleAndMultiPassWaves) {
 // item rows instead of 1M): the GPU engine is as close to the fp32 CPU engine as the CPU engine
 // rounded where the GPU stores bf16 ("cpu-bf16") is, on the mean and the worst score difference
 // and on the hidden rows. On these shapes neither is within 2e-3 of fp32 (round 31 in
-// docs/cuda_kernels.md: the bf16 weights alone cost ~4.5e-3), so the small models' absolute check
+// docs/kernel_rounds.md: the bf16 weights alone cost ~4.5e-3), so the small models' absolute check
 // is not the one that applies.
 TEST(CudaEngine, BaseShapesAsCloseToFp32AsTheBf16Emulation) {
   HSTU_SKIP_WITHOUT_GPU();

@@ -8,8 +8,8 @@
 namespace hstu::loadgen {
 namespace {
 
-// The bench-shaped load of docs/benchmarks.md: users start at exactly 128 events, every visit adds
-// exactly 128, and a user that would pass 2048 starts over.
+// The bench-shaped load of docs/benchmarks.md (`e2e_sat`): users start at exactly 128 events,
+// every visit adds exactly 128, and a user that would pass 2048 starts over.
 TEST(TrafficTest, FixedGrowthAddsExactlyThatManyEventsAndRestartsAtTheMaximum) {
   TrafficOptions o;
   o.num_users = 4;
