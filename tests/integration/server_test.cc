@@ -84,6 +84,19 @@ class Gate {
   std::vector<uint64_t> seen_;
 };
 
+hstu::v1::RankRequest MakeRequest(uint64_t user, int events, int candidates, uint64_t seed) {
+  std::mt19937_64 rng(seed * 7919 + user);
+  hstu::v1::RankRequest r;
+  r.set_user_id(user);
+  for (int i = 0; i < events; ++i) {
+    r.add_history_item_ids(static_cast<int64_t>(rng() % 5000));
+    r.add_history_actions(static_cast<int32_t>(rng() % 16));
+  }
+  for (int c = 0; c < candidates; ++c) r.add_candidate_item_ids(static_cast<int64_t>(rng() % 5000));
+  r.set_request_id(absl::StrCat("req-", user, "-", seed));
+  return r;
+}
+
 class ServerTest : public ::testing::Test {
  protected:
   void StartServer(ServerOptions o = ServerOptions()) {
@@ -133,6 +146,19 @@ class ServerTest : public ::testing::Test {
     }
   }
 
+  // Closes the gate and sends one request from a thread of its own; returns once its batch is
+  // held at the gate (the engine busy with it). The caller's status lands in *status, if given.
+  std::thread HoldOneBatch(grpc::Status* status = nullptr) {
+    gate_.Close();
+    std::thread caller([this, status] {
+      hstu::v1::RankResponse resp;
+      const grpc::Status s = Rank(MakeRequest(5, 5, 3, 1), &resp, 30s);
+      if (status != nullptr) *status = s;
+    });
+    EXPECT_TRUE(gate_.WaitEntered(1));
+    return caller;
+  }
+
   hstu::testing::Exposition Scrape() {
     auto body = hstu::testing::HttpGet(server_->metrics_port(), "/metrics");
     EXPECT_TRUE(body.ok()) << body.status();
@@ -147,19 +173,6 @@ class ServerTest : public ::testing::Test {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<hstu::v1::Ranker::Stub> stub_;
 };
-
-hstu::v1::RankRequest MakeRequest(uint64_t user, int events, int candidates, uint64_t seed) {
-  std::mt19937_64 rng(seed * 7919 + user);
-  hstu::v1::RankRequest r;
-  r.set_user_id(user);
-  for (int i = 0; i < events; ++i) {
-    r.add_history_item_ids(static_cast<int64_t>(rng() % 5000));
-    r.add_history_actions(static_cast<int32_t>(rng() % 16));
-  }
-  for (int c = 0; c < candidates; ++c) r.add_candidate_item_ids(static_cast<int64_t>(rng() % 5000));
-  r.set_request_id(absl::StrCat("req-", user, "-", seed));
-  return r;
-}
 
 // A prefix of `full` with its first `events` events (same candidates).
 hstu::v1::RankRequest Prefix(const hstu::v1::RankRequest& full, int events) {
@@ -437,12 +450,7 @@ TEST_F(ServerTest, StalledBatchEndsServingWithoutDraining) {
   EXPECT_EQ(server_->stall_timeout(), absl::Seconds(1));
   sigset_t no_signals;
   sigemptyset(&no_signals);
-  gate_.Close();
-  std::thread caller([&] {
-    hstu::v1::RankResponse resp;
-    Rank(MakeRequest(5, 5, 3, 1), &resp, 30s);
-  });
-  ASSERT_TRUE(gate_.WaitEntered(1));
+  std::thread caller = HoldOneBatch();
   const auto start = std::chrono::steady_clock::now();
   auto serving = std::async(std::launch::async, [&] {
     return ServeUntilStopped(*server_, no_signals, absl::Seconds(5));
@@ -502,12 +510,7 @@ TEST_F(ServerTest, StallDuringTheDrainEndsTheWait) {
   ServerOptions o;
   o.engine_stall_timeout_s = 1;
   StartServer(o);
-  gate_.Close();
-  std::thread caller([&] {
-    hstu::v1::RankResponse resp;
-    Rank(MakeRequest(5, 5, 3, 1), &resp, 30s);
-  });
-  ASSERT_TRUE(gate_.WaitEntered(1));
+  std::thread caller = HoldOneBatch();
   const auto start = std::chrono::steady_clock::now();
   {
     ServingThread serving(*server_, absl::Seconds(30));
@@ -523,12 +526,7 @@ TEST_F(ServerTest, StallDuringTheDrainEndsTheWait) {
 
 TEST_F(ServerTest, SecondSignalDuringTheDrainEndsTheWait) {
   StartServer();  // stall timeout off on the CPU
-  gate_.Close();
-  std::thread caller([&] {
-    hstu::v1::RankResponse resp;
-    Rank(MakeRequest(5, 5, 3, 1), &resp, 30s);
-  });
-  ASSERT_TRUE(gate_.WaitEntered(1));
+  std::thread caller = HoldOneBatch();
   {
     ServingThread serving(*server_, absl::Seconds(30));
     serving.Signal();
@@ -545,13 +543,8 @@ TEST_F(ServerTest, SecondSignalDuringTheDrainEndsTheWait) {
 // main()'s wait returns 0.
 TEST_F(ServerTest, SignalDrainsTheHeldBatchAndReturnsZero) {
   StartServer();
-  gate_.Close();
   grpc::Status status;
-  std::thread caller([&] {
-    hstu::v1::RankResponse resp;
-    status = Rank(MakeRequest(5, 5, 3, 1), &resp, 30s);
-  });
-  ASSERT_TRUE(gate_.WaitEntered(1));
+  std::thread caller = HoldOneBatch(&status);
   ServingThread serving(*server_, absl::Seconds(30));
   serving.Signal();
   EXPECT_FALSE(serving.Returned(300ms));
