@@ -31,6 +31,10 @@ RankRequest WarmupRequest() {
   return r;
 }
 
+const char* SignalName(int sig) {
+  return sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : strsignal(sig);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const ServerOptions& options) {
@@ -260,8 +264,7 @@ int ServeUntilStopped(RankingServer& server, const sigset_t& stop_signals, absl:
   } else {
     spdlog::info("received {}, draining (health NOT_SERVING, up to {} s for in-flight requests; "
                  "a second signal exits at once)",
-                 sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : strsignal(sig),
-                 absl::ToInt64Seconds(grace));
+                 SignalName(sig), absl::ToInt64Seconds(grace));
   }
   // The drain waits for the batch on the engine, so it runs beside this thread, which keeps
   // watching: a batch that hangs during the drain, or a second signal, ends the wait. The drain's
@@ -282,8 +285,7 @@ int ServeUntilStopped(RankingServer& server, const sigset_t& stop_signals, absl:
     if (sig >= 0) {
       spdlog::warn("received {} while draining; exiting with status {} without finishing the "
                    "drain",
-                   sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : strsignal(sig),
-                   kDrainInterrupted);
+                   SignalName(sig), kDrainInterrupted);
       drain.detach();
       return kDrainInterrupted;
     }
