@@ -71,8 +71,8 @@ ABSL_FLAG(int32_t, shutdown_grace_s, 30,
 ABSL_FLAG(int32_t, engine_stall_timeout_s, -1,
           "A batch still running after this many seconds means a hung GPU: the server exits with "
           "status 2 at once (it cannot drain; also while a drain waits for that batch) for its "
-          "supervisor to restart it. -1 = 60 on a GPU "
-          "and off on the CPU (whose batches of large models can take minutes); 0 = off.");
+          "supervisor to restart it. -1 = 60 on a GPU and off on the CPU (whose batches of large "
+          "models can take minutes); 0 = off.");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level: trace, debug, info, warn, error, off.");
 
 namespace hstu::server {

@@ -2,7 +2,8 @@
 // SIGTERM/SIGINT drain gracefully: health NOT_SERVING, no new calls, in-flight calls finish, exit 0.
 // A lost GPU (a sticky CUDA error: nothing more can run in this process) drains the same way and
 // exits 1, so that the supervisor (Kubernetes, systemd) restarts the server; a hung one (a batch
-// past --engine_stall_timeout_s) exits 2 at once.
+// past --engine_stall_timeout_s, before or during a drain) exits 2 at once. A second signal during
+// the drain exits 3 at once.
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>

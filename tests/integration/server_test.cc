@@ -403,68 +403,6 @@ TEST_F(ServerTest, EngineFailureAnswersInternalAndServingContinues) {
   EXPECT_TRUE(Rank(MakeRequest(5, 5, 3, 1), &resp).ok());
 }
 
-// A lost device (a sticky CUDA error, injected): its batch answers INTERNAL, then health turns
-// NOT_SERVING for good, later requests answer UNAVAILABLE without reaching the device, and the
-// server says so to main() (which then exits to be restarted) and to Prometheus.
-TEST_F(ServerTest, LostDeviceTurnsHealthNotServingAndAnswersUnavailable) {
-  auto faults = std::make_shared<hstu::testing::Faults>();
-  ServerOptions o;
-  o.engine.wrap_backend = hstu::testing::WrapWithFaults(faults);
-  StartServer(o);
-  hstu::v1::RankResponse resp;
-  ASSERT_TRUE(Rank(MakeRequest(5, 5, 3, 1), &resp).ok());
-  EXPECT_TRUE(server_->engine_health().ok());
-  EXPECT_EQ(Scrape().Sum("hstu_engine_healthy"), 1);
-
-  faults->device_lost = true;
-  EXPECT_EQ(Rank(MakeRequest(6, 5, 3, 1), &resp).error_code(), grpc::StatusCode::INTERNAL);
-  EXPECT_EQ(server_->engine_health().code(), absl::StatusCode::kUnavailable);
-  ExpectHealth(grpc::health::v1::HealthCheckResponse::NOT_SERVING);
-  const int forwards = faults->forwards;
-  const grpc::Status s = Rank(MakeRequest(5, 6, 3, 1), &resp);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_NE(s.error_message().find("the device is lost"), std::string::npos) << s.error_message();
-  EXPECT_EQ(faults->forwards, forwards);
-  const auto m = Scrape();
-  EXPECT_EQ(m.Sum("hstu_engine_healthy"), 0);
-  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "UNAVAILABLE"}}), 1);
-  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "INTERNAL"}}), 1);
-
-  // main()'s wait: it drains the server and returns 1 (no signal needed).
-  sigset_t no_signals;
-  sigemptyset(&no_signals);
-  auto serving = std::async(std::launch::async, [&] {
-    return ServeUntilStopped(*server_, no_signals, absl::Seconds(5));
-  });
-  ASSERT_EQ(serving.wait_for(10s), std::future_status::ready);
-  EXPECT_EQ(serving.get(), 1);
-}
-
-// A batch that never returns (a hung GPU, here a batch held at the gate): past the stall timeout,
-// main()'s wait turns health NOT_SERVING and returns kEngineStalled without draining, which would
-// wait for that batch forever. Off on the CPU unless asked for.
-TEST_F(ServerTest, StalledBatchEndsServingWithoutDraining) {
-  ServerOptions o;
-  o.engine_stall_timeout_s = 1;
-  StartServer(o);
-  EXPECT_EQ(server_->stall_timeout(), absl::Seconds(1));
-  sigset_t no_signals;
-  sigemptyset(&no_signals);
-  std::thread caller = HoldOneBatch();
-  const auto start = std::chrono::steady_clock::now();
-  auto serving = std::async(std::launch::async, [&] {
-    return ServeUntilStopped(*server_, no_signals, absl::Seconds(5));
-  });
-  ASSERT_EQ(serving.wait_for(10s), std::future_status::ready);
-  EXPECT_EQ(serving.get(), kEngineStalled);
-  EXPECT_GE(std::chrono::steady_clock::now() - start, 500ms);  // the batch's age, not at once
-  EXPECT_GE(server_->scheduler().BusyFor(), absl::Seconds(1));
-  ExpectHealth(grpc::health::v1::HealthCheckResponse::NOT_SERVING);
-  gate_.Open();  // the test's own teardown drains
-  caller.join();
-  EXPECT_EQ(server_->scheduler().BusyFor(), absl::ZeroDuration());
-}
-
 // main()'s wait on a thread of its own, with SIGUSR1 as its stop signal (blocked there, so that a
 // signal sent to that thread with Signal() waits for sigtimedwait, as SIGTERM does in main()).
 class ServingThread {
@@ -503,6 +441,60 @@ class ServingThread {
   std::atomic<bool> done_{false};
   std::thread thread_;
 };
+
+// A lost device (a sticky CUDA error, injected): its batch answers INTERNAL, then health turns
+// NOT_SERVING for good, later requests answer UNAVAILABLE without reaching the device, and the
+// server says so to main() (which then exits to be restarted) and to Prometheus.
+TEST_F(ServerTest, LostDeviceTurnsHealthNotServingAndAnswersUnavailable) {
+  auto faults = std::make_shared<hstu::testing::Faults>();
+  ServerOptions o;
+  o.engine.wrap_backend = hstu::testing::WrapWithFaults(faults);
+  StartServer(o);
+  hstu::v1::RankResponse resp;
+  ASSERT_TRUE(Rank(MakeRequest(5, 5, 3, 1), &resp).ok());
+  EXPECT_TRUE(server_->engine_health().ok());
+  EXPECT_EQ(Scrape().Sum("hstu_engine_healthy"), 1);
+
+  faults->device_lost = true;
+  EXPECT_EQ(Rank(MakeRequest(6, 5, 3, 1), &resp).error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_EQ(server_->engine_health().code(), absl::StatusCode::kUnavailable);
+  ExpectHealth(grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  const int forwards = faults->forwards;
+  const grpc::Status s = Rank(MakeRequest(5, 6, 3, 1), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(s.error_message().find("the device is lost"), std::string::npos) << s.error_message();
+  EXPECT_EQ(faults->forwards, forwards);
+  const auto m = Scrape();
+  EXPECT_EQ(m.Sum("hstu_engine_healthy"), 0);
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "UNAVAILABLE"}}), 1);
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "INTERNAL"}}), 1);
+
+  // main()'s wait: it drains the server and returns 1 (no signal needed).
+  ServingThread serving(*server_, absl::Seconds(5));
+  ASSERT_TRUE(serving.Returned(10s));
+  EXPECT_EQ(serving.code(), 1);
+}
+
+// A batch that never returns (a hung GPU, here a batch held at the gate): past the stall timeout,
+// main()'s wait turns health NOT_SERVING and returns kEngineStalled without draining, which would
+// wait for that batch forever. Off on the CPU unless asked for.
+TEST_F(ServerTest, StalledBatchEndsServingWithoutDraining) {
+  ServerOptions o;
+  o.engine_stall_timeout_s = 1;
+  StartServer(o);
+  EXPECT_EQ(server_->stall_timeout(), absl::Seconds(1));
+  std::thread caller = HoldOneBatch();
+  const auto start = std::chrono::steady_clock::now();
+  ServingThread serving(*server_, absl::Seconds(5));
+  ASSERT_TRUE(serving.Returned(10s));
+  EXPECT_EQ(serving.code(), kEngineStalled);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 500ms);  // the batch's age, not at once
+  EXPECT_GE(server_->scheduler().BusyFor(), absl::Seconds(1));
+  ExpectHealth(grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  gate_.Open();  // the test's own teardown drains
+  caller.join();
+  EXPECT_EQ(server_->scheduler().BusyFor(), absl::ZeroDuration());
+}
 
 // The drain waits for the batch on the engine. A batch that hangs during the drain still ends
 // main()'s wait once it is past the stall timeout; so does a second signal (a second Ctrl-C).
