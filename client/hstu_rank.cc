@@ -3,7 +3,9 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <string>
+#include <type_traits>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -29,15 +31,34 @@ namespace {
 
 using json = nlohmann::json;
 
+// JSON integer `v` as T, or an error naming `field` when it is not an integer or does not fit
+// (a value is never wrapped: an action of 2^32 + 1 is not action 1).
+template <typename T>
+absl::StatusOr<T> IntegerAs(const json& v, const std::string& field) {
+  if (!v.is_number_integer()) return absl::InvalidArgumentError("field '" + field + "' is not an integer");
+  bool fits;
+  if (v.is_number_unsigned()) {
+    fits = v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max());
+  } else {  // nlohmann parses only negative literals as signed
+    const int64_t x = v.get<int64_t>();
+    fits = std::is_signed_v<T> && x >= static_cast<int64_t>(std::numeric_limits<T>::min());
+  }
+  if (!fits) {
+    return absl::InvalidArgumentError("field '" + field + "' = " + v.dump() + " is out of the range of " +
+                                      (std::is_signed_v<T> ? "int" : "uint") + std::to_string(8 * sizeof(T)));
+  }
+  return v.get<T>();
+}
+
 // Parses one request; the error names the field.
 absl::StatusOr<hstu::RankRequest> ParseRequest(const std::string& line) {
   json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("not a JSON object");
   hstu::RankRequest r;
-  if (!j.contains("user_id") || !j["user_id"].is_number_integer() || j["user_id"].get<int64_t>() < 0) {
-    return absl::InvalidArgumentError("field 'user_id' must be a non-negative integer");
-  }
-  r.user_id = j["user_id"].get<uint64_t>();
+  if (!j.contains("user_id")) return absl::InvalidArgumentError("field 'user_id' is missing");
+  auto user = IntegerAs<uint64_t>(j["user_id"], "user_id");
+  if (!user.ok()) return user.status();
+  r.user_id = *user;
   auto ints = [&](const char* field, auto* out, bool required) -> absl::Status {
     if (!j.contains(field)) {
       return required ? absl::InvalidArgumentError(std::string("field '") + field + "' is missing")
@@ -45,12 +66,11 @@ absl::StatusOr<hstu::RankRequest> ParseRequest(const std::string& line) {
     }
     const json& a = j[field];
     if (!a.is_array()) return absl::InvalidArgumentError(std::string("field '") + field + "' must be an array");
+    using T = typename std::remove_pointer_t<decltype(out)>::value_type;
     for (size_t i = 0; i < a.size(); ++i) {
-      if (!a[i].is_number_integer()) {
-        return absl::InvalidArgumentError(std::string("field '") + field + "[" + std::to_string(i) +
-                                          "]' is not an integer");
-      }
-      out->push_back(a[i].get<typename std::remove_pointer_t<decltype(out)>::value_type>());
+      auto v = IntegerAs<T>(a[i], std::string(field) + "[" + std::to_string(i) + "]");
+      if (!v.ok()) return v.status();
+      out->push_back(*v);
     }
     return absl::OkStatus();
   };

@@ -385,8 +385,8 @@ TEST(ProcessTest, ScoresEqualHstuRankForTheSameRequests) {
       f << j.dump() << "\n";
     }
   }
-  const auto [rc, out] = RunCommand(absl::StrCat(HSTU_RANK_BIN, " --model=random:tiny --device=cpu --input=",
-                                                 dir, "/requests.jsonl 2>/dev/null"));
+  const auto [rc, out] = RunCommand(absl::StrCat("{ ", HSTU_RANK_BIN, " --model=random:tiny --device=cpu --input=",
+                                                 dir, "/requests.jsonl 2>/dev/null; }"));
   ASSERT_EQ(rc, 0) << out;
   std::vector<nlohmann::json> ref;
   for (absl::string_view line : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
@@ -414,6 +414,33 @@ TEST(ProcessTest, ScoresEqualHstuRankForTheSameRequests) {
     EXPECT_EQ(resp.reused_tokens(), ref[i]["reused_tokens"].get<uint32_t>()) << i;
     EXPECT_EQ(resp.computed_tokens(), ref[i]["computed_tokens"].get<uint32_t>()) << i;
   }
+}
+
+TEST(ProcessTest, HstuRankRejectsIntegersOutOfTheirFieldsRange) {
+  // A value that does not fit its proto field is an error naming the field, never wrapped: action
+  // 2^32 + 1 must not score as action 1. The whole uint64 range of user_id is accepted.
+  const std::string dir = TempDir();
+  {
+    std::ofstream f(dir + "/requests.jsonl");
+    f << R"({"user_id": 1, "history_item_ids": [5], "history_actions": [4294967297], "candidate_item_ids": [3]})" "\n"
+      << R"({"user_id": 1, "history_item_ids": [18446744073709551615], "history_actions": [1], "candidate_item_ids": [3]})" "\n"
+      << R"({"user_id": -3, "history_item_ids": [5], "history_actions": [1], "candidate_item_ids": [3]})" "\n"
+      << R"({"user_id": 18446744073709551615, "history_item_ids": [5], "history_actions": [1], "candidate_item_ids": [3]})" "\n";
+  }
+  const auto [rc, out] = RunCommand(absl::StrCat("{ ", HSTU_RANK_BIN, " --model=random:tiny --device=cpu --input=",
+                                                 dir, "/requests.jsonl 2>/dev/null; }"));
+  EXPECT_EQ(rc, 1) << out;
+  std::vector<nlohmann::json> lines;
+  for (absl::string_view line : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
+    lines.push_back(nlohmann::json::parse(line, nullptr, false));
+  }
+  ASSERT_EQ(lines.size(), 4u) << out;
+  EXPECT_EQ(lines[0].value("error", ""), "field 'history_actions[0]' = 4294967297 is out of the range of int32");
+  EXPECT_EQ(lines[1].value("error", ""),
+            "field 'history_item_ids[0]' = 18446744073709551615 is out of the range of int64");
+  EXPECT_EQ(lines[2].value("error", ""), "field 'user_id' = -3 is out of the range of uint64");
+  ASSERT_TRUE(lines[3].contains("scores")) << out;
+  EXPECT_EQ(lines[3]["user_id"].get<uint64_t>(), 18446744073709551615ull);
 }
 
 }  // namespace
