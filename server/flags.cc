@@ -76,6 +76,25 @@ ABSL_FLAG(int32_t, engine_stall_timeout_s, -1,
 ABSL_FLAG(std::string, log_level, "info", "spdlog level: trace, debug, info, warn, error, off.");
 
 namespace hstu::server {
+namespace {
+
+// HOST:PORT with a decimal port in [0, 65535]: an out-of-range port must not reach the resolver,
+// which takes it modulo 65536 and binds some other port. gRPC's unix: addresses pass as they are.
+absl::Status CheckListenAddress(const char* flag, const std::string& address) {
+  if (address.rfind("unix:", 0) == 0 || address.rfind("unix-abstract:", 0) == 0) return absl::OkStatus();
+  const size_t colon = address.rfind(':');
+  const std::string port = colon == std::string::npos ? "" : address.substr(colon + 1);
+  uint32_t value = 0;
+  const bool digits = !port.empty() && port.size() <= 5 &&
+                      port.find_first_not_of("0123456789") == std::string::npos;
+  if (!digits || !absl::SimpleAtoi(port, &value) || value > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", flag, "=", address, ": must be HOST:PORT with a port in [0, 65535] (0 picks a free port)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 std::string LogLevelFlag() { return absl::GetFlag(FLAGS_log_level); }
 
@@ -129,7 +148,13 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   auto bad = [](const char* flag, auto value, const char* want) {
     return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", want));
   };
-  if (o.listen.empty()) return bad("listen", o.listen, "must be HOST:PORT");
+  if (auto s = CheckListenAddress("listen", o.listen); !s.ok()) return s;
+  if (!o.metrics_listen.empty()) {
+    if (auto s = CheckListenAddress("metrics_listen", o.metrics_listen); !s.ok()) return s;
+  }
+  if (absl::GetFlag(FLAGS_shutdown_grace_s) < 0) {
+    return bad("shutdown_grace_s", absl::GetFlag(FLAGS_shutdown_grace_s), "must be >= 0");
+  }
   if (o.scheduler.max_batch_size < 1) return bad("max_batch_size", o.scheduler.max_batch_size, "must be >= 1");
   if (o.scheduler.max_batch_tokens < 1) return bad("max_batch_tokens", o.scheduler.max_batch_tokens, "must be >= 1");
   if (o.scheduler.batch_timeout.count() < 0) return bad("batch_timeout_us", o.scheduler.batch_timeout.count(), "must be >= 0");

@@ -95,9 +95,10 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
   }
   const EngineStats stats = s->engine_->Stats();
   if (stats.cache.host_pages_total == 0) {
-    spdlog::warn("engine: no host KV tier (--host_cache_pages={}); users evicted from the KV pool "
+    spdlog::warn("engine: no host KV tier (--host_cache_pages={}{}); users evicted from the KV pool "
                  "are recomputed",
-                 options.engine.host_cache_pages);
+                 options.engine.host_cache_pages,
+                 options.engine.host_cache_pages == -1 ? ": auto, none on this backend" : "");
   } else {
     const double host_gib =
         stats.cache.host_pages_total * static_cast<double>(stats.kv_page_bytes) / (1 << 30);

@@ -118,6 +118,20 @@ TEST(ProcessTest, BadOnloadPolicyIsRejectedNamingTheFlag) {
   EXPECT_NE(out.find("--onload_policy=never: must be cost or always"), std::string::npos) << out;
 }
 
+TEST(ProcessTest, BadListenAddressesAndGraceAreRejectedNamingTheFlag) {
+  // getaddrinfo takes port 99999 modulo 65536: without the check the server bound port 34463.
+  for (const auto& [flag, want] : std::vector<std::pair<std::string, std::string>>{
+           {"--listen=127.0.0.1:99999", "--listen=127.0.0.1:99999: must be HOST:PORT with a port in [0, 65535]"},
+           {"--listen=127.0.0.1", "--listen=127.0.0.1: must be HOST:PORT"},
+           {"--metrics_listen=127.0.0.1:65536", "--metrics_listen=127.0.0.1:65536: must be HOST:PORT"},
+           {"--metrics_listen=127.0.0.1:-1", "--metrics_listen=127.0.0.1:-1: must be HOST:PORT"},
+           {"--shutdown_grace_s=-4", "--shutdown_grace_s=-4: must be >= 0"}}) {
+    const auto [rc, out] = RunCommand(absl::StrCat(HSTU_SERVER_BIN, " --device=cpu ", flag));
+    EXPECT_EQ(rc, 2) << flag << ": " << out;
+    EXPECT_NE(out.find(want), std::string::npos) << out;
+  }
+}
+
 TEST(ProcessTest, ReflectionListsTheRankerAndHealthServices) {
   ServerProcess server;
   ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
