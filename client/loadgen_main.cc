@@ -357,13 +357,40 @@ absl::Status WaitReady(const std::string& target, double wait_s) {
       absl::StrCat("server not SERVING after ", wait_s, " s (last: ", last, ")"));
 }
 
+// The flags that need no server, checked before connecting: a typo fails at once, naming the flag.
+absl::Status CheckFlags() {
+  auto bad = [](const char* flag, auto value, const char* want) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", want));
+  };
+  if (absl::GetFlag(FLAGS_connections) < 1) return bad("connections", absl::GetFlag(FLAGS_connections), "must be >= 1");
+  if (absl::GetFlag(FLAGS_requests) < 0) return bad("requests", absl::GetFlag(FLAGS_requests), "must be >= 0 (0: use --duration)");
+  if (absl::GetFlag(FLAGS_requests) == 0 && !(absl::GetFlag(FLAGS_duration) > 0)) {
+    return bad("duration", absl::GetFlag(FLAGS_duration), "must be > 0 (or give --requests)");
+  }
+  if (!(absl::GetFlag(FLAGS_warmup) >= 0)) return bad("warmup", absl::GetFlag(FLAGS_warmup), "must be >= 0");
+  if (!(absl::GetFlag(FLAGS_wait_ready_s) >= 0)) return bad("wait_ready_s", absl::GetFlag(FLAGS_wait_ready_s), "must be >= 0");
+  if (absl::GetFlag(FLAGS_timeout_ms) < 1) return bad("timeout_ms", absl::GetFlag(FLAGS_timeout_ms), "must be >= 1");
+  if (absl::GetFlag(FLAGS_candidates) < 0) return bad("candidates", absl::GetFlag(FLAGS_candidates), "must be >= 0 (0: the model's candidates per forward)");
+  if (absl::GetFlag(FLAGS_initial_events) < 0) return bad("initial_events", absl::GetFlag(FLAGS_initial_events), "must be >= 0 (0: half the model's maximum)");
+  if (absl::GetFlag(FLAGS_max_events) < 0) return bad("max_events", absl::GetFlag(FLAGS_max_events), "must be >= 0 (0: twice the model's maximum)");
+  if (absl::GetFlag(FLAGS_max_outstanding) < 1) return bad("max_outstanding", absl::GetFlag(FLAGS_max_outstanding), "must be >= 1");
+  const std::string arrival = absl::GetFlag(FLAGS_arrival);
+  if (arrival != "constant" && arrival != "poisson") return bad("arrival", arrival, "want constant or poisson");
+  if (const std::string rate = absl::GetFlag(FLAGS_rate); !rate.empty()) {
+    if (auto r = ParseRates(rate); !r.ok()) return r.status();
+  } else if (auto c = ParseConcurrency(absl::GetFlag(FLAGS_concurrency)); !c.ok()) {
+    return c.status();
+  }
+  return absl::OkStatus();
+}
+
 int Main() {
-  const std::string target = absl::GetFlag(FLAGS_target);
-  const int32_t num_connections = absl::GetFlag(FLAGS_connections);
-  if (num_connections < 1) {
-    std::fprintf(stderr, "--connections must be >= 1\n");
+  if (absl::Status s = CheckFlags(); !s.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
     return 2;
   }
+  const std::string target = absl::GetFlag(FLAGS_target);
+  const int32_t num_connections = absl::GetFlag(FLAGS_connections);
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (int32_t i = 0; i < num_connections; ++i) {
     grpc::ChannelArguments args;
@@ -404,11 +431,6 @@ int Main() {
   t.initial_events_max = absl::GetFlag(FLAGS_initial_events) > 0
                              ? absl::GetFlag(FLAGS_initial_events)
                              : std::max(1, model_events / 2);
-  if (absl::GetFlag(FLAGS_max_events) < 0) {
-    std::fprintf(stderr, "hstu_loadgen: --max_events must be >= 0, got %d\n",
-                 absl::GetFlag(FLAGS_max_events));
-    return 1;
-  }
   t.max_events = absl::GetFlag(FLAGS_max_events) > 0
                      ? absl::GetFlag(FLAGS_max_events)
                      : std::max(t.initial_events_max, 2 * model_events);
@@ -515,6 +537,18 @@ int Main() {
   std::printf("%s", FormatTable(run, levels).c_str());
   std::fflush(stdout);
   int rc = 0;
+  // A level that no request got through measured nothing: say so in the exit status, so that a
+  // script driving the server does not take an all-errors run (a wrong target model, deadlines too
+  // short for the device) as a result.
+  for (const LevelResult& l : levels) {
+    if (l.requests == 0) {
+      const std::string label =
+          l.mode == "closed" ? absl::StrCat("c=", l.concurrency) : absl::StrCat(l.rate_rps, " rps");
+      std::fprintf(stderr, "hstu_loadgen: no request succeeded at %s (%lld errors)\n", label.c_str(),
+                   static_cast<long long>(l.error_count()));
+      rc = 1;
+    }
+  }
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     if (absl::Status s = WriteFile(path, ToJson(run, levels)); !s.ok()) {
       std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
@@ -538,7 +572,10 @@ int main(int argc, char** argv) {
       "Load generator for hstu_server.\n"
       "  hstu_loadgen --target=HOST:PORT [--concurrency=8 | --concurrency=1:64:x2 | "
       "--rate=500 --arrival=poisson]\n"
-      "               [--duration=10 | --requests=N] [--users=1000 --zipf=1.0] [--json=F --csv=F]");
+      "               [--duration=10 | --requests=N] [--users=1000 --zipf=1.0] [--json=F --csv=F]\n"
+      "Exit status: 0 when every load level answered at least one request; 1 when one answered\n"
+      "none, or the server could not be reached, or a report file could not be written; 2 for a\n"
+      "bad flag.");
   absl::FlagsUsageConfig usage;
   // --help lists this program's flags (absl's default matches files named after the binary).
   usage.contains_help_flags = [](absl::string_view path) {

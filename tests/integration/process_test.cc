@@ -377,6 +377,28 @@ TEST(ProcessTest, LoadgenShortRunsReportZeroErrors) {
   EXPECT_EQ(expo->Sum("hstu_requests_total") - expo->Sum("hstu_requests_total", {{"code", "OK"}}), 0);
 }
 
+TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
+  // A bad flag fails before connecting (no server at port 1), naming the flag.
+  for (const auto& [flag, want] : std::vector<std::pair<std::string, std::string>>{
+           {"--duration=-1", "--duration=-1: must be > 0"},
+           {"--timeout_ms=0", "--timeout_ms=0: must be >= 1"},
+           {"--requests=-3", "--requests=-3: must be >= 0"},
+           {"--arrival=weird", "--arrival=weird: want constant or poisson"}}) {
+    const auto [rc, out] = RunCommand(absl::StrCat(HSTU_LOADGEN_BIN, " --target=127.0.0.1:1 ", flag));
+    EXPECT_EQ(rc, 2) << flag << ": " << out;
+    EXPECT_NE(out.find(want), std::string::npos) << out;
+  }
+  // Every request rejected (more candidates than the server takes): the report is printed, and
+  // the exit status says that nothing was measured.
+  ServerProcess server({"--max_candidates=4"});
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  const auto [rc, out] = RunCommand(absl::StrCat(HSTU_LOADGEN_BIN, " --target=", server.target(),
+                                                 " --candidates=8 --requests=20 --warmup=0 --progress=false"));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("INVALID_ARGUMENT:20"), std::string::npos) << out;
+  EXPECT_NE(out.find("no request succeeded at c=8 (20 errors)"), std::string::npos) << out;
+}
+
 TEST(ProcessTest, ScoresEqualHstuRankForTheSameRequests) {
   // Returning users with growing and one edited history, 100 candidates (chunked by 64).
   std::vector<hstu::v1::RankRequest> reqs;
