@@ -302,13 +302,14 @@ void Engine::Prefetch(absl::Span<const RankRequest* const> running,
     onload_cost_.CopyIssued(static_cast<int64_t>(copies.src.size()) * backend_->page_bytes(),
                             NowSeconds());
     if (auto s = backend_->PrefetchPages(copies.src, copies.dst); !s.ok()) {
-      // The pages hold nothing valid: wait for what is in flight and drop the user's entry.
+      // The pages hold nothing valid: wait for what is in flight and drop the user's entry (its
+      // next visit is recomputed).
       spdlog::warn("KV prefetch failed: {}", std::string(s.message()));
       CheckDevice();
       SettleOffloads(/*wait=*/true);
       backend_->WaitCopies().IgnoreError();
+      cache_->PrefetchFailed(r.user_id);
       cache_->PrefetchesComplete();
-      cache_->ForgetHostCopy(r.user_id);
     }
   }
 }

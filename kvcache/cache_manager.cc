@@ -187,21 +187,27 @@ void CacheManager::EvictFromGpuLocked(uint64_t user_id) {
   }
 }
 
+bool CacheManager::GpuEvictable(uint64_t victim, const Entry& e, uint64_t user_id) {
+  return !e.pinned && victim != user_id && !e.page_ids.empty() && e.inflight_pages == 0 &&
+         !e.prefetch_pending;
+}
+
 bool CacheManager::AllocateLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out) {
   if (n <= allocator_.num_free()) return allocator_.Allocate(n, out);
-  // Evict only when eviction can succeed, so a request that cannot fit costs nobody their cache.
-  const int64_t evictable = allocator_.num_pages() - allocator_.num_free() - pinned_pages_ -
-                            inflight_gpu_pages_ - prefetch_gpu_pages_;
-  if (allocator_.num_free() + evictable < n) return false;
+  // Evict only when eviction can succeed, so a request that cannot fit costs nobody their cache:
+  // count what the eviction walk below would free before it frees anything. (Counted, not derived
+  // from the pinned / in-flight totals, which overlap: a pinned user may have an offload in flight.)
+  int64_t could_free = allocator_.num_free();
+  for (auto it = lru_.rbegin(); could_free < n && it != lru_.rend(); ++it) {
+    const Entry& e = entries_.at(*it);
+    if (GpuEvictable(*it, e, user_id)) could_free += LivePages(e.page_ids, e.dead_pages);
+  }
+  if (could_free < n) return false;
   auto it = lru_.end();
   while (allocator_.num_free() < n && it != lru_.begin()) {
     --it;
     const uint64_t victim = *it;
-    const Entry& e = entries_.at(victim);
-    if (e.pinned || victim == user_id || e.page_ids.empty() || e.inflight_pages > 0 ||
-        e.prefetch_pending) {
-      continue;
-    }
+    if (!GpuEvictable(victim, entries_.at(victim), user_id)) continue;
     const auto after = std::next(it);  // survives even if the victim's node is erased
     EvictFromGpuLocked(victim);
     it = after;
@@ -300,10 +306,10 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
                                    : LookupResult::kPartial;
     }
   }
+  const bool prefetch_pending = e.prefetch_pending;
   if (e.prefetch_pending) {
     r.prefetched = true;
     e.prefetch_pending = false;
-    prefetch_gpu_pages_ -= static_cast<int64_t>(e.page_ids.size());
   }
   e.from_host = false;
   e.pinned = true;
@@ -329,6 +335,8 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   if (missing > 0 && !AllocateLocked(user_id, missing, &e.page_ids)) {
     pinned_pages_ -= LivePages(e.page_ids, e.dead_pages);
     e.pinned = false;
+    e.from_host = from_host;                // the retry's lookup is still a host hit,
+    e.prefetch_pending = prefetch_pending;  // and its pages may still be being copied
     if (host_only) e.page_ids.clear();  // still on the host only
     if (e.num_tokens == 0) DropLocked(user_id);
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -395,6 +403,12 @@ PageCopies CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t>
     return offload;
   }
   Entry& e = entries_.at(r.user_id);
+  if (keys.empty() && e.inflight_pages == 0) {
+    // Nothing to reuse (a user with no history yet): keeping the entry would only grow the map,
+    // since an entry without pages is never evicted.
+    DropLocked(r.user_id);
+    return offload;
+  }
   e.num_tokens = static_cast<int32_t>(keys.size());
   // Acquire hashed the request's full pages (the reused ones matched the entry's); only keys
   // other than the acquired ones are hashed again.
@@ -424,9 +438,6 @@ PageCopies CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t>
       if (e.inflight_pages == 0) inflight_users_.push_back(r.user_id);
       e.inflight_pages += static_cast<int32_t>(want);
       inflight_pages_ += want;
-      const int64_t live = LivePages(e.page_ids, e.dead_pages);
-      inflight_gpu_pages_ += live - e.inflight_gpu_pages;
-      e.inflight_gpu_pages = live;
       stats_.pages_offloaded += fresh.size();
     }
   }
@@ -461,13 +472,23 @@ void CacheManager::ForgetHostCopy(uint64_t user_id) {
   Entry& e = it->second;
   if (e.inflight_pages > 0) {
     inflight_pages_ -= e.inflight_pages;
-    inflight_gpu_pages_ -= e.inflight_gpu_pages;
     e.inflight_pages = 0;
-    e.inflight_gpu_pages = 0;
   }
   FreeLive(host_allocator_, e.host_page_ids);
   e.host_page_ids.clear();
   if (e.page_ids.empty()) DropLocked(user_id);
+}
+
+void CacheManager::PrefetchFailed(uint64_t user_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(user_id);
+  if (it == entries_.end() || it->second.pinned) return;
+  if (it->second.prefetch_pending) {
+    prefetch_users_.erase(std::remove(prefetch_users_.begin(), prefetch_users_.end(), user_id),
+                          prefetch_users_.end());
+  }
+  DropLocked(user_id);
+  ++stats_.dropped_entries;
 }
 
 bool CacheManager::HostOnlyIdle(const Entry& e) {
@@ -523,7 +544,6 @@ PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> k
   // (at the LRU end, where its eviction to the host had left it, the next batch's first
   // acquisitions would take the prefetched pages back once the copy is done).
   TouchLocked(e, user_id);
-  prefetch_gpu_pages_ += live;
   prefetch_users_.push_back(user_id);
   stats_.pages_prefetched += live;
   stats_.pages_onloaded += live;
@@ -537,7 +557,6 @@ void CacheManager::PrefetchesComplete() {
     if (it != entries_.end()) it->second.prefetch_pending = false;
   }
   prefetch_users_.clear();
-  prefetch_gpu_pages_ = 0;
 }
 
 bool CacheManager::prefetches_pending() const {
@@ -549,14 +568,10 @@ void CacheManager::OffloadsComplete() {
   std::lock_guard<std::mutex> lock(mu_);
   for (uint64_t user : inflight_users_) {
     auto it = entries_.find(user);
-    if (it != entries_.end()) {
-      it->second.inflight_pages = 0;
-      it->second.inflight_gpu_pages = 0;
-    }
+    if (it != entries_.end()) it->second.inflight_pages = 0;
   }
   inflight_users_.clear();
   inflight_pages_ = 0;
-  inflight_gpu_pages_ = 0;
 }
 
 bool CacheManager::offloads_in_flight() const {

@@ -167,6 +167,9 @@ class CacheManager {
   bool prefetches_pending() const;
   // A planned offload failed: the user's host copies are not valid, forget them.
   void ForgetHostCopy(uint64_t user_id);
+  // A Prefetch copy for the user failed (call once no copy is in flight): its GPU pages hold
+  // nothing valid, so the entry goes and the user's next visit is recomputed.
+  void PrefetchFailed(uint64_t user_id);
   // Every offload returned by Commit so far has completed.
   void OffloadsComplete();
   bool offloads_in_flight() const;
@@ -188,7 +191,6 @@ class CacheManager {
     uint64_t prefix_hash = 0;           // over all num_tokens keys
     bool pinned = false;
     int32_t inflight_pages = 0;         // pages of this entry in an offload not yet complete
-    int64_t inflight_gpu_pages = 0;     // its GPU pages counted in inflight_gpu_pages_
     bool prefetch_pending = false;      // GPU pages being filled by a Prefetch() copy
     bool from_host = false;             // GPU pages came from the host; next Acquire is a host hit
     std::list<uint64_t>::iterator lru_it;
@@ -196,6 +198,8 @@ class CacheManager {
 
   // On the host tier only, not pinned, no offload in flight: what Prefetch can start copies for.
   static bool HostOnlyIdle(const Entry& e);
+  // Whether AllocateLocked may move `e` off the GPU to make room for `user_id`'s request.
+  static bool GpuEvictable(uint64_t victim, const Entry& e, uint64_t user_id);
   bool AllocateLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out);
   bool AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out);
   void EvictFromGpuLocked(uint64_t user_id);
@@ -218,9 +222,7 @@ class CacheManager {
   int64_t pinned_pages_ = 0;
   int64_t max_inflight_pages_ = 0;
   int64_t inflight_pages_ = 0;            // offload pages in flight (host side)
-  int64_t inflight_gpu_pages_ = 0;        // GPU pages held by entries with an offload in flight
   std::vector<uint64_t> inflight_users_;
-  int64_t prefetch_gpu_pages_ = 0;        // GPU pages held by entries with a prefetch in flight
   std::vector<uint64_t> prefetch_users_;
 };
 

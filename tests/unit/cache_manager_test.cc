@@ -227,6 +227,54 @@ TEST(CacheManager, TemporaryReservationsReturnTheirPages) {
   EXPECT_EQ(m.CachedTokens(1), 0);
 }
 
+TEST(CacheManager, UsersWithoutHistoryLeaveNoEntry) {
+  // An entry without pages is never evicted: kept, cold-start users would grow the map forever.
+  CacheManager m(4, 8);
+  for (uint64_t u = 0; u < 1000; ++u) AcquireCommit(m, u, {});
+  EXPECT_EQ(m.Stats().entries, 0);
+  AcquireCommit(m, 7, Keys(6, 7));
+  AcquireCommit(m, 7, {});  // the history went away: nothing is left to reuse
+  EXPECT_EQ(m.Stats().entries, 0);
+  EXPECT_EQ(m.Stats().pages_free, 8);
+}
+
+TEST(CacheManager, PinnedUserWithAnOffloadInFlightIsNotCountedTwice) {
+  // User 1 is pinned again while its offload is in flight: its pages are both pinned and in
+  // flight. Room for user 3 exists (2 free + user 2's 2), so nothing may fail.
+  CacheManager m(4, 6, 16);
+  AcquireCommit(m, 2, Keys(8, 2));
+  m.OffloadsComplete();
+  AcquireCommit(m, 1, Keys(8, 1));  // its offload stays in flight
+  auto again = m.Acquire(1, Keys(8, 1));
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto third = m.Acquire(3, Keys(16, 3));
+  EXPECT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(m.Stats().evictions, 1u);
+}
+
+TEST(CacheManager, FailedAcquireOfAPrefetchedUserKeepsItsPrefetch) {
+  // A prefetched user's request does not fit. Its retry is still a host hit whose pages may still
+  // be being copied (the failed Acquire reset both: the retry read as a GPU hit, its prefetch as
+  // done, and the entry was evictable while the copy was writing into it).
+  CacheManager m(4, 4, 16);
+  AcquireCommit(m, 1, Keys(8, 1));
+  m.OffloadsComplete();
+  AcquireCommit(m, 2, Keys(12, 2));  // 3 pages: user 1 to the host
+  m.OffloadsComplete();
+  ASSERT_EQ(m.Prefetch(1, Keys(8, 1)).src.size(), 2u);  // user 2 to the host for it
+  auto big = m.Acquire(1, Keys(24, 1));                  // 6 pages: more than the pool
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(m.prefetches_pending());
+  auto other = m.Acquire(3, Keys(16, 3));  // 4 pages: only by evicting user 1's prefetch
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kResourceExhausted);
+  auto retry = m.Acquire(1, Keys(10, 1));
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(retry->result, LookupResult::kHostHit);
+  EXPECT_EQ(retry->reused_tokens, 8);
+  EXPECT_TRUE(retry->prefetched);
+  EXPECT_TRUE(retry->onload.empty());
+}
+
 TEST(CacheManager, NoPagesLeakUnderRandomTraffic) {
   CacheManager m(3, 40);
   std::mt19937 rng(9);

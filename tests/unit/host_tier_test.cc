@@ -6,6 +6,7 @@
 #include "engine/model_file.h"
 #include "gtest/gtest.h"
 #include "kvcache/cache_manager.h"
+#include "tests/util/faulty_backend.h"
 #include "tests/util/tolerance.h"
 
 namespace hstu {
@@ -15,6 +16,13 @@ std::vector<uint64_t> Keys(int n, int salt) {
   std::vector<uint64_t> k(n);
   for (int i = 0; i < n; ++i) k[i] = TokenKey(i % 2 == 1, 1000 * salt + i);
   return k;
+}
+
+void AcquireCommitComplete(CacheManager& m, uint64_t user, const std::vector<uint64_t>& keys) {
+  auto r = m.Acquire(user, keys);
+  ASSERT_TRUE(r.ok()) << r.status();
+  m.Commit(*r, keys);
+  m.OffloadsComplete();
 }
 
 TEST(HostTier, CommitOffloadsNewFullPagesOnly) {
@@ -769,6 +777,63 @@ TEST(HostTierPrefetchEngine, PrefetchCountsTheBatchItOverlapsInFull) {
   auto want = (*full)->Rank({&users[2], 1});
   ASSERT_TRUE(want[0].ok());
   EXPECT_LE(test::MaxAbsDiff(got[0]->scores, want[0]->scores), test::kF32Abs);
+}
+
+TEST(HostTierPrefetch, FailedPrefetchDropsTheEntry) {
+  // The copy into the prefetched GPU pages failed: they hold whatever was there before, so the
+  // next visit must not reuse them (it did: a host hit on pages never written).
+  CacheManager m(4, 8, 16);
+  AcquireCommitComplete(m, 1, Keys(8, 1));
+  AcquireCommitComplete(m, 2, Keys(32, 2));  // user 1 to the host
+  auto again = m.Acquire(2, Keys(32, 2));      // user 2 leaves the GPU pool empty
+  ASSERT_TRUE(again.ok());
+  m.Release(*again);
+  ASSERT_EQ(m.Prefetch(1, Keys(8, 1)).src.size(), 2u);
+  m.PrefetchFailed(1);
+  m.PrefetchesComplete();
+  EXPECT_EQ(m.CachedTokens(1), 0);
+  auto back = m.Acquire(1, Keys(10, 1));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->result, LookupResult::kMiss);
+  EXPECT_EQ(back->reused_tokens, 0);
+  EXPECT_TRUE(back->onload.empty());
+  m.Commit(*back, Keys(10, 1));
+  m.OffloadsComplete();
+  EXPECT_EQ(m.Stats().pages_free + m.Stats().pages_pinned, 8 - 3);  // only user 1's 3 pages held
+}
+
+TEST(HostTierPrefetchEngine, FailedPrefetchIsRecomputedNotReused) {
+  EngineOptions o;
+  o.page_size = 4;
+  o.cache_pages = 12;
+  o.host_cache_pages = 200;
+  o.onload_policy = OnloadPolicy::kAlways;
+  auto full = RecomputingEngine(o, 3);
+  ASSERT_TRUE(full.ok());
+  auto faults = std::make_shared<testing::Faults>();
+  o.wrap_backend = testing::WrapWithFaults(faults);
+  auto e = Engine::Create(o, RandomModel(SmallConfig(), 3));
+  ASSERT_TRUE(e.ok()) << e.status();
+  std::mt19937 rng(5);
+  std::vector<RankRequest> users(3);
+  for (int u = 1; u <= 2; ++u) {
+    users[u].user_id = u;
+    Grow(rng, users[u], 20);
+    ASSERT_TRUE((*e)->Rank({&users[u], 1})[0].ok());  // user 2 pushes user 1 to the host
+  }
+  Grow(rng, users[1], 2);
+  const RankRequest* queued = &users[1];
+  faults->fail_next_prefetch = true;
+  (*e)->Prefetch({}, {&queued, 1});
+  ASSERT_EQ(faults->prefetches.load(), 1);
+  auto got = (*e)->Rank({&users[1], 1});
+  auto want = (*full)->Rank({&users[1], 1});
+  ASSERT_TRUE(got[0].ok()) << got[0].status();
+  ASSERT_TRUE(want[0].ok());
+  EXPECT_EQ(got[0]->cache_result, LookupResult::kMiss);
+  EXPECT_EQ(got[0]->reused_tokens, 0u);
+  EXPECT_LE(test::MaxAbsDiff(got[0]->scores, want[0]->scores), test::kF32Abs);
+  EXPECT_EQ((*e)->Stats().cache.pages_pinned, 0);
 }
 
 TEST(HostTierPrefetchEngine, CostPolicyPrefetchesOnlyWhatItWouldOnload) {

@@ -195,6 +195,34 @@ TEST(WindowCache, PrefetchCopiesOnlyLivePages) {
   m.Commit(*r, Keys(124, 1));
 }
 
+TEST(WindowCache, PrefetchedUserDoesNotMakeARequestThatCannotFitEvictOthers) {
+  // User 1's prefetch holds 19 live pages behind 11 dead slots. A request of 32 pages cannot fit
+  // (11 free + 19 evictable), so it must fail without evicting anyone. (The prefetch count was
+  // lowered by 30, dead slots included, when user 1 acquired: the check saw 41 pages and evicted
+  // user 1 for nothing.)
+  CacheManager m(kPage, 32, 64, 0, kWindow);
+  for (uint64_t u : {1, 2}) {
+    const int n = u == 1 ? 120 : 8;
+    auto r = m.Acquire(u, Keys(n, static_cast<int>(u)));
+    ASSERT_TRUE(r.ok()) << r.status();
+    m.Commit(*r, Keys(n, static_cast<int>(u)));
+    m.OffloadsComplete();
+  }
+  auto big = m.Acquire(3, Keys(128, 3));  // 32 pages: both users to the host
+  ASSERT_TRUE(big.ok()) << big.status();
+  m.Release(*big);
+  ASSERT_EQ(m.Prefetch(1, Keys(120, 1)).src.size(), 19u);
+  ASSERT_EQ(m.Prefetch(2, Keys(8, 2)).src.size(), 2u);
+  auto r1 = m.Acquire(1, Keys(120, 1));
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  m.Commit(*r1, Keys(120, 1));
+  const uint64_t evictions = m.Stats().evictions;
+  auto r4 = m.Acquire(4, Keys(128, 4));
+  EXPECT_EQ(r4.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(m.Stats().evictions, evictions);
+  EXPECT_EQ(m.CachedTokens(1), 120);
+}
+
 // Random edits, truncations, failures, evictions to a host tier, prefetches and offloads that
 // complete late: a reused prefix never needs a released page, and every page comes back.
 TEST(WindowCache, NoPagesLeakAndNoReuseReadsAReleasedPage) {

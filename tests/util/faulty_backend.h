@@ -18,6 +18,7 @@ namespace hstu::testing {
 struct Faults {
   std::atomic<bool> fail_next_forward{false};  // one INTERNAL forward; the device stays usable
   std::atomic<bool> device_lost{false};        // from now on, as after a sticky CUDA error
+  std::atomic<bool> fail_next_prefetch{false}; // one failed PrefetchPages (nothing copied)
   std::atomic<int> forwards{0};                // Forward calls that reached the backend
   std::atomic<int> prefetches{0};              // PrefetchPages calls that reached it
 };
@@ -58,6 +59,7 @@ class FaultyBackend final : public Backend {
   absl::Status PrefetchPages(const std::vector<int32_t>& src,
                              const std::vector<int32_t>& dst) override {
     ++faults_->prefetches;
+    if (faults_->fail_next_prefetch.exchange(false)) return absl::InternalError("injected prefetch failure");
     return inner_->PrefetchPages(src, dst);
   }
   absl::Status MakePrefetchVisible() override { return inner_->MakePrefetchVisible(); }
