@@ -224,14 +224,21 @@ std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankReques
     if (waves.size() <= wave) waves.resize(wave + 1);
     waves[wave].push_back(i);
   }
-  for (const auto& wave : waves) {
-    std::vector<const RankRequest*> reqs;
-    std::vector<absl::StatusOr<RankResult>*> outs;
-    for (size_t i : wave) {
-      reqs.push_back(&batch[i]);
-      outs.push_back(&results[i]);
+  for (std::vector<size_t> pending : waves) {
+    // Requests that did not fit beside the others run again once those committed (before the
+    // next wave, which holds later requests of the same users). Each round admits at least one
+    // request, since one is deferred only when another holds pages.
+    while (!pending.empty()) {
+      std::vector<const RankRequest*> reqs;
+      std::vector<absl::StatusOr<RankResult>*> outs;
+      for (size_t i : pending) {
+        reqs.push_back(&batch[i]);
+        outs.push_back(&results[i]);
+      }
+      std::vector<size_t> next;
+      for (size_t p : RankWave(reqs, outs)) next.push_back(pending[p]);
+      pending = std::move(next);
     }
-    RankWave(reqs, outs);
   }
   std::lock_guard<std::mutex> lock(stats_mu_);
   ++stats_.batches;
@@ -331,8 +338,8 @@ void Engine::SettleOffloads(bool wait) {
   cache_->OffloadsComplete();
 }
 
-void Engine::RankWave(absl::Span<const RankRequest* const> wave,
-                      absl::Span<absl::StatusOr<RankResult>* const> results) {
+std::vector<size_t> Engine::RankWave(absl::Span<const RankRequest* const> wave,
+                                     absl::Span<absl::StatusOr<RankResult>* const> results) {
   const ModelConfig& c = config_;
   const int32_t max_cand = c.max_candidates;
   struct Live {
@@ -360,6 +367,7 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
     });
   }
   bool uses_prefetch = false, uses_onload = false;
+  std::vector<size_t> deferred;
   for (const size_t i : order) {
     Live l{i, KeepHistory(*wave[i], c), {}, {}};
     auto acquire = [&] {
@@ -377,6 +385,10 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
         onload_cost_.CopiesIdle(NowSeconds());
       }
       res = acquire();
+    }
+    if (!res.ok() && absl::IsResourceExhausted(res.status()) && !live.empty()) {
+      deferred.push_back(i);  // the pool is pinned by this wave's other users: after them
+      continue;
     }
     if (!res.ok()) {
       *results[i] = res.status();
@@ -532,6 +544,7 @@ void Engine::RankWave(absl::Span<const RankRequest* const> wave,
   }
   // Offloads stay in flight behind the next waves' compute; the cache keeps their pages until
   // SettleOffloads sees them done.
+  return deferred;
 }
 
 }  // namespace hstu

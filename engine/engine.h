@@ -115,9 +115,11 @@ class Engine {
          std::unique_ptr<CacheManager> cache);
   // Marks finished write-behind offloads complete; with `wait`, waits for all of them first.
   void SettleOffloads(bool wait);
-  // Runs one wave of requests in which each user appears at most once.
-  void RankWave(absl::Span<const RankRequest* const> wave,
-                absl::Span<absl::StatusOr<RankResult>* const> results);
+  // Runs one wave of requests in which each user appears at most once. Returns the positions in
+  // `wave` of the requests deferred because the pages they need are pinned by the wave's other
+  // requests (they fit once those commit); their results are left untouched.
+  std::vector<size_t> RankWave(absl::Span<const RankRequest* const> wave,
+                               absl::Span<absl::StatusOr<RankResult>* const> results);
   // The onload filter of the configured policy (null for kAlways). `wave_rows` (null: none), read
   // at each call: the rows the copies' own wave computes whichever way the user goes
   // (OverlapSeconds); `before_rows`: rows of a batch that runs whole while the copies proceed (a

@@ -218,6 +218,37 @@ TEST(Engine, UserLargerThanThePoolFailsAloneWithResourceExhausted) {
   EXPECT_TRUE(res[1].ok());
 }
 
+TEST(Engine, UsersThatDoNotFitBesideEachOtherRunOneAfterAnother) {
+  // A pool of 12 pages of 4 tokens holds one of these users (40 tokens, 10 pages) at a time.
+  // Batched together, the second and third used to fail RESOURCE_EXHAUSTED while the first held
+  // the pool; now they run once it committed, with and without the cache, and score as alone.
+  const ModelConfig c = TestConfig(false, 0);
+  for (const bool cache : {true, false}) {
+    auto e = MakeEngine(c, cache, 4, /*pages=*/12);
+    auto full = MakeEngine(c, false, 4);
+    std::vector<RankRequest> batch;
+    for (uint64_t u = 1; u <= 3; ++u) {
+      RankRequest r{u, {}, {}, {static_cast<int64_t>(u), 7}};
+      for (int i = 0; i < 20; ++i) {
+        r.history_item_ids.push_back(static_cast<int64_t>(u * 100 + i));
+        r.history_actions.push_back(i % 3);
+      }
+      batch.push_back(r);
+    }
+    batch.push_back(batch[0]);  // user 1 again: a second wave, after the deferred users
+    batch.back().candidate_item_ids = {9};
+    auto res = e->Rank(batch);
+    ASSERT_EQ(res.size(), 4u);
+    for (size_t i = 0; i < res.size(); ++i) {
+      ASSERT_TRUE(res[i].ok()) << "cache " << cache << " request " << i << ": " << res[i].status();
+      ExpectSame(*res[i], RankOne(*full, batch[i]), "request " + std::to_string(i));
+    }
+    // User 1 was evicted for users 2 and 3 (no host tier): its second request is a miss.
+    EXPECT_EQ(res[3]->cache_result, cache ? LookupResult::kMiss : LookupResult::kDisabled);
+    EXPECT_EQ(e->Stats().cache.pages_pinned, 0);
+  }
+}
+
 // A one-off backend failure fails its batch alone (INTERNAL) and the engine keeps serving. A lost
 // device (DeviceStatus not OK after a failure) fails that batch too; from then on every request is
 // answered UNAVAILABLE without reaching the backend, and prefetches stop.
