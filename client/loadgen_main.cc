@@ -6,8 +6,10 @@
 // send time, so a slow server cannot hide its queueing (no coordinated omission).
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <memory>
@@ -59,7 +61,8 @@ ABSL_FLAG(int32_t, max_events, 0,
           "A user whose history would grow past this many events starts over as a new user; 0: "
           "twice the model's maximum, so the server's truncation is exercised.");
 ABSL_FLAG(int32_t, candidates, 0,
-          "Candidates per request; 0: the model's candidates per forward pass.");
+          "Candidates per request; 0: the model's candidates per forward pass, at most the "
+          "server's --max_candidates.");
 ABSL_FLAG(int64_t, timeout_ms, 1000, "Per-RPC deadline in milliseconds.");
 ABSL_FLAG(double, warmup, 1, "Seconds of unmeasured load before each level.");
 ABSL_FLAG(uint64_t, seed, 1, "Traffic seed.");
@@ -126,8 +129,8 @@ absl::StatusOr<std::vector<double>> ParseRates(const std::string& spec) {
   std::vector<double> out;
   for (absl::string_view p : absl::StrSplit(spec, ',')) {
     double r;
-    if (!absl::SimpleAtod(p, &r) || r <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat("--rate=", spec, ": want R or R1,R2 (> 0)"));
+    if (!absl::SimpleAtod(p, &r) || !std::isfinite(r) || r <= 0) {  // NaN never ends a level
+      return absl::InvalidArgumentError(absl::StrCat("--rate=", spec, ": want R or R1,R2 (finite, > 0)"));
     }
     out.push_back(r);
   }
@@ -434,11 +437,13 @@ int Main() {
   t.max_events = absl::GetFlag(FLAGS_max_events) > 0
                      ? absl::GetFlag(FLAGS_max_events)
                      : std::max(t.initial_events_max, 2 * model_events);
-  const int32_t per_forward = info.candidates_per_forward() > 0
-                                  ? static_cast<int32_t>(info.candidates_per_forward())
-                                  : static_cast<int32_t>(info.max_candidates());
-  t.num_candidates = absl::GetFlag(FLAGS_candidates) > 0 ? absl::GetFlag(FLAGS_candidates)
-                                                         : std::max(1, per_forward);
+  // Default: one forward pass's worth, within what the server accepts (its --max_candidates).
+  int64_t per_forward = info.candidates_per_forward() > 0 ? info.candidates_per_forward()
+                                                          : info.max_candidates();
+  if (info.max_candidates() > 0) per_forward = std::min<int64_t>(per_forward, info.max_candidates());
+  t.num_candidates = absl::GetFlag(FLAGS_candidates) > 0
+                         ? absl::GetFlag(FLAGS_candidates)
+                         : static_cast<int32_t>(std::max<int64_t>(1, per_forward));
   t.num_actions = info.num_actions() > 0 ? static_cast<int32_t>(info.num_actions()) : 1;
   t.seed = absl::GetFlag(FLAGS_seed);
   auto traffic = TrafficModel::Create(t);

@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "server/validation.h"
 
 namespace hstu::server {
@@ -74,6 +75,12 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
   const Attached* a = attached_.load(std::memory_order_acquire);
   if (a == nullptr) {
     finish(absl::UnavailableError("model is loading"));
+    return reactor;
+  }
+  if (request->request_id().size() > kMaxRequestIdBytes) {
+    finish(absl::InvalidArgumentError(absl::StrCat("request_id has ", request->request_id().size(),
+                                                   " bytes, more than the limit of ",
+                                                   kMaxRequestIdBytes)));
     return reactor;
   }
   RankRequest rank_request = FromProto(*request);

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/validation.h"
 #include "spdlog/spdlog.h"
 
 namespace hstu::server {
@@ -33,6 +34,36 @@ RankRequest WarmupRequest() {
 
 const char* SignalName(int sig) {
   return sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : strsignal(sig);
+}
+
+}  // namespace
+
+namespace {
+
+// Settings that would let the server report SERVING and then fail requests it accepted: a KV pool
+// that cannot hold one user of the model's longest history (every such request would answer
+// RESOURCE_EXHAUSTED, which clients read as "back off"), or a message limit below the largest
+// reply (the engine would run the batch and gRPC then refuse to send its scores).
+absl::Status CheckServingLimits(const ServerOptions& options, const Engine& engine) {
+  const ModelConfig& c = engine.config();
+  const int64_t page_size = options.engine.page_size;
+  const int64_t pages_per_user = (c.max_history_tokens + page_size - 1) / page_size;
+  const int64_t pool = engine.Stats().cache.pages_total;
+  if (pool < pages_per_user) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--cache_pages=", options.engine.cache_pages, ": the KV pool must hold one user of the "
+        "model's maximum history, ", c.max_history_tokens, " tokens = ", pages_per_user,
+        " pages of ", page_size, " (0 sizes it automatically)"));
+  }
+  const int64_t candidates = options.engine.limits.max_candidates;
+  const int64_t largest_reply = candidates * c.num_tasks * 4 + kMaxRequestIdBytes + 1024;
+  if (options.max_message_bytes < largest_reply) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_message_bytes=", options.max_message_bytes, ": smaller than the largest reply, ",
+        largest_reply, " bytes (--max_candidates=", candidates, " x ", c.num_tasks,
+        " tasks x 4 bytes, the request_id, 1 KiB of framing)"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -84,6 +115,10 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
   }
   s->engine_ = std::move(*engine);
   const ModelConfig& c = s->engine_->config();
+  if (absl::Status fit = CheckServingLimits(options, *s->engine_); !fit.ok()) {
+    s->Shutdown(absl::ZeroDuration());
+    return fit;
+  }
   spdlog::info("engine: model '{}': {} layers, hidden {}, {} heads x {}, {} tasks, max history {} "
                "tokens, {} candidates per forward; device {}",
                c.model_name, c.num_layers, c.hidden_dim, c.num_heads, c.head_dim, c.num_tasks,

@@ -11,6 +11,9 @@
 
 namespace hstu::server {
 
+// Longest request_id echoed back (INVALID_ARGUMENT beyond): it counts in the largest reply.
+inline constexpr size_t kMaxRequestIdBytes = 256;
+
 RankRequest FromProto(const hstu::v1::RankRequest& proto);
 void ToProto(const RankResult& result, const std::string& request_id,
              hstu::v1::RankResponse* proto);

@@ -132,6 +132,19 @@ TEST(ProcessTest, BadListenAddressesAndGraceAreRejectedNamingTheFlag) {
   }
 }
 
+TEST(ProcessTest, LimitsThatWouldFailAcceptedRequestsStopTheStartUp) {
+  // random:tiny: 256-token histories (8 pages of 32), 3 tasks.
+  for (const auto& [flag, want] : std::vector<std::pair<std::string, std::string>>{
+           {"--cache_pages=4", "--cache_pages=4: the KV pool must hold one user of the model's maximum "
+                               "history, 256 tokens = 8 pages of 32"},
+           {"--max_message_bytes=4096", "--max_message_bytes=4096: smaller than the largest reply"}}) {
+    const auto [rc, out] = RunCommand(absl::StrCat(HSTU_SERVER_BIN,
+                                                   " --device=cpu --listen=127.0.0.1:0 --metrics_listen= ", flag));
+    EXPECT_EQ(rc, 1) << flag << ": " << out;
+    EXPECT_NE(out.find(want), std::string::npos) << out;
+  }
+}
+
 TEST(ProcessTest, ReflectionListsTheRankerAndHealthServices) {
   ServerProcess server;
   ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
@@ -383,7 +396,8 @@ TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
            {"--duration=-1", "--duration=-1: must be > 0"},
            {"--timeout_ms=0", "--timeout_ms=0: must be >= 1"},
            {"--requests=-3", "--requests=-3: must be >= 0"},
-           {"--arrival=weird", "--arrival=weird: want constant or poisson"}}) {
+           {"--arrival=weird", "--arrival=weird: want constant or poisson"},
+           {"--rate=nan", "--rate=nan: want R or R1,R2 (finite, > 0)"}}) {
     const auto [rc, out] = RunCommand(absl::StrCat(HSTU_LOADGEN_BIN, " --target=127.0.0.1:1 ", flag));
     EXPECT_EQ(rc, 2) << flag << ": " << out;
     EXPECT_NE(out.find(want), std::string::npos) << out;
@@ -397,6 +411,12 @@ TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
   EXPECT_EQ(rc, 1) << out;
   EXPECT_NE(out.find("INVALID_ARGUMENT:20"), std::string::npos) << out;
   EXPECT_NE(out.find("no request succeeded at c=8 (20 errors)"), std::string::npos) << out;
+  // By default the loadgen sends what the server accepts: 4 candidates here, not the model's 64
+  // a forward.
+  const auto [rc2, out2] = RunCommand(absl::StrCat(HSTU_LOADGEN_BIN, " --target=", server.target(),
+                                                   " --requests=20 --warmup=0 --progress=false"));
+  EXPECT_EQ(rc2, 0) << out2;
+  EXPECT_NE(out2.find(", 4 candidates,"), std::string::npos) << out2;
 }
 
 TEST(ProcessTest, ScoresEqualHstuRankForTheSameRequests) {

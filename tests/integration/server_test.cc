@@ -278,6 +278,11 @@ TEST_F(ServerTest, EveryValidationErrorIsInvalidArgumentNamingTheField) {
     r.set_candidate_item_ids(1, -2);
     cases.push_back({"negative candidate", "candidate_item_ids[1]", r});
   }
+  {
+    auto r = good;
+    r.set_request_id(std::string(300, 'x'));  // echoed back: bounded like the reply
+    cases.push_back({"request_id too long", "request_id", r});
+  }
   for (const Case& c : cases) {
     hstu::v1::RankResponse resp;
     const grpc::Status s = Rank(c.req, &resp);
@@ -298,7 +303,7 @@ TEST_F(ServerTest, EveryValidationErrorIsInvalidArgumentNamingTheField) {
   EXPECT_FALSE(gate_.Saw(9));
   EXPECT_TRUE(Rank(good, &resp).ok());
   const auto m = Scrape();
-  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "INVALID_ARGUMENT"}}), 7);
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "INVALID_ARGUMENT"}}), static_cast<double>(cases.size()));
   EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "OK"}}), 1);
 }
 
