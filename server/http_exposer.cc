@@ -6,7 +6,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -14,14 +16,33 @@
 namespace hstu::server {
 namespace {
 
-constexpr int kPollMs = 100;           // how often the loop checks for shutdown
-constexpr int kRequestTimeoutMs = 5000;
+constexpr int kPollMs = 100;  // how often a wait checks for shutdown
+// One connection at a time, each with this long in all to send its request and take the reply: a
+// client that trickles bytes (or never reads) holds the exposer, and the shutdown, for no longer.
+constexpr auto kConnectionTimeout = std::chrono::seconds(2);
 constexpr size_t kMaxRequestBytes = 16384;
 
-bool SendAll(int fd, const std::string& data) {
+using Clock = std::chrono::steady_clock;
+
+// Waits for `events` on `fd` in slices of kPollMs: false at the deadline, on `stop` or an error.
+bool WaitFor(int fd, short events, Clock::time_point deadline, const std::atomic<bool>& stop) {
+  while (!stop) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return false;
+    pollfd p{fd, events, 0};
+    const int n = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), kPollMs)));
+    if (n < 0 && errno != EINTR) return false;
+    if (n > 0) return (p.revents & events) != 0;
+  }
+  return false;
+}
+
+bool SendAll(int fd, const std::string& data, Clock::time_point deadline, const std::atomic<bool>& stop) {
   size_t sent = 0;
   while (sent < data.size()) {
-    const ssize_t n = ::send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
+    if (!WaitFor(fd, POLLOUT, deadline, stop)) return false;
+    const ssize_t n = ::send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
     if (n <= 0) return false;
     sent += static_cast<size_t>(n);
   }
@@ -94,12 +115,13 @@ void HttpExposer::Loop() {
 }
 
 void HttpExposer::Serve(int fd) {
+  const Clock::time_point deadline = Clock::now() + kConnectionTimeout;
   std::string request;
   char buf[2048];
   while (request.find("\r\n\r\n") == std::string::npos && request.size() < kMaxRequestBytes) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, kRequestTimeoutMs) <= 0) return;
-    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (!WaitFor(fd, POLLIN, deadline, stop_)) return;
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
     if (n <= 0) return;
     request.append(buf, static_cast<size_t>(n));
   }
@@ -117,9 +139,10 @@ void HttpExposer::Serve(int fd) {
     status = "405 Method Not Allowed";
     payload = "only GET is served\n";
   }
-  SendAll(fd, absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", type,
-                           "\r\nContent-Length: ", payload.size(), "\r\nConnection: close\r\n\r\n",
-                           payload));
+  SendAll(fd,
+          absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", type, "\r\nContent-Length: ",
+                       payload.size(), "\r\nConnection: close\r\n\r\n", payload),
+          deadline, stop_);
 }
 
 }  // namespace hstu::server

@@ -3,7 +3,10 @@
 // with repeated users, engine failures (a lost device among them) and the /metrics exposition.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -631,6 +634,58 @@ TEST_F(ServerTest, ConcurrentClientsWithRepeatedUsersLoseNothingAndReuseCorrectl
   EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "OK"}}), 2 * kThreads * kIters);
   EXPECT_EQ(m.Sum("hstu_request_duration_seconds_count", {{"code", "OK"}}), 2 * kThreads * kIters);
   EXPECT_EQ(m.Sum("hstu_inflight_requests"), 0);
+}
+
+// A client that connects to /metrics and trickles its request a byte a second.
+class TricklingClient {
+ public:
+  explicit TricklingClient(int port) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected_ = connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    thread_ = std::thread([this] {
+      const std::string req = "GET /metrics HTTP/1.1\r\n";
+      for (size_t i = 0; !stop_ && i < req.size(); ++i) {
+        if (send(fd_, &req[i], 1, MSG_NOSIGNAL) != 1) break;  // the server closed it
+        for (int t = 0; t < 10 && !stop_; ++t) std::this_thread::sleep_for(100ms);
+      }
+    });
+  }
+  ~TricklingClient() {
+    stop_ = true;
+    thread_.join();
+    close(fd_);
+  }
+  bool connected() const { return connected_; }
+
+ private:
+  int fd_ = -1;
+  bool connected_ = false;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+TEST_F(ServerTest, ASlowMetricsClientHoldsNeitherTheScrapeNorTheShutdown) {
+  // The exposer serves one connection at a time: a trickling client used to hold it (and the
+  // shutdown, which joins it) for as long as it kept sending. Now a connection gets 2 s in all.
+  StartServer();
+  TricklingClient slow(server_->metrics_port());
+  ASSERT_TRUE(slow.connected());
+  std::this_thread::sleep_for(200ms);  // accepted first
+  auto start = std::chrono::steady_clock::now();
+  auto body = testing::HttpGet(server_->metrics_port(), "/metrics");
+  ASSERT_TRUE(body.ok()) << body.status();
+  EXPECT_NE(body->find("hstu_requests_total"), std::string::npos);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 4s);
+  TricklingClient slow2(server_->metrics_port());
+  ASSERT_TRUE(slow2.connected());
+  std::this_thread::sleep_for(200ms);
+  start = std::chrono::steady_clock::now();
+  server_->Shutdown(absl::Seconds(5));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 4s);
 }
 
 TEST_F(ServerTest, MetricsExposeEveryFamilyWithSaneValues) {
