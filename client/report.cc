@@ -139,18 +139,29 @@ std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels) 
 }
 
 std::string ToCsv(const std::vector<LevelResult>& levels) {
+  // One row per level; the per-code errors and per-cache-result requests are "NAME:count" pairs
+  // joined by ';' in one column each (no commas inside a field).
+  auto pairs = [](const auto& counts) {
+    std::string out;
+    for (const auto& [name, n] : counts) absl::StrAppend(&out, out.empty() ? "" : ";", name, ":", n);
+    return out;
+  };
   std::string out =
       "mode,concurrency,rate_rps,arrival,duration_s,requests,throughput_rps,p50_ms,p90_ms,p95_ms,"
-      "p99_ms,p999_ms,max_ms,errors,reused_tokens,computed_tokens\n";
+      "p99_ms,p999_ms,mean_ms,max_ms,errors,errors_by_code,reused_tokens,computed_tokens,"
+      "requests_by_cache_result\n";
   for (const LevelResult& l : levels) {
     const LatencyHistogram& h = l.latency;
-    absl::StrAppend(&out, absl::StrFormat("%s,%d,%.3f,%s,%.3f,%d,%.3f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%d,%d,%d\n",
+    std::map<std::string, int64_t> by_cache;
+    for (const auto& [name, hist] : l.by_cache_result) by_cache[name] = hist.count();
+    absl::StrAppend(&out, absl::StrFormat("%s,%d,%.3f,%s,%.3f,%d,%.3f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%d,%s,%d,%d,%s\n",
                                           l.mode, l.concurrency, l.rate_rps, l.arrival,
                                           l.duration_s, l.requests, l.throughput_rps(),
                                           Ms(h.Quantile(0.5)), Ms(h.Quantile(0.9)),
                                           Ms(h.Quantile(0.95)), Ms(h.Quantile(0.99)),
-                                          Ms(h.Quantile(0.999)), Ms(h.max_seconds()),
-                                          l.error_count(), l.reused_tokens, l.computed_tokens));
+                                          Ms(h.Quantile(0.999)), Ms(h.mean_seconds()),
+                                          Ms(h.max_seconds()), l.error_count(), pairs(l.errors),
+                                          l.reused_tokens, l.computed_tokens, pairs(by_cache)));
   }
   return out;
 }

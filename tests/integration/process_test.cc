@@ -15,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -366,6 +367,21 @@ TEST(ProcessTest, LoadgenShortRunsReportZeroErrors) {
   }
   const std::string csv = ReadFile(dir + "/closed.csv");
   EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 4) << csv;  // header + 3 levels
+  const std::vector<std::string> rows = absl::StrSplit(csv, '\n', absl::SkipEmpty());
+  const std::vector<std::string> header = absl::StrSplit(rows[0], ',');
+  const auto col = std::find(header.begin(), header.end(), "requests_by_cache_result") - header.begin();
+  ASSERT_LT(col, static_cast<long>(header.size())) << rows[0];
+  for (size_t i = 1; i < rows.size(); ++i) {
+    const std::vector<std::string> row = absl::StrSplit(rows[i], ',');
+    ASSERT_EQ(row.size(), header.size()) << rows[i];
+    int64_t split = 0;  // "gpu_hit:250;miss:50": the cache results add up to the level's requests
+    for (absl::string_view pair : absl::StrSplit(row[col], ';')) {
+      int64_t n = 0;
+      ASSERT_TRUE(absl::SimpleAtoi(pair.substr(pair.find(':') + 1), &n)) << row[col];
+      split += n;
+    }
+    EXPECT_EQ(split, 300) << rows[i];
+  }
 
   // Open loop at a constant rate for 1 s: about that many requests, all OK. 150 rps, or half of
   // what one caller reached above where that is less (a sanitizer build serves far slower, and an
@@ -406,10 +422,20 @@ TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
   // the exit status says that nothing was measured.
   ServerProcess server({"--max_candidates=4"});
   ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  const std::string dir = TempDir();
   const auto [rc, out] = RunCommand(absl::StrCat(HSTU_LOADGEN_BIN, " --target=", server.target(),
-                                                 " --candidates=8 --requests=20 --warmup=0 --progress=false"));
+                                                 " --candidates=8 --requests=20 --warmup=0 --progress=false --csv=",
+                                                 dir, "/fail.csv"));
   EXPECT_EQ(rc, 1) << out;
   EXPECT_NE(out.find("INVALID_ARGUMENT:20"), std::string::npos) << out;
+  // The CSV has the errors by code too (DESIGN §10), in a column of its own.
+  std::vector<std::string> rows = absl::StrSplit(ReadFile(dir + "/fail.csv"), '\n', absl::SkipEmpty());
+  ASSERT_EQ(rows.size(), 2u);
+  const std::vector<std::string> header = absl::StrSplit(rows[0], ','), row = absl::StrSplit(rows[1], ',');
+  ASSERT_EQ(header.size(), row.size()) << rows[1];
+  const auto col = std::find(header.begin(), header.end(), "errors_by_code") - header.begin();
+  ASSERT_LT(col, static_cast<long>(header.size())) << rows[0];
+  EXPECT_EQ(row[col], "INVALID_ARGUMENT:20");
   EXPECT_NE(out.find("no request succeeded at c=8 (20 errors)"), std::string::npos) << out;
   // By default the loadgen sends what the server accepts: 4 candidates here, not the model's 64
   // a forward.
