@@ -202,6 +202,34 @@ void ServerMetrics::ObserveOnloadWait(double seconds) {
   kv_onload_wait_.WithLabels({}).Observe(seconds);
 }
 
+EngineStats CountersSince(const EngineStats& now, const EngineStats& base) {
+  EngineStats d = now;
+  for (int r = 0; r < static_cast<int>(LookupResult::kNumResults); ++r) {
+    d.cache.lookups[r] -= base.cache.lookups[r];
+  }
+  d.cache.tokens_reused -= base.cache.tokens_reused;
+  d.cache.tokens_computed -= base.cache.tokens_computed;
+  d.cache.evictions -= base.cache.evictions;
+  d.cache.host_evictions -= base.cache.host_evictions;
+  d.cache.dropped_entries -= base.cache.dropped_entries;
+  d.cache.pages_offloaded -= base.cache.pages_offloaded;
+  d.cache.pages_onloaded -= base.cache.pages_onloaded;
+  d.cache.offloads_skipped -= base.cache.offloads_skipped;
+  d.cache.pages_prefetched -= base.cache.pages_prefetched;
+  d.cache.window_pages_released -= base.cache.window_pages_released;
+  d.batches -= base.batches;
+  d.requests -= base.requests;
+  d.forward_passes -= base.forward_passes;
+  d.compute_seconds -= base.compute_seconds;
+  d.device_seconds -= base.device_seconds;
+  d.kv_offload_bytes -= base.kv_offload_bytes;
+  d.kv_onload_bytes -= base.kv_onload_bytes;
+  d.graph_replays -= base.graph_replays;
+  d.onload_waits -= base.onload_waits;
+  d.onload_wait_seconds -= base.onload_wait_seconds;
+  return d;
+}
+
 void ServerMetrics::AddInflight(int delta) { inflight_.WithLabels({}).Add(delta); }
 
 void ServerMetrics::Collect() {

@@ -23,6 +23,10 @@ struct BatchInfo;
 // Latency buckets from 0.1 ms to 1 s (sub-millisecond CPU work up to slow GPU batches).
 std::vector<double> LatencyBucketsSeconds();
 
+// The engine's counters since `base` (the gauges as in `now`): what the server exports, so that
+// start-up work (graph warm-up, the warm-up request) is not counted as served traffic.
+EngineStats CountersSince(const EngineStats& now, const EngineStats& base);
+
 class ServerMetrics {
  public:
   // `stats` is polled at each scrape (Engine::Stats(), thread-safe); may be null until the engine

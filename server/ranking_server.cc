@@ -206,8 +206,10 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                sched.max_queue);
   Scheduler* sched_ptr = s->scheduler_.get();
   metrics->SetQueueDepthSource([sched_ptr] { return sched_ptr->QueueDepth(); });
-  metrics->SetEngineStatsSource([engine_ptr] { return engine_ptr->Stats(); },
-                                s->engine_->device_name(), c.model_name);
+  // Counted from here on: the graph warm-up and the warm-up request are not served traffic.
+  metrics->SetEngineStatsSource(
+      [engine_ptr, base = engine_ptr->Stats()] { return CountersSince(engine_ptr->Stats(), base); },
+      s->engine_->device_name(), c.model_name);
   if (const std::string bus_id = s->engine_->device_pci_bus_id(); !bus_id.empty()) {
     if (auto telemetry = GpuTelemetry::Open(bus_id); telemetry.ok()) {
       metrics->SetGpuTelemetry(*std::move(telemetry));
