@@ -195,23 +195,19 @@ bool CacheManager::GpuEvictable(uint64_t victim, const Entry& e, uint64_t user_i
 bool CacheManager::AllocateLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out) {
   if (n <= allocator_.num_free()) return allocator_.Allocate(n, out);
   // Evict only when eviction can succeed, so a request that cannot fit costs nobody their cache:
-  // count what the eviction walk below would free before it frees anything. (Counted, not derived
-  // from the pinned / in-flight totals, which overlap: a pinned user may have an offload in flight.)
+  // pick the victims, least recently used first, and count what they free before evicting any.
+  // (Counted, not derived from the pinned / in-flight totals, which overlap: a pinned user may
+  // have an offload in flight.)
+  std::vector<uint64_t> victims;
   int64_t could_free = allocator_.num_free();
   for (auto it = lru_.rbegin(); could_free < n && it != lru_.rend(); ++it) {
     const Entry& e = entries_.at(*it);
-    if (GpuEvictable(*it, e, user_id)) could_free += LivePages(e.page_ids, e.dead_pages);
+    if (!GpuEvictable(*it, e, user_id)) continue;
+    victims.push_back(*it);
+    could_free += LivePages(e.page_ids, e.dead_pages);
   }
   if (could_free < n) return false;
-  auto it = lru_.end();
-  while (allocator_.num_free() < n && it != lru_.begin()) {
-    --it;
-    const uint64_t victim = *it;
-    if (!GpuEvictable(victim, entries_.at(victim), user_id)) continue;
-    const auto after = std::next(it);  // survives even if the victim's node is erased
-    EvictFromGpuLocked(victim);
-    it = after;
-  }
+  for (const uint64_t victim : victims) EvictFromGpuLocked(victim);
   return allocator_.Allocate(n, out);
 }
 
