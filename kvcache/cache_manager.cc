@@ -289,6 +289,7 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
       r.reused_tokens = e.num_tokens;
       r.result = e.num_tokens == 0 ? LookupResult::kMiss
                  : from_host       ? LookupResult::kHostHit
+                 : e.cut_by_failed_acquire ? LookupResult::kPartial
                                    : LookupResult::kHit;
     } else {
       // Longest page-aligned prefix whose chain still matches; the rest of the entry is stale.
@@ -308,6 +309,7 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
     e.prefetch_pending = false;
   }
   e.from_host = false;
+  e.cut_by_failed_acquire = false;
   e.pinned = true;
   TouchLocked(e, user_id);
   // A host-only entry with dead pages: onloaded, its dead slots stay dead; recomputed from token
@@ -332,7 +334,8 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
     pinned_pages_ -= LivePages(e.page_ids, e.dead_pages);
     e.pinned = false;
     e.from_host = from_host;                // the retry's lookup is still a host hit,
-    e.prefetch_pending = prefetch_pending;  // and its pages may still be being copied
+    e.prefetch_pending = prefetch_pending;  // and its pages may still be being copied,
+    e.cut_by_failed_acquire = r.result == LookupResult::kPartial;  // or a partial hit
     if (host_only) e.page_ids.clear();  // still on the host only
     if (e.num_tokens == 0) DropLocked(user_id);
     return absl::ResourceExhaustedError(absl::StrCat(

@@ -275,6 +275,29 @@ TEST(CacheManager, FailedAcquireOfAPrefetchedUserKeepsItsPrefetch) {
   EXPECT_TRUE(retry->onload.empty());
 }
 
+TEST(CacheManager, RetryAfterAFailedPartialAcquireIsStillAPartialHit) {
+  // The failed Acquire cut user 1's stale page. Its retry (the engine runs it once the batch's
+  // other users committed) reuses the page left, and reports the lookup as what it was: partial.
+  CacheManager m(4, 4);
+  AcquireCommit(m, 1, Keys(8, 1));
+  auto pinned = m.Acquire(2, Keys(8, 2));
+  ASSERT_TRUE(pinned.ok());
+  std::vector<uint64_t> edited = Keys(12, 1);
+  edited[5] = TokenKey(false, 99999);  // page 1 changes
+  auto cut = m.Acquire(1, edited);
+  EXPECT_EQ(cut.status().code(), absl::StatusCode::kResourceExhausted);
+  m.Commit(*pinned, Keys(8, 2));
+  auto retry = m.Acquire(1, edited);
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(retry->result, LookupResult::kPartial);
+  EXPECT_EQ(retry->reused_tokens, 4);
+  m.Commit(*retry, edited);
+  auto next = m.Acquire(1, edited);  // and the visit after it is a plain hit again
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(next->result, LookupResult::kHit);
+  m.Release(*next);
+}
+
 TEST(CacheManager, NoPagesLeakUnderRandomTraffic) {
   CacheManager m(3, 40);
   std::mt19937 rng(9);
