@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 namespace hstu {
 namespace cuda_backend_internal {
@@ -153,6 +154,11 @@ absl::Status CudaBackendImpl::Validate(const ForwardBatch& batch,
       static_cast<int32_t>(batch.token_types.size()) != rows ||
       static_cast<int32_t>(batch.positions.size()) != rows) {
     return absl::InvalidArgumentError("ForwardBatch arrays have inconsistent sizes");
+  }
+  if (batch.row_offsets[0] != 0 || batch.page_indptr[0] != 0 ||
+      batch.page_indptr[B] != static_cast<int32_t>(batch.page_ids.size())) {
+    return absl::InvalidArgumentError(
+        "ForwardBatch row_offsets and page_indptr must start at 0, and page_indptr end at the page count");
   }
   for (int32_t id : batch.page_ids) {
     if (id < 0 || id >= num_pages_) {
@@ -557,8 +563,14 @@ absl::Status CudaBackendImpl::EnqueueHead() {
 absl::Status CudaBackendImpl::Forward(const ForwardBatch& batch, bool keep_hidden,
                                       ForwardOutput* out) {
   HSTU_CUDA_RETURN(cudaSetDevice(device_));
+  // An ordinary error left by a call that was already reported (or by another user of the
+  // context) must not fail this step's first launch; a sticky one comes back at once.
+  cudaGetLastError();
   // Queued onloads start now, so they overlap the staging below and the layers before theirs.
   HSTU_RETURN_IF_ERROR(FlushOnloads());
+  if (std::exchange(onload_failed_, false)) {
+    return absl::InternalError("a KV onload for this batch could not be issued");
+  }
   auto graphed = StageStep(batch, /*use_graph=*/true);
   if (!graphed.ok()) return graphed.status();
   cudaStream_t s = stream_.get();
@@ -660,6 +672,20 @@ absl::Status CudaBackendImpl::CopyPages(CopyKind kind, const std::vector<int32_t
 
 absl::Status CudaBackendImpl::FlushOnloads() {
   if (pending_src_.empty()) return absl::OkStatus();
+  absl::Status s = IssueOnloads();
+  pending_src_.clear();
+  pending_dst_.clear();
+  if (!s.ok()) {
+    // Some layers' copies may be queued, others not. Let none land later in pages that will be
+    // freed and reused, and fail the batch the pages were for.
+    onload_failed_ = true;
+    cudaStreamSynchronize(onload_stream_.get());
+    cudaGetLastError();
+  }
+  return s;
+}
+
+absl::Status CudaBackendImpl::IssueOnloads() {
   HSTU_CUDA_RETURN(cudaSetDevice(device_));
   // The destination pages may have been read by work still queued on the compute stream.
   HSTU_CUDA_RETURN(cudaEventRecord(compute_done_, stream_.get()));
@@ -667,8 +693,6 @@ absl::Status CudaBackendImpl::FlushOnloads() {
   const std::vector<cuda::PageRun> runs =
       cuda::MergePageRuns(pending_src_.data(), pending_dst_.data(), pending_src_.size());
   const int64_t bytes = static_cast<int64_t>(pending_src_.size()) * page_bytes();
-  pending_src_.clear();
-  pending_dst_.clear();
   // The events are reused: a previous flush's timing still unread is kept if complete, else lost.
   PollOnloadTiming();
   timed_onload_bytes_ = 0;

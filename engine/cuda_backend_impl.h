@@ -31,6 +31,10 @@ using cuda::DeviceBuffer;
 inline constexpr float kLayerNormEps = 1e-5f;
 
 inline absl::Status CudaStatus(cudaError_t err, const char* what) {
+  // Reported here, so cleared: an ordinary error (an allocation that failed) would otherwise stay
+  // the thread's last error, and every later launcher's cudaPeekAtLastError would return it. A
+  // sticky error cannot be cleared and comes back from the next call anyway.
+  cudaGetLastError();
   return absl::InternalError(
       absl::StrCat("CUDA error in ", what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
 }
@@ -185,7 +189,8 @@ struct CapturedStep {
   // block, which finds nothing to copy, instead of one warp per row and v/k segment.
   std::vector<cudaGraphNode_t> append_nodes;
   std::vector<cudaKernelNodeParams> append_params;
-  bool append_shrunk = false;
+  // Whether they run on one block now: 0 no, 1 yes, -1 unknown (an update failed part-way).
+  int8_t append_shrunk = 0;
   // The plans the nodes in `exec` are sized for (items = -1: not yet set), per AttentionPlanKind;
   // the captured cluster sizes: replays need plans of the same kind.
   AttentionLaunch grid[2] = {{-1, -1, 0}, {-1, -1, 0}};
@@ -353,6 +358,7 @@ class CudaBackendImpl final : public CudaBackend {
   absl::Status CaptureStep(bool waits, CapturedStep* c);
   // Issues the queued onloads, layer-major, on the copy stream; records layer_ready_[l].
   absl::Status FlushOnloads();
+  absl::Status IssueOnloads();  // FlushOnloads' copies and events, from pending_src_/pending_dst_
   // Moves the timed onload into onload_timing_ once its end event has completed (non-blocking).
   void PollOnloadTiming();
   absl::Status WaitForLayer(int layer);
@@ -436,6 +442,9 @@ class CudaBackendImpl final : public CudaBackend {
   cudaEvent_t compute_done_ = nullptr;    // compute stream, before copies that touch its pages
   std::vector<int32_t> pending_src_, pending_dst_;  // queued onloads (host page → GPU page)
   bool onload_waits_ = false;  // an eager forward must wait for layer_ready_
+  // A FlushOnloads failed after taking the queued onloads: the next Forward (the batch those
+  // pages were for) fails instead of reading pages that were never copied.
+  bool onload_failed_ = false;
   // Timing events around the latest flush of onloads on the onload stream (after its waits).
   cudaEvent_t onload_start_ = nullptr, onload_end_ = nullptr;
   cudaEvent_t step_start_ = nullptr, step_end_ = nullptr;  // around a forward's device work

@@ -129,6 +129,9 @@ absl::Status CudaBackendImpl::EnqueueStep() {
       AttentionLaunch& sized = g.grid[kind];
       const AttentionLaunch& want = step_.attn[kind];
       if (sized.items == want.items && sized.split_tiles == want.split_tiles) continue;
+      // Unknown until every node is updated: a failure part-way must not leave it claiming the
+      // old or the new size.
+      sized.items = -1;
       for (size_t i = 0; i < g.attention_nodes.size(); ++i) {
         if (g.attention_nodes[i].plan != kind) continue;
         cudaKernelNodeParams p = g.attention_params[i];
@@ -140,13 +143,14 @@ absl::Status CudaBackendImpl::EnqueueStep() {
       sized.items = want.items;
       sized.split_tiles = want.split_tiles;
     }
-    if (g.append_shrunk != step_.append_idle) {
+    if (g.append_shrunk != static_cast<int8_t>(step_.append_idle)) {
+      g.append_shrunk = -1;
       for (size_t i = 0; i < g.append_nodes.size(); ++i) {
         cudaKernelNodeParams p = g.append_params[i];
         if (step_.append_idle) p.gridDim = dim3(1, 1, 1);
         HSTU_CUDA_RETURN(cudaGraphExecKernelNodeSetParams(g.exec, g.append_nodes[i], &p));
       }
-      g.append_shrunk = step_.append_idle;
+      g.append_shrunk = static_cast<int8_t>(step_.append_idle);
     }
     HSTU_CUDA_RETURN(cudaGraphLaunch(g.exec, stream_.get()));
     graph_replays_.fetch_add(1, std::memory_order_relaxed);

@@ -309,6 +309,32 @@ TEST(CudaBackend, RejectsUnsupportedHeadDim) {
   EXPECT_NE(gpu.status().message().find("64, 128, 256"), std::string::npos) << gpu.status();
 }
 
+TEST(CudaBackend, RejectsPageAndRowArraysThatDoNotStartAtZeroOrEndAtTheirCount) {
+  // Consistent per user, but page_indptr ends past page_ids: the kernels would have read page ids
+  // from the metadata buffer's padding and written K/V into whatever page they name.
+  HSTU_SKIP_WITHOUT_GPU();
+  const ModelConfig c = GpuTestConfig(128, 0, false);
+  auto gpu = CreateCudaBackend(RandomModel(c, 1), 32, 16, 0);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  ForwardBatch b;
+  b.num_users = 1;
+  b.row_offsets = {0, 2};
+  b.num_new = {1};
+  b.num_tokens = {70};
+  b.page_indptr = {0, 3};
+  b.page_ids = {7};
+  b.token_ids = {5, 6};
+  b.token_types = {kItemToken, kItemToken};  // a new history item, then a candidate
+  b.positions = {69, 70};
+  ForwardOutput out;
+  absl::Status s = (*gpu)->Forward(b, false, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  b.page_ids = {7, 8, 9};  // now whole: the same batch runs
+  s = (*gpu)->Forward(b, false, &out);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(out.scores.size(), static_cast<size_t>(c.num_tasks));
+}
+
 TEST(CudaBackend, UnavailableWithoutGpu) {
   if (test::HasGpu()) GTEST_SKIP() << "a GPU is present; this checks the no-GPU error";
   auto gpu = CreateCudaBackend(RandomModel(GpuTestConfig(128, 0, false), 1), 16, 8, 0);

@@ -247,6 +247,34 @@ TEST(CudaEngine, BaseShapesAsCloseToFp32AsTheBf16Emulation) {
 // The sources of the server's GPU metrics: the engine's device memory split (weights within the
 // total), and GpuTelemetry on the engine's GPU, whose readings are sane and whose energy counter
 // moves while the GPU works.
+TEST(CudaEngine, ARecoverableCudaErrorLeavesLaterRequestsServed) {
+  // A failed allocation (here one too large for any GPU) leaves an ordinary error as the thread's
+  // last error. The launchers' cudaPeekAtLastError returned it for every later step: the engine
+  // answered INTERNAL forever while it reported itself healthy.
+  HSTU_SKIP_WITHOUT_GPU();
+  const ModelWeights w = RandomModel(test::SmallGpuModelConfig(), 3);
+  auto gpu = MakeEngine("cuda:0", true, w);
+  auto cpu = MakeEngine("cpu", true, w);
+  ASSERT_TRUE(gpu && cpu);
+  RankRequest r{5, {}, {}, {1, 2, 3}};
+  for (int i = 0; i < 40; ++i) {
+    r.history_item_ids.push_back(i * 3 % 500);
+    r.history_actions.push_back(i % 6);
+  }
+  ASSERT_TRUE(gpu->Rank({r})[0].ok());
+  ASSERT_TRUE(cpu->Rank({r})[0].ok());
+  void* p = nullptr;
+  ASSERT_NE(cudaMalloc(&p, size_t{1} << 50), cudaSuccess);
+  r.history_item_ids.push_back(17);
+  r.history_actions.push_back(2);
+  auto got = gpu->Rank({r});
+  auto want = cpu->Rank({r});
+  ASSERT_TRUE(got[0].ok()) << got[0].status();
+  ASSERT_TRUE(want[0].ok());
+  EXPECT_LT(test::MaxAbsDiff(got[0]->scores, want[0]->scores), test::kBf16ScoreAbs);
+  EXPECT_TRUE(gpu->health().ok());
+}
+
 TEST(CudaEngine, GpuMetricSources) {
   HSTU_SKIP_WITHOUT_GPU();
   const ModelWeights w = RandomModel(test::SmallGpuModelConfig(), 3);
