@@ -51,6 +51,18 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# Our server, not another one on the same port: wait for its own "ready" line, or its exit (a port
+# already in use ends it at once).
+for _ in $(seq 1 1200); do
+  if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+    echo "[demo] hstu_server exited during start-up (port $PORT or $METRICS_PORT in use? set PORT / METRICS_PORT); log:" >&2
+    cat "$LOG" >&2
+    exit 1
+  fi
+  grep -q "ready: health SERVING" "$LOG" && break
+  sleep 0.1
+done
+
 status=0
 "$BUILD_DIR/client/hstu_loadgen" --target="127.0.0.1:$PORT" --wait_ready_s=120 \
   --concurrency="$CONCURRENCY" --duration="$DURATION" --warmup=1 || status=$?
@@ -65,7 +77,7 @@ if command -v curl >/dev/null 2>&1; then
 fi
 
 echo "[demo] stopping hstu_server (SIGTERM)"
-kill -TERM "$SERVER_PID"
+kill -TERM "$SERVER_PID" 2>/dev/null || true
 server_rc=0
 wait "$SERVER_PID" || server_rc=$?
 if [ "$server_rc" != 0 ]; then

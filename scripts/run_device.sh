@@ -68,7 +68,9 @@ if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
     start=$(date +%s.%N)
     # shellcheck disable=SC2086  # HSTU_BENCH_FLAGS: extra flags for every mode, e.g. "--batches 8"
     "$H/bin/hstu_bench" "$mode" --json "$OUT/bench_$mode.json" ${HSTU_BENCH_FLAGS:-} 2>&1 | tee -a "$OUT/bench.log"
+    st=${PIPESTATUS[0]}
     echo "$mode $start $(date +%s.%N)" >> "$OUT/bench_spans.txt"
+    if [ "$st" != 0 ]; then echo "hstu_bench $mode exit code: $st" | tee -a "$OUT/bench.log"; rc=1; fi
   done
   kill -INT "$clk"; wait "$clk" 2> /dev/null
   python3 "$(dirname "$0")/clock_summary.py" "$OUT/gpu_clocks.csv" "$OUT/bench_spans.txt" \

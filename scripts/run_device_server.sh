@@ -7,8 +7,8 @@
 #   bash scripts/run_device_server.sh [duration_s] [parts: "parity cache cache_always nocache e2e"]
 # (memcheck: the server under compute-sanitizer's memcheck with a small pool, 300 requests;
 # cache_always: the cache with --onload_policy=always, every host hit onloaded: the A/B of the
-# onload-or-recompute rule; cache_gpu: the GPU pool alone, no host tier; cache_b128: a write-behind backlog of
-# 128 MiB instead of 512; cache_window: the cache's load on the base shapes with a sliding window
+# onload-or-recompute rule; cache_gpu: the GPU pool alone, no host tier; cache_b512: a write-behind backlog of
+# 512 MiB instead of the default 128; cache_window: the cache's load on the base shapes with a sliding window
 # of 512 tokens (a model file), whose cache holds a user's last ~600 tokens only; these three are
 # not in the default parts.)
 # Server against `hstu_bench e2e` with the bench's exact shape (every user starts at 128 events and
@@ -24,7 +24,7 @@ set -uo pipefail
 DUR="${1:-8}"
 PARTS="${2:-parity cache cache_always nocache e2e}"
 has() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
-status=0  # the exit code: 1 when a parity comparison failed
+status=0  # the exit code: 1 when a parity comparison, a loadgen run or a server's exit failed
 OUT="${OUT:-/tmp/hstu_out}"
 mkdir -p "$OUT"
 DIR=/tmp/hstu_srv
@@ -94,14 +94,18 @@ run() {  # name, "loadgen flags", extra server flags...
   "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --wait_ready_s=240 $lg --candidates=256 \
     --timeout_ms=5000 --duration="$DUR" --warmup=2 --progress=false \
     --json="$OUT/loadgen_$name.json" 2>&1 | tee "$OUT/loadgen_$name.txt"
+  local lg_status=${PIPESTATUS[0]}
+  [ "$lg_status" = 0 ] || { echo "loadgen ($name) exit code: $lg_status"; status=1; }
   curl -sf http://127.0.0.1:9464/metrics > "$OUT/metrics_$name.txt" 2>/dev/null || true
-  kill -TERM "$pid"; wait "$pid"; echo "server ($name) exit code: $?"
+  kill -TERM "$pid"; wait "$pid"; local srv_status=$?
+  echo "server ($name) exit code: $srv_status"
+  [ "$srv_status" = 0 ] || status=1
   grep -E '^hstu_kv_lookups_total|^hstu_kv_tokens_total|^hstu_kv_window|^hstu_kv_evictions_total|^hstu_kv_prefetch|^hstu_kv_onload_bandwidth|^hstu_kv_recompute_seconds|^hstu_batch_compute_seconds_(sum|count)|^hstu_batch_size_(sum|count)' \
     "$OUT/metrics_$name.txt" || true
 }
 ZIPF="--users=400 --zipf=1.0 --initial_events=1800 --new_events=64 --concurrency=1:16:x2"
 has cache && run cache "$ZIPF" --cache_pages=2048 --host_cache_pages=8192
-has cache_b128 && run cache_b128 "$ZIPF" --cache_pages=2048 --host_cache_pages=8192 --offload_backlog_mib=128
+has cache_b512 && run cache_b512 "$ZIPF" --cache_pages=2048 --host_cache_pages=8192 --offload_backlog_mib=512
 has cache_gpu && run cache_gpu "$ZIPF" --cache_pages=2048 --host_cache_pages=0
 has cache_always && run cache_always "$ZIPF" --cache_pages=2048 --host_cache_pages=8192 --onload_policy=always
 has nocache && run nocache "$ZIPF" --no_cache --cache_pages=2048
@@ -125,10 +129,13 @@ if has memcheck; then
     "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --wait_ready_s=400 --users=60 --zipf=1.0 \
       --initial_events=600 --new_events=64 --candidates=256 --concurrency=4 --requests=300 \
       --warmup=0 --timeout_ms=60000 --progress=false 2>&1 | tee "$OUT/loadgen_memcheck.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
     curl -sf http://127.0.0.1:9464/metrics > "$OUT/metrics_memcheck.txt" 2>/dev/null || true
-    # The signal goes to the server itself: compute-sanitizer would end on it without a report.
-    pkill -TERM -x hstu_server; wait "$pid"
-    echo "server (memcheck) exit code: $? (9: errors reported)"
+    # The signal goes to the server itself (compute-sanitizer's child): the tool would end on it
+    # without a report.
+    pkill -TERM -P "$pid" -x hstu_server; wait "$pid"; mc_status=$?
+    echo "server (memcheck) exit code: $mc_status (9: errors reported)"
+    [ "$mc_status" = 0 ] || status=1
     grep -E "ERROR SUMMARY|LEAK SUMMARY" "$OUT/server_memcheck.log"
     grep -E '^hstu_kv_lookups_total|^hstu_kv_evictions_total|^hstu_kv_prefetch|^hstu_cuda_graph_replays_total' \
       "$OUT/metrics_memcheck.txt" || true

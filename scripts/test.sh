@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh
-ctest --test-dir build --output-on-failure -j "${HSTU_JOBS:-$(nproc)}"
+ctest --test-dir build --output-on-failure --no-tests=error -j "${HSTU_JOBS:-$(nproc)}"

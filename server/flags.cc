@@ -39,7 +39,8 @@ ABSL_FLAG(int64_t, max_message_bytes, 16 << 20,
           "Largest gRPC message accepted or sent, in bytes (larger: RESOURCE_EXHAUSTED).");
 ABSL_FLAG(int32_t, page_size, 32, "KV cache page size in tokens (a power of two).");
 ABSL_FLAG(int64_t, cache_pages, 0,
-          "KV cache pool size in pages; 0 = room for 64 users of the model's maximum history.");
+          "KV cache pool size in pages; 0 = auto: 16 GiB of pages on a GPU, 1 GiB on the CPU, at "
+          "least two users of the model's maximum history. Start-up fails below one such user.");
 ABSL_FLAG(int64_t, host_cache_pages, -1,
           "Host (pinned memory) KV tier in pages; 0 disables the tier (evicted users are "
           "recomputed); -1 = auto: on a GPU 2x the GPU pool within 1/4 of the RAM and 32 GiB, on "

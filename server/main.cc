@@ -25,9 +25,9 @@ int main(int argc, char** argv) {
       "              [--metrics_listen=0.0.0.0:9464] [batching, cache and limit flags]\n"
       "Serves hstu.v1.Ranker (proto/hstu/v1/ranking.proto), grpc.health.v1 and reflection;\n"
       "Prometheus metrics on http://METRICS_LISTEN/metrics. See docs/server.md.\n"
-      "Exit status: 0 stopped by SIGTERM/SIGINT and drained; 1 unknown flag, start-up failure, or\n"
-      "the GPU lost (after a drain); 2 bad flag value, or a batch past --engine_stall_timeout_s;\n"
-      "3 a second signal during the drain.");
+      "Exit status: 0 stopped by SIGTERM/SIGINT and drained; 1 unknown flag or one that does not\n"
+      "parse, start-up failure, or the GPU lost (after a drain); 2 a flag value out of its range,\n"
+      "or a batch past --engine_stall_timeout_s; 3 a second signal during the drain.");
   absl::FlagsUsageConfig usage;
   // --help lists the server's flags (absl's default matches files named after the binary).
   usage.contains_help_flags = [](absl::string_view path) {
