@@ -98,9 +98,11 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
     return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", options.listen));
   }
   s->SetServing(false);
-  spdlog::info("grpc: listening on {} (port {}), max message {} bytes; health NOT_SERVING until "
-               "the model is warm",
-               options.listen, s->port_, options.max_message_bytes);
+  const bool unix_socket = options.listen.rfind("unix", 0) == 0;  // gRPC reports port 1 for these
+  spdlog::info("grpc: listening on {}{}, max message {} bytes; health NOT_SERVING until the model "
+               "is warm",
+               options.listen, unix_socket ? "" : absl::StrCat(" (port ", s->port_, ")"),
+               options.max_message_bytes);
 
   spdlog::info("engine: loading model '{}' on device '{}' (page size {}, cache pages {}, cache {})",
                options.engine.model, options.engine.device, options.engine.page_size,
@@ -231,7 +233,8 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
 
   s->service_->Attach(s->engine_.get(), s->scheduler_.get());
   s->SetServing(true);
-  spdlog::info("ready: health SERVING on port {}", s->port_);
+  spdlog::info("ready: health SERVING on {}",
+               options.listen.rfind("unix", 0) == 0 ? options.listen : absl::StrCat("port ", s->port_));
   return s;
 }
 
