@@ -1,7 +1,10 @@
 // hstu_model: writes deterministic random model files and describes existing ones.
 //   hstu_model init --preset tiny|base --seed N --out FILE [shape overrides] [--dtype f32|bf16]
 //   hstu_model info FILE
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
+#include <new>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -49,7 +52,12 @@ int Init() {
   if (int v = absl::GetFlag(FLAGS_head_dim)) c.head_dim = v;
   if (int v = absl::GetFlag(FLAGS_max_history)) c.max_history_tokens = v;
   if (int v = absl::GetFlag(FLAGS_max_candidates)) c.max_candidates = v;
-  if (int v = absl::GetFlag(FLAGS_window); v >= 0) c.max_attn_len = v;
+  if (int v = absl::GetFlag(FLAGS_window); v >= 0) {
+    c.max_attn_len = v;
+  } else if (v != -1) {
+    std::fprintf(stderr, "error: --window must be >= 0 (0: no window), or -1 for the preset's, got %d\n", v);
+    return 2;
+  }
   if (int v = absl::GetFlag(FLAGS_tasks)) c.num_tasks = v;
   if (int64_t v = absl::GetFlag(FLAGS_items)) c.item_rows = v;
   if (int64_t v = absl::GetFlag(FLAGS_actions)) c.action_rows = v;
@@ -64,7 +72,8 @@ int Init() {
   if (int v = absl::GetFlag(FLAGS_norm_len)) {
     c.attention_norm_len = v;
   } else if (c.max_history_tokens != prev_max || c.max_candidates != prev_cand) {
-    c.attention_norm_len = c.max_history_tokens + c.max_candidates;
+    const int64_t n = int64_t{c.max_history_tokens} + c.max_candidates;  // no int32 wrap
+    c.attention_norm_len = static_cast<int32_t>(std::min<int64_t>(n, INT32_MAX));
   }
   c.position_rows = c.position_encoding ? c.max_history_tokens : 0;
   // Head: keep the preset's hidden layer sizes relative to d: d -> d/2 -> tasks.
@@ -78,7 +87,14 @@ int Init() {
     std::fprintf(stderr, "error: --dtype must be f32 or bf16, got '%s'\n", dt.c_str());
     return 2;
   }
-  const hstu::ModelWeights w = hstu::RandomModel(c, absl::GetFlag(FLAGS_seed));
+  hstu::ModelWeights w;
+  try {
+    w = hstu::RandomModel(c, absl::GetFlag(FLAGS_seed));
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "error: not enough memory for the weights of this model (%lld item rows x "
+                 "hidden %d)\n", static_cast<long long>(c.item_rows), c.hidden_dim);
+    return 1;
+  }
   auto s = hstu::WriteModelFile(w, absl::GetFlag(FLAGS_out),
                                 dt == "bf16" ? hstu::FileDType::kBF16 : hstu::FileDType::kF32);
   if (!s.ok()) {

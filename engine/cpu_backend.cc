@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <new>
 
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
@@ -40,8 +41,10 @@ class CpuBackend final : public Backend {
     layer_elems_ = page_elems_ * num_pages_;
     // Left uninitialised on purpose: pages are always written (append) before they are read, and a
     // large pool should not be touched up front.
-    pool_.reset(new float[static_cast<size_t>(layer_elems_ * c.num_layers)]);
+    pool_.reset(new (std::nothrow) float[static_cast<size_t>(layer_elems_ * c.num_layers)]);
   }
+  // False when the pool could not be allocated (CreateCpuBackend reports it).
+  bool allocated() const { return pool_ != nullptr; }
 
   std::string name() const override { return bf16_ ? "cpu-bf16" : "cpu"; }
   int64_t num_pages() const override { return num_pages_; }
@@ -251,7 +254,19 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const ModelWeights& we
                                                           CpuNumerics numerics) {
   if (page_size <= 0) return absl::InvalidArgumentError("page_size must be > 0");
   if (num_pages <= 0) return absl::InvalidArgumentError("the KV pool needs at least one page");
-  return std::unique_ptr<Backend>(new CpuBackend(weights, page_size, num_pages, numerics));
+  const int64_t page_floats = 2LL * page_size * weights.config.hd() * weights.config.num_layers;
+  // Past 1 TiB no machine we run on has the memory (and the multiplication below stays in range).
+  if (num_pages > (int64_t{1} << 40) / std::max<int64_t>(1, page_floats * 4)) {
+    return absl::ResourceExhaustedError(absl::StrCat("a KV pool of ", num_pages, " pages of ",
+                                                     page_floats * 4, " bytes is too large (over 1 TiB)"));
+  }
+  auto backend = std::make_unique<CpuBackend>(weights, page_size, num_pages, numerics);
+  if (!backend->allocated()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate the KV pool: ", num_pages, " pages of ", page_floats * 4, " bytes (",
+        num_pages * page_floats * 4, " bytes); lower --cache_pages"));
+  }
+  return std::unique_ptr<Backend>(std::move(backend));
 }
 
 }  // namespace hstu

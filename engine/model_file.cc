@@ -1,10 +1,13 @@
 #include "engine/model_file.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <tuple>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -112,6 +115,17 @@ absl::Status ModelConfig::Validate() const {
            {"action_rows", action_rows}}) {
     if (auto s = positive(key, v); !s.ok()) return s;
   }
+  // Upper bounds that keep every size computed from them (pages, positions, tables) in range.
+  for (auto [key, v, most] : std::initializer_list<std::tuple<const char*, int64_t, int64_t>>{
+           {"hstu.num_layers", num_layers, 1024},
+           {"hstu.hidden_dim", hidden_dim, 65536},
+           {"hstu.num_heads * hstu.head_dim", static_cast<int64_t>(num_heads) * head_dim, 65536},
+           {"hstu.max_history_tokens", max_history_tokens, int64_t{1} << 22},
+           {"hstu.attention_norm_len", attention_norm_len, int64_t{1} << 24},
+           {"hstu.max_candidates", max_candidates, int64_t{1} << 20},
+           {"hstu.num_tasks", num_tasks, 4096}}) {
+    if (v > most) return absl::InvalidArgumentError(absl::StrCat(key, " must be at most ", most, ", got ", v));
+  }
   if (max_attn_len < 0) {
     return absl::InvalidArgumentError(absl::StrCat("hstu.max_attn_len must be >= 0, got ", max_attn_len));
   }
@@ -187,6 +201,10 @@ absl::Status WriteModelFile(const ModelWeights& w, const std::string& path, File
 }
 
 absl::StatusOr<ModelWeights> ReadModelFile(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat("model file '", path, "' is not a regular file"));
+  }
   std::ifstream f(path, std::ios::binary);
   if (!f) return absl::NotFoundError(absl::StrCat("cannot open model file '", path, "'"));
   std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -292,13 +310,22 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
     }
     e.bf16 = dt == "BF16";
     if (!v["shape"].is_array()) return InvalidModel(name, absl::StrCat("tensor '", t, "' shape is not an array"));
-    int64_t numel = 1;
+    // Bytes the shape needs, checked: a product that wraps would let a few bytes pass for a huge
+    // table (and the gathers read past the data).
+    uint64_t want = e.bf16 ? 2 : 4;
     for (const auto& s : v["shape"]) {
       if (!s.is_number_integer() || s.get<int64_t>() < 0) {
         return InvalidModel(name, absl::StrCat("tensor '", t, "' has a bad shape entry"));
       }
       e.shape.push_back(s.get<int64_t>());
-      numel *= e.shape.back();
+      if (__builtin_mul_overflow(want, static_cast<uint64_t>(e.shape.back()), &want) || want > data_size) {
+        if (!std::any_of(v["shape"].begin(), v["shape"].end(),
+                         [](const json& x) { return x.is_number_integer() && x.get<int64_t>() == 0; })) {
+          return InvalidModel(name, absl::StrCat("tensor '", t, "' has a shape larger than the file's ",
+                                                 data_size, " data bytes"));
+        }
+        want = 0;
+      }
     }
     const json& off = v["data_offsets"];
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned()) {
@@ -312,12 +339,32 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
                                              ") runs past the end of the file (", data_size,
                                              " data bytes): truncated file?"));
     }
-    const size_t want = static_cast<size_t>(numel) * (e.bf16 ? 2 : 4);
     if (e.end - e.begin != want) {
       return InvalidModel(name, absl::StrCat("tensor '", t, "' holds ", e.end - e.begin, " bytes but shape ",
                                              ShapeStr(e.shape), " of ", dt, " needs ", want));
     }
     entries.emplace(t, std::move(e));
+  }
+  // The data area is the tensors back to back, as safetensors requires: no overlap (two tensors
+  // reading the same bytes), no hole, no trailing bytes. Reported after the tensors' own checks,
+  // which name what is wrong more precisely (a missing tensor leaves a hole).
+  absl::Status layout = absl::OkStatus();
+  {
+    std::vector<std::pair<size_t, size_t>> spans;
+    for (const auto& [t, e] : entries) spans.emplace_back(e.begin, e.end);
+    std::sort(spans.begin(), spans.end());
+    size_t at = 0;
+    for (const auto& [b, e] : spans) {
+      if (b != at && layout.ok()) {
+        layout = InvalidModel(name, absl::StrCat("tensor data ", b < at ? "overlaps" : "has a hole",
+                                                 " at byte ", std::min(b, at), " of the data area"));
+      }
+      at = std::max(at, e);
+    }
+    if (at != data_size && layout.ok()) {
+      layout = InvalidModel(name, absl::StrCat("the tensors cover ", at, " of the ", data_size,
+                                               " data bytes (trailing bytes?)"));
+    }
   }
 
   auto load = [&](const std::string& t, const std::vector<int64_t>& want_shape,
@@ -368,6 +415,12 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
     HSTU_RETURN_IF_ERROR(rows_of("embeddings.position.weight", &c.position_rows));
     HSTU_RETURN_IF_ERROR(load("embeddings.position.weight", {c.position_rows, d}, &w.position_embedding));
   }
+  // Every layer has tensors of its own: more layers than tensors means a corrupt count, not a
+  // reason to allocate them.
+  if (static_cast<size_t>(c.num_layers) > entries.size()) {
+    return InvalidModel(name, absl::StrCat("metadata 'hstu.num_layers' = ", c.num_layers,
+                                           " but the file holds only ", entries.size(), " more tensors"));
+  }
   w.layers.resize(c.num_layers);
   for (int i = 0; i < c.num_layers; ++i) {
     LayerWeights& l = w.layers[i];
@@ -406,6 +459,7 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
   if (!entries.empty()) {
     return InvalidModel(name, absl::StrCat("unexpected tensor '", entries.begin()->first, "'"));
   }
+  if (!layout.ok()) return layout;
   if (auto s = c.Validate(); !s.ok()) return InvalidModel(name, std::string(s.message()));
   w.config = std::move(c);
   return w;

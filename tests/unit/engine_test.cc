@@ -218,6 +218,15 @@ TEST(Engine, UserLargerThanThePoolFailsAloneWithResourceExhausted) {
   EXPECT_TRUE(res[1].ok());
 }
 
+TEST(Engine, AKvPoolTooLargeForMemoryIsAnErrorNotAnAbort) {
+  EngineOptions o;
+  o.page_size = 4;
+  o.cache_pages = int64_t{1} << 50;
+  auto e = Engine::Create(o, RandomModel(TestConfig(false, 0), 3));
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kResourceExhausted) << e.status();
+}
+
 TEST(Engine, UsersThatDoNotFitBesideEachOtherRunOneAfterAnother) {
   // A pool of 12 pages of 4 tokens holds one of these users (40 tokens, 10 pages) at a time.
   // Batched together, the second and third used to fail RESOURCE_EXHAUSTED while the first held

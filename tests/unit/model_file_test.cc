@@ -100,6 +100,52 @@ TEST(ModelFile, MissingTensorIsNamed) {
   ExpectError(Join(h, data), "layers.1.output_norm.bias' is missing");
 }
 
+TEST(ModelFile, ShapeWhoseByteCountWrapsIsRejected) {
+  // (2^56 + 1) x 8 x 4 bytes wraps to 32 in 64 bits: a table of one real row passed as 2^56 + 1
+  // rows, and the embedding gather read far past it.
+  auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+  auto& item = h["embeddings.item.weight"];
+  item["shape"] = {(int64_t{1} << 56) + 1, 8};
+  item["data_offsets"] = {0, 32};
+  ExpectError(Join(h, data), "'embeddings.item.weight' has a shape larger than the file's");
+}
+
+TEST(ModelFile, OverlappingOrTrailingTensorDataIsRejected) {
+  {
+    // The action table aliasing the item table's first bytes (same size as its own data).
+    auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+    const auto end = h["embeddings.action.weight"]["data_offsets"][1].get<uint64_t>() -
+                     h["embeddings.action.weight"]["data_offsets"][0].get<uint64_t>();
+    h["embeddings.action.weight"]["data_offsets"] = {0, end};
+    ExpectError(Join(h, data), "tensor data overlaps");
+  }
+  {
+    auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+    ExpectError(Join(h, data + std::string(64, '\0')), "trailing bytes");
+  }
+}
+
+TEST(ModelFile, LayerCountBeyondTheTensorsIsRejectedBeforeAllocating) {
+  auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+  h["__metadata__"]["hstu.num_layers"] = "2000000000";
+  ExpectError(Join(h, data), "'hstu.num_layers' = 2000000000 but the file holds only");
+}
+
+TEST(ModelFile, AbsurdHistoryLengthIsRejected) {
+  ModelConfig c = SmallConfig();
+  c.max_history_tokens = 1 << 30;
+  EXPECT_NE(std::string(c.Validate().message()).find("hstu.max_history_tokens must be at most"),
+            std::string::npos)
+      << c.Validate();
+}
+
+TEST(ModelFile, ADirectoryIsNotAModelFile) {
+  auto r = ReadModelFile(::testing::TempDir());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(std::string(r.status().message()).find("is not a regular file"), std::string::npos)
+      << r.status();
+}
+
 TEST(ModelFile, MisShapedTensorIsNamed) {
   auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
   h["layers.0.uvqk.weight"]["shape"] = {16, 16};  // same byte count, wrong shape
