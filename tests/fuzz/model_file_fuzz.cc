@@ -24,6 +24,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (weights.status().message().empty()) Fail("an error without a message");
     return 0;
   }
+  // The tables hold what the configuration says they hold: the engine indexes them by it.
+  const hstu::ModelConfig& c = weights->config;
+  if (weights->item_embedding.size() != static_cast<size_t>(c.item_rows) * c.hidden_dim ||
+      weights->action_embedding.size() != static_cast<size_t>(c.action_rows) * c.hidden_dim ||
+      weights->position_embedding.size() != static_cast<size_t>(c.position_rows) * c.hidden_dim ||
+      weights->layers.size() != static_cast<size_t>(c.num_layers)) {
+    Fail("an accepted model's tables do not match its configuration");
+  }
   const std::string again = hstu::SerializeModelFile(*weights);
   auto reread = hstu::ParseModelFile(again, "rewritten.safetensors");
   if (!reread.ok()) Fail("an accepted model, written back, does not read again");
