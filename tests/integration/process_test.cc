@@ -95,6 +95,16 @@ hstu::v1::RankRequest MakeRequest(uint64_t user, int events, int candidates, uin
   return r;
 }
 
+// Runs `program` with each case's flag: it exits `rc` with the case's message in its output.
+void ExpectEachFlagRejected(const std::string& program,
+                            const std::vector<std::pair<std::string, std::string>>& cases, int rc) {
+  for (const auto& [flag, want] : cases) {
+    const auto [got_rc, out] = RunCommand(absl::StrCat(program, " ", flag));
+    EXPECT_EQ(got_rc, rc) << flag << ": " << out;
+    EXPECT_NE(out.find(want), std::string::npos) << out;
+  }
+}
+
 TEST(ProcessTest, HelpDocumentsEveryFlag) {
   const auto [rc, out] = RunCommand(absl::StrCat(HSTU_SERVER_BIN, " --help"));
   for (const char* flag :
@@ -112,38 +122,27 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
   }
 }
 
-TEST(ProcessTest, BadOnloadPolicyIsRejectedNamingTheFlag) {
-  const auto [rc, out] =
-      RunCommand(absl::StrCat(HSTU_SERVER_BIN, " --device=cpu --onload_policy=never"));
-  EXPECT_EQ(rc, 2) << out;
-  EXPECT_NE(out.find("--onload_policy=never: must be cost or always"), std::string::npos) << out;
-}
-
-TEST(ProcessTest, BadListenAddressesAndGraceAreRejectedNamingTheFlag) {
+TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
   // getaddrinfo takes port 99999 modulo 65536: without the check the server bound port 34463.
-  for (const auto& [flag, want] : std::vector<std::pair<std::string, std::string>>{
-           {"--listen=127.0.0.1:99999", "--listen=127.0.0.1:99999: must be HOST:PORT with a port in [0, 65535]"},
-           {"--listen=127.0.0.1", "--listen=127.0.0.1: must be HOST:PORT"},
-           {"--metrics_listen=127.0.0.1:65536", "--metrics_listen=127.0.0.1:65536: must be HOST:PORT"},
-           {"--metrics_listen=127.0.0.1:-1", "--metrics_listen=127.0.0.1:-1: must be HOST:PORT"},
-           {"--shutdown_grace_s=-4", "--shutdown_grace_s=-4: must be >= 0"}}) {
-    const auto [rc, out] = RunCommand(absl::StrCat(HSTU_SERVER_BIN, " --device=cpu ", flag));
-    EXPECT_EQ(rc, 2) << flag << ": " << out;
-    EXPECT_NE(out.find(want), std::string::npos) << out;
-  }
+  ExpectEachFlagRejected(
+      absl::StrCat(HSTU_SERVER_BIN, " --device=cpu"),
+      {{"--onload_policy=never", "--onload_policy=never: must be cost or always"},
+       {"--listen=127.0.0.1:99999", "--listen=127.0.0.1:99999: must be HOST:PORT with a port in [0, 65535]"},
+       {"--listen=127.0.0.1", "--listen=127.0.0.1: must be HOST:PORT"},
+       {"--metrics_listen=127.0.0.1:65536", "--metrics_listen=127.0.0.1:65536: must be HOST:PORT"},
+       {"--metrics_listen=127.0.0.1:-1", "--metrics_listen=127.0.0.1:-1: must be HOST:PORT"},
+       {"--shutdown_grace_s=-4", "--shutdown_grace_s=-4: must be >= 0"}},
+      2);
 }
 
 TEST(ProcessTest, LimitsThatWouldFailAcceptedRequestsStopTheStartUp) {
   // random:tiny: 256-token histories (8 pages of 32), 3 tasks.
-  for (const auto& [flag, want] : std::vector<std::pair<std::string, std::string>>{
-           {"--cache_pages=4", "--cache_pages=4: the KV pool must hold one user of the model's maximum "
-                               "history, 256 tokens = 8 pages of 32"},
-           {"--max_message_bytes=4096", "--max_message_bytes=4096: smaller than the largest reply"}}) {
-    const auto [rc, out] = RunCommand(absl::StrCat(HSTU_SERVER_BIN,
-                                                   " --device=cpu --listen=127.0.0.1:0 --metrics_listen= ", flag));
-    EXPECT_EQ(rc, 1) << flag << ": " << out;
-    EXPECT_NE(out.find(want), std::string::npos) << out;
-  }
+  ExpectEachFlagRejected(
+      absl::StrCat(HSTU_SERVER_BIN, " --device=cpu --listen=127.0.0.1:0 --metrics_listen="),
+      {{"--cache_pages=4", "--cache_pages=4: the KV pool must hold one user of the model's maximum "
+                           "history, 256 tokens = 8 pages of 32"},
+       {"--max_message_bytes=4096", "--max_message_bytes=4096: smaller than the largest reply"}},
+      1);
 }
 
 TEST(ProcessTest, ReflectionListsTheRankerAndHealthServices) {
@@ -408,16 +407,13 @@ TEST(ProcessTest, LoadgenShortRunsReportZeroErrors) {
 
 TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
   // A bad flag fails before connecting (no server at port 1), naming the flag.
-  for (const auto& [flag, want] : std::vector<std::pair<std::string, std::string>>{
-           {"--duration=-1", "--duration=-1: must be > 0"},
-           {"--timeout_ms=0", "--timeout_ms=0: must be >= 1"},
-           {"--requests=-3", "--requests=-3: must be >= 0"},
-           {"--arrival=weird", "--arrival=weird: want constant or poisson"},
-           {"--rate=nan", "--rate=nan: want R or R1,R2 (finite, > 0)"}}) {
-    const auto [rc, out] = RunCommand(absl::StrCat(HSTU_LOADGEN_BIN, " --target=127.0.0.1:1 ", flag));
-    EXPECT_EQ(rc, 2) << flag << ": " << out;
-    EXPECT_NE(out.find(want), std::string::npos) << out;
-  }
+  ExpectEachFlagRejected(absl::StrCat(HSTU_LOADGEN_BIN, " --target=127.0.0.1:1"),
+                         {{"--duration=-1", "--duration=-1: must be > 0"},
+                          {"--timeout_ms=0", "--timeout_ms=0: must be >= 1"},
+                          {"--requests=-3", "--requests=-3: must be >= 0"},
+                          {"--arrival=weird", "--arrival=weird: want constant or poisson"},
+                          {"--rate=nan", "--rate=nan: want R or R1,R2 (finite, > 0)"}},
+                         2);
   // Every request rejected (more candidates than the server takes): the report is printed, and
   // the exit status says that nothing was measured.
   ServerProcess server({"--max_candidates=4"});
