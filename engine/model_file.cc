@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -222,11 +223,24 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
     return InvalidModel(name, absl::StrCat("header length ", header_len, " does not fit in the file of ",
                                            bytes.size(), " bytes (not a safetensors file?)"));
   }
+  // A key given twice in one object (the parser keeps the last) makes the file mean two things.
+  std::vector<std::set<std::string>> keys_seen;
+  std::string duplicate;
+  auto note_keys = [&](int /*depth*/, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) keys_seen.emplace_back();
+    if (event == json::parse_event_t::object_end && !keys_seen.empty()) keys_seen.pop_back();
+    if (event == json::parse_event_t::key && !keys_seen.empty() &&
+        !keys_seen.back().insert(parsed.get<std::string>()).second && duplicate.empty()) {
+      duplicate = parsed.get<std::string>();
+    }
+    return true;
+  };
   json header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<int64_t>(header_len),
-                            nullptr, /*allow_exceptions=*/false);
+                            note_keys, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) {
     return InvalidModel(name, "header is not a JSON object");
   }
+  if (!duplicate.empty()) return InvalidModel(name, absl::StrCat("header has the key '", duplicate, "' twice"));
   const size_t data_start = 8 + header_len;
   const size_t data_size = bytes.size() - data_start;
 

@@ -125,6 +125,19 @@ TEST(ModelFile, OverlappingOrTrailingTensorDataIsRejected) {
   }
 }
 
+TEST(ModelFile, AKeyGivenTwiceIsRejected) {
+  // JSON parsers keep one of the two (nlohmann the last): the file would mean two things.
+  auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+  std::string text = h.dump();
+  const std::string meta = "\"__metadata__\":{";
+  ASSERT_NE(text.find(meta), std::string::npos);
+  text.insert(text.find(meta) + meta.size(), "\"hstu.num_layers\":\"1\",");
+  uint64_t n = text.size();
+  std::string bytes(8, '\0');
+  std::memcpy(bytes.data(), &n, 8);
+  ExpectError(bytes + text + data, "header has the key 'hstu.num_layers' twice");
+}
+
 TEST(ModelFile, LayerCountBeyondTheTensorsIsRejectedBeforeAllocating) {
   auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
   h["__metadata__"]["hstu.num_layers"] = "2000000000";
