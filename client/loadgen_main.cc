@@ -360,8 +360,9 @@ absl::Status WaitReady(const std::string& target, double wait_s) {
       absl::StrCat("server not SERVING after ", wait_s, " s (last: ", last, ")"));
 }
 
-// The flags that need no server, checked before connecting: a typo fails at once, naming the flag.
-absl::Status CheckFlags() {
+// The flags that need no server, checked before connecting (a typo fails at once, naming the
+// flag), and the load levels they ask for.
+absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
   auto bad = [](const char* flag, auto value, const char* want) {
     return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", want));
   };
@@ -379,17 +380,34 @@ absl::Status CheckFlags() {
   if (absl::GetFlag(FLAGS_max_outstanding) < 1) return bad("max_outstanding", absl::GetFlag(FLAGS_max_outstanding), "must be >= 1");
   const std::string arrival = absl::GetFlag(FLAGS_arrival);
   if (arrival != "constant" && arrival != "poisson") return bad("arrival", arrival, "want constant or poisson");
+  std::vector<LevelResult> levels;
   if (const std::string rate = absl::GetFlag(FLAGS_rate); !rate.empty()) {
-    if (auto r = ParseRates(rate); !r.ok()) return r.status();
-  } else if (auto c = ParseConcurrency(absl::GetFlag(FLAGS_concurrency)); !c.ok()) {
-    return c.status();
+    auto rates = ParseRates(rate);
+    if (!rates.ok()) return rates.status();
+    for (double r : *rates) {
+      LevelResult l;
+      l.mode = "open";
+      l.rate_rps = r;
+      l.arrival = arrival;
+      levels.push_back(l);
+    }
+  } else {
+    auto conc = ParseConcurrency(absl::GetFlag(FLAGS_concurrency));
+    if (!conc.ok()) return conc.status();
+    for (int32_t c : *conc) {
+      LevelResult l;
+      l.mode = "closed";
+      l.concurrency = c;
+      levels.push_back(l);
+    }
   }
-  return absl::OkStatus();
+  return levels;
 }
 
 int Main() {
-  if (absl::Status s = CheckFlags(); !s.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+  absl::StatusOr<std::vector<LevelResult>> levels = LevelsFromFlags();
+  if (!levels.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(levels.status().message()).c_str());
     return 2;
   }
   const std::string target = absl::GetFlag(FLAGS_target);
@@ -452,39 +470,7 @@ int Main() {
     return 2;
   }
 
-  std::vector<LevelResult> levels;
-  const std::string rate_spec = absl::GetFlag(FLAGS_rate);
   const std::string arrival = absl::GetFlag(FLAGS_arrival);
-  if (arrival != "constant" && arrival != "poisson") {
-    std::fprintf(stderr, "--arrival=%s: want constant or poisson\n", arrival.c_str());
-    return 2;
-  }
-  if (!rate_spec.empty()) {
-    auto rates = ParseRates(rate_spec);
-    if (!rates.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(rates.status().message()).c_str());
-      return 2;
-    }
-    for (double r : *rates) {
-      LevelResult l;
-      l.mode = "open";
-      l.rate_rps = r;
-      l.arrival = arrival;
-      levels.push_back(l);
-    }
-  } else {
-    auto conc = ParseConcurrency(absl::GetFlag(FLAGS_concurrency));
-    if (!conc.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(conc.status().message()).c_str());
-      return 2;
-    }
-    for (int32_t c : *conc) {
-      LevelResult l;
-      l.mode = "closed";
-      l.concurrency = c;
-      levels.push_back(l);
-    }
-  }
 
   std::vector<std::unique_ptr<Ranker::Stub>> stubs;
   for (const auto& ch : channels) stubs.push_back(Ranker::NewStub(ch));
@@ -495,10 +481,9 @@ int Main() {
   const bool progress = absl::GetFlag(FLAGS_progress);
   const bool tty = isatty(STDERR_FILENO) != 0;
 
-  for (LevelResult& l : levels) {
+  for (LevelResult& l : *levels) {
     Level level(&l);
-    const std::string label =
-        l.mode == "closed" ? absl::StrCat("c=", l.concurrency) : absl::StrCat(l.rate_rps, " rps");
+    const std::string label = LevelLabel(l);
     std::atomic<bool> running{true};
     std::thread progress_thread;
     if (progress) {
@@ -539,29 +524,28 @@ int Main() {
   run.users = t.num_users;
   run.zipf = t.zipf_s;
   run.connections = num_connections;
-  std::printf("%s", FormatTable(run, levels).c_str());
+  std::printf("%s", FormatTable(run, *levels).c_str());
   std::fflush(stdout);
   int rc = 0;
   // A level that no request got through measured nothing: say so in the exit status, so that a
   // script driving the server does not take an all-errors run (a wrong target model, deadlines too
   // short for the device) as a result.
-  for (const LevelResult& l : levels) {
+  for (const LevelResult& l : *levels) {
     if (l.requests == 0) {
-      const std::string label =
-          l.mode == "closed" ? absl::StrCat("c=", l.concurrency) : absl::StrCat(l.rate_rps, " rps");
-      std::fprintf(stderr, "hstu_loadgen: no request succeeded at %s (%lld errors)\n", label.c_str(),
+      std::fprintf(stderr, "hstu_loadgen: no request succeeded at %s (%lld errors)\n",
+                   LevelLabel(l).c_str(),
                    static_cast<long long>(l.error_count()));
       rc = 1;
     }
   }
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
-    if (absl::Status s = WriteFile(path, ToJson(run, levels)); !s.ok()) {
+    if (absl::Status s = WriteFile(path, ToJson(run, *levels)); !s.ok()) {
       std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
       rc = 1;
     }
   }
   if (const std::string path = absl::GetFlag(FLAGS_csv); !path.empty()) {
-    if (absl::Status s = WriteFile(path, ToCsv(levels)); !s.ok()) {
+    if (absl::Status s = WriteFile(path, ToCsv(*levels)); !s.ok()) {
       std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
       rc = 1;
     }

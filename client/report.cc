@@ -25,19 +25,21 @@ double ReusePercent(const LevelResult& l) {
   return total > 0 ? 100.0 * static_cast<double>(l.reused_tokens) / static_cast<double>(total) : 0;
 }
 
-std::string Load(const LevelResult& l) {
+// "NAME:count" pairs joined by `sep`.
+std::string JoinCounts(const std::map<std::string, int64_t>& counts, const char* sep) {
+  std::vector<std::string> parts;
+  for (const auto& [name, count] : counts) parts.push_back(absl::StrCat(name, ":", count));
+  return absl::StrJoin(parts, sep);
+}
+
+std::string Errors(const LevelResult& l) { return l.errors.empty() ? "0" : JoinCounts(l.errors, ","); }
+
+}  // namespace
+
+std::string LevelLabel(const LevelResult& l) {
   return l.mode == "closed" ? absl::StrCat("c=", l.concurrency)
                             : absl::StrFormat("%.0f rps %s", l.rate_rps, l.arrival);
 }
-
-std::string Errors(const LevelResult& l) {
-  if (l.errors.empty()) return "0";
-  std::vector<std::string> parts;
-  for (const auto& [code, count] : l.errors) parts.push_back(absl::StrCat(code, ":", count));
-  return absl::StrJoin(parts, ",");
-}
-
-}  // namespace
 
 std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& levels) {
   std::string out = absl::StrFormat(
@@ -56,7 +58,7 @@ std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& lev
     const LatencyHistogram& h = l.latency;
     absl::StrAppend(
         &out, absl::StrFormat("| %-18s | %9d | %8.1f | %8.3f | %8.3f | %8.3f | %8.3f | %8.3f | %8.3f | %7.1f | %s |\n",
-                              Load(l), l.requests, l.throughput_rps(), Ms(h.Quantile(0.5)),
+                              LevelLabel(l), l.requests, l.throughput_rps(), Ms(h.Quantile(0.5)),
                               Ms(h.Quantile(0.9)), Ms(h.Quantile(0.95)), Ms(h.Quantile(0.99)),
                               Ms(h.Quantile(0.999)), Ms(h.max_seconds()), ReusePercent(l),
                               Errors(l)));
@@ -75,7 +77,7 @@ std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& lev
     for (const auto& [result, hist] : l.by_cache_result) {
       const double share = l.requests ? 100.0 * hist.count() / l.requests : 0;
       absl::StrAppend(&out, absl::StrFormat("| %-18s | %-13s | %9d | %7.1f | %8.3f | %8.3f |\n",
-                                            Load(l), result, hist.count(), share,
+                                            LevelLabel(l), result, hist.count(), share,
                                             Ms(hist.Quantile(0.5)), Ms(hist.Quantile(0.99))));
     }
   }
@@ -141,11 +143,6 @@ std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels) 
 std::string ToCsv(const std::vector<LevelResult>& levels) {
   // One row per level; the per-code errors and per-cache-result requests are "NAME:count" pairs
   // joined by ';' in one column each (no commas inside a field).
-  auto pairs = [](const auto& counts) {
-    std::string out;
-    for (const auto& [name, n] : counts) absl::StrAppend(&out, out.empty() ? "" : ";", name, ":", n);
-    return out;
-  };
   std::string out =
       "mode,concurrency,rate_rps,arrival,duration_s,requests,throughput_rps,p50_ms,p90_ms,p95_ms,"
       "p99_ms,p999_ms,mean_ms,max_ms,errors,errors_by_code,reused_tokens,computed_tokens,"
@@ -160,8 +157,8 @@ std::string ToCsv(const std::vector<LevelResult>& levels) {
                                           Ms(h.Quantile(0.5)), Ms(h.Quantile(0.9)),
                                           Ms(h.Quantile(0.95)), Ms(h.Quantile(0.99)),
                                           Ms(h.Quantile(0.999)), Ms(h.mean_seconds()),
-                                          Ms(h.max_seconds()), l.error_count(), pairs(l.errors),
-                                          l.reused_tokens, l.computed_tokens, pairs(by_cache)));
+                                          Ms(h.max_seconds()), l.error_count(), JoinCounts(l.errors, ";"),
+                                          l.reused_tokens, l.computed_tokens, JoinCounts(by_cache, ";")));
   }
   return out;
 }

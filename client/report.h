@@ -40,6 +40,8 @@ struct RunInfo {
   int32_t connections = 0;
 };
 
+// "c=8" for a closed-loop level, "500 rps poisson" for an open-loop one.
+std::string LevelLabel(const LevelResult& l);
 std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& levels);
 std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels);
 std::string ToCsv(const std::vector<LevelResult>& levels);

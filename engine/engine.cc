@@ -98,8 +98,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
         "onload_bytes_per_second and recompute_seconds_per_token must be >= 0 (0 = measured), got ",
         options.onload_bytes_per_second, " and ", options.recompute_seconds_per_token));
   }
-  const int64_t pages_per_user =
-      (int64_t{c.max_history_tokens} + options.page_size - 1) / options.page_size;
+  const int64_t pages_per_user = PagesFor(c.max_history_tokens, options.page_size);
   // The default pool size depends on where it lives (fp32 on the CPU, bf16 on a GPU), so "auto"
   // is resolved first: a GPU when one can be used, else the CPU.
   int64_t num_pages = 0;

@@ -326,7 +326,7 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
       e.page_ids.assign(e.dead_pages, kDeadPage);
     }
   }
-  const int64_t pages_needed = (static_cast<int64_t>(keys.size()) + page_size_ - 1) / page_size_;
+  const int64_t pages_needed = PagesFor(static_cast<int64_t>(keys.size()), page_size_);
   const int64_t missing = pages_needed - static_cast<int64_t>(e.page_ids.size());
   // This entry's own pages are pinned now but not yet in pinned_pages_: count them for the check.
   pinned_pages_ += LivePages(e.page_ids, e.dead_pages);
@@ -379,7 +379,7 @@ absl::StatusOr<Reservation> CacheManager::AcquireTemporary(uint64_t user_id, int
   r.temporary = true;
   r.total_tokens = num_tokens;
   r.result = LookupResult::kDisabled;
-  const int64_t pages_needed = (static_cast<int64_t>(num_tokens) + page_size_ - 1) / page_size_;
+  const int64_t pages_needed = PagesFor(num_tokens, page_size_);
   if (!AllocateLocked(user_id, pages_needed, &r.page_ids)) {
     return absl::ResourceExhaustedError(absl::StrCat("KV page pool too small: ", num_tokens,
                                                      " tokens need ", pages_needed, " pages of ",

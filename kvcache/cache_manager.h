@@ -71,6 +71,9 @@ struct CacheStats {
   int32_t page_size = 0;
 };
 
+// Pages of `page_size` tokens that hold `tokens` tokens.
+inline int64_t PagesFor(int64_t tokens, int32_t page_size) { return (tokens + page_size - 1) / page_size; }
+
 // Key of one history token: items and actions never collide.
 inline uint64_t TokenKey(bool is_action, int64_t id) {
   return (static_cast<uint64_t>(id) << 1) | (is_action ? 1u : 0u);

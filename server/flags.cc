@@ -82,7 +82,7 @@ namespace {
 // HOST:PORT with a decimal port in [0, 65535]: an out-of-range port must not reach the resolver,
 // which takes it modulo 65536 and binds some other port. gRPC's unix: addresses pass as they are.
 absl::Status CheckListenAddress(const char* flag, const std::string& address) {
-  if (address.rfind("unix:", 0) == 0 || address.rfind("unix-abstract:", 0) == 0) return absl::OkStatus();
+  if (IsUnixSocketAddress(address)) return absl::OkStatus();
   const size_t colon = address.rfind(':');
   const std::string port = colon == std::string::npos ? "" : address.substr(colon + 1);
   uint32_t value = 0;

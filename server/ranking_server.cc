@@ -47,7 +47,7 @@ namespace {
 absl::Status CheckServingLimits(const ServerOptions& options, const Engine& engine) {
   const ModelConfig& c = engine.config();
   const int64_t page_size = options.engine.page_size;
-  const int64_t pages_per_user = (c.max_history_tokens + page_size - 1) / page_size;
+  const int64_t pages_per_user = PagesFor(c.max_history_tokens, options.engine.page_size);
   const int64_t pool = engine.Stats().cache.pages_total;
   if (pool < pages_per_user) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -98,7 +98,7 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
     return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", options.listen));
   }
   s->SetServing(false);
-  const bool unix_socket = options.listen.rfind("unix", 0) == 0;  // gRPC reports port 1 for these
+  const bool unix_socket = IsUnixSocketAddress(options.listen);  // gRPC reports port 1 for these
   spdlog::info("grpc: listening on {}{}, max message {} bytes; health NOT_SERVING until the model "
                "is warm",
                options.listen, unix_socket ? "" : absl::StrCat(" (port ", s->port_, ")"),
@@ -234,7 +234,7 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
   s->service_->Attach(s->engine_.get(), s->scheduler_.get());
   s->SetServing(true);
   spdlog::info("ready: health SERVING on {}",
-               options.listen.rfind("unix", 0) == 0 ? options.listen : absl::StrCat("port ", s->port_));
+               unix_socket ? options.listen : absl::StrCat("port ", s->port_));
   return s;
 }
 

@@ -23,6 +23,11 @@
 
 namespace hstu::server {
 
+// gRPC's unix: and unix-abstract: listen addresses (no port).
+inline bool IsUnixSocketAddress(const std::string& address) {
+  return address.rfind("unix:", 0) == 0 || address.rfind("unix-abstract:", 0) == 0;
+}
+
 struct ServerOptions {
   std::string listen = "0.0.0.0:50051";         // port 0 picks a free one (see port())
   std::string metrics_listen = "0.0.0.0:9464";  // "" disables the exposer
