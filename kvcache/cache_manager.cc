@@ -57,6 +57,15 @@ uint64_t ChainFrom(uint64_t h, absl::Span<const uint64_t> keys, size_t first_pag
   return h;
 }
 
+// How many of the first `limit` keys of `a` and `b` are equal, counted from the first: the exact
+// check behind every hash match (a 64-bit hash can be collided on purpose, and a crafted history
+// must not be served from another history's K/V, DESIGN §4).
+size_t CommonPrefix(absl::Span<const uint64_t> a, absl::Span<const uint64_t> b, size_t limit) {
+  limit = std::min({limit, a.size(), b.size()});
+  return static_cast<size_t>(std::mismatch(a.begin(), a.begin() + limit, b.begin()).first -
+                             a.begin());
+}
+
 // Frees the pages of ids[from, end) that are not dead.
 void FreeLive(PageAllocator& a, const std::vector<int32_t>& ids, size_t from = 0) {
   for (size_t i = from; i < ids.size(); ++i) {
@@ -166,6 +175,7 @@ void CacheManager::TruncateLocked(Entry& e, size_t full_pages) {
   if (full_pages == 0) e.dead_pages = 0;
   e.page_hashes.resize(std::min(e.page_hashes.size(), full_pages));
   e.num_tokens = static_cast<int32_t>(e.page_hashes.size()) * page_size_;
+  e.keys.resize(e.num_tokens);
   e.prefix_hash = e.page_hashes.empty() ? PrefixHash({}, page_size_) : e.page_hashes.back();
 }
 
@@ -270,9 +280,11 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
     return absl::FailedPreconditionError(
         absl::StrCat("user ", user_id, " already has a request in flight"));
   } else {
-    // Whether the request's history extends everything the entry holds (one pass over it).
-    const bool extends = static_cast<size_t>(e.num_tokens) <= keys.size() &&
-                         prefix_hash(static_cast<size_t>(e.num_tokens)) == e.prefix_hash;
+    // Whether the request's history extends everything the entry holds: the hashes say so, and
+    // the keys confirm it.
+    const size_t held = static_cast<size_t>(e.num_tokens);
+    const bool extends = held <= keys.size() && prefix_hash(held) == e.prefix_hash &&
+                         CommonPrefix(keys, e.keys, held) == held;
     if (e.inflight_pages > 0 && !extends) {
       // Reusing less than the entry holds would free pages that the offload still reads.
       return absl::UnavailableError(absl::StrCat("user ", user_id,
@@ -296,6 +308,7 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
       const size_t cmp_pages = std::min(page_hashes.size(), e.page_hashes.size());
       size_t k = 0;
       while (k < cmp_pages && page_hashes[k] == e.page_hashes[k]) ++k;
+      k = CommonPrefix(keys, e.keys, k * page_size_) / page_size_;  // the keys confirm the chain
       TruncateLocked(e, k);  // to nothing when the window has released what k pages need
       r.reused_tokens = e.num_tokens;
       r.result = e.num_tokens == 0 ? LookupResult::kMismatch
@@ -409,6 +422,7 @@ PageCopies CacheManager::Commit(const Reservation& r, absl::Span<const uint64_t>
     return offload;
   }
   e.num_tokens = static_cast<int32_t>(keys.size());
+  e.keys.assign(keys.begin(), keys.end());
   // Acquire hashed the request's full pages (the reused ones matched the entry's); only keys
   // other than the acquired ones are hashed again.
   e.page_hashes = r.page_hashes.size() == keys.size() / page_size_
@@ -513,6 +527,7 @@ PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> k
   const std::vector<uint64_t> req = PageChainHashes(keys.subspan(0, cmp_tokens), page_size_);
   size_t k = 0;
   while (k < req.size() && k < e.host_page_ids.size() && req[k] == e.page_hashes[k]) ++k;
+  k = CommonPrefix(keys, e.keys, k * page_size_) / page_size_;
   if (k <= static_cast<size_t>(e.dead_pages) || !WindowAllows(e, k)) return copies;
   const size_t first = static_cast<size_t>(e.dead_pages);
   const int64_t live = static_cast<int64_t>(k - first);

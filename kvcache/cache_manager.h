@@ -3,6 +3,9 @@
 //
 // A token is identified by a 64-bit key (kind and id, see TokenKey). Each full page has a chain hash
 // covering its keys and the previous page's hash; the entry also keeps the hash of its whole prefix.
+// The hashes find how much of a request's history the entry holds; the entry's keys, kept beside
+// them (8 bytes a token), confirm it, so a history crafted to collide with a hash is recomputed,
+// not served from the other history's K/V.
 //
 // Host tier (host_num_pages > 0): after a commit, the entry's new full pages get host copies
 // (write-behind, PageCopies returned by Commit). An entry evicted from the GPU keeps its host copy
@@ -192,6 +195,7 @@ class CacheManager {
     std::vector<uint64_t> page_hashes;  // one per full page
     int32_t dead_pages = 0;             // pages [0, dead_pages) released behind the window
     uint64_t prefix_hash = 0;           // over all num_tokens keys
+    std::vector<uint64_t> keys;         // the num_tokens keys, which confirm every hash match
     bool pinned = false;
     int32_t inflight_pages = 0;         // pages of this entry in an offload not yet complete
     bool prefetch_pending = false;      // GPU pages being filled by a Prefetch() copy

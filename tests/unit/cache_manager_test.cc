@@ -192,6 +192,48 @@ TEST(CacheManager, FirstTokenEditedIsAMismatch) {
   EXPECT_EQ(m.Stats().dropped_entries, 1u);
 }
 
+// Keys edited so that the chain hash does not change: in a lane step rotl((lane ^ key) * C, 29),
+// flipping bit 63 of one key flips bit 28 of the lane, which flipping bit 28 of the lane's next
+// key (8 slots on) undoes. A client can send such ids on purpose.
+std::vector<uint64_t> CollidingEdit(std::vector<uint64_t> keys, size_t slot) {
+  keys[slot] ^= uint64_t{1} << 63;
+  keys[slot + 8] ^= uint64_t{1} << 28;
+  return keys;
+}
+
+TEST(CacheManager, AHistoryCraftedToCollideWithTheHashIsRecomputed) {
+  const int32_t ps = 16;
+  const auto k = Keys(44);
+  // The edit in page 0, page 1, and in the partial last page.
+  for (const size_t slot : {size_t{2}, size_t{17}, size_t{33}}) {
+    SCOPED_TRACE(slot);
+    const auto edited = CollidingEdit(k, slot);
+    ASSERT_EQ(PageChainHashes(edited, ps), PageChainHashes(k, ps));  // the hashes cannot tell
+    ASSERT_EQ(PrefixHash(edited, ps), PrefixHash(k, ps));
+    CacheManager m(ps, 64);
+    AcquireCommit(m, 1, k);
+    auto r = m.Acquire(1, edited);
+    ASSERT_TRUE(r.ok()) << r.status();
+    // Only the pages before the edit are reused (before: all 44 tokens, a GPU hit).
+    EXPECT_EQ(r->reused_tokens, static_cast<int32_t>(slot / ps * ps));
+    EXPECT_EQ(r->result, slot < ps ? LookupResult::kMismatch : LookupResult::kPartial);
+    m.Commit(*r, edited);
+    // The entry now holds the edited history: the original is the one that no longer matches.
+    auto back = m.Acquire(1, k);
+    ASSERT_TRUE(back.ok());
+    EXPECT_EQ(back->reused_tokens, static_cast<int32_t>(slot / ps * ps));
+    m.Release(*back);
+  }
+  // A host-only entry is not prefetched for a colliding history.
+  CacheManager m(ps, 3, 16);
+  AcquireCommit(m, 1, Keys(32));
+  m.OffloadsComplete();
+  AcquireCommit(m, 2, Keys(48, 2));  // 3 pages: user 1 to the host
+  m.OffloadsComplete();
+  EXPECT_TRUE(m.Prefetch(1, CollidingEdit(Keys(32), 1)).src.empty());
+  EXPECT_EQ(m.Prefetch(1, Keys(32)).src.size(), 2u);
+}
+
 TEST(CacheManager, LruEvictionSkipsPinnedAndRecentUsers) {
   CacheManager m(4, 6);  // room for three users of 8 tokens
   AcquireCommit(m, 1, Keys(8, 1));
