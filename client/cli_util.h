@@ -10,9 +10,11 @@ namespace hstu {
 // `--no-cache` == `--no_cache`). Returns storage whose c_str()s back `argv_out`.
 inline std::vector<std::string> NormalizeFlagDashes(int argc, char** argv) {
   std::vector<std::string> args;
+  bool flags_ended = false;  // everything after a bare "--" is positional and kept as is
   for (int i = 0; i < argc; ++i) {
     std::string a = argv[i];
-    if (a.size() > 2 && a[0] == '-' && a[1] == '-') {
+    if (a == "--") flags_ended = true;
+    if (!flags_ended && a.size() > 2 && a[0] == '-' && a[1] == '-') {
       const size_t end = a.find('=') == std::string::npos ? a.size() : a.find('=');
       for (size_t j = 2; j < end; ++j) {
         if (a[j] == '-') a[j] = '_';

@@ -33,6 +33,7 @@
 #include "client/bench_attention_layer.h"
 #include "client/bench_gemm.h"
 #include "client/bench_util.h"
+#include "client/cli_util.h"
 #include "client/gpu_monitor.h"
 #include "client/kernel_timeline.h"
 #include "engine/cuda_backend.h"
@@ -1221,7 +1222,10 @@ json BenchOffload(int reps, int page_size) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("hstu_bench attention|kernels|block [--json FILE] [--reps N] [--batches 1,8]");
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  auto flag_args = hstu::NormalizeFlagDashes(argc, argv);
+  auto flag_argv = hstu::ArgvOf(flag_args);
+  std::vector<char*> args =
+      absl::ParseCommandLine(static_cast<int>(flag_args.size()), flag_argv.data());
   if (args.size() != 2) {
     std::fprintf(stderr, "usage: hstu_bench attention|attention_trace|kernels|block|attention_sweep|layer|block_graphs|"
                          "timeline|e2e|offload|gemm_algos|gemm_search [--json FILE]\n");

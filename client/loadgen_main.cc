@@ -31,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "client/cli_util.h"
 #include "client/latency_histogram.h"
 #include "client/report.h"
 #include "client/traffic.h"
@@ -363,7 +364,7 @@ absl::Status WaitReady(const std::string& target, double wait_s) {
 // The flags that need no server, checked before connecting (a typo fails at once, naming the
 // flag), and the load levels they ask for.
 absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
-  auto bad = [](const char* flag, auto value, const char* want) {
+  auto bad = [](const char* flag, auto value, absl::string_view want) {
     return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", want));
   };
   if (absl::GetFlag(FLAGS_connections) < 1) return bad("connections", absl::GetFlag(FLAGS_connections), "must be >= 1");
@@ -377,6 +378,34 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
   if (absl::GetFlag(FLAGS_candidates) < 0) return bad("candidates", absl::GetFlag(FLAGS_candidates), "must be >= 0 (0: the model's candidates per forward)");
   if (absl::GetFlag(FLAGS_initial_events) < 0) return bad("initial_events", absl::GetFlag(FLAGS_initial_events), "must be >= 0 (0: half the model's maximum)");
   if (absl::GetFlag(FLAGS_max_events) < 0) return bad("max_events", absl::GetFlag(FLAGS_max_events), "must be >= 0 (0: twice the model's maximum)");
+  const int64_t users = absl::GetFlag(FLAGS_users);
+  if (users < 1 || users > kMaxUsers) {
+    return bad("users", users, absl::StrCat("must be in [1, ", kMaxUsers, "]"));
+  }
+  const double zipf = absl::GetFlag(FLAGS_zipf);
+  if (!(zipf >= 0) || !std::isfinite(zipf)) return bad("zipf", zipf, "must be finite and >= 0");
+  const double new_user_rate = absl::GetFlag(FLAGS_new_user_rate);
+  if (!(new_user_rate >= 0 && new_user_rate <= 1)) {
+    return bad("new_user_rate", new_user_rate, "must be in [0, 1]");
+  }
+  const int32_t new_events_min = absl::GetFlag(FLAGS_new_events_min);
+  if (new_events_min < 1) return bad("new_events_min", new_events_min, "must be >= 1");
+  if (absl::GetFlag(FLAGS_new_events) < new_events_min) {
+    return bad("new_events", absl::GetFlag(FLAGS_new_events),
+               absl::StrCat("must be >= --new_events_min (", new_events_min, ")"));
+  }
+  const int32_t initial_events_min = absl::GetFlag(FLAGS_initial_events_min);
+  if (initial_events_min < 1) return bad("initial_events_min", initial_events_min, "must be >= 1");
+  const int32_t initial_events = absl::GetFlag(FLAGS_initial_events);
+  if (initial_events > 0 && initial_events < initial_events_min) {
+    return bad("initial_events", initial_events,
+               absl::StrCat("must be >= --initial_events_min (", initial_events_min, ")"));
+  }
+  const int32_t max_events = absl::GetFlag(FLAGS_max_events);
+  if (max_events > 0 && max_events < std::max(initial_events, initial_events_min)) {
+    return bad("max_events", max_events,
+               absl::StrCat("must be >= --initial_events (", std::max(initial_events, initial_events_min), ")"));
+  }
   if (absl::GetFlag(FLAGS_max_outstanding) < 1) return bad("max_outstanding", absl::GetFlag(FLAGS_max_outstanding), "must be >= 1");
   const std::string arrival = absl::GetFlag(FLAGS_arrival);
   if (arrival != "constant" && arrival != "poisson") return bad("arrival", arrival, "want constant or poisson");
@@ -563,8 +592,8 @@ int main(int argc, char** argv) {
       "--rate=500 --arrival=poisson]\n"
       "               [--duration=10 | --requests=N] [--users=1000 --zipf=1.0] [--json=F --csv=F]\n"
       "Exit status: 0 when every load level answered at least one request; 1 when one answered\n"
-      "none, or the server could not be reached, or a report file could not be written; 2 for a\n"
-      "bad flag.");
+      "none, or the server could not be reached, or a report file could not be written, or a flag\n"
+      "does not parse; 2 for a flag value out of range.");
   absl::FlagsUsageConfig usage;
   // --help lists this program's flags (absl's default matches files named after the binary).
   usage.contains_help_flags = [](absl::string_view path) {
@@ -572,6 +601,8 @@ int main(int argc, char** argv) {
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+  auto args = hstu::NormalizeFlagDashes(argc, argv);
+  auto argv2 = hstu::ArgvOf(args);
+  absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data());
   return hstu::loadgen::Main();
 }

@@ -16,9 +16,13 @@ uint64_t Mix64(uint64_t x) {
 
 absl::StatusOr<std::unique_ptr<TrafficModel>> TrafficModel::Create(const TrafficOptions& o) {
   auto bad = [](const std::string& what) { return absl::InvalidArgumentError(what); };
-  if (o.num_users < 1) return bad(absl::StrCat("users must be >= 1, got ", o.num_users));
-  if (o.zipf_s < 0) return bad(absl::StrCat("zipf must be >= 0, got ", o.zipf_s));
-  if (o.new_user_rate < 0 || o.new_user_rate > 1) {
+  if (o.num_users < 1 || o.num_users > kMaxUsers) {
+    return bad(absl::StrCat("users must be in [1, ", kMaxUsers, "], got ", o.num_users));
+  }
+  if (!(o.zipf_s >= 0) || !std::isfinite(o.zipf_s)) {
+    return bad(absl::StrCat("zipf must be finite and >= 0, got ", o.zipf_s));
+  }
+  if (!(o.new_user_rate >= 0 && o.new_user_rate <= 1)) {
     return bad(absl::StrCat("new_user_rate must be in [0, 1], got ", o.new_user_rate));
   }
   if (o.initial_events_min < 1 || o.initial_events_max < o.initial_events_min) {

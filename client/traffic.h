@@ -17,6 +17,9 @@
 
 namespace hstu::loadgen {
 
+// Largest user population: the model keeps 24 bytes a user (its CDF and slot), 2.4 GB at this cap.
+inline constexpr int64_t kMaxUsers = 100'000'000;
+
 struct TrafficOptions {
   int64_t num_users = 1000;
   double zipf_s = 1.0;           // popularity of the user at rank r is proportional to r^-s

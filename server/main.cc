@@ -14,6 +14,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/time/time.h"
+#include "client/cli_util.h"
 #include "server/flags.h"
 #include "server/ranking_server.h"
 #include "spdlog/spdlog.h"
@@ -35,7 +36,9 @@ int main(int argc, char** argv) {
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+  auto args = hstu::NormalizeFlagDashes(argc, argv);
+  auto argv2 = hstu::ArgvOf(args);
+  absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data());
 
   const std::string level = hstu::server::LogLevelFlag();
   const spdlog::level::level_enum lvl = spdlog::level::from_str(level);

@@ -131,7 +131,9 @@ TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
        {"--listen=127.0.0.1", "--listen=127.0.0.1: must be HOST:PORT"},
        {"--metrics_listen=127.0.0.1:65536", "--metrics_listen=127.0.0.1:65536: must be HOST:PORT"},
        {"--metrics_listen=127.0.0.1:-1", "--metrics_listen=127.0.0.1:-1: must be HOST:PORT"},
-       {"--shutdown_grace_s=-4", "--shutdown_grace_s=-4: must be >= 0"}},
+       {"--shutdown_grace_s=-4", "--shutdown_grace_s=-4: must be >= 0"},
+       // Every program takes the dashed spelling of its flags (README).
+       {"--shutdown-grace-s=-4", "--shutdown_grace_s=-4: must be >= 0"}},
       2);
 }
 
@@ -412,7 +414,16 @@ TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
                           {"--timeout_ms=0", "--timeout_ms=0: must be >= 1"},
                           {"--requests=-3", "--requests=-3: must be >= 0"},
                           {"--arrival=weird", "--arrival=weird: want constant or poisson"},
-                          {"--rate=nan", "--rate=nan: want R or R1,R2 (finite, > 0)"}},
+                          {"--rate=nan", "--rate=nan: want R or R1,R2 (finite, > 0)"},
+                          // The traffic model's flags too (before: checked after connecting).
+                          {"--users=0", "--users=0: must be in [1, 100000000]"},
+                          {"--zipf=nan", "--zipf=nan: must be finite and >= 0"},
+                          {"--new_user_rate=1.5", "--new_user_rate=1.5: must be in [0, 1]"},
+                          {"--new_events=2 --new_events_min=3", "--new_events=2: must be >= --new_events_min (3)"},
+                          {"--initial_events=4 --initial_events_min=5", "--initial_events=4: must be >= --initial_events_min (5)"},
+                          {"--initial_events=64 --max_events=32", "--max_events=32: must be >= --initial_events (64)"},
+                          // The dashed spelling names the same flag.
+                          {"--timeout-ms=0", "--timeout_ms=0: must be >= 1"}},
                          2);
   // Every request rejected (more candidates than the server takes): the report is printed, and
   // the exit status says that nothing was measured.
