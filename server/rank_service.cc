@@ -38,6 +38,16 @@ const char* GrpcCodeName(absl::StatusCode code) {
   }
 }
 
+absl::Status AsSeenByTheClient(absl::Status status, std::chrono::system_clock::time_point deadline,
+                               std::chrono::system_clock::time_point now) {
+  if (!status.ok() && !absl::IsCancelled(status)) return status;  // the server's own failure
+  if (deadline != std::chrono::system_clock::time_point::max() &&
+      now + kDeadlineSlack >= deadline) {
+    return absl::DeadlineExceededError("deadline expired before the answer");
+  }
+  return absl::CancelledError("call was cancelled before the answer");
+}
+
 void RankService::Attach(const Engine* engine, Scheduler* scheduler) {
   attached_holder_ = std::make_unique<Attached>(Attached{engine, scheduler, MakeModelInfo(*engine)});
   attached_.store(attached_holder_.get(), std::memory_order_release);
@@ -65,7 +75,13 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
   metrics_->AddInflight(1);
   ServerMetrics* metrics = metrics_;
   // Answers the RPC exactly once, from whichever thread finishes it.
-  auto finish = [reactor, metrics, arrived](const absl::Status& status) {
+  auto finish = [reactor, metrics, arrived, context](absl::Status status) {
+    // A call the client gave up on got no answer, whatever the batch computed: it is counted as
+    // the client saw it.
+    if (context->IsCancelled()) {
+      status = AsSeenByTheClient(std::move(status), context->deadline(),
+                                 std::chrono::system_clock::now());
+    }
     metrics->ObserveRequest(GrpcCodeName(status.code()),
                             std::chrono::duration<double>(Clock::now() - arrived).count());
     metrics->AddInflight(-1);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 
 #include <grpcpp/grpcpp.h>
@@ -44,5 +45,17 @@ class RankService final : public hstu::v1::Ranker::CallbackService {
 grpc::Status ToGrpcStatus(const absl::Status& status);
 // "OK", "INVALID_ARGUMENT", ... (the gRPC code names, used as the metrics' code label).
 const char* GrpcCodeName(absl::StatusCode code);
+
+// A client's deadline passes about one network trip before the server's copy of it (gRPC sends a
+// timeout, which the server counts from when the call arrives): a cancel this close to the
+// server's deadline is taken for the deadline.
+inline constexpr std::chrono::milliseconds kDeadlineSlack{5};
+
+// The status of a call the client gave up on (cancelled, or past its deadline) before the server
+// answered, as the client saw it: DEADLINE_EXCEEDED within kDeadlineSlack of `deadline` (the
+// server's copy), otherwise CANCELLED. The server's own failures (other than CANCELLED) are kept:
+// they are what an operator needs to see.
+absl::Status AsSeenByTheClient(absl::Status status, std::chrono::system_clock::time_point deadline,
+                               std::chrono::system_clock::time_point now);
 
 }  // namespace hstu::server

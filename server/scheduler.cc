@@ -11,6 +11,17 @@ namespace {
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
+// Why a request can no longer be answered usefully (its deadline passed, or its call was
+// cancelled), `where` in its life; OK while it can. An expired call is also cancelled by gRPC;
+// DEADLINE_EXCEEDED is the more useful answer.
+absl::Status DeadStatus(const PendingRank& p, Clock::time_point now, const char* where) {
+  if (p.deadline <= now) return absl::DeadlineExceededError(absl::StrCat("deadline expired ", where));
+  if (p.is_cancelled && p.is_cancelled()) {
+    return absl::CancelledError(absl::StrCat("call was cancelled ", where));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int64_t DefaultTokenCost(const RankRequest& request) {
@@ -56,7 +67,11 @@ absl::Status Scheduler::Submit(PendingRank pending) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (draining_) return absl::UnavailableError("server is shutting down");
-    if (static_cast<int64_t>(queue_.size()) >= options_.max_queue) {
+    // Requests whose deadline passed or whose call was cancelled hold no place: they are answered
+    // at the next batch boundary. (The queue's storage stays bounded at twice max_queue.)
+    if (static_cast<int64_t>(queue_.size()) >= options_.max_queue &&
+        (static_cast<int64_t>(queue_.size()) >= 2 * static_cast<int64_t>(options_.max_queue) ||
+         LiveQueuedLocked(item.enqueued) >= options_.max_queue)) {
       return absl::ResourceExhaustedError(
           absl::StrCat("request queue is full (", options_.max_queue, " requests)"));
     }
@@ -65,6 +80,26 @@ absl::Status Scheduler::Submit(PendingRank pending) {
   }
   cv_.notify_one();
   return absl::OkStatus();
+}
+
+int64_t Scheduler::LiveQueuedLocked(Clock::time_point now) const {
+  return std::count_if(queue_.begin(), queue_.end(), [now](const Item& item) {
+    return DeadStatus(item.pending, now, "").ok();
+  });
+}
+
+void Scheduler::SweepDeadLocked(size_t from, Clock::time_point now, std::vector<Item>* rejected) {
+  size_t kept = from;
+  for (size_t i = from; i < queue_.size(); ++i) {
+    Item& item = queue_[i];
+    if (absl::Status dead = DeadStatus(item.pending, now, "while queued"); !dead.ok()) {
+      item.rejection = std::move(dead);
+      rejected->push_back(std::move(item));
+    } else if (kept++ != i) {
+      queue_[kept - 1] = std::move(item);
+    }
+  }
+  queue_.erase(queue_.begin() + static_cast<std::ptrdiff_t>(kept), queue_.end());
 }
 
 int64_t Scheduler::QueueDepth() const { return depth_.load(std::memory_order_relaxed); }
@@ -92,15 +127,13 @@ bool Scheduler::TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wak
   std::unordered_set<uint64_t> users;
   int64_t tokens = 0;
   bool full = false;
-  for (size_t i = 0; i < queue_.size();) {
+  size_t i = 0;
+  for (; i < queue_.size();) {
     Item& item = queue_[i];
-    // An expired call is also cancelled by gRPC; DEADLINE_EXCEEDED is the more useful answer.
-    const bool expired = item.pending.deadline <= now;
-    if (expired || (item.pending.is_cancelled && item.pending.is_cancelled())) {
+    if (absl::Status dead = DeadStatus(item.pending, now, "while queued"); !dead.ok()) {
       // Answered without engine work. Erasing shifts the indices after i, so `chosen` (all < i)
       // stays valid.
-      item.rejection = expired ? absl::DeadlineExceededError("deadline expired while queued")
-                               : absl::CancelledError("call was cancelled while queued");
+      item.rejection = std::move(dead);
       rejected->push_back(std::move(item));
       queue_.erase(queue_.begin() + static_cast<std::ptrdiff_t>(i));
       continue;
@@ -124,6 +157,9 @@ bool Scheduler::TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wak
       break;
     }
   }
+  // The scan stopped at a full batch: what is dead behind it is answered now too, not when the
+  // scan reaches it (its caller waits, and it holds a place in the queue).
+  SweepDeadLocked(i, now, rejected);
   if (chosen.empty()) return false;
   if (options_.adaptive_fill && static_cast<int32_t>(chosen.size()) >= last_batch_size_) full = true;
   if (!full && !draining_ && options_.batch_timeout.count() > 0) {
@@ -186,6 +222,18 @@ void Scheduler::WorkerLoop() {
 }
 
 void Scheduler::RunBatch(std::vector<Item>& batch) {
+  // A request can expire, or its call be cancelled, between the scan and now (the prefetch runs in
+  // between): it gets no engine work either.
+  const Clock::time_point taken = Clock::now();
+  std::erase_if(batch, [&](Item& item) {
+    absl::Status dead = DeadStatus(item.pending, taken, "before its batch ran");
+    if (dead.ok()) return false;
+    RequestTiming timing;
+    timing.queue_seconds = Seconds(taken - item.enqueued);
+    item.pending.done(std::move(dead), timing);
+    return true;
+  });
+  if (batch.empty()) return;
   std::vector<RankRequest> requests;
   requests.reserve(batch.size());
   BatchInfo info;

@@ -14,8 +14,10 @@
 //    before it, so the callers of a closed loop, whose answers just went out, are regrouped into
 //    one batch without waiting out the timeout (and a falling load waits it out only once);
 //  - a request whose deadline passed or whose call was cancelled is answered before any engine
-//    work (DEADLINE_EXCEEDED / CANCELLED);
-//  - the queue is bounded: Submit() answers RESOURCE_EXHAUSTED when it is full;
+//    work (DEADLINE_EXCEEDED / CANCELLED), checked when a batch is formed (the whole queue) and
+//    again right before the batch runs;
+//  - the queue is bounded: Submit() answers RESOURCE_EXHAUSTED when it holds max_queue requests
+//    that can still be answered (dead ones, not yet answered, take no place);
 //  - Drain() stops admitting (UNAVAILABLE), finishes everything queued, then stops the worker;
 //  - an engine failure of one batch answers INTERNAL for that batch only.
 //
@@ -125,6 +127,10 @@ class Scheduler {
   bool TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wake_at,
                        std::vector<Item>* rejected);
   void RunBatch(std::vector<Item>& batch);
+  // Queued requests that can still be answered usefully (deadline ahead, call not cancelled).
+  int64_t LiveQueuedLocked(Clock::time_point now) const;
+  // Moves the dead requests of queue_[from, end) to *rejected, keeping the order of the others.
+  void SweepDeadLocked(size_t from, Clock::time_point now, std::vector<Item>* rejected);
 
   const SchedulerOptions options_;
   const RunBatchFn run_batch_;

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -26,9 +27,9 @@ class FakeEngine {
       std::vector<uint64_t> users;
       for (const auto& r : batch) users.push_back(r.user_id);
       batches_.push_back(users);
-      ++entered_;
+      const int me = ++entered_;
       cv_.notify_all();
-      cv_.wait(lock, [&] { return open_; });
+      cv_.wait(lock, [&] { return open_ || me <= released_; });
     }
     std::vector<absl::StatusOr<RankResult>> out;
     for (const auto& r : batch) {
@@ -52,6 +53,12 @@ class FakeEngine {
     open_ = true;
     cv_.notify_all();
   }
+  // While closed, lets the oldest batch not yet let through pass (batches count from 1).
+  void ReleaseOne() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++released_;
+    cv_.notify_all();
+  }
   void WaitEntered(int n) {
     std::unique_lock<std::mutex> lock(mu_);
     ASSERT_TRUE(cv_.wait_for(lock, 5s, [&] { return entered_ >= n; }));
@@ -67,6 +74,7 @@ class FakeEngine {
   std::condition_variable cv_;
   bool open_ = true;
   int entered_ = 0;
+  int released_ = 0;
   std::vector<std::vector<uint64_t>> batches_;
 };
 
@@ -87,6 +95,12 @@ PendingRank Pending(uint64_t user, Outcome* out, int64_t events = 1,
     out->promise.set_value(std::move(r));
   };
   return p;
+}
+
+// The outcome, or UNKNOWN "never answered" after 10 s (a test of a broken scheduler fails, not hangs).
+absl::StatusOr<RankResult> Await(Outcome& o) {
+  if (o.future.wait_for(10s) != std::future_status::ready) return absl::UnknownError("never answered");
+  return o.future.get();
 }
 
 std::unique_ptr<Scheduler> MakeScheduler(FakeEngine* engine, SchedulerOptions o) {
@@ -316,6 +330,77 @@ TEST(SchedulerTest, ExpiredAndCancelledRequestsNeverReachTheEngine) {
   for (const auto& b : engine.batches()) {
     for (uint64_t u : b) EXPECT_TRUE(u != 1 && u != 2) << "user " << u << " reached the engine";
   }
+}
+
+TEST(SchedulerTest, DeadRequestsHoldNoPlaceInTheQueue) {
+  // Before: two expired requests filled a queue of two until the engine's batch ended, and live
+  // requests were answered RESOURCE_EXHAUSTED meanwhile.
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.max_queue = 2;
+  auto s = MakeScheduler(&engine, o);
+  engine.Close();
+  Outcome first;
+  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
+  engine.WaitEntered(1);
+  std::vector<Outcome> dead(2), live(3);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(s->Submit(Pending(1 + i, &dead[i], 1, Clock::now() + 10ms)).ok());
+  }
+  std::this_thread::sleep_for(30ms);
+  EXPECT_TRUE(s->Submit(Pending(11, &live[0])).ok());
+  EXPECT_TRUE(s->Submit(Pending(12, &live[1])).ok());
+  // Two live requests: the queue is full now.
+  EXPECT_EQ(s->Submit(Pending(13, &live[2])).code(), absl::StatusCode::kResourceExhausted);
+  engine.Open();
+  for (auto& d : dead) EXPECT_EQ(Await(d).status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(Await(live[0]).ok());
+  EXPECT_TRUE(Await(live[1]).ok());
+}
+
+TEST(SchedulerTest, DeadRequestsBehindAFullBatchAreAnsweredWhenItStarts) {
+  // Before: the scan stopped at the full batch, and the expired request waited for that batch
+  // to end (and every batch after it, while the queue held more than a batch).
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.max_batch_size = 1;
+  auto s = MakeScheduler(&engine, o);
+  engine.Close();
+  Outcome first, live, expired;
+  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
+  engine.WaitEntered(1);
+  ASSERT_TRUE(s->Submit(Pending(1, &live)).ok());
+  ASSERT_TRUE(s->Submit(Pending(2, &expired, 1, Clock::now() + 10ms)).ok());
+  std::this_thread::sleep_for(30ms);
+  engine.ReleaseOne();      // user 100's batch ends; user 1's starts and is held
+  engine.WaitEntered(2);
+  EXPECT_EQ(expired.future.wait_for(5s), std::future_status::ready) << "not answered while the batch ran";
+  EXPECT_EQ(live.future.wait_for(0s), std::future_status::timeout);  // still in the engine
+  engine.Open();
+  EXPECT_EQ(Await(expired).status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(Await(live).ok());
+}
+
+TEST(SchedulerTest, ARequestThatExpiresWhileItsBatchIsPreparedGetsNoEngineWork) {
+  // The prefetch of the requests queued behind a batch runs between the scan and the engine call.
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.prefetch = [](absl::Span<const RankRequest* const>, absl::Span<const RankRequest* const>) {
+    std::this_thread::sleep_for(300ms);
+  };
+  auto s = MakeScheduler(&engine, o);
+  engine.Close();
+  Outcome first, expires, later;
+  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
+  engine.WaitEntered(1);
+  ASSERT_TRUE(s->Submit(Pending(1, &expires, 1, Clock::now() + 150ms)).ok());
+  ASSERT_TRUE(s->Submit(Pending(1, &later)).ok());  // one user: stays queued, so a prefetch runs
+  engine.Open();
+  EXPECT_EQ(Await(expires).status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(Await(later).ok());
+  int user1_runs = 0;
+  for (const auto& b : engine.batches()) user1_runs += static_cast<int>(std::count(b.begin(), b.end(), 1));
+  EXPECT_EQ(user1_runs, 1);  // the later request only
 }
 
 TEST(SchedulerTest, EngineFailureFailsOnlyThatRequestAndServingContinues) {

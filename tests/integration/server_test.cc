@@ -340,6 +340,45 @@ TEST_F(ServerTest, ExpiredDeadlineAnswersDeadlineExceededWithoutEngineWork) {
   EXPECT_EQ(Scrape().Sum("hstu_requests_total", {{"code", "DEADLINE_EXCEEDED"}}), 1);
 }
 
+TEST_F(ServerTest, ACallThatExpiresDuringItsBatchIsCountedAsTheClientSawIt) {
+  // Before: the batch's OK was counted, while the client had DEADLINE_EXCEEDED.
+  StartServer();
+  gate_.Close();
+  hstu::v1::RankResponse resp;
+  std::thread caller([&] {
+    EXPECT_EQ(Rank(MakeRequest(1, 5, 3, 1), &resp, 200ms).error_code(),
+              grpc::StatusCode::DEADLINE_EXCEEDED);
+  });
+  ASSERT_TRUE(gate_.WaitEntered(1));  // in the engine
+  caller.join();
+  std::this_thread::sleep_for(300ms);  // the server's copy of the deadline passes too
+  gate_.Open();
+  for (int i = 0; i < 100; ++i) {
+    if (Scrape().Sum("hstu_requests_total", {{"code", "DEADLINE_EXCEEDED"}}) == 1) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  const auto m = Scrape();
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "DEADLINE_EXCEEDED"}}), 1);
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "OK"}}), 0);
+}
+
+TEST(AsSeenByTheClient, KeepsServerFailuresAndTellsDeadlinesFromCancels) {
+  using SysClock = std::chrono::system_clock;
+  const auto now = SysClock::now();
+  EXPECT_EQ(AsSeenByTheClient(absl::OkStatus(), now - 1ms, now).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  // The client's deadline passes a network trip before the server's copy.
+  EXPECT_EQ(AsSeenByTheClient(absl::OkStatus(), now + kDeadlineSlack / 2, now).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(AsSeenByTheClient(absl::CancelledError(), now + kDeadlineSlack / 2, now).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(AsSeenByTheClient(absl::OkStatus(), now + 1s, now).code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(AsSeenByTheClient(absl::OkStatus(), SysClock::time_point::max(), now).code(),
+            absl::StatusCode::kCancelled);
+  EXPECT_EQ(AsSeenByTheClient(absl::InternalError("x"), now - 1ms, now).code(),
+            absl::StatusCode::kInternal);
+}
+
 TEST_F(ServerTest, FullQueueAnswersResourceExhausted) {
   ServerOptions o;
   o.scheduler.max_queue = 2;
