@@ -316,14 +316,16 @@ json BenchLayer(int reps) {
     // attention, alone for the baseline (which has no pages).
     auto pre = [&] {
       HSTU_BENCH_CHECK_CUDA(cuda::LaunchLayerNorm(x.as<float>(), rows_n, d, ln_w, ln_b, 1e-5f, n.as<bf16>(), stream.get()));
-      cuda::GemmBf16(h, n.as<bf16>(), w_uvqk.as<bf16>(), uvqk.get(), false, rows_n, 4 * hd, d, 0.f);
+      HSTU_BENCH_CHECK_LT(
+          cuda::GemmBf16(h, n.as<bf16>(), w_uvqk.as<bf16>(), uvqk.get(), false, rows_n, 4 * hd, d, 0.f));
     };
     auto bias_silu = [&] {
       HSTU_BENCH_CHECK_CUDA(cuda::LaunchBiasSilu(uvqk.as<bf16>(), rows_n, 4 * hd, bias, stream.get()));
     };
     auto post = [&] {
       HSTU_BENCH_CHECK_CUDA(cuda::LaunchNormMulU(attn.as<bf16>(), uvqk.as<bf16>(), 4 * hd, rows_n, hd, ln2_w, ln2_b, 1e-5f, y.as<bf16>(), stream.get()));
-      cuda::GemmBf16(h, y.as<bf16>(), w_out.as<bf16>(), x.get(), true, rows_n, d, hd, 1.f);
+      HSTU_BENCH_CHECK_LT(
+          cuda::GemmBf16(h, y.as<bf16>(), w_out.as<bf16>(), x.get(), true, rows_n, d, hd, 1.f));
     };
     pre();
     FusedAttention f;

@@ -12,17 +12,6 @@
 #include "kernels/cuda/gemm_tuner.h"
 #include "nlohmann/json.hpp"
 
-// A GEMM benchmark cannot report a number after a failed cuBLAS(Lt) call: print where and exit.
-#define HSTU_BENCH_CHECK_LT(expr)                                                      \
-  do {                                                                                 \
-    const cublasStatus_t st_ = (expr);                                                 \
-    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                \
-      std::fprintf(stderr, "%s:%d: %s: cuBLAS status %d\n", __FILE__, __LINE__, #expr, \
-                   static_cast<int>(st_));                                             \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
-
 namespace hstu::bench {
 
 // What both GEMM benchmarks run on: a stream, a cuBLAS handle bound to it with a 32 MiB workspace,

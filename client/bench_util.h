@@ -1,6 +1,7 @@
 // Helpers shared by the hstu_bench modes: CUDA error check, random device data, event timing.
 #pragma once
 
+#include <cublas_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -22,6 +23,17 @@
                    cudaGetErrorString(e_));                                                \
       std::exit(1);                                                                        \
     }                                                                                      \
+  } while (0)
+
+// Nor after a failed cuBLAS(Lt) call: print where and exit.
+#define HSTU_BENCH_CHECK_LT(expr)                                                      \
+  do {                                                                                 \
+    const cublasStatus_t st_ = (expr);                                                 \
+    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                \
+      std::fprintf(stderr, "%s:%d: %s: cuBLAS status %d\n", __FILE__, __LINE__, #expr, \
+                   static_cast<int>(st_));                                             \
+      std::exit(1);                                                                    \
+    }                                                                                  \
   } while (0)
 
 namespace hstu::bench {

@@ -891,6 +891,10 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackendExt(const ModelWei
   }
   if (page_size <= 0) return absl::InvalidArgumentError("page_size must be > 0");
   if (num_pages <= 0) return absl::InvalidArgumentError("the KV pool needs at least one page");
+  if (num_pages > cuda::kMaxKvPoolPages) {
+    return absl::InvalidArgumentError(absl::StrCat("the KV pool holds at most ", cuda::kMaxKvPoolPages,
+                                                   " pages on the GPU, got ", num_pages));
+  }
   auto backend = std::make_unique<CudaBackendImpl>(weights, page_size, num_pages, device_index, graphs);
   HSTU_RETURN_IF_ERROR(backend->Init(weights));
   return std::unique_ptr<CudaBackend>(std::move(backend));

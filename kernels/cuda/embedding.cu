@@ -86,7 +86,9 @@ cudaError_t LaunchEmbeddingGather(const EmbeddingParams<bf16>& p, float* out, co
                                   cudaStream_t stream) {
   if (p.num_rows < 0 || p.hidden_dim <= 0 || p.hidden_dim % 8 != 0 || out == nullptr ||
       p.out != nullptr || p.item_table == nullptr || p.action_table == nullptr ||
-      p.item_rows <= 0 || (p.position_table != nullptr && p.position_rows <= 0) ||
+      p.item_rows <= 0 || p.action_rows <= 0 ||
+      (p.num_rows > 0 && (p.token_ids == nullptr || p.token_types == nullptr)) ||
+      (p.position_table != nullptr && (p.position_rows <= 0 || p.positions == nullptr)) ||
       !Aligned16(out) || !Aligned16(p.item_table) || !Aligned16(p.action_table) ||
       (p.position_table != nullptr && !Aligned16(p.position_table)) ||
       (norm_out != nullptr && (norm_w == nullptr || norm_b == nullptr || !Aligned16(norm_out) ||

@@ -105,8 +105,9 @@ bool EncodeTensorMap(const void* base, const cuuint64_t (&dims)[4], const cuuint
 
 // p's K/V tensor map into *map; false when the warp-specialised kernel does not apply (*why, when
 // given, then says why). The pool is viewed as {64 columns, H·D/64 slabs, page_size rows,
-// 2·num_pages K|V halves}, the last dimension bounded past any pool (its size is not known here;
-// the kernel only asks for pages of the page table).
+// 2·num_pages K|V halves}, the last dimension bounded at 2·kMaxKvPoolPages (the pool's size is not
+// known here; the backends refuse larger pools, whose pages past the bound TMA would read as zeros
+// and not store).
 bool KvTensorMap(const AttentionParams<bf16>& p, CUtensorMap* map, const char** why = nullptr) {
   const auto& kv = p.kv;
   const int64_t hd = static_cast<int64_t>(kv.num_heads) * kv.head_dim;
@@ -124,7 +125,8 @@ bool KvTensorMap(const AttentionParams<bf16>& p, CUtensorMap* map, const char** 
     return fail("pool layout is not packed K|V pages");
   }
   const cuuint64_t dims[4] = {64, static_cast<cuuint64_t>(hd / 64),
-                              static_cast<cuuint64_t>(kv.page_size), cuuint64_t{1} << 24};
+                              static_cast<cuuint64_t>(kv.page_size),
+                              static_cast<cuuint64_t>(2 * kMaxKvPoolPages)};
   const cuuint64_t strides[3] = {128, static_cast<cuuint64_t>(hd * 2),
                                  static_cast<cuuint64_t>(kv.kv_stride * 2)};
   const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(KvBoxRows(kv.page_size)), 1};
@@ -291,7 +293,11 @@ cudaError_t LaunchHstuAttention(const AttentionParams<bf16>& p, const AttentionW
   const auto& kv = p.kv;
   const int64_t hd = static_cast<int64_t>(kv.num_heads) * kv.head_dim;
   if (num_items < 0 || kv.num_heads <= 0 || kv.num_heads > 65535 || p.uvqk == nullptr ||
-      p.out == nullptr || p.uvqk_row_stride < 4 * hd || p.uvqk_row_stride % 8 != 0 ||
+      p.out == nullptr || !Aligned16(p.uvqk) || !Aligned16(p.out) || !Aligned16(kv.base) ||
+      (num_items > 0 && (kv.base == nullptr || p.row_offsets == nullptr || p.num_new == nullptr ||
+                         kv.indptr == nullptr || kv.page_ids == nullptr ||
+                         kv.num_tokens == nullptr)) ||
+      p.uvqk_row_stride < 4 * hd || p.uvqk_row_stride % 8 != 0 ||
       kv.page_size <= 0 || kv.page_stride % 8 != 0 || kv.kv_stride % 8 != 0 ||
       (num_items > 0 && items == nullptr) || num_split_tiles < 0 ||
       num_split_tiles > num_items || (num_split_tiles > 0 && partials == nullptr) ||

@@ -11,6 +11,7 @@
 #include "engine/cuda_backend.h"
 #include "engine/model_file.h"
 #include "kernels/cuda/gemm_bias_silu.h"
+#include "kernels/cuda/hstu_attention.h"
 #include "kernels/params.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/util/tolerance.h"
@@ -307,6 +308,16 @@ TEST(CudaBackend, RejectsUnsupportedHeadDim) {
   auto gpu = CreateCudaBackend(RandomModel(c, 1), 16, 8, 0);
   ASSERT_FALSE(gpu.ok());
   EXPECT_NE(gpu.status().message().find("64, 128, 256"), std::string::npos) << gpu.status();
+}
+
+TEST(CudaBackend, RejectsAPoolPastWhatTheAttentionAddresses) {
+  // Before: accepted, and TMA read the pages past 2^23 as zeros (and dropped their stores).
+  HSTU_SKIP_WITHOUT_GPU();
+  auto gpu = CreateCudaBackend(RandomModel(GpuTestConfig(128, 0, false), 1), 16,
+                               cuda::kMaxKvPoolPages + 1, 0);
+  ASSERT_FALSE(gpu.ok());
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(gpu.status().message().find("at most 8388608 pages"), std::string::npos) << gpu.status();
 }
 
 TEST(CudaBackend, RejectsPageAndRowArraysThatDoNotStartAtZeroOrEndAtTheirCount) {

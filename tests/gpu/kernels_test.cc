@@ -102,6 +102,20 @@ TEST(CudaKernels, EmbeddingGatherAndFusedLayerNormMatchCpu) {
       EXPECT_LT(test::RelL2(got_n, want_n), test::kBf16RoundRelL2) << what;
       EXPECT_EQ(std::memcmp(got_n.data(), ref_n.data(), got_n.size() * sizeof(float)), 0)
           << what << ": fused LayerNorm differs from LaunchLayerNorm";
+      // Rejected with nothing launched: a missing id, type or position array, no action rows.
+      for (int bad = 0; bad < 4; ++bad) {
+        EmbeddingParams<bf16> q = gp;
+        if (bad == 0) q.token_ids = nullptr;
+        if (bad == 1) q.token_types = nullptr;
+        if (bad == 2) q.action_rows = 0;
+        if (bad == 3) {
+          q.position_table = d_pos.get();
+          q.positions = nullptr;
+        }
+        EXPECT_EQ(cuda::LaunchEmbeddingGather(q, d_x.get(), nullptr, nullptr, 1e-5f, nullptr, nullptr),
+                  cudaErrorInvalidValue)
+            << what << ": case " << bad;
+      }
     }
   }
 }
@@ -943,6 +957,9 @@ TEST(CudaKernels, AttentionRejectsBadArguments) {
   p.kv.head_dim = 96;
   p.kv.page_size = 16;
   p.uvqk_row_stride = 4 * 96;
+  // The batch's metadata is present, so that each case below fails on its own check.
+  DeviceArray<int32_t> meta(64);
+  p.row_offsets = p.num_new = p.kv.indptr = p.kv.page_ids = p.kv.num_tokens = meta.get();
   cuda::AttentionWorkItem* items = nullptr;
   EXPECT_EQ(cuda::LaunchHstuAttention(p, items, 0, 0, nullptr, nullptr), cudaErrorInvalidValue);
   EXPECT_FALSE(cuda::HeadDimSupported(96));
@@ -974,6 +991,34 @@ TEST(CudaKernels, AttentionRejectsBadArguments) {
             cudaErrorInvalidValue);  // split tiles in a cluster plan
   EXPECT_EQ(cuda::LaunchHstuAttention(p, some_items, 16, 0, nullptr, nullptr, 16),
             cudaErrorInvalidValue);  // beyond the portable cluster size
+  // Rows and pool not 16-byte aligned (the kernels load 16 bytes at a time: a misaligned pool
+  // took the cp.async kernel and faulted), or a batch without its metadata.
+  auto expect_rejected = [&](AttentionParams<bf16> q, const char* what) {
+    EXPECT_EQ(cuda::LaunchHstuAttention(q, some_items, 3, 0, nullptr, nullptr), cudaErrorInvalidValue)
+        << what;
+  };
+  AttentionParams<bf16> q = p;
+  q.uvqk = buf.get() + 1;
+  expect_rejected(q, "uvqk misaligned");
+  q = p;
+  q.out = buf.get() + 4;
+  expect_rejected(q, "out misaligned");
+  q = p;
+  q.kv.base = buf.get() + 2;
+  expect_rejected(q, "pool misaligned");
+  q = p;
+  q.kv.base = nullptr;
+  expect_rejected(q, "no pool");
+  q = p;
+  q.row_offsets = nullptr;
+  expect_rejected(q, "no row offsets");
+  q = p;
+  q.kv.page_ids = nullptr;
+  expect_rejected(q, "no page ids");
+  q = p;
+  q.kv.num_tokens = nullptr;
+  expect_rejected(q, "no token counts");
+  HSTU_ASSERT_CUDA(cudaGetLastError());  // nothing was launched
 }
 
 }  // namespace
