@@ -66,7 +66,10 @@ ABSL_FLAG(int32_t, candidates, 0,
           "server's --max_candidates.");
 ABSL_FLAG(int64_t, timeout_ms, 1000, "Per-RPC deadline in milliseconds.");
 ABSL_FLAG(double, warmup, 1, "Seconds of unmeasured load before each level.");
-ABSL_FLAG(uint64_t, seed, 1, "Traffic seed.");
+ABSL_FLAG(uint64_t, seed, 0,
+          "Traffic seed (users, histories, candidates); 0: a fresh one each run, printed with the "
+          "report. A run with the seed of an earlier one against the same server resends histories "
+          "the server already holds, so its cache results are not a cold start's.");
 ABSL_FLAG(int32_t, connections, 1, "gRPC connections (channels), used round-robin.");
 ABSL_FLAG(std::string, json, "", "Write the results as JSON to this file.");
 ABSL_FLAG(std::string, csv, "", "Write the results as CSV to this file.");
@@ -149,6 +152,14 @@ class Level {
     window_start_ = Clock::now();
     last_done_ = window_start_;
   }
+  // The end of a window of fixed length (--duration): throughput counts the OK answers that came
+  // back inside it, whenever they were sent, over its length. (Without it, --requests: the window
+  // ends at the last measured answer.)
+  void CloseWindow() {
+    std::lock_guard<std::mutex> lock(mu_);
+    window_closed_ = true;
+    window_end_ = Clock::now();
+  }
   bool measuring() {
     std::lock_guard<std::mutex> lock(mu_);
     return measuring_;
@@ -158,6 +169,7 @@ class Level {
             const hstu::v1::RankResponse& response, bool new_user) {
     std::lock_guard<std::mutex> lock(mu_);
     ++total_done_;
+    if (measuring_ && !window_closed_ && status.ok()) ++ok_in_window_;
     if (!measured) return;
     last_done_ = Clock::now();
     if (status.ok()) {
@@ -178,7 +190,12 @@ class Level {
   }
   void Finish() {
     std::lock_guard<std::mutex> lock(mu_);
-    result_->duration_s = std::chrono::duration<double>(last_done_ - window_start_).count();
+    if (window_closed_) {
+      result_->duration_s = std::chrono::duration<double>(window_end_ - window_start_).count();
+      result_->ok_in_window = ok_in_window_;
+    } else {
+      result_->duration_s = std::chrono::duration<double>(last_done_ - window_start_).count();
+    }
   }
   std::string Progress(const std::string& label, double elapsed_s) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -195,8 +212,10 @@ class Level {
   std::mutex mu_;
   LevelResult* result_;
   bool measuring_ = false;
-  Clock::time_point window_start_, last_done_;
+  bool window_closed_ = false;
+  Clock::time_point window_start_, window_end_, last_done_;
   int64_t total_done_ = 0;
+  int64_t ok_in_window_ = 0;
 };
 
 class Driver {
@@ -242,6 +261,7 @@ class Driver {
           const Clock::time_point start = Clock::now();
           PrepareContext(&ctx, v.user_id, start);
           const grpc::Status status = NextStub()->Rank(&ctx, req, &resp);
+          traffic_->Done(v);
           level->Done(measured, status, Since(start), resp, v.new_user);
         }
       });
@@ -253,6 +273,7 @@ class Driver {
       for (auto& t : workers) t.join();
     } else {
       Sleep(duration_s);
+      level->CloseWindow();
       stop.store(true);
       for (auto& t : workers) t.join();
     }
@@ -283,9 +304,11 @@ class Driver {
         measure_start = scheduled;
       }
       if (measuring) {
-        if (num_requests > 0 ? sent_measured >= num_requests
-                             : scheduled - measure_start >=
-                                   std::chrono::duration<double>(duration_s)) {
+        if (num_requests > 0 && sent_measured >= num_requests) break;
+        if (num_requests == 0 &&
+            scheduled - measure_start >= std::chrono::duration<double>(duration_s)) {
+          std::this_thread::sleep_until(scheduled);
+          level->CloseWindow();
           break;
         }
         ++sent_measured;
@@ -299,21 +322,21 @@ class Driver {
         grpc::ClientContext ctx;
         hstu::v1::RankRequest req;
         hstu::v1::RankResponse resp;
-        bool new_user;
+        Visit visit;
       };
       auto* call = new Call;
-      const Visit v = traffic_->Next();
-      call->req = MakeRequest(v);
-      call->new_user = v.new_user;
-      PrepareContext(&call->ctx, v.user_id, scheduled);
+      call->visit = traffic_->Next();
+      call->req = MakeRequest(call->visit);
+      PrepareContext(&call->ctx, call->visit.user_id, scheduled);
       outstanding.fetch_add(1);
       const bool measured = measuring;
       NextStub()->async()->Rank(
           &call->ctx, &call->req, &call->resp,
-          [call, level, measured, scheduled, &outstanding, &done_mu, &done_cv](grpc::Status s) {
+          [this, call, level, measured, scheduled, &outstanding, &done_mu, &done_cv](grpc::Status s) {
             // Latency from the scheduled send time: queueing in a slow client or server counts.
             const double latency = std::chrono::duration<double>(Clock::now() - scheduled).count();
-            level->Done(measured, s, latency, call->resp, call->new_user);
+            traffic_->Done(call->visit);
+            level->Done(measured, s, latency, call->resp, call->visit.new_user);
             delete call;
             std::lock_guard<std::mutex> lock(done_mu);
             outstanding.fetch_sub(1);
@@ -493,6 +516,10 @@ int Main() {
                          : static_cast<int32_t>(std::max<int64_t>(1, per_forward));
   t.num_actions = info.num_actions() > 0 ? static_cast<int32_t>(info.num_actions()) : 1;
   t.seed = absl::GetFlag(FLAGS_seed);
+  while (t.seed == 0) {
+    t.seed = (static_cast<uint64_t>(std::random_device()()) << 32) ^ std::random_device()() ^
+             static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+  }
   auto traffic = TrafficModel::Create(t);
   if (!traffic.ok()) {
     std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(traffic.status().message()).c_str());
@@ -553,6 +580,7 @@ int Main() {
   run.users = t.num_users;
   run.zipf = t.zipf_s;
   run.connections = num_connections;
+  run.seed = t.seed;
   std::printf("%s", FormatTable(run, *levels).c_str());
   std::fflush(stdout);
   int rc = 0;

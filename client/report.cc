@@ -44,9 +44,9 @@ std::string LevelLabel(const LevelResult& l) {
 std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& levels) {
   std::string out = absl::StrFormat(
       "hstu_loadgen: target %s, model %s on %s, %d candidates, %d users (zipf %.2f), %d "
-      "connection(s)\n",
+      "connection(s), seed %d\n",
       info.target, info.model, info.device, info.candidates, info.users, info.zipf,
-      info.connections);
+      info.connections, info.seed);
   absl::StrAppend(&out, absl::StrFormat("| %-18s | %9s | %8s | %8s | %8s | %8s | %8s | %8s | %8s | %7s | %s |\n",
                                         "load", "requests", "rps", "p50 ms", "p90 ms", "p95 ms",
                                         "p99 ms", "p99.9 ms", "max ms", "reuse %", "errors"));
@@ -63,6 +63,8 @@ std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& lev
                               Ms(h.Quantile(0.999)), Ms(h.max_seconds()), ReusePercent(l),
                               Errors(l)));
   }
+  absl::StrAppend(&out, "latency: OK answers only (the rest are in errors); rps: OK answers that "
+                        "came back in the measured window, over its length\n");
   // Latency by how the server's KV cache served the request (RankResponse.cache_result).
   bool any = false;
   for (const LevelResult& l : levels) any = any || !l.by_cache_result.empty();
@@ -93,6 +95,7 @@ std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels) 
   root["users"] = info.users;
   root["zipf"] = info.zipf;
   root["connections"] = info.connections;
+  root["seed"] = info.seed;
   nlohmann::json arr = nlohmann::json::array();
   for (const LevelResult& l : levels) {
     nlohmann::json j;

@@ -18,7 +18,10 @@ struct LevelResult {
   double rate_rps = 0;      // open loop: offered rate
   std::string arrival;      // open loop: constant | poisson
   double duration_s = 0;    // measured window
-  int64_t requests = 0;     // answered OK in the window
+  int64_t requests = 0;     // sent in the window and answered OK (their latency is measured)
+  // With a window of fixed length (--duration): the OK answers that came back inside it, whenever
+  // sent (the throughput's count); -1 for a window that ends at the last answer (--requests).
+  int64_t ok_in_window = -1;
   std::map<std::string, int64_t> errors;  // gRPC code name → count
   LatencyHistogram latency;               // OK requests only
   int64_t reused_tokens = 0;              // server-reported, summed over OK responses
@@ -26,7 +29,10 @@ struct LevelResult {
   int64_t new_user_visits = 0;
   std::map<std::string, LatencyHistogram> by_cache_result;  // server-reported cache_result → latency
 
-  double throughput_rps() const { return duration_s > 0 ? requests / duration_s : 0; }
+  double throughput_rps() const {
+    return duration_s > 0 ? static_cast<double>(ok_in_window >= 0 ? ok_in_window : requests) / duration_s
+                          : 0;
+  }
   int64_t error_count() const;
 };
 
@@ -38,6 +44,7 @@ struct RunInfo {
   int64_t users = 0;
   double zipf = 0;
   int32_t connections = 0;
+  uint64_t seed = 0;
 };
 
 // "c=8" for a closed-loop level, "500 rps poisson" for an open-loop one.

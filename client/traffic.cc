@@ -61,6 +61,30 @@ int64_t TrafficModel::SampleRank(double u) const {
   return std::min<int64_t>(it - cdf_.begin(), options_.num_users - 1);
 }
 
+int64_t TrafficModel::PickSlotLocked() {
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  const int64_t first = SampleRank(unit(rng_));
+  if (slots_[first].in_flight == 0) return first;
+  // Redraws keep the popularity of the users not in flight; the scan ends a run of busy draws.
+  for (int tries = 0; tries < 8; ++tries) {
+    const int64_t r = SampleRank(unit(rng_));
+    if (slots_[r].in_flight == 0) return r;
+  }
+  const int64_t n = options_.num_users;
+  for (int64_t i = 1; i < n; ++i) {
+    const int64_t r = (first + i) % n;
+    if (slots_[r].in_flight == 0) return r;
+  }
+  return first;  // every user is in flight
+}
+
+void TrafficModel::Done(const Visit& visit) {
+  if (visit.slot < 0 || visit.slot >= options_.num_users) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  int32_t& in_flight = slots_[visit.slot].in_flight;
+  in_flight = std::max(0, in_flight - 1);
+}
+
 Visit TrafficModel::Next() {
   Visit v;
   int32_t num_events = 0;
@@ -68,7 +92,9 @@ Visit TrafficModel::Next() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     std::uniform_real_distribution<double> unit(0.0, 1.0);
-    UserSlot& slot = slots_[SampleRank(unit(rng_))];
+    v.slot = PickSlotLocked();
+    UserSlot& slot = slots_[v.slot];
+    ++slot.in_flight;
     const bool churn = unit(rng_) < options_.new_user_rate;
     std::uniform_int_distribution<int32_t> add(options_.new_events_min, options_.new_events_max);
     const int32_t grown = slot.num_events + add(rng_);

@@ -41,12 +41,20 @@ struct Visit {
   std::vector<int32_t> history_actions;
   std::vector<int64_t> candidate_item_ids;
   bool new_user = false;
+  int64_t slot = -1;  // the user's place in the population, for Done()
 };
 
 class TrafficModel {
  public:
   static absl::StatusOr<std::unique_ptr<TrafficModel>> Create(const TrafficOptions& options);
+  // The next visit. A user with a visit in flight (Next() without its Done() yet) is not drawn
+  // again while another user can be: a real user's next visit follows the answer to the last one,
+  // and two visits of one user in flight could reach the server in the wrong order, so that the
+  // older, shorter history would cut the user's cache. (Only when every user is in flight, as
+  // with fewer users than callers, does a user get a second visit in flight.)
   Visit Next();
+  // The answer to `visit` came back (or its call failed).
+  void Done(const Visit& visit);
   // Rank (0-based) drawn from the Zipf distribution; exposed for tests.
   int64_t SampleRank(double u) const;
 
@@ -54,7 +62,11 @@ class TrafficModel {
   struct UserSlot {
     uint64_t user_id = 0;
     int32_t num_events = 0;  // 0: not visited yet
+    int32_t in_flight = 0;   // visits sent and not yet Done()
   };
+  // A slot for the next visit: drawn by popularity, redrawn (then the next free one taken) while
+  // its user has a visit in flight.
+  int64_t PickSlotLocked();
   explicit TrafficModel(const TrafficOptions& options);
 
   const TrafficOptions options_;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <unordered_map>
+#include <vector>
 
 namespace hstu::loadgen {
 namespace {
@@ -42,6 +43,36 @@ TEST(TrafficTest, FixedGrowthAddsExactlyThatManyEventsAndRestartsAtTheMaximum) {
   }
   // 400 visits over 4 users of 16 visits each: the users have started over many times.
   EXPECT_GT(restarts, 10);
+}
+
+TEST(TrafficTest, AUserWithAVisitInFlightIsNotDrawnAgainWhileAnotherCanBe) {
+  // Before: two visits of one user could be in flight at once, the second with a longer history;
+  // arriving first, it left the first one a shorter history than the server's cache (a cut).
+  TrafficOptions o;
+  o.num_users = 4;
+  o.zipf_s = 3;  // user 0 is drawn ~85 % of the time
+  o.new_user_rate = 0;
+  o.num_candidates = 1;
+  auto t = TrafficModel::Create(o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  std::vector<Visit> in_flight;
+  std::unordered_map<uint64_t, int> seen;
+  for (int i = 0; i < 4; ++i) {
+    in_flight.push_back((*t)->Next());
+    EXPECT_EQ(++seen[in_flight.back().user_id], 1) << "visit " << i << " drew a user in flight";
+  }
+  // Every user in flight: a fifth caller still gets a visit.
+  in_flight.push_back((*t)->Next());
+  EXPECT_TRUE(seen.contains(in_flight.back().user_id));
+  for (const Visit& v : in_flight) (*t)->Done(v);
+  // One at a time, the popularity is the Zipf law's: 1 / (1 + 2^-3 + 3^-3 + 4^-3) = 0.849.
+  std::unordered_map<int64_t, int> by_slot;
+  for (int i = 0; i < 20000; ++i) {
+    const Visit v = (*t)->Next();
+    ++by_slot[v.slot];
+    (*t)->Done(v);
+  }
+  EXPECT_NEAR(by_slot[0] / 20000.0, 0.849, 0.015);
 }
 
 TEST(TrafficTest, RejectsEmptyOrNonPositiveEventRanges) {
