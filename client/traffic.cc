@@ -61,10 +61,14 @@ int64_t TrafficModel::SampleRank(double u) const {
   return std::min<int64_t>(it - cdf_.begin(), options_.num_users - 1);
 }
 
-int64_t TrafficModel::PickSlotLocked() {
+int64_t TrafficModel::PickSlotLocked(std::unique_lock<std::mutex>& lock, BusyUser busy) {
   std::uniform_real_distribution<double> unit(0.0, 1.0);
   const int64_t first = SampleRank(unit(rng_));
   if (slots_[first].in_flight == 0) return first;
+  if (busy == BusyUser::kWait) {
+    done_cv_.wait(lock, [&] { return slots_[first].in_flight == 0; });
+    return first;
+  }
   // Redraws keep the popularity of the users not in flight; the scan ends a run of busy draws.
   for (int tries = 0; tries < 8; ++tries) {
     const int64_t r = SampleRank(unit(rng_));
@@ -80,19 +84,22 @@ int64_t TrafficModel::PickSlotLocked() {
 
 void TrafficModel::Done(const Visit& visit) {
   if (visit.slot < 0 || visit.slot >= options_.num_users) return;
-  std::lock_guard<std::mutex> lock(mu_);
-  int32_t& in_flight = slots_[visit.slot].in_flight;
-  in_flight = std::max(0, in_flight - 1);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    int32_t& in_flight = slots_[visit.slot].in_flight;
+    in_flight = std::max(0, in_flight - 1);
+  }
+  done_cv_.notify_all();
 }
 
-Visit TrafficModel::Next() {
+Visit TrafficModel::Next(BusyUser busy) {
   Visit v;
   int32_t num_events = 0;
   uint64_t visit_idx = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     std::uniform_real_distribution<double> unit(0.0, 1.0);
-    v.slot = PickSlotLocked();
+    v.slot = PickSlotLocked(lock, busy);
     UserSlot& slot = slots_[v.slot];
     ++slot.in_flight;
     const bool churn = unit(rng_) < options_.new_user_rate;

@@ -3,6 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -26,6 +29,7 @@ TEST(TrafficTest, FixedGrowthAddsExactlyThatManyEventsAndRestartsAtTheMaximum) {
   int restarts = 0;
   for (int i = 0; i < 400; ++i) {
     const Visit v = (*t)->Next();
+    (*t)->Done(v);
     const size_t n = v.history_item_ids.size();
     ASSERT_EQ(v.history_actions.size(), n);
     ASSERT_EQ(v.candidate_item_ids.size(), 3u);
@@ -45,7 +49,7 @@ TEST(TrafficTest, FixedGrowthAddsExactlyThatManyEventsAndRestartsAtTheMaximum) {
   EXPECT_GT(restarts, 10);
 }
 
-TEST(TrafficTest, AUserWithAVisitInFlightIsNotDrawnAgainWhileAnotherCanBe) {
+TEST(TrafficTest, AUserWithAVisitInFlightGetsNoSecondOneUntilItsAnswer) {
   // Before: two visits of one user could be in flight at once, the second with a longer history;
   // arriving first, it left the first one a shorter history than the server's cache (a cut).
   TrafficOptions o;
@@ -55,24 +59,46 @@ TEST(TrafficTest, AUserWithAVisitInFlightIsNotDrawnAgainWhileAnotherCanBe) {
   o.num_candidates = 1;
   auto t = TrafficModel::Create(o);
   ASSERT_TRUE(t.ok()) << t.status();
+  using Busy = TrafficModel::BusyUser;
+  // kRedraw: no user twice while another is free; with every user in flight, a fifth still comes.
   std::vector<Visit> in_flight;
   std::unordered_map<uint64_t, int> seen;
   for (int i = 0; i < 4; ++i) {
-    in_flight.push_back((*t)->Next());
+    in_flight.push_back((*t)->Next(Busy::kRedraw));
     EXPECT_EQ(++seen[in_flight.back().user_id], 1) << "visit " << i << " drew a user in flight";
   }
-  // Every user in flight: a fifth caller still gets a visit.
-  in_flight.push_back((*t)->Next());
+  in_flight.push_back((*t)->Next(Busy::kRedraw));
   EXPECT_TRUE(seen.contains(in_flight.back().user_id));
   for (const Visit& v : in_flight) (*t)->Done(v);
-  // One at a time, the popularity is the Zipf law's: 1 / (1 + 2^-3 + 3^-3 + 4^-3) = 0.849.
-  std::unordered_map<int64_t, int> by_slot;
-  for (int i = 0; i < 20000; ++i) {
-    const Visit v = (*t)->Next();
-    ++by_slot[v.slot];
-    (*t)->Done(v);
+  // kWait: the popular user's next visit waits for the answer to its last one, and then extends
+  // that history.
+  const Visit first = (*t)->Next(Busy::kWait);
+  std::atomic<bool> got{false};
+  Visit second;
+  std::thread waiter([&] {
+    do {
+      if (second.slot >= 0) (*t)->Done(second);  // a draw of another user: try again
+      second = (*t)->Next(Busy::kWait);
+    } while (second.user_id != first.user_id);
+    got.store(true);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(got.load()) << "a second visit of the user came while the first was in flight";
+  (*t)->Done(first);
+  waiter.join();
+  EXPECT_GT(second.history_item_ids.size(), first.history_item_ids.size());
+  (*t)->Done(second);
+  // One at a time, the popularity is the Zipf law's in both modes: 1 / (1 + 2^-3 + 3^-3 + 4^-3)
+  // = 0.849 for user 0.
+  for (const Busy busy : {Busy::kWait, Busy::kRedraw}) {
+    std::unordered_map<int64_t, int> by_slot;
+    for (int i = 0; i < 20000; ++i) {
+      const Visit v = (*t)->Next(busy);
+      ++by_slot[v.slot];
+      (*t)->Done(v);
+    }
+    EXPECT_NEAR(by_slot[0] / 20000.0, 0.849, 0.015);
   }
-  EXPECT_NEAR(by_slot[0] / 20000.0, 0.849, 0.015);
 }
 
 TEST(TrafficTest, RejectsEmptyOrNonPositiveEventRanges) {
