@@ -254,13 +254,11 @@ class Driver {
         while (!stop.load()) {
           const bool measured = level->measuring();
           if (measured && num_requests > 0 && issued.fetch_add(1) >= num_requests) break;
-          // From the draw: a wait for the user's previous answer counts, as the server's queue
-          // would have.
-          const Clock::time_point start = Clock::now();
-          const Visit v = traffic_->Next(TrafficModel::BusyUser::kWait);
+          const Visit v = traffic_->Next();
           const hstu::v1::RankRequest req = MakeRequest(v);
           hstu::v1::RankResponse resp;
           grpc::ClientContext ctx;
+          const Clock::time_point start = Clock::now();
           PrepareContext(&ctx, v.user_id, start);
           const grpc::Status status = NextStub()->Rank(&ctx, req, &resp);
           traffic_->Done(v);
@@ -327,7 +325,7 @@ class Driver {
         Visit visit;
       };
       auto* call = new Call;
-      call->visit = traffic_->Next(TrafficModel::BusyUser::kRedraw);  // the schedule cannot wait
+      call->visit = traffic_->Next();
       call->req = MakeRequest(call->visit);
       PrepareContext(&call->ctx, call->visit.user_id, scheduled);
       outstanding.fetch_add(1);

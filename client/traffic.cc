@@ -61,61 +61,39 @@ int64_t TrafficModel::SampleRank(double u) const {
   return std::min<int64_t>(it - cdf_.begin(), options_.num_users - 1);
 }
 
-int64_t TrafficModel::PickSlotLocked(std::unique_lock<std::mutex>& lock, BusyUser busy) {
-  std::uniform_real_distribution<double> unit(0.0, 1.0);
-  const int64_t first = SampleRank(unit(rng_));
-  if (slots_[first].in_flight == 0) return first;
-  if (busy == BusyUser::kWait) {
-    done_cv_.wait(lock, [&] { return slots_[first].in_flight == 0; });
-    return first;
-  }
-  // Redraws keep the popularity of the users not in flight; the scan ends a run of busy draws.
-  for (int tries = 0; tries < 8; ++tries) {
-    const int64_t r = SampleRank(unit(rng_));
-    if (slots_[r].in_flight == 0) return r;
-  }
-  const int64_t n = options_.num_users;
-  for (int64_t i = 1; i < n; ++i) {
-    const int64_t r = (first + i) % n;
-    if (slots_[r].in_flight == 0) return r;
-  }
-  return first;  // every user is in flight
-}
-
 void TrafficModel::Done(const Visit& visit) {
   if (visit.slot < 0 || visit.slot >= options_.num_users) return;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    int32_t& in_flight = slots_[visit.slot].in_flight;
-    in_flight = std::max(0, in_flight - 1);
-  }
-  done_cv_.notify_all();
+  std::lock_guard<std::mutex> lock(mu_);
+  int32_t& in_flight = slots_[visit.slot].in_flight;
+  in_flight = std::max(0, in_flight - 1);
 }
 
-Visit TrafficModel::Next(BusyUser busy) {
+Visit TrafficModel::Next() {
   Visit v;
   int32_t num_events = 0;
   uint64_t visit_idx = 0;
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     std::uniform_real_distribution<double> unit(0.0, 1.0);
-    v.slot = PickSlotLocked(lock, busy);
+    v.slot = SampleRank(unit(rng_));
     UserSlot& slot = slots_[v.slot];
-    ++slot.in_flight;
-    const bool churn = unit(rng_) < options_.new_user_rate;
-    std::uniform_int_distribution<int32_t> add(options_.new_events_min, options_.new_events_max);
-    const int32_t grown = slot.num_events + add(rng_);
-    if (churn || (slot.num_events > 0 && grown > options_.max_events)) {
-      slot.user_id = Mix64(options_.seed * 1000003 + next_user_id_++) >> 1;
-      slot.num_events = 0;
-    }
-    if (slot.num_events == 0) {
-      std::uniform_int_distribution<int32_t> initial(options_.initial_events_min,
-                                                     options_.initial_events_max);
-      slot.num_events = initial(rng_);
-      v.new_user = true;
-    } else {
-      slot.num_events = grown;
+    // A user with a visit in flight keeps its history (and its id) for this one.
+    if (slot.in_flight++ == 0) {
+      const bool churn = unit(rng_) < options_.new_user_rate;
+      std::uniform_int_distribution<int32_t> add(options_.new_events_min, options_.new_events_max);
+      const int32_t grown = slot.num_events + add(rng_);
+      if (churn || (slot.num_events > 0 && grown > options_.max_events)) {
+        slot.user_id = Mix64(options_.seed * 1000003 + next_user_id_++) >> 1;
+        slot.num_events = 0;
+      }
+      if (slot.num_events == 0) {
+        std::uniform_int_distribution<int32_t> initial(options_.initial_events_min,
+                                                       options_.initial_events_max);
+        slot.num_events = initial(rng_);
+        v.new_user = true;
+      } else {
+        slot.num_events = grown;
+      }
     }
     v.user_id = slot.user_id;
     num_events = slot.num_events;

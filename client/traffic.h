@@ -8,7 +8,6 @@
 // Thread-safety: Next() is thread-safe.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <mutex>
 #include <random>
@@ -48,20 +47,13 @@ struct Visit {
 class TrafficModel {
  public:
   static absl::StatusOr<std::unique_ptr<TrafficModel>> Create(const TrafficOptions& options);
-  // What Next() does when it draws a user with a visit in flight (a Next() whose Done() has not
-  // come yet). Two visits of one user in flight could reach the server in the wrong order, the
-  // older and shorter history last, cutting the user's cache; a real user's next visit follows
-  // the answer to the last one.
-  enum class BusyUser {
-    kWait,    // wait for that visit's Done(), then grow its history: popularity is kept (the
-              // closed loop; the server would have queued the visit behind the first anyway)
-    kRedraw,  // draw again (then take the next free user): for a sender that cannot wait (the
-              // open loop); users in flight are skipped, so popularity flattens as the number
-              // in flight nears the population
-  };
-  // The next visit, its user marked in flight until Done(). With kRedraw and every user in
-  // flight, a user gets a second visit in flight.
-  Visit Next(BusyUser busy = BusyUser::kWait);
+  // The next visit, its user drawn by popularity and marked in flight until Done(). A user's
+  // history grows only at a visit drawn while none of the user's visits is in flight (every
+  // earlier one answered, so the server has committed it); a visit drawn while another is in
+  // flight re-sends the same history, as a second surface of the app asking at the same time
+  // would. Before, it grew, and could reach the server ahead of the shorter one, which then cut
+  // the user's cache (a traffic artefact reported as partial or hash-mismatch results).
+  Visit Next();
   // The answer to `visit` came back (or its call failed).
   void Done(const Visit& visit);
   // Rank (0-based) drawn from the Zipf distribution; exposed for tests.
@@ -73,14 +65,11 @@ class TrafficModel {
     int32_t num_events = 0;  // 0: not visited yet
     int32_t in_flight = 0;   // visits sent and not yet Done()
   };
-  // A slot for the next visit, drawn by popularity; for a user in flight, as `busy` says.
-  int64_t PickSlotLocked(std::unique_lock<std::mutex>& lock, BusyUser busy);
   explicit TrafficModel(const TrafficOptions& options);
 
   const TrafficOptions options_;
   std::vector<double> cdf_;  // [num_users], cumulative Zipf probabilities
   std::mutex mu_;
-  std::condition_variable done_cv_;  // a visit's Done()
   std::mt19937_64 rng_;
   std::vector<UserSlot> slots_;
   uint64_t next_user_id_ = 0;
