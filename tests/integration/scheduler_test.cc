@@ -103,6 +103,14 @@ absl::StatusOr<RankResult> Await(Outcome& o) {
   return o.future.get();
 }
 
+// Closes the engine's gate and holds it in a batch of user 100, so that what is submitted next
+// queues behind it.
+void HoldEngine(FakeEngine& engine, Scheduler& s, Outcome* first) {
+  engine.Close();
+  ASSERT_TRUE(s.Submit(Pending(100, first)).ok());
+  engine.WaitEntered(1);
+}
+
 std::unique_ptr<Scheduler> MakeScheduler(FakeEngine* engine, SchedulerOptions o) {
   auto s = Scheduler::Create(o, [engine](absl::Span<const RankRequest> b) { return engine->Run(b); });
   EXPECT_TRUE(s.ok()) << s.status();
@@ -177,10 +185,8 @@ TEST(SchedulerTest, PrefetchSeesTheRequestsQueuedBehindEachBatch) {
     prefetched.push_back(users);
   };
   auto s = MakeScheduler(&engine, o);
-  engine.Close();
   Outcome first;
-  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
-  engine.WaitEntered(1);
+  HoldEngine(engine, *s, &first);
   // Queue 1..5 → batches {1,2} {3,4} {5}; before {1,2} the prefetch sees {3,4} (at most
   // max_batch_size), before {3,4} it sees {5}, before {5} nothing (and is not called).
   std::vector<Outcome> outs(5);
@@ -199,10 +205,8 @@ TEST(SchedulerTest, TokenBudgetSplitsBatchesButOversizeRequestRunsAlone) {
   o.max_batch_size = 8;
   o.max_batch_tokens = 100;  // cost = 2 * events + 1 candidate
   auto s = MakeScheduler(&engine, o);
-  engine.Close();
   Outcome first;
-  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
-  engine.WaitEntered(1);
+  HoldEngine(engine, *s, &first);
   // Costs 41, 41, 41 (two fit), then 201 (alone), then 3.
   std::vector<Outcome> outs(5);
   ASSERT_TRUE(s->Submit(Pending(1, &outs[0], 20)).ok());
@@ -256,10 +260,8 @@ TEST(SchedulerTest, AdaptiveFillRegroupsAtThePreviousBatchSizeAndWaitsOutAFallOn
     for (auto& x : *outs) ASSERT_EQ(x.future.wait_for(5s), std::future_status::ready);
   };
   // The first batch has no predecessor: it runs at once. Three requests queue behind it.
-  engine.Close();
   Outcome first;
-  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
-  engine.WaitEntered(1);
+  HoldEngine(engine, *s, &first);
   std::vector<Outcome> a, b, c, d;
   submit_all({1, 2, 3}, &a);
   engine.Open();
@@ -292,10 +294,8 @@ TEST(SchedulerTest, FullQueueAnswersResourceExhausted) {
   SchedulerOptions o;
   o.max_queue = 2;
   auto s = MakeScheduler(&engine, o);
-  engine.Close();
   Outcome first;
-  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
-  engine.WaitEntered(1);
+  HoldEngine(engine, *s, &first);
   std::vector<Outcome> outs(3);
   EXPECT_TRUE(s->Submit(Pending(1, &outs[0])).ok());
   EXPECT_TRUE(s->Submit(Pending(2, &outs[1])).ok());
@@ -310,10 +310,8 @@ TEST(SchedulerTest, FullQueueAnswersResourceExhausted) {
 TEST(SchedulerTest, ExpiredAndCancelledRequestsNeverReachTheEngine) {
   FakeEngine engine;
   auto s = MakeScheduler(&engine, SchedulerOptions());
-  engine.Close();
   Outcome first;
-  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
-  engine.WaitEntered(1);
+  HoldEngine(engine, *s, &first);
   Outcome expired, cancelled, fine;
   ASSERT_TRUE(s->Submit(Pending(1, &expired, 1, Clock::now() + 10ms)).ok());
   std::atomic<bool> cancel{false};
@@ -339,10 +337,8 @@ TEST(SchedulerTest, DeadRequestsHoldNoPlaceInTheQueue) {
   SchedulerOptions o;
   o.max_queue = 2;
   auto s = MakeScheduler(&engine, o);
-  engine.Close();
   Outcome first;
-  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
-  engine.WaitEntered(1);
+  HoldEngine(engine, *s, &first);
   std::vector<Outcome> dead(2), live(3);
   for (int i = 0; i < 2; ++i) {
     ASSERT_TRUE(s->Submit(Pending(1 + i, &dead[i], 1, Clock::now() + 10ms)).ok());
@@ -365,10 +361,8 @@ TEST(SchedulerTest, DeadRequestsBehindAFullBatchAreAnsweredWhenItStarts) {
   SchedulerOptions o;
   o.max_batch_size = 1;
   auto s = MakeScheduler(&engine, o);
-  engine.Close();
   Outcome first, live, expired;
-  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
-  engine.WaitEntered(1);
+  HoldEngine(engine, *s, &first);
   ASSERT_TRUE(s->Submit(Pending(1, &live)).ok());
   ASSERT_TRUE(s->Submit(Pending(2, &expired, 1, Clock::now() + 10ms)).ok());
   std::this_thread::sleep_for(30ms);
@@ -389,10 +383,8 @@ TEST(SchedulerTest, ARequestThatExpiresWhileItsBatchIsPreparedGetsNoEngineWork) 
     std::this_thread::sleep_for(300ms);
   };
   auto s = MakeScheduler(&engine, o);
-  engine.Close();
   Outcome first, expires, later;
-  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
-  engine.WaitEntered(1);
+  HoldEngine(engine, *s, &first);
   ASSERT_TRUE(s->Submit(Pending(1, &expires, 1, Clock::now() + 150ms)).ok());
   ASSERT_TRUE(s->Submit(Pending(1, &later)).ok());  // one user: stays queued, so a prefetch runs
   engine.Open();
@@ -428,10 +420,8 @@ TEST(SchedulerTest, WrongResultCountIsInternalForThatBatch) {
 TEST(SchedulerTest, DrainFinishesQueuedWorkThenRejects) {
   FakeEngine engine;
   auto s = MakeScheduler(&engine, SchedulerOptions());
-  engine.Close();
   Outcome first;
-  ASSERT_TRUE(s->Submit(Pending(100, &first)).ok());
-  engine.WaitEntered(1);
+  HoldEngine(engine, *s, &first);
   std::vector<Outcome> outs(5);
   for (int i = 0; i < 5; ++i) ASSERT_TRUE(s->Submit(Pending(i + 1, &outs[i])).ok());
   std::thread drainer([&] { s->Drain(); });
