@@ -31,6 +31,9 @@ ABSL_FLAG(int32_t, tasks, 0, "init: override number of tasks (0 = preset)");
 ABSL_FLAG(int64_t, items, 0, "init: override item embedding rows (0 = preset)");
 ABSL_FLAG(int64_t, actions, 0, "init: override action embedding rows (0 = preset)");
 ABSL_FLAG(std::string, name, "", "init: model name (empty = preset's)");
+ABSL_FLAG(int32_t, truncation_stride, 0,
+          "init: history tokens a long history's kept start moves by (even, <= M; 0 = M/4 rounded "
+          "down to even)");
 
 namespace {
 
@@ -59,6 +62,7 @@ int Init() {
     return 2;
   }
   if (int v = absl::GetFlag(FLAGS_tasks)) c.num_tasks = v;
+  c.truncation_stride_tokens = absl::GetFlag(FLAGS_truncation_stride);
   if (int64_t v = absl::GetFlag(FLAGS_items)) c.item_rows = v;
   if (int64_t v = absl::GetFlag(FLAGS_actions)) c.action_rows = v;
   if (auto n = absl::GetFlag(FLAGS_name); !n.empty()) c.model_name = n;
@@ -123,6 +127,8 @@ int Info(const std::string& path) {
               c.num_tasks, static_cast<long long>(c.item_rows), static_cast<long long>(c.action_rows));
   std::printf("position_rows       %lld\nhead                %s\n",
               static_cast<long long>(c.position_rows), absl::StrJoin(c.head_dims, " -> ").c_str());
+  std::printf("truncation_stride   %d%s\n", c.truncation_stride(),
+              c.truncation_stride_tokens > 0 ? "" : " (default)");
   std::printf("tensors:\n");
   auto row = [](const std::string& n, int64_t a, int64_t b) {
     if (b > 0) {

@@ -26,10 +26,15 @@ struct ModelConfig {
   int64_t action_rows = 0;
   int64_t position_rows = 0;        // 0 without position encoding
   std::vector<int32_t> head_dims;   // MLP sizes, e.g. {1024, 512, 4}: head.j maps [j] -> [j+1]
+  int32_t truncation_stride_tokens = 0;  // hstu.truncation_stride: even, in [2, M]; 0 = the default
 
   int64_t hd() const { return static_cast<int64_t>(num_heads) * head_dim; }
-  // History tokens kept in truncation steps of this many (DESIGN §4): M/4 rounded down to even.
-  int32_t truncation_stride() const { return std::max(2, (max_history_tokens / 4) & ~1); }
+  // History tokens kept in truncation steps of this many (DESIGN §4): the model file's
+  // hstu.truncation_stride, by default M/4 rounded down to even (at least 2).
+  int32_t truncation_stride() const {
+    return truncation_stride_tokens > 0 ? truncation_stride_tokens
+                                        : std::max(2, (max_history_tokens / 4) & ~1);
+  }
   // Checks internal consistency; the message names the field.
   absl::Status Validate() const;
 };

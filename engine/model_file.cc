@@ -137,6 +137,13 @@ absl::Status ModelConfig::Validate() const {
   if (position_encoding && position_rows <= 0) {
     return absl::InvalidArgumentError("position encoding is on but the position table has no rows");
   }
+  if (truncation_stride_tokens != 0 &&
+      (truncation_stride_tokens < 2 || truncation_stride_tokens % 2 != 0 ||
+       truncation_stride_tokens > max_history_tokens)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hstu.truncation_stride must be even and in [2, hstu.max_history_tokens = ",
+        max_history_tokens, "] (whole events), got ", truncation_stride_tokens));
+  }
   if (head_dims.size() < 2 || head_dims.front() != hidden_dim || head_dims.back() != num_tasks) {
     return absl::InvalidArgumentError(absl::StrCat("head sizes ", absl::StrJoin(head_dims, "->"),
                                                    " must start at hidden_dim ", hidden_dim,
@@ -161,6 +168,9 @@ std::string SerializeModelFile(const ModelWeights& w, FileDType dtype) {
       {"hstu.position_encoding", c.position_encoding ? "true" : "false"},
       {"hstu.num_tasks", std::to_string(c.num_tasks)},
   };
+  if (c.truncation_stride_tokens > 0) {  // absent: the default, as in files written before it
+    header["__metadata__"]["hstu.truncation_stride"] = std::to_string(c.truncation_stride_tokens);
+  }
   const size_t elem = dtype == FileDType::kF32 ? 4 : 2;
   size_t offset = 0;
   const auto tensors = ListTensors(w);
@@ -284,6 +294,7 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
   HSTU_RETURN_IF_ERROR(get_int("hstu.max_attn_len", &c.max_attn_len, true));
   HSTU_RETURN_IF_ERROR(get_int("hstu.num_tasks", &c.num_tasks, true));
   HSTU_RETURN_IF_ERROR(get_int("hstu.max_candidates", &c.max_candidates, false));
+  HSTU_RETURN_IF_ERROR(get_int("hstu.truncation_stride", &c.truncation_stride_tokens, false));
   HSTU_RETURN_IF_ERROR(get_str("hstu.position_encoding", &pos_str, true));
   HSTU_RETURN_IF_ERROR(get_str("hstu.model_name", &c.model_name, false));
   if (pos_str == "true" || pos_str == "1") {

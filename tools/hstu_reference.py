@@ -74,10 +74,15 @@ class Model:
     layers: list = field(default_factory=list)
     head: list = field(default_factory=list)  # [(weight [in, out], bias [out]), ...]
 
+    truncation_stride_tokens: int = 0  # hstu.truncation_stride; 0: the default
+
     @property
     def truncation_stride(self) -> int:
-        # DESIGN §4: M/4 rounded down to an even number (so a kept window always starts on an item
-        # token), and at least 2 so that the stride can never be 0.
+        # DESIGN §4: the file's hstu.truncation_stride, by default M/4 rounded down to an even
+        # number (so a kept window always starts on an item token), and at least 2 so that the
+        # stride can never be 0.
+        if self.truncation_stride_tokens > 0:
+            return self.truncation_stride_tokens
         return max(2, (self.max_history_tokens // 4) // 2 * 2)
 
 
@@ -152,6 +157,7 @@ def load_model(path: str) -> Model:
         num_tasks=meta_int("hstu.num_tasks"),
         max_candidates=meta_int("hstu.max_candidates", 256),
         model_name=meta.get("hstu.model_name", ""),
+        truncation_stride_tokens=meta_int("hstu.truncation_stride", 0),
         item_emb=tensors["embeddings.item.weight"],
         action_emb=tensors["embeddings.action.weight"],
         position_emb=tensors["embeddings.position.weight"] if position_encoding else None,

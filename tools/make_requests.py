@@ -41,6 +41,7 @@ def read_model_shape(path: str) -> dict:
         "action_rows": header["embeddings.action.weight"]["shape"][0],
         "max_history_tokens": int(meta["hstu.max_history_tokens"]),
         "max_candidates": int(meta.get("hstu.max_candidates", "256")),
+        "truncation_stride": int(meta.get("hstu.truncation_stride", "0")),
     }
 
 
@@ -50,7 +51,8 @@ class Workload:
         self.rng = random.Random(seed)
         # Events, not tokens: every event is two history tokens.
         self.max_events = shape["max_history_tokens"] // 2
-        self.stride_events = max(2, (shape["max_history_tokens"] // 4) // 2 * 2) // 2
+        stride = shape["truncation_stride"] or max(2, (shape["max_history_tokens"] // 4) // 2 * 2)
+        self.stride_events = stride // 2
 
     def item_id(self) -> int:
         r = self.rng.random()

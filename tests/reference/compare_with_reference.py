@@ -53,7 +53,8 @@ MAX_REPORTED = 20  # per run, so a systematic bug does not flood the log
 # reach what tiny does not: no position encoding with a sliding window, more layers, an odd width, a
 # BF16 file; a single small head with position encoding and a window shorter than the truncation
 # stride, and a short max history so that truncation strides and candidate chunking happen often
-# (M = 44: M/4 = 11 is odd, so the stride's rounding down to even matters).
+# (M = 44: M/4 = 11 is odd, so the stride's rounding down to even matters); and a stride of the model
+# file's own (hstu.truncation_stride, 6 tokens against the default 10 of M = 40).
 CASES = {
     "tiny": {"init": ["--preset", "tiny", "--seed", "7"], "users": 8, "visits": 6},
     "window_bf16": {
@@ -73,6 +74,14 @@ CASES = {
         ],
         "users": 9,
         "visits": 7,
+    },
+    "stride": {
+        "init": [
+            "--preset", "tiny", "--seed", "17",
+            "--max_history", "40", "--max_candidates", "6", "--truncation_stride", "6",
+        ],
+        "users": 6,
+        "visits": 8,
     },
 }
 

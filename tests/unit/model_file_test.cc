@@ -210,6 +210,32 @@ TEST(ModelFile, InconsistentMetadata) {
   }
 }
 
+TEST(ModelFile, TruncationStrideRoundTripsAndIsChecked) {
+  ModelConfig c = SmallConfig();  // M = 16: the default stride is 4
+  ASSERT_EQ(c.truncation_stride(), 4);
+  {
+    // Not written when it is the default, so files stay as they were.
+    auto [h, data] = Split(SerializeModelFile(RandomModel(c, 1)));
+    EXPECT_FALSE(h["__metadata__"].contains("hstu.truncation_stride"));
+  }
+  c.truncation_stride_tokens = 6;
+  auto r = ParseModelFile(SerializeModelFile(RandomModel(c, 1)), "x");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->config.truncation_stride(), 6);
+  for (const char* bad : {"5", "18", "-2"}) {  // odd, past M, negative
+    auto [h, data] = Split(SerializeModelFile(RandomModel(c, 1)));
+    h["__metadata__"]["hstu.truncation_stride"] = bad;
+    ExpectError(Join(h, data), std::string("hstu.truncation_stride must be even and in [2, "
+                                           "hstu.max_history_tokens = 16] (whole events), got ") + bad);
+  }
+  // "0" spells the default.
+  auto [h, data] = Split(SerializeModelFile(RandomModel(c, 1)));
+  h["__metadata__"]["hstu.truncation_stride"] = "0";
+  auto z = ParseModelFile(Join(h, data), "x");
+  ASSERT_TRUE(z.ok()) << z.status();
+  EXPECT_EQ(z->config.truncation_stride(), 4);
+}
+
 TEST(ModelFile, NanWeightsAreRejected) {
   ModelWeights w = RandomModel(SmallConfig(), 1);
   w.layers[0].output_w[3] = NAN;
