@@ -5,7 +5,7 @@
 // Histories are not stored: event i of user u is a pure function of (seed, u, i), so millions of
 // users with long histories cost 16 bytes each.
 //
-// Thread-safety: Next() is thread-safe.
+// Thread-safety: Next() and Done() are thread-safe.
 #pragma once
 
 #include <cstdint>
