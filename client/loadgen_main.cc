@@ -425,9 +425,10 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
                absl::StrCat("must be >= --initial_events_min (", initial_events_min, ")"));
   }
   const int32_t max_events = absl::GetFlag(FLAGS_max_events);
-  if (max_events > 0 && max_events < std::max(initial_events, initial_events_min)) {
+  const int32_t largest_initial = std::max(initial_events, initial_events_min);
+  if (max_events > 0 && max_events < largest_initial) {
     return bad("max_events", max_events,
-               absl::StrCat("must be >= --initial_events (", std::max(initial_events, initial_events_min), ")"));
+               absl::StrCat("must be >= --initial_events (", largest_initial, ")"));
   }
   if (absl::GetFlag(FLAGS_max_outstanding) < 1) return bad("max_outstanding", absl::GetFlag(FLAGS_max_outstanding), "must be >= 1");
   const std::string arrival = absl::GetFlag(FLAGS_arrival);

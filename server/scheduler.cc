@@ -88,9 +88,9 @@ int64_t Scheduler::LiveQueuedLocked(Clock::time_point now) const {
   });
 }
 
-void Scheduler::SweepDeadLocked(size_t from, Clock::time_point now, std::vector<Item>* rejected) {
-  size_t kept = from;
-  for (size_t i = from; i < queue_.size(); ++i) {
+void Scheduler::SweepDeadLocked(Clock::time_point now, std::vector<Item>* rejected) {
+  size_t kept = 0;
+  for (size_t i = 0; i < queue_.size(); ++i) {
     Item& item = queue_[i];
     if (absl::Status dead = DeadStatus(item.pending, now, "while queued"); !dead.ok()) {
       item.rejection = std::move(dead);
@@ -127,17 +127,11 @@ bool Scheduler::TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wak
   std::unordered_set<uint64_t> users;
   int64_t tokens = 0;
   bool full = false;
-  size_t i = 0;
-  for (; i < queue_.size();) {
+  // Every dead request is answered now, without engine work, wherever it is in the queue (its
+  // caller waits, and it holds a place).
+  SweepDeadLocked(now, rejected);
+  for (size_t i = 0; i < queue_.size();) {
     Item& item = queue_[i];
-    if (absl::Status dead = DeadStatus(item.pending, now, "while queued"); !dead.ok()) {
-      // Answered without engine work. Erasing shifts the indices after i, so `chosen` (all < i)
-      // stays valid.
-      item.rejection = std::move(dead);
-      rejected->push_back(std::move(item));
-      queue_.erase(queue_.begin() + static_cast<std::ptrdiff_t>(i));
-      continue;
-    }
     const uint64_t user = item.pending.request.user_id;
     if (users.contains(user)) {
       ++i;  // the user's earlier request runs first; this one keeps its place
@@ -157,9 +151,6 @@ bool Scheduler::TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wak
       break;
     }
   }
-  // The scan stopped at a full batch: what is dead behind it is answered now too, not when the
-  // scan reaches it (its caller waits, and it holds a place in the queue).
-  SweepDeadLocked(i, now, rejected);
   if (chosen.empty()) return false;
   if (options_.adaptive_fill && static_cast<int32_t>(chosen.size()) >= last_batch_size_) full = true;
   if (!full && !draining_ && options_.batch_timeout.count() > 0) {

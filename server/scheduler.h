@@ -122,15 +122,16 @@ class Scheduler {
 
   Scheduler(const SchedulerOptions& options, RunBatchFn run_batch, BatchObserver observer);
   void WorkerLoop();
-  // Moves the next batch out of the queue (answering expired and cancelled requests on the way).
+  // Moves every expired or cancelled request of the queue to *rejected, then the next batch out
+  // of the queue.
   // Returns false with an empty batch when it should wait (until `*wake_at`) instead.
   bool TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wake_at,
                        std::vector<Item>* rejected);
   void RunBatch(std::vector<Item>& batch);
   // Queued requests that can still be answered usefully (deadline ahead, call not cancelled).
   int64_t LiveQueuedLocked(Clock::time_point now) const;
-  // Moves the dead requests of queue_[from, end) to *rejected, keeping the order of the others.
-  void SweepDeadLocked(size_t from, Clock::time_point now, std::vector<Item>* rejected);
+  // Moves the dead requests of the queue to *rejected, keeping the order of the others.
+  void SweepDeadLocked(Clock::time_point now, std::vector<Item>* rejected);
 
   const SchedulerOptions options_;
   const RunBatchFn run_batch_;
