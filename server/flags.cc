@@ -32,6 +32,9 @@ ABSL_FLAG(bool, adaptive_batching, true,
           "timeout); false: only at --max_batch_size.");
 ABSL_FLAG(int32_t, max_queue, 1024,
           "Most requests waiting for the engine; beyond it Rank answers RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int32_t, max_queue_per_user, 32,
+          "Most requests of one user waiting for the engine (they run one per batch); beyond it "
+          "that user's calls answer RESOURCE_EXHAUSTED. 0: no per-user limit.");
 ABSL_FLAG(int64_t, max_candidates, 1024,
           "Most candidates per request (INVALID_ARGUMENT beyond). Requests with more candidates "
           "than the model scores per forward are scored in chunks with identical results.");
@@ -142,6 +145,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.scheduler.batch_timeout = std::chrono::microseconds(absl::GetFlag(FLAGS_batch_timeout_us));
   o.scheduler.adaptive_fill = absl::GetFlag(FLAGS_adaptive_batching);
   o.scheduler.max_queue = absl::GetFlag(FLAGS_max_queue);
+  o.scheduler.max_queue_per_user = absl::GetFlag(FLAGS_max_queue_per_user);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.warmup = absl::GetFlag(FLAGS_warmup);
   o.engine_stall_timeout_s = absl::GetFlag(FLAGS_engine_stall_timeout_s);
@@ -160,6 +164,9 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   if (o.scheduler.max_batch_tokens < 1) return bad("max_batch_tokens", o.scheduler.max_batch_tokens, "must be >= 1");
   if (o.scheduler.batch_timeout.count() < 0) return bad("batch_timeout_us", o.scheduler.batch_timeout.count(), "must be >= 0");
   if (o.scheduler.max_queue < 1) return bad("max_queue", o.scheduler.max_queue, "must be >= 1");
+  if (o.scheduler.max_queue_per_user < 0) {
+    return bad("max_queue_per_user", o.scheduler.max_queue_per_user, "must be >= 0 (0: no limit)");
+  }
   if (o.engine.limits.max_candidates < 1) return bad("max_candidates", o.engine.limits.max_candidates, "must be >= 1");
   if (o.max_message_bytes < 1024) return bad("max_message_bytes", o.max_message_bytes, "must be >= 1024");
   const int32_t ps = o.engine.page_size;

@@ -54,6 +54,11 @@ ServerMetrics::ServerMetrics(const std::string& version)
           BatchTokenBuckets())),
       requests_total_(registry_.AddCounter("hstu_requests_total",
                                            "Finished Rank RPCs by gRPC status code.", {"code"})),
+      queue_rejections_(registry_.AddCounter(
+          "hstu_queue_rejections_total",
+          "Rank requests the scheduler turned away, by reason: queue_full (--max_queue), "
+          "user_queue_full (--max_queue_per_user), shutting_down.",
+          {"reason"})),
       inflight_(registry_.AddGauge("hstu_inflight_requests",
                                    "Rank RPCs received and not yet answered.")),
       queue_depth_(registry_.AddGauge("hstu_queue_depth",
@@ -135,6 +140,10 @@ ServerMetrics::ServerMetrics(const std::string& version)
   // Children that must exist before the first observation, so dashboards and alerts see zeros.
   request_duration_.WithLabels({"OK"});
   requests_total_.WithLabels({"OK"});
+  for (const SubmitRejection r : {SubmitRejection::kQueueFull, SubmitRejection::kUserQueueFull,
+                                  SubmitRejection::kShuttingDown}) {
+    queue_rejections_.WithLabels({SubmitRejectionName(r)});
+  }
   request_queue_.WithLabels({});
   batch_compute_.WithLabels({});
   kv_onload_wait_.WithLabels({});
@@ -188,6 +197,10 @@ void ServerMetrics::SetQueueDepthSource(std::function<int64_t()> depth) {
 void ServerMetrics::ObserveRequest(const std::string& code, double seconds) {
   request_duration_.WithLabels({code}).Observe(seconds);
   requests_total_.WithLabels({code}).Increment();
+}
+
+void ServerMetrics::CountQueueRejection(const std::string& reason) {
+  queue_rejections_.WithLabels({reason}).Increment();
 }
 
 void ServerMetrics::ObserveQueue(double seconds) { request_queue_.WithLabels({}).Observe(seconds); }

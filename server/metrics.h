@@ -40,6 +40,8 @@ class ServerMetrics {
   // One finished RPC of Rank: `code` is the gRPC code name ("OK", "INVALID_ARGUMENT", ...).
   void ObserveRequest(const std::string& code, double seconds);
   void ObserveQueue(double seconds);
+  // One request the scheduler turned away: `reason` is SubmitRejectionName() of why.
+  void CountQueueRejection(const std::string& reason);
   void ObserveBatch(const BatchInfo& info);
   // One forward pass's stall on host → GPU KV copies (Engine::TakeOnloadWaits).
   void ObserveOnloadWait(double seconds);
@@ -64,6 +66,7 @@ class ServerMetrics {
   Family<Histogram>& batch_size_;
   Family<Histogram>& batch_tokens_;
   Family<Counter>& requests_total_;
+  Family<Counter>& queue_rejections_;
   Family<Gauge>& inflight_;
   Family<Gauge>& queue_depth_;
   Family<Counter>& kv_lookups_;

@@ -121,7 +121,11 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
     if (result.ok()) ToProto(*result, request_id, response);
     finish(result.status());
   };
-  if (absl::Status s = a->scheduler->Submit(std::move(pending)); !s.ok()) finish(s);
+  SubmitRejection rejection;
+  if (absl::Status s = a->scheduler->Submit(std::move(pending), &rejection); !s.ok()) {
+    metrics->CountQueueRejection(SubmitRejectionName(rejection));
+    finish(s);
+  }
   return reactor;
 }
 

@@ -202,10 +202,11 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                         absl::StrCat("scheduler: ", scheduler.status().message()));
   }
   s->scheduler_ = std::move(*scheduler);
-  spdlog::info("scheduler: max batch {} requests / {} tokens, batch timeout {} us{}, queue {}",
+  spdlog::info("scheduler: max batch {} requests / {} tokens, batch timeout {} us{}, queue {} ({} "
+               "a user)",
                sched.max_batch_size, sched.max_batch_tokens, sched.batch_timeout.count(),
                sched.batch_timeout.count() > 0 && sched.adaptive_fill ? " (adaptive fill)" : "",
-               sched.max_queue);
+               sched.max_queue, sched.max_queue_per_user);
   Scheduler* sched_ptr = s->scheduler_.get();
   metrics->SetQueueDepthSource([sched_ptr] { return sched_ptr->QueueDepth(); });
   // Counted from here on: the graph warm-up and the warm-up request are not served traffic.

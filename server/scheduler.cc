@@ -24,6 +24,16 @@ absl::Status DeadStatus(const PendingRank& p, Clock::time_point now, const char*
 
 }  // namespace
 
+const char* SubmitRejectionName(SubmitRejection reason) {
+  switch (reason) {
+    case SubmitRejection::kNone: return "";
+    case SubmitRejection::kQueueFull: return "queue_full";
+    case SubmitRejection::kUserQueueFull: return "user_queue_full";
+    case SubmitRejection::kShuttingDown: return "shutting_down";
+  }
+  return "";
+}
+
 int64_t DefaultTokenCost(const RankRequest& request) {
   return 2 * static_cast<int64_t>(request.history_item_ids.size()) +
          static_cast<int64_t>(request.candidate_item_ids.size());
@@ -43,6 +53,10 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(const SchedulerOpti
   if (options.max_queue < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_queue must be >= 1, got ", options.max_queue));
   }
+  if (options.max_queue_per_user < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queue_per_user must be >= 0, got ", options.max_queue_per_user));
+  }
   if (options.batch_timeout.count() < 0) {
     return absl::InvalidArgumentError("batch_timeout must be >= 0");
   }
@@ -58,7 +72,12 @@ Scheduler::Scheduler(const SchedulerOptions& options, RunBatchFn run_batch, Batc
 
 Scheduler::~Scheduler() { Drain(); }
 
-absl::Status Scheduler::Submit(PendingRank pending) {
+absl::Status Scheduler::Submit(PendingRank pending, SubmitRejection* reason) {
+  auto reject = [reason](SubmitRejection why, absl::Status status) {
+    if (reason != nullptr) *reason = why;
+    return status;
+  };
+  if (reason != nullptr) *reason = SubmitRejection::kNone;
   Item item;
   item.tokens = options_.token_cost ? options_.token_cost(pending.request)
                                     : DefaultTokenCost(pending.request);
@@ -66,14 +85,25 @@ absl::Status Scheduler::Submit(PendingRank pending) {
   item.pending = std::move(pending);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (draining_) return absl::UnavailableError("server is shutting down");
+    if (draining_) {
+      return reject(SubmitRejection::kShuttingDown,
+                    absl::UnavailableError("server is shutting down"));
+    }
     // Requests whose deadline passed or whose call was cancelled hold no place: they are answered
     // at the next batch boundary. (The queue's storage stays bounded at twice max_queue.)
     if (static_cast<int64_t>(queue_.size()) >= options_.max_queue &&
         (static_cast<int64_t>(queue_.size()) >= 2 * static_cast<int64_t>(options_.max_queue) ||
          LiveQueuedLocked(item.enqueued) >= options_.max_queue)) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("request queue is full (", options_.max_queue, " requests)"));
+      return reject(SubmitRejection::kQueueFull,
+                    absl::ResourceExhaustedError(absl::StrCat(
+                        "request queue is full (", options_.max_queue, " requests)")));
+    }
+    if (UserQueueFullLocked(item.pending.request.user_id, item.enqueued)) {
+      return reject(SubmitRejection::kUserQueueFull,
+                    absl::ResourceExhaustedError(absl::StrCat(
+                        "user ", item.pending.request.user_id, " already has ",
+                        options_.max_queue_per_user,
+                        " requests queued (--max_queue_per_user); they run one per batch")));
     }
     queue_.push_back(std::move(item));
     depth_.store(static_cast<int64_t>(queue_.size()), std::memory_order_relaxed);
@@ -86,6 +116,19 @@ int64_t Scheduler::LiveQueuedLocked(Clock::time_point now) const {
   return std::count_if(queue_.begin(), queue_.end(), [now](const Item& item) {
     return DeadStatus(item.pending, now, "").ok();
   });
+}
+
+bool Scheduler::UserQueueFullLocked(uint64_t user, Clock::time_point now) const {
+  if (options_.max_queue_per_user == 0) return false;
+  int64_t queued = 0, live = 0;
+  for (const Item& item : queue_) {
+    if (item.pending.request.user_id == user) ++queued;
+  }
+  if (queued < options_.max_queue_per_user) return false;
+  for (const Item& item : queue_) {
+    if (item.pending.request.user_id == user && DeadStatus(item.pending, now, "").ok()) ++live;
+  }
+  return live >= options_.max_queue_per_user;
 }
 
 void Scheduler::SweepDeadLocked(Clock::time_point now, std::vector<Item>* rejected) {

@@ -17,7 +17,9 @@
 //    work (DEADLINE_EXCEEDED / CANCELLED), checked when a batch is formed (the whole queue) and
 //    again right before the batch runs;
 //  - the queue is bounded: Submit() answers RESOURCE_EXHAUSTED when it holds max_queue requests
-//    that can still be answered (dead ones, not yet answered, take no place);
+//    that can still be answered (dead ones, not yet answered, take no place), or, with
+//    max_queue_per_user > 0, that many of the request's user (they run one per batch, so a user's
+//    flood would otherwise hold the queue's places and only lengthen its own wait);
 //  - Drain() stops admitting (UNAVAILABLE), finishes everything queued, then stops the worker;
 //  - an engine failure of one batch answers INTERNAL for that batch only.
 //
@@ -54,6 +56,7 @@ struct SchedulerOptions {
   // instead of at max_batch_size.
   bool adaptive_fill = false;
   int32_t max_queue = 1024;          // queued requests beyond which Submit() rejects
+  int32_t max_queue_per_user = 0;    // queued requests of one user beyond which it rejects; 0: none
   // Estimated tokens of a request (history tokens + candidates); the scheduler cannot see the
   // cache, so this is an upper bound of what the engine computes. Unset: 2 * events + candidates.
   std::function<int64_t(const RankRequest&)> token_cost;
@@ -88,6 +91,11 @@ struct BatchInfo {
   double compute_seconds = 0;
 };
 
+// Why Submit() turned a request away.
+enum class SubmitRejection { kNone, kQueueFull, kUserQueueFull, kShuttingDown };
+// Label values for metrics: "queue_full", "user_queue_full", "shutting_down" ("" for kNone).
+const char* SubmitRejectionName(SubmitRejection reason);
+
 class Scheduler {
  public:
   // Runs a batch on the engine: one result per request, in order.
@@ -102,9 +110,10 @@ class Scheduler {
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
 
-  // Queues a request. On rejection (queue full, draining) `done` has NOT been called and the
-  // returned status says why; the caller answers the RPC itself.
-  absl::Status Submit(PendingRank pending);
+  // Queues a request. On rejection (queue full, the user's share of it full, draining) `done` has
+  // NOT been called, the returned status says why and `*reason` (if given) which rule it was; the
+  // caller answers the RPC itself.
+  absl::Status Submit(PendingRank pending, SubmitRejection* reason = nullptr);
   int64_t QueueDepth() const;
   // How long the batch now on the engine has been running; zero while the worker is idle.
   // Thread-safe.
@@ -130,6 +139,8 @@ class Scheduler {
   void RunBatch(std::vector<Item>& batch);
   // Queued requests that can still be answered usefully (deadline ahead, call not cancelled).
   int64_t LiveQueuedLocked(Clock::time_point now) const;
+  // Whether `user` already has max_queue_per_user such requests queued.
+  bool UserQueueFullLocked(uint64_t user, Clock::time_point now) const;
   // Moves the dead requests of the queue to *rejected, keeping the order of the others.
   void SweepDeadLocked(Clock::time_point now, std::vector<Item>* rejected);
 

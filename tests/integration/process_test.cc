@@ -109,7 +109,7 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
   const auto [rc, out] = RunCommand(absl::StrCat(HSTU_SERVER_BIN, " --help"));
   for (const char* flag :
        {"listen", "metrics_listen", "model", "seed", "device", "max_batch_size", "max_batch_tokens",
-        "batch_timeout_us", "max_queue", "max_candidates", "max_message_bytes", "page_size",
+        "batch_timeout_us", "max_queue", "max_queue_per_user", "max_candidates", "max_message_bytes", "page_size",
         "cache_pages", "host_cache_pages", "onload_policy", "enable_cache", "no_cache",
         "log_level"}) {
     EXPECT_NE(out.find(absl::StrCat("--", flag, " (")), std::string::npos) << flag;

@@ -126,6 +126,9 @@ TEST(SchedulerTest, RejectsBadOptions) {
   o.max_queue = 0;
   EXPECT_EQ(Scheduler::Create(o, run).status().code(), absl::StatusCode::kInvalidArgument);
   o = SchedulerOptions();
+  o.max_queue_per_user = -1;
+  EXPECT_EQ(Scheduler::Create(o, run).status().code(), absl::StatusCode::kInvalidArgument);
+  o = SchedulerOptions();
   EXPECT_EQ(Scheduler::Create(o, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
@@ -352,6 +355,66 @@ TEST(SchedulerTest, DeadRequestsHoldNoPlaceInTheQueue) {
   for (auto& d : dead) EXPECT_EQ(Await(d).status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_TRUE(Await(live[0]).ok());
   EXPECT_TRUE(Await(live[1]).ok());
+}
+
+TEST(SchedulerTest, OneUsersFloodTakesAtMostItsShareOfTheQueue) {
+  // Before: with no per-user limit, one user's calls filled the whole queue (they run one per
+  // batch), and every other user was answered RESOURCE_EXHAUSTED.
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.max_queue = 6;
+  o.max_queue_per_user = 3;
+  auto s = MakeScheduler(&engine, o);
+  Outcome first;
+  HoldEngine(engine, *s, &first);
+  std::vector<Outcome> flood(5), others(2);
+  std::atomic<bool> cancel{false};
+  for (int i = 0; i < 3; ++i) {
+    PendingRank p = Pending(7, &flood[i]);
+    if (i == 0) p.is_cancelled = [&cancel] { return cancel.load(); };
+    ASSERT_TRUE(s->Submit(std::move(p)).ok()) << i;
+  }
+  SubmitRejection why = SubmitRejection::kNone;
+  const absl::Status capped = s->Submit(Pending(7, &flood[3]), &why);
+  EXPECT_EQ(capped.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(why, SubmitRejection::kUserQueueFull);
+  EXPECT_NE(capped.message().find("user 7"), std::string::npos) << capped;
+  EXPECT_NE(capped.message().find("--max_queue_per_user"), std::string::npos) << capped;
+  EXPECT_EQ(flood[3].future.wait_for(0s), std::future_status::timeout);  // done not called
+  // Other users still queue.
+  EXPECT_TRUE(s->Submit(Pending(8, &others[0]), &why).ok());
+  EXPECT_EQ(why, SubmitRejection::kNone);
+  // A cancelled request of the user holds no place of its share either.
+  cancel.store(true);
+  EXPECT_TRUE(s->Submit(Pending(7, &flood[4])).ok());
+  engine.Open();
+  EXPECT_EQ(Await(flood[0]).status().code(), absl::StatusCode::kCancelled);
+  for (int i : {1, 2, 4}) EXPECT_TRUE(Await(flood[i]).ok()) << i;
+  EXPECT_TRUE(Await(others[0]).ok());
+  // The user's requests ran one per batch, in order of arrival.
+  int runs_of_7 = 0;
+  for (const auto& b : engine.batches()) {
+    EXPECT_LE(std::count(b.begin(), b.end(), 7u), 1);
+    runs_of_7 += static_cast<int>(std::count(b.begin(), b.end(), 7u));
+  }
+  EXPECT_EQ(runs_of_7, 3);
+}
+
+TEST(SchedulerTest, WithoutAPerUserLimitOneUserMayFillTheQueue) {
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.max_queue = 4;
+  o.max_queue_per_user = 0;
+  auto s = MakeScheduler(&engine, o);
+  Outcome first;
+  HoldEngine(engine, *s, &first);
+  std::vector<Outcome> outs(5);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(s->Submit(Pending(7, &outs[i])).ok()) << i;
+  SubmitRejection why = SubmitRejection::kNone;
+  EXPECT_EQ(s->Submit(Pending(8, &outs[4]), &why).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(why, SubmitRejection::kQueueFull);
+  engine.Open();
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(Await(outs[i]).ok()) << i;
 }
 
 TEST(SchedulerTest, DeadRequestsBehindAFullBatchAreAnsweredWhenItStarts) {

@@ -381,7 +381,8 @@ TEST(AsSeenByTheClient, KeepsServerFailuresAndTellsDeadlinesFromCancels) {
 
 TEST_F(ServerTest, FullQueueAnswersResourceExhausted) {
   ServerOptions o;
-  o.scheduler.max_queue = 2;
+  o.scheduler.max_queue = 3;
+  o.scheduler.max_queue_per_user = 1;
   StartServer(o);
   gate_.Close();
   std::vector<std::thread> threads;
@@ -392,22 +393,38 @@ TEST_F(ServerTest, FullQueueAnswersResourceExhausted) {
       if (Rank(MakeRequest(user, 5, 3, user), &r).ok()) ++ok;
     });
   };
+  auto await_depth = [&](int depth) {
+    for (int i = 0; i < 250 && server_->scheduler().QueueDepth() < depth; ++i) {
+      std::this_thread::sleep_for(10ms);
+    }
+    return server_->scheduler().QueueDepth();
+  };
   send(1);
   ASSERT_TRUE(gate_.WaitEntered(1));
   send(2);
   send(3);
-  for (int i = 0; i < 250 && server_->scheduler().QueueDepth() < 2; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  ASSERT_EQ(server_->scheduler().QueueDepth(), 2);
+  ASSERT_EQ(await_depth(2), 2);
   hstu::v1::RankResponse resp;
-  const grpc::Status full = Rank(MakeRequest(4, 5, 3, 4), &resp);
+  // User 2 has its one queued request: its next call is turned away, other users' are not.
+  const grpc::Status user_full = Rank(MakeRequest(2, 6, 3, 2), &resp);
+  EXPECT_EQ(user_full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(user_full.error_message().find("user 2 already has 1 requests queued"),
+            std::string::npos)
+      << user_full.error_message();
+  send(4);
+  ASSERT_EQ(await_depth(3), 3);
+  const grpc::Status full = Rank(MakeRequest(5, 5, 3, 5), &resp);
   EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(full.error_message().find("queue is full"), std::string::npos);
-  EXPECT_EQ(Scrape().Sum("hstu_queue_depth"), 2);
+  const auto m = Scrape();
+  EXPECT_EQ(m.Sum("hstu_queue_depth"), 3);
+  EXPECT_EQ(m.Sum("hstu_queue_rejections_total", {{"reason", "user_queue_full"}}), 1);
+  EXPECT_EQ(m.Sum("hstu_queue_rejections_total", {{"reason", "queue_full"}}), 1);
+  EXPECT_EQ(m.Sum("hstu_queue_rejections_total", {{"reason", "shutting_down"}}), 0);
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "RESOURCE_EXHAUSTED"}}), 2);
   gate_.Open();
   for (auto& t : threads) t.join();
-  EXPECT_EQ(ok.load(), 3);
+  EXPECT_EQ(ok.load(), 4);
 }
 
 TEST_F(ServerTest, CancelledCallIsDroppedBeforeTheEngine) {
