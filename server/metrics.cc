@@ -1,6 +1,7 @@
 #include "server/metrics.h"
 
 
+#include <chrono>
 #include <cstring>
 #include <mutex>
 
@@ -59,6 +60,9 @@ ServerMetrics::ServerMetrics(const std::string& version)
           "Rank requests the scheduler turned away, by reason: queue_full (--max_queue), "
           "user_queue_full (--max_queue_per_user), shutting_down.",
           {"reason"})),
+      process_start_time_(registry_.AddGauge(
+          "process_start_time_seconds",
+          "Start time of the process since the Unix epoch in seconds (a restart changes it).")),
       inflight_(registry_.AddGauge("hstu_inflight_requests",
                                    "Rank RPCs received and not yet answered.")),
       queue_depth_(registry_.AddGauge("hstu_queue_depth",
@@ -144,6 +148,8 @@ ServerMetrics::ServerMetrics(const std::string& version)
                                   SubmitRejection::kShuttingDown}) {
     queue_rejections_.WithLabels({SubmitRejectionName(r)});
   }
+  process_start_time_.WithLabels({}).Set(
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
   request_queue_.WithLabels({});
   batch_compute_.WithLabels({});
   kv_onload_wait_.WithLabels({});

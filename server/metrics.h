@@ -67,6 +67,7 @@ class ServerMetrics {
   Family<Histogram>& batch_tokens_;
   Family<Counter>& requests_total_;
   Family<Counter>& queue_rejections_;
+  Family<Gauge>& process_start_time_;
   Family<Gauge>& inflight_;
   Family<Gauge>& queue_depth_;
   Family<Counter>& kv_lookups_;

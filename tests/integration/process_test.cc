@@ -250,6 +250,9 @@ TEST(ProcessTest, MetricsPassPromtoolAndDeployFilesUseOnlyExportedMetrics) {
 
   auto expo = ParseExposition(*body);
   ASSERT_TRUE(expo.ok()) << expo.status();
+  // The restart alert reads the standard start-time gauge.
+  EXPECT_EQ(expo->types["process_start_time_seconds"], "gauge");
+  EXPECT_GT(expo->Sum("process_start_time_seconds"), 1.7e9);
   // Every hstu_* name in the dashboard and the rules must be an exported family (or one of a
   // histogram's _bucket/_sum/_count series).
   const std::regex metric_re("hstu_[a-z0-9_]+");
@@ -279,6 +282,11 @@ TEST(ProcessTest, MetricsPassPromtoolAndDeployFilesUseOnlyExportedMetrics) {
   const auto [rc3, out3] = RunCommand(
       absl::StrCat("promtool check config ", HSTU_SOURCE_DIR, "/deploy/prometheus/prometheus.yml"));
   EXPECT_EQ(rc3, 0) << out3;
+  // The alerts fire on their cause only (deploy/prometheus/rules_test.yml).
+  const auto [rc4, out4] = RunCommand(absl::StrCat("cd ", HSTU_SOURCE_DIR,
+                                                   "/deploy/prometheus && promtool test rules "
+                                                   "rules_test.yml"));
+  EXPECT_EQ(rc4, 0) << out4;
   // The dashboard is valid JSON.
   const auto dash = nlohmann::json::parse(
       ReadFile(absl::StrCat(HSTU_SOURCE_DIR, "/deploy/grafana/hstu_dashboard.json")), nullptr,
