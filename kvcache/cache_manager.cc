@@ -271,6 +271,7 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   Entry& e = it->second;
   const bool host_only = !inserted && e.page_ids.empty() && e.num_tokens > 0;
   const bool from_host = host_only || (!inserted && e.from_host && e.num_tokens > 0);
+  r.new_entry = inserted;
   if (inserted) {
     lru_.push_front(user_id);
     e.lru_it = lru_.begin();
@@ -331,7 +332,8 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   if (host_only && e.dead_pages > 0 && r.reused_tokens > 0) {
     const int64_t live = r.reused_tokens / page_size_ - e.dead_pages;
     if (onload_ok && !onload_ok(live, r.reused_tokens)) {
-      TruncateLocked(e, 0);  // the host copy goes: the recompute rewrites every page
+      // The host copy goes once the recompute, which rewrites every page, has its pages (below):
+      // a request that cannot fit costs nobody their cache, its own user included.
       r.reused_tokens = 0;
       r.result = LookupResult::kHostRecompute;
       declined = true;
@@ -357,6 +359,12 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
         " are pinned by requests in flight"));
   }
   pinned_pages_ += std::max<int64_t>(missing, 0);
+  if (declined) {
+    std::vector<int32_t> fresh = std::move(e.page_ids);
+    e.page_ids.clear();
+    TruncateLocked(e, 0);
+    e.page_ids = std::move(fresh);
+  }
   if (host_only && !declined) {
     // Host-only entries hold whole pages, so the reused tokens are exactly the first pages (of
     // which the dead ones are neither copied nor read).
@@ -474,8 +482,20 @@ void CacheManager::Release(const Reservation& r) {
     e.pinned = false;
     return;
   }
+  if (it == entries_.end()) return;
+  Entry& e = it->second;
+  e.pinned = false;
+  // The failed forward may have left the GPU pages half written (its own rows, or an onload that
+  // did not complete); the host copies, whose offloads completed, it never touches: keep those,
+  // as an eviction would.
+  if (!e.prefetch_pending && LivePages(e.host_page_ids, e.dead_pages) > 0) {
+    FreeLive(allocator_, e.page_ids);
+    e.page_ids.clear();
+    TruncateLocked(e, e.host_page_ids.size());
+    if (e.num_tokens > 0) return;
+  }
   DropLocked(r.user_id);
-  ++stats_.dropped_entries;
+  if (!r.new_entry) ++stats_.dropped_entries;  // a new user's failed request loses nothing
 }
 
 void CacheManager::ForgetHostCopy(uint64_t user_id) {

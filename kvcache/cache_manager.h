@@ -59,7 +59,8 @@ struct CacheStats {
   uint64_t tokens_computed = 0;
   uint64_t evictions = 0;        // entries whose GPU pages were evicted to make room
   uint64_t host_evictions = 0;   // entries whose host copies were evicted to make room
-  uint64_t dropped_entries = 0;  // entries gone entirely (failed, or evicted with no copy left)
+  uint64_t dropped_entries = 0;  // entries gone entirely (a failed request's, or evicted with no
+                                 // copy left); not a new user's failed first request
   uint64_t pages_offloaded = 0;  // GPU → host page copies planned
   uint64_t pages_onloaded = 0;   // host → GPU page copies planned
   uint64_t offloads_skipped = 0; // full pages not offloaded at commit (copy backlog at its bound)
@@ -111,6 +112,7 @@ struct Reservation {
   LookupResult result = LookupResult::kMiss;
   PageCopies onload;             // host → GPU copies to finish before the forward reads the pages
   bool prefetched = false;       // its pages came from a Prefetch() whose copies may be in flight
+  bool new_entry = false;        // the user had no entry before this request
   // The chain hashes of the request's full pages (PageChainHashes of its keys), for Commit.
   std::vector<uint64_t> page_hashes;
 };

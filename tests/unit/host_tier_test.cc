@@ -92,10 +92,11 @@ TEST(HostTier, HashMismatchAfterEvictionIsDetected) {
   EXPECT_EQ(back->result, LookupResult::kHostHit);  // page 0 still matches
   EXPECT_EQ(back->reused_tokens, 4);
   EXPECT_EQ(back->onload.src.size(), 1u);
-  m.Release(*back);
+  m.Release(*back);  // the failed request keeps the host copy of page 0
+  EXPECT_EQ(m.CachedTokens(1), 4);
   edited[0] = TokenKey(false, 4242);
   auto r3 = m.Acquire(1, edited);
-  EXPECT_EQ(r3->result, LookupResult::kMiss);  // the failed request dropped the entry
+  EXPECT_EQ(r3->result, LookupResult::kMismatch);
 }
 
 TEST(HostTier, FullHostTierDropsLeastRecentlyUsedUnpinnedCopies) {
@@ -193,6 +194,57 @@ TEST(HostTier, FailedRequestKeepsTheFullPagesAnOffloadStillReads) {
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->reused_tokens, 8);
   m.Commit(*again, Keys(20, 1));
+}
+
+TEST(HostTier, AFailedRequestKeepsItsUsersCompletedHostCopy) {
+  // Before: the entry was dropped, host copy and all, and counted as dropped; the user's next
+  // visit was a miss.
+  CacheManager m(4, 5, 16);  // GPU: two users of 8 tokens and a page
+  for (int u = 1; u <= 3; ++u) AcquireCommitComplete(m, u, Keys(8, u));  // user 1: host only
+  const CacheStats before = m.Stats();
+  // A host hit whose forward failed (its onload may not have landed): the host copy stays.
+  auto r = m.Acquire(1, Keys(12, 1));
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->result, LookupResult::kHostHit);
+  m.Release(*r);
+  EXPECT_EQ(m.CachedTokens(1), 8);
+  // A GPU hit with complete host copies: its GPU pages go (the forward may have written them),
+  // the host copy stays.
+  auto g = m.Acquire(3, Keys(10, 3));
+  ASSERT_TRUE(g.ok()) << g.status();
+  ASSERT_EQ(g->result, LookupResult::kHit);
+  m.Release(*g);
+  EXPECT_EQ(m.CachedTokens(3), 8);
+  CacheStats s = m.Stats();
+  EXPECT_EQ(s.dropped_entries, 0u);
+  EXPECT_EQ(s.host_pages_free, before.host_pages_free);
+  EXPECT_EQ(s.pages_pinned, 0);
+  EXPECT_EQ(s.pages_free, 5);  // user 2 was evicted for user 1's request; 1 and 3 are host-only
+  for (uint64_t u : {1, 3}) {
+    auto back = m.Acquire(u, Keys(12, static_cast<int>(u)));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(back->result, LookupResult::kHostHit) << u;
+    EXPECT_EQ(back->reused_tokens, 8) << u;
+    m.Commit(*back, Keys(12, static_cast<int>(u)));
+    m.OffloadsComplete();
+  }
+}
+
+TEST(HostTier, ANewUsersFailedRequestDropsNothingCached) {
+  CacheManager m(4, 16, 16);
+  auto r = m.Acquire(9, Keys(10, 9));
+  ASSERT_TRUE(r.ok()) << r.status();
+  m.Release(*r);
+  EXPECT_EQ(m.Stats().dropped_entries, 0u);
+  EXPECT_EQ(m.Stats().entries, 0);
+  EXPECT_EQ(m.Stats().pages_free, 16);
+  // The control: a cached user's failed request (no host copy to keep) is a dropped entry.
+  AcquireCommitComplete(m, 5, Keys(3, 5));  // a partial page only: nothing offloaded
+  auto again = m.Acquire(5, Keys(6, 5));
+  ASSERT_TRUE(again.ok());
+  m.Release(*again);
+  EXPECT_EQ(m.Stats().dropped_entries, 1u);
+  EXPECT_EQ(m.CachedTokens(5), 0);
 }
 
 TEST(HostTier, OffloadBacklogIsBounded) {

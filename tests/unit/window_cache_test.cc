@@ -171,6 +171,29 @@ TEST(WindowCache, DeclinedOnloadRecomputesEveryPageAndDropsTheHostCopy) {
   EXPECT_EQ(again.src.size(), static_cast<size_t>(31 - DeadAfter(124)));
 }
 
+TEST(WindowCache, ADeclinedOnloadThatCannotFitKeepsTheHostCopy) {
+  // Before: the declined host copy was dropped before the pages for the recompute were
+  // allocated, so a request that could not fit lost its own user's cache.
+  CacheManager m(kPage, 40, 128, 0, kWindow);
+  PageCopies off;
+  UserOneOnTheHostOnly(m, &off);
+  const int64_t host_free = m.Stats().host_pages_free;
+  auto held = m.Acquire(2, Keys(132, 2));  // user 2's request in flight pins its pages
+  ASSERT_TRUE(held.ok()) << held.status();
+  auto r = m.Acquire(1, Keys(124, 1), [](int64_t, int64_t) { return false; });
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_EQ(m.CachedTokens(1), 120);
+  EXPECT_EQ(m.Stats().host_pages_free, host_free);
+  m.Commit(*held, Keys(132, 2));
+  m.OffloadsComplete();
+  auto back = m.Acquire(1, Keys(124, 1), [](int64_t, int64_t) { return true; });
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->result, LookupResult::kHostHit);
+  EXPECT_EQ(back->reused_tokens, 120);
+  EXPECT_EQ(back->onload.src, off.dst);
+  m.Commit(*back, Keys(124, 1));
+}
+
 TEST(WindowCache, PrefetchCopiesOnlyLivePages) {
   CacheManager m(kPage, 40, 128, 0, kWindow);
   PageCopies off;
