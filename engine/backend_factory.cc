@@ -26,7 +26,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device
   }
 #if defined(HSTU_WITH_CUDA)
   auto cuda = CreateCudaBackend(weights, page_size, num_pages, index, graphs);
-  if (cuda.ok() || !is_auto) return cuda;
+  // auto: the CPU only where no GPU can be used (UNAVAILABLE); any other failure is reported.
+  if (cuda.ok() || !is_auto || cuda.status().code() != absl::StatusCode::kUnavailable) return cuda;
 #else
   (void)graphs;  // CPU-only build: no backend with graphs
   if (!is_auto) {

@@ -17,6 +17,8 @@
 #include <cstring>
 #include <utility>
 
+#include "spdlog/spdlog.h"
+
 namespace hstu {
 namespace cuda_backend_internal {
 
@@ -116,8 +118,16 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
   drop_kv_ok_ = kv_from_rows_ && (drop == nullptr || std::string(drop) != "0");
   if (const char* v = std::getenv("HSTU_ATTN_CLUSTER"); (v == nullptr || std::string(v) != "0") &&
       attention_kernel_ == "warp-specialised TMA kernel") {
+    // Cluster plans only speed up one-wave steps: a GPU that cannot say how many clusters fit
+    // (a partitioned one, say) runs without them rather than not at all.
     int max_clusters = 0;
-    HSTU_CUDA_RETURN(cuda::HstuAttentionMaxClusters(cuda::kMaxAttnCluster, &max_clusters));
+    if (const cudaError_t cerr = cuda::HstuAttentionMaxClusters(cuda::kMaxAttnCluster, &max_clusters);
+        cerr != cudaSuccess) {
+      cudaGetLastError();
+      spdlog::warn("attention without cluster plans: the cluster occupancy query failed ({})",
+                   cudaGetErrorString(cerr));
+      max_clusters = 0;
+    }
     if (max_clusters > 0) {
       attn_cluster_ = cuda::kMaxAttnCluster;
       attn_max_clusters_ = max_clusters;
@@ -329,9 +339,24 @@ absl::Status CudaBackendImpl::EnqueueAttention(int layer) {
                         ? step_.ws->partials.as<float>()
                         : nullptr;
   const size_t items = kind == kCandidateRows ? step_.layout.last_items : step_.layout.items;
-  HSTU_CUDA_RETURN(cuda::LaunchHstuAttention(
-      att, reinterpret_cast<const cuda::AttentionWorkItem*>(m + items), launch.items,
-      launch.split_tiles, partials, stream_.get(), launch.cluster));
+  if (const cudaError_t err = cuda::LaunchHstuAttention(
+          att, reinterpret_cast<const cuda::AttentionWorkItem*>(m + items), launch.items,
+          launch.split_tiles, partials, stream_.get(), launch.cluster);
+      err != cudaSuccess) {
+    const bool cluster_refused = err == cudaErrorInvalidClusterSize ||
+                                 err == cudaErrorLaunchOutOfResources ||
+                                 err == cudaErrorNotSupported;
+    if (launch.cluster > 0 && cluster_refused && !capturing_ && attn_cluster_ > 0) {
+      // A GPU that reported room for clusters and then refused the launch (an MPS or MIG
+      // partition, say) would fail every one-wave step the same way: this batch fails, and the
+      // next ones are planned without clusters (graph buckets captured with them run eagerly).
+      spdlog::warn("attention cluster launch failed ({}); planning without clusters from now on",
+                   cudaGetErrorString(err));
+      attn_cluster_ = 0;
+      attn_max_clusters_ = 0;
+    }
+    return CudaStatus(err, "cuda::LaunchHstuAttention");
+  }
   if (capturing_) {
     cudaGraphNode_t node = nullptr;
     HSTU_RETURN_IF_ERROR(LastCapturedNode(&node));
@@ -567,7 +592,10 @@ absl::Status CudaBackendImpl::Forward(const ForwardBatch& batch, bool keep_hidde
   // context) must not fail this step's first launch; a sticky one comes back at once.
   cudaGetLastError();
   // Queued onloads start now, so they overlap the staging below and the layers before theirs.
-  HSTU_RETURN_IF_ERROR(FlushOnloads());
+  if (absl::Status flushed = FlushOnloads(); !flushed.ok()) {
+    onload_failed_ = false;  // this batch, whose onloads they were, fails here: not the next one
+    return flushed;
+  }
   if (std::exchange(onload_failed_, false)) {
     return absl::InternalError("a KV onload for this batch could not be issued");
   }
@@ -773,12 +801,16 @@ bool CudaBackendImpl::PrefetchesDone() {
 }
 
 absl::Status CudaBackendImpl::WaitCopies() {
-  HSTU_RETURN_IF_ERROR(FlushOnloads());
-  HSTU_CUDA_RETURN(cudaSetDevice(device_));
-  HSTU_CUDA_RETURN(cudaStreamSynchronize(prefetch_stream_.get()));
-  HSTU_CUDA_RETURN(cudaStreamSynchronize(onload_stream_.get()));
-  HSTU_CUDA_RETURN(cudaStreamSynchronize(offload_stream_.get()));
-  return absl::OkStatus();
+  // Every stream is drained even after a failure: the callers free or reuse pages next.
+  absl::Status first = FlushOnloads();
+  auto keep_first = [&first](cudaError_t err, const char* what) {
+    if (err != cudaSuccess && first.ok()) first = CudaStatus(err, what);
+  };
+  keep_first(cudaSetDevice(device_), "cudaSetDevice");
+  keep_first(cudaStreamSynchronize(prefetch_stream_.get()), "cudaStreamSynchronize(prefetch)");
+  keep_first(cudaStreamSynchronize(onload_stream_.get()), "cudaStreamSynchronize(onload)");
+  keep_first(cudaStreamSynchronize(offload_stream_.get()), "cudaStreamSynchronize(offload)");
+  return first;
 }
 
 absl::Status CudaBackendImpl::DeviceStatus() {
@@ -879,6 +911,17 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackendExt(const ModelWei
   if (device_index < 0 || device_index >= count) {
     return absl::UnavailableError(absl::StrCat("cuda:", device_index, " does not exist (", count,
                                                " CUDA device(s) present)"));
+  }
+  // The attention kernels are sm_90a code (wgmma, TMA, clusters): no other GPU runs them. Such a
+  // GPU is "no usable GPU" (UNAVAILABLE), so --device=auto falls back to the CPU.
+  cudaDeviceProp prop{};
+  if (const cudaError_t perr = cudaGetDeviceProperties(&prop, device_index); perr != cudaSuccess) {
+    return cuda_backend_internal::CudaStatus(perr, "cudaGetDeviceProperties");
+  }
+  if (prop.major != 9 || prop.minor != 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "cuda:", device_index, " (", prop.name, ") has compute capability ", prop.major, ".",
+        prop.minor, "; the CUDA backend's kernels run on 9.0 (H100, H200) only; use --device=cpu"));
   }
   const ModelConfig& c = weights.config;
   if (!cuda::HeadDimSupported(c.head_dim)) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <numeric>
 #include <optional>
 #include <unordered_map>
@@ -52,21 +53,38 @@ struct PassItem {
 constexpr int64_t kDefaultCpuPoolBytes = 1LL << 30;
 
 // The automatic host tier: only behind a GPU pool (on the CPU backend the pool already is host
-// memory), twice its size, within a quarter of the machine's RAM and 32 GiB of pinned memory.
+// memory), twice its size, within a quarter of the memory the process may use and 32 GiB of
+// pinned memory.
 int64_t AutoHostPages(const Backend& backend, int64_t gpu_pages) {
   if (backend.device_memory_bytes() == 0) return 0;
   const int64_t page_bytes = std::max<int64_t>(1, backend.page_bytes());
-  const int64_t ram = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
-  const int64_t cap_bytes = std::min<int64_t>(ram / 4, int64_t{32} << 30);
+  const int64_t cap_bytes = std::min<int64_t>(UsableMemoryBytes() / 4, int64_t{32} << 30);
   return std::min(2 * gpu_pages, cap_bytes / page_bytes);
 }
 constexpr int64_t kDefaultGpuPoolBytes = 16LL << 30;
+
+// The first integer in `path`, or nullopt (no such file, or "max": no limit).
+std::optional<int64_t> ReadLimit(const std::string& path) {
+  std::ifstream in(path);
+  int64_t v = 0;
+  if (!(in >> v) || v <= 0) return std::nullopt;
+  return v;
+}
 
 double NowSeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace
+
+int64_t UsableMemoryBytes(const std::string& cgroup_root) {
+  int64_t bytes = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  for (const char* file : {"/memory.max", "/memory/memory.limit_in_bytes"}) {
+    // v1 says "no limit" with a huge number, which the minimum ignores.
+    if (std::optional<int64_t> limit = ReadLimit(cgroup_root + file)) bytes = std::min(bytes, *limit);
+  }
+  return bytes;
+}
 
 Engine::Engine(const EngineOptions& options, ModelConfig config, std::unique_ptr<Backend> backend,
                std::unique_ptr<CacheManager> cache)
@@ -117,7 +135,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   };
   absl::StatusOr<std::unique_ptr<Backend>> backend =
       make_backend(options.device == "auto" ? "cuda:0" : options.device);
-  if (!backend.ok() && options.device == "auto") {
+  // "auto" falls back to the CPU only where no GPU can be used at all (none present, or none this
+  // build's kernels run on): a GPU that is present and fails to start (memory held by another
+  // process, a capture that fails) is an error, not a silent switch to a far slower engine.
+  if (!backend.ok() && options.device == "auto" &&
+      backend.status().code() == absl::StatusCode::kUnavailable) {
     spdlog::warn("no usable GPU ({}); running on the CPU reference backend",
                  std::string(backend.status().message()));
     backend = make_backend("cpu");
@@ -136,7 +158,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   if (!options.enable_cache) host_pages = 0;  // nothing is kept, so nothing moves to the host
   if (host_pages > 0) {
     if (auto s = (*backend)->CreateHostPool(host_pages); !s.ok()) {
-      if (s.code() != absl::StatusCode::kUnimplemented) return s;
+      // An automatic size the machine cannot pin costs the tier, not the server; an explicit
+      // one is an error.
+      if (s.code() != absl::StatusCode::kUnimplemented && options.host_cache_pages != -1) return s;
       spdlog::warn("host KV tier disabled: {}", std::string(s.message()));
       host_pages = 0;
     }
@@ -229,6 +253,14 @@ std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankReques
     // next wave, which holds later requests of the same users). Each round admits at least one
     // request, since one is deferred only when another holds pages.
     while (!pending.empty()) {
+      // A wave that lost the device answers the rest UNAVAILABLE, as Rank() does from then on,
+      // without touching the device again.
+      if (absl::Status h = health(); !h.ok()) {
+        for (size_t i : pending) {
+          results[i] = absl::UnavailableError(absl::StrCat("engine unavailable: ", h.message()));
+        }
+        break;
+      }
       std::vector<const RankRequest*> reqs;
       std::vector<absl::StatusOr<RankResult>*> outs;
       for (size_t i : pending) {
@@ -300,6 +332,7 @@ void Engine::Prefetch(absl::Span<const RankRequest* const> running,
   // The request's own wave is not known yet: only the batch before it counts.
   const OnloadFilter onload_ok = MakeOnloadFilter(/*wave_rows=*/nullptr, before_rows);
   for (const RankRequest* queued_request : queued) {
+    if (!health().ok()) return;  // a failed prefetch below lost the device
     const RankRequest& r = *queued_request;
     // Most queued users are GPU-resident or new: skip them before building their keys.
     if (!cache_->PrefetchCandidate(r.user_id) || !Validate(r).ok()) continue;

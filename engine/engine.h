@@ -146,4 +146,9 @@ class Engine {
   absl::Status health_;               // under stats_mu_; not OK once the device is lost
 };
 
+// The memory this process may use, in bytes: the machine's RAM, or its cgroup's limit where that
+// is lower (a container's; cgroup v2 `memory.max`, or v1 `memory/memory.limit_in_bytes`, under
+// `cgroup_root`). Sizes the automatic host tier.
+int64_t UsableMemoryBytes(const std::string& cgroup_root = "/sys/fs/cgroup");
+
 }  // namespace hstu

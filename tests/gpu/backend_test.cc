@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
 #include "engine/cuda_backend.h"
+#include "engine/engine.h"
 #include "engine/model_file.h"
 #include "kernels/cuda/gemm_bias_silu.h"
 #include "kernels/cuda/hstu_attention.h"
@@ -308,6 +309,25 @@ TEST(CudaBackend, RejectsUnsupportedHeadDim) {
   auto gpu = CreateCudaBackend(RandomModel(c, 1), 16, 8, 0);
   ASSERT_FALSE(gpu.ok());
   EXPECT_NE(gpu.status().message().find("64, 128, 256"), std::string::npos) << gpu.status();
+}
+
+TEST(CudaBackend, AutoReportsAGpuThatFailsToStartInsteadOfFallingBackToTheCpu) {
+  // Before: --device=auto ran any model the GPU backend refused (here a head dim it has no
+  // kernel for; as well a pool it could not allocate, a capture that failed) on the CPU reference,
+  // with a warning. Only a machine with no usable GPU (UNAVAILABLE) falls back now.
+  HSTU_SKIP_WITHOUT_GPU();
+  ModelConfig c = GpuTestConfig(128, 0, false);
+  c.head_dim = 32;
+  auto b = CreateBackend("auto", RandomModel(c, 1), 16, 8);
+  ASSERT_FALSE(b.ok()) << "ran on " << (*b)->name();
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument) << b.status();
+  EngineOptions o;
+  o.device = "auto";
+  o.page_size = 16;
+  o.cache_pages = 64;
+  auto e = Engine::Create(o, RandomModel(c, 1));
+  ASSERT_FALSE(e.ok()) << "ran on " << (*e)->device_name();
+  EXPECT_NE(e.status().message().find("64, 128, 256"), std::string::npos) << e.status();
 }
 
 TEST(CudaBackend, RejectsAPoolPastWhatTheAttentionAddresses) {

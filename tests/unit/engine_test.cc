@@ -1,5 +1,9 @@
 // The engine on the CPU: incremental forward with the cache == full forward without it, edits,
 // truncation, candidate chunking, eviction pressure, validation.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <random>
 
@@ -322,6 +326,76 @@ TEST(Engine, ALostDeviceIsNotUsedAgain) {
   e.Prefetch({}, queued_after);
   EXPECT_EQ(faults->forwards, forwards);
   EXPECT_EQ(faults->prefetches, 1);
+}
+
+// Before: after the first wave's forward lost the device, every later wave (and round) of the
+// batch still ran on it and answered INTERNAL.
+TEST(Engine, ABatchStopsUsingADeviceItLost) {
+  const ModelConfig c = TestConfig(false, 0);
+  auto faults = std::make_shared<testing::Faults>();
+  EngineOptions o;
+  o.page_size = 4;
+  o.cache_pages = 64;
+  o.wrap_backend = testing::WrapWithFaults(faults);
+  auto made = Engine::Create(o, RandomModel(c, 3));
+  ASSERT_TRUE(made.ok()) << made.status();
+  Engine& e = **made;
+  RankRequest r{5, {1, 2, 3}, {0, 1, 2}, {7, 8}};
+  const std::vector<RankRequest> batch = {r, r, r};  // three waves of one user
+  faults->device_lost = true;
+  const auto res = e.Rank(batch);
+  EXPECT_EQ(faults->forwards, 1);
+  EXPECT_EQ(res[0].status().code(), absl::StatusCode::kInternal) << res[0].status();
+  for (int i : {1, 2}) {
+    EXPECT_EQ(res[i].status().code(), absl::StatusCode::kUnavailable) << res[i].status();
+    EXPECT_NE(res[i].status().message().find("engine unavailable"), std::string::npos);
+  }
+}
+
+// An automatic host tier the machine cannot pin costs the tier, not the start-up; an explicit
+// size that cannot be pinned is an error.
+TEST(Engine, AnAutomaticHostTierThatCannotBePinnedIsDisabled) {
+  const ModelConfig c = TestConfig(false, 0);
+  auto faults = std::make_shared<testing::Faults>();
+  faults->device_memory_bytes = int64_t{80} << 30;  // as a GPU backend reports
+  faults->fail_host_pool = true;
+  EngineOptions o;
+  o.page_size = 4;
+  o.cache_pages = 64;
+  o.host_cache_pages = -1;
+  o.wrap_backend = testing::WrapWithFaults(faults);
+  auto automatic = Engine::Create(o, RandomModel(c, 3));
+  ASSERT_TRUE(automatic.ok()) << automatic.status();
+  EXPECT_FALSE((*automatic)->has_host_tier());
+  RankOne(**automatic, RankRequest{5, {1, 2, 3}, {0, 1, 2}, {7, 8}});
+  o.host_cache_pages = 100;
+  auto explicit_size = Engine::Create(o, RandomModel(c, 3));
+  EXPECT_EQ(explicit_size.status().code(), absl::StatusCode::kResourceExhausted)
+      << explicit_size.status();
+  // The control: the same automatic size, pinned, makes a tier.
+  faults->fail_host_pool = false;
+  o.host_cache_pages = -1;
+  auto pinned = Engine::Create(o, RandomModel(c, 3));
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  EXPECT_TRUE((*pinned)->has_host_tier());
+}
+
+// The automatic host tier is sized from what a container may use, not the machine's RAM.
+TEST(UsableMemoryBytes, TakesTheCgroupLimitWhenLower) {
+  const std::string root = ::testing::TempDir() + "/cgroup_" + std::to_string(getpid());
+  std::filesystem::create_directories(root + "/memory");
+  const int64_t machine = UsableMemoryBytes(root);  // no limit files yet
+  ASSERT_GT(machine, 0);
+  std::ofstream(root + "/memory.max") << "max\n";  // cgroup v2, no limit
+  EXPECT_EQ(UsableMemoryBytes(root), machine);
+  std::ofstream(root + "/memory.max") << (int64_t{1} << 30) << "\n";
+  EXPECT_EQ(UsableMemoryBytes(root), std::min<int64_t>(machine, int64_t{1} << 30));
+  std::filesystem::remove(root + "/memory.max");
+  std::ofstream(root + "/memory/memory.limit_in_bytes") << "9223372036854771712\n";  // v1, none
+  EXPECT_EQ(UsableMemoryBytes(root), machine);
+  std::ofstream(root + "/memory/memory.limit_in_bytes") << (int64_t{512} << 20) << "\n";
+  EXPECT_EQ(UsableMemoryBytes(root), std::min<int64_t>(machine, int64_t{512} << 20));
+  std::filesystem::remove_all(root);
 }
 
 TEST(Engine, ValidationNamesTheField) {

@@ -21,6 +21,10 @@ struct Faults {
   std::atomic<bool> fail_next_prefetch{false}; // one failed PrefetchPages (nothing copied)
   std::atomic<int> forwards{0};                // Forward calls that reached the backend
   std::atomic<int> prefetches{0};              // PrefetchPages calls that reached it
+  // Set before the engine is created: the backend says it has this much device memory (as a GPU
+  // does; the engine then sizes an automatic host tier), and pinning the host pool fails.
+  int64_t device_memory_bytes = -1;  // < 0: the inner backend's
+  bool fail_host_pool = false;
 };
 
 class FaultyBackend final : public Backend {
@@ -34,7 +38,10 @@ class FaultyBackend final : public Backend {
   std::string gemm_routes() const override { return inner_->gemm_routes(); }
   int64_t num_pages() const override { return inner_->num_pages(); }
   int64_t kv_pool_bytes() const override { return inner_->kv_pool_bytes(); }
-  int64_t device_memory_bytes() const override { return inner_->device_memory_bytes(); }
+  int64_t device_memory_bytes() const override {
+    return faults_->device_memory_bytes >= 0 ? faults_->device_memory_bytes
+                                             : inner_->device_memory_bytes();
+  }
   int64_t device_weight_bytes() const override { return inner_->device_weight_bytes(); }
   absl::Status Forward(const ForwardBatch& batch, bool keep_hidden, ForwardOutput* out) override {
     ++faults_->forwards;
@@ -47,6 +54,9 @@ class FaultyBackend final : public Backend {
     return inner_->ReadKv(page_ids, num_tokens, out);
   }
   absl::Status CreateHostPool(int64_t num_pages) override {
+    if (faults_->fail_host_pool) {
+      return absl::ResourceExhaustedError("injected: cudaMallocHost of the host pool failed");
+    }
     return inner_->CreateHostPool(num_pages);
   }
   absl::Status CopyPages(CopyKind kind, const std::vector<int32_t>& src,
