@@ -32,6 +32,10 @@ ABSL_FLAG(bool, adaptive_batching, true,
           "timeout); false: only at --max_batch_size.");
 ABSL_FLAG(int32_t, max_queue, 1024,
           "Most requests waiting for the engine; beyond it Rank answers RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, max_queued_tokens, int64_t{1} << 25,
+          "Most estimated tokens (2 per history event plus the candidates) of the requests waiting "
+          "for the engine, which bounds the queue's memory (~15 bytes a token); beyond it Rank "
+          "answers RESOURCE_EXHAUSTED, except behind an empty queue. 0: no bound.");
 ABSL_FLAG(int32_t, max_queue_per_user, 32,
           "Most requests of one user waiting for the engine (they run one per batch); beyond it "
           "that user's calls answer RESOURCE_EXHAUSTED. 0: no per-user limit.");
@@ -40,7 +44,7 @@ ABSL_FLAG(int64_t, max_candidates, 1024,
           "than the model scores per forward are scored in chunks with identical results.");
 ABSL_FLAG(int64_t, max_message_bytes, 16 << 20,
           "Largest gRPC message accepted or sent, in bytes (larger: RESOURCE_EXHAUSTED).");
-ABSL_FLAG(int32_t, page_size, 32, "KV cache page size in tokens (a power of two).");
+ABSL_FLAG(int32_t, page_size, 32, "KV cache page size in tokens (a power of two, at most 4096).");
 ABSL_FLAG(int64_t, cache_pages, 0,
           "KV cache pool size in pages; 0 = auto: 16 GiB of pages on a GPU, 1 GiB on the CPU, at "
           "least two users of the model's maximum history. Start-up fails below one such user.");
@@ -84,8 +88,13 @@ namespace {
 
 // HOST:PORT with a decimal port in [0, 65535]: an out-of-range port must not reach the resolver,
 // which takes it modulo 65536 and binds some other port. gRPC's unix: addresses pass as they are.
-absl::Status CheckListenAddress(const char* flag, const std::string& address) {
-  if (IsUnixSocketAddress(address)) return absl::OkStatus();
+absl::Status CheckListenAddress(const char* flag, const std::string& address,
+                                bool unix_socket_ok = true) {
+  if (IsUnixSocketAddress(address)) {
+    if (unix_socket_ok) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, "=", address, ": must be HOST:PORT (no unix sockets here)"));
+  }
   const size_t colon = address.rfind(':');
   const std::string port = colon == std::string::npos ? "" : address.substr(colon + 1);
   uint32_t value = 0;
@@ -146,6 +155,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.scheduler.adaptive_fill = absl::GetFlag(FLAGS_adaptive_batching);
   o.scheduler.max_queue = absl::GetFlag(FLAGS_max_queue);
   o.scheduler.max_queue_per_user = absl::GetFlag(FLAGS_max_queue_per_user);
+  o.scheduler.max_queued_tokens = absl::GetFlag(FLAGS_max_queued_tokens);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.warmup = absl::GetFlag(FLAGS_warmup);
   o.engine_stall_timeout_s = absl::GetFlag(FLAGS_engine_stall_timeout_s);
@@ -155,22 +165,35 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   };
   if (auto s = CheckListenAddress("listen", o.listen); !s.ok()) return s;
   if (!o.metrics_listen.empty()) {
-    if (auto s = CheckListenAddress("metrics_listen", o.metrics_listen); !s.ok()) return s;
+    if (auto s = CheckListenAddress("metrics_listen", o.metrics_listen, /*unix_socket_ok=*/false);
+        !s.ok()) {
+      return s;
+    }
   }
   if (absl::GetFlag(FLAGS_shutdown_grace_s) < 0) {
     return bad("shutdown_grace_s", absl::GetFlag(FLAGS_shutdown_grace_s), "must be >= 0");
   }
   if (o.scheduler.max_batch_size < 1) return bad("max_batch_size", o.scheduler.max_batch_size, "must be >= 1");
   if (o.scheduler.max_batch_tokens < 1) return bad("max_batch_tokens", o.scheduler.max_batch_tokens, "must be >= 1");
-  if (o.scheduler.batch_timeout.count() < 0) return bad("batch_timeout_us", o.scheduler.batch_timeout.count(), "must be >= 0");
+  if (o.scheduler.batch_timeout.count() < 0 || o.scheduler.batch_timeout.count() > 10'000'000) {
+    return bad("batch_timeout_us", o.scheduler.batch_timeout.count(),
+               "must be in [0, 10000000] (10 s)");
+  }
   if (o.scheduler.max_queue < 1) return bad("max_queue", o.scheduler.max_queue, "must be >= 1");
+  if (o.scheduler.max_queued_tokens < 0) {
+    return bad("max_queued_tokens", o.scheduler.max_queued_tokens, "must be >= 0 (0: no bound)");
+  }
   if (o.scheduler.max_queue_per_user < 0) {
     return bad("max_queue_per_user", o.scheduler.max_queue_per_user, "must be >= 0 (0: no limit)");
   }
   if (o.engine.limits.max_candidates < 1) return bad("max_candidates", o.engine.limits.max_candidates, "must be >= 1");
-  if (o.max_message_bytes < 1024) return bad("max_message_bytes", o.max_message_bytes, "must be >= 1024");
+  if (o.max_message_bytes < 1024 || o.max_message_bytes > INT32_MAX) {
+    return bad("max_message_bytes", o.max_message_bytes, "must be in [1024, 2147483647]");
+  }
   const int32_t ps = o.engine.page_size;
-  if (ps < 1 || (ps & (ps - 1)) != 0) return bad("page_size", ps, "must be a power of two");
+  if (ps < 1 || ps > 4096 || (ps & (ps - 1)) != 0) {
+    return bad("page_size", ps, "must be a power of two in [1, 4096]");
+  }
   if (o.engine.cache_pages < 0) return bad("cache_pages", o.engine.cache_pages, "must be >= 0");
   if (o.engine.offload_backlog_mib < 1) {
     return bad("offload_backlog_mib", o.engine.offload_backlog_mib, "must be >= 1");

@@ -10,43 +10,30 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
 namespace hstu::server {
 namespace {
 
-constexpr int kPollMs = 100;  // how often a wait checks for shutdown
-// One connection at a time, each with this long in all to send its request and take the reply: a
-// client that trickles bytes (or never reads) holds the exposer, and the shutdown, for no longer.
+constexpr int kPollMs = 100;  // how often the loop checks for shutdown
+// Each connection has this long in all to send its request and take the reply; connections are
+// served side by side (poll), so a client that trickles bytes, never reads, or connects and says
+// nothing delays no other scrape.
 constexpr auto kConnectionTimeout = std::chrono::seconds(2);
 constexpr size_t kMaxRequestBytes = 16384;
+// Connections held at once; past it the oldest is closed to take the new one.
+constexpr size_t kMaxConnections = 64;
 
 using Clock = std::chrono::steady_clock;
 
-// Waits for `events` on `fd` in slices of kPollMs: false at the deadline, on `stop` or an error.
-bool WaitFor(int fd, short events, Clock::time_point deadline, const std::atomic<bool>& stop) {
-  while (!stop) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (left.count() <= 0) return false;
-    pollfd p{fd, events, 0};
-    const int n = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), kPollMs)));
-    if (n < 0 && errno != EINTR) return false;
-    if (n > 0) return (p.revents & events) != 0;
-  }
-  return false;
-}
-
-bool SendAll(int fd, const std::string& data, Clock::time_point deadline, const std::atomic<bool>& stop) {
-  size_t sent = 0;
-  while (sent < data.size()) {
-    if (!WaitFor(fd, POLLOUT, deadline, stop)) return false;
-    const ssize_t n = ::send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
-    if (n <= 0) return false;
-    sent += static_cast<size_t>(n);
-  }
-  return true;
+// The end of the request's header block ("\r\n\r\n", or a bare "\n\n"), or npos.
+size_t HeaderEnd(const std::string& request) {
+  const size_t crlf = request.find("\r\n\r\n");
+  const size_t lf = request.find("\n\n");
+  return std::min(crlf, lf);
 }
 
 }  // namespace
@@ -103,46 +90,92 @@ HttpExposer::~HttpExposer() {
   if (listen_fd_ >= 0) ::close(listen_fd_);
 }
 
+struct HttpExposer::Connection {
+  int fd = -1;
+  Clock::time_point deadline;
+  std::string request;
+  std::string reply;  // empty while the request is still being read
+  size_t sent = 0;
+};
+
 void HttpExposer::Loop() {
+  std::vector<Connection> conns;
+  auto close_at = [&conns](size_t i) {
+    ::close(conns[i].fd);
+    conns.erase(conns.begin() + static_cast<std::ptrdiff_t>(i));
+  };
   while (!stop_) {
-    pollfd p{listen_fd_, POLLIN, 0};
-    if (::poll(&p, 1, kPollMs) <= 0) continue;
-    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    Serve(fd);
-    ::close(fd);
+    std::vector<pollfd> fds;
+    fds.push_back({listen_fd_, POLLIN, 0});
+    for (const Connection& c : conns) {
+      fds.push_back({c.fd, static_cast<short>(c.reply.empty() ? POLLIN : POLLOUT), 0});
+    }
+    if (::poll(fds.data(), fds.size(), kPollMs) < 0 && errno != EINTR) continue;
+    const Clock::time_point now = Clock::now();
+    // Existing connections first (the indices of fds match conns until one is closed).
+    for (size_t i = conns.size(); i-- > 0;) {
+      Connection& c = conns[i];
+      const short revents = fds[i + 1].revents;
+      bool done = now >= c.deadline || (revents & (POLLERR | POLLNVAL)) != 0;
+      if (!done && c.reply.empty() && (revents & (POLLIN | POLLHUP)) != 0) {
+        char buf[2048];
+        const ssize_t n = ::recv(c.fd, buf, sizeof(buf), MSG_DONTWAIT);
+        if (n > 0) {
+          c.request.append(buf, static_cast<size_t>(n));
+          if (HeaderEnd(c.request) != std::string::npos || c.request.size() >= kMaxRequestBytes) {
+            c.reply = Reply(c.request);
+          }
+        } else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+          done = true;
+        }
+      } else if (!done && !c.reply.empty() && (revents & POLLOUT) != 0) {
+        const ssize_t n = ::send(c.fd, c.reply.data() + c.sent, c.reply.size() - c.sent,
+                                 MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) {
+          c.sent += static_cast<size_t>(n);
+          done = c.sent == c.reply.size();
+        } else if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          done = true;
+        }
+      }
+      if (done) close_at(i);
+    }
+    if ((fds[0].revents & POLLIN) != 0) {
+      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd >= 0) {
+        if (conns.size() >= kMaxConnections) close_at(0);  // the oldest
+        conns.push_back({fd, now + kConnectionTimeout, {}, {}, 0});
+      }
+    }
   }
+  for (const Connection& c : conns) ::close(c.fd);
 }
 
-void HttpExposer::Serve(int fd) {
-  const Clock::time_point deadline = Clock::now() + kConnectionTimeout;
-  std::string request;
-  char buf[2048];
-  while (request.find("\r\n\r\n") == std::string::npos && request.size() < kMaxRequestBytes) {
-    if (!WaitFor(fd, POLLIN, deadline, stop_)) return;
-    const ssize_t n = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
-    if (n <= 0) return;
-    request.append(buf, static_cast<size_t>(n));
-  }
-  const std::string line = request.substr(0, request.find("\r\n"));
+std::string HttpExposer::Reply(const std::string& request) const {
+  const std::string line = request.substr(0, request.find_first_of("\r\n"));
+  const bool head = line.rfind("HEAD ", 0) == 0;
+  const std::string target = line.substr(0, line.rfind(' '));  // "GET /metrics"
+  const std::string path = target.substr(target.find(' ') + 1);
   std::string status = "200 OK", type = "text/plain; version=0.0.4; charset=utf-8", payload;
-  if (line.rfind("GET /metrics ", 0) == 0 || line.rfind("GET /metrics?", 0) == 0) {
+  std::string extra;
+  if (line.rfind("GET ", 0) != 0 && !head) {
+    status = "405 Method Not Allowed";
+    type = "text/plain; charset=utf-8";
+    extra = "Allow: GET, HEAD\r\n";
+    payload = "only GET and HEAD are served\n";
+  } else if (path == "/metrics" || path.rfind("/metrics?", 0) == 0) {
     payload = body_();
-  } else if (line.rfind("GET / ", 0) == 0) {
+  } else if (path == "/") {
     type = "text/html; charset=utf-8";
     payload = "<html><body><a href=\"/metrics\">/metrics</a></body></html>\n";
-  } else if (line.rfind("GET ", 0) == 0) {
-    status = "404 Not Found";
-    payload = "not found; metrics are at /metrics\n";
   } else {
-    status = "405 Method Not Allowed";
-    payload = "only GET is served\n";
+    status = "404 Not Found";
+    type = "text/plain; charset=utf-8";
+    payload = "not found; metrics are at /metrics\n";
   }
-  SendAll(fd,
-          absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", type, "\r\nContent-Length: ",
-                       payload.size(), "\r\nConnection: close\r\n\r\n", payload),
-          deadline, stop_);
+  return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", type, "\r\nContent-Length: ",
+                      payload.size(), "\r\n", extra, "Connection: close\r\n\r\n",
+                      head ? std::string() : payload);
 }
 
 }  // namespace hstu::server

@@ -1,10 +1,11 @@
-// A minimal HTTP/1.1 endpoint for Prometheus scrapes: `GET /metrics` (and `/`), one connection at a
-// time on its own thread, `Connection: close`.
+// A minimal HTTP/1.1 endpoint for Prometheus scrapes: `GET /metrics` (and `/`; HEAD too), on a
+// thread of its own that serves up to 64 connections side by side (poll), each given 2 s in all,
+// `Connection: close`.
 //
 // Why not a library: prometheus-cpp is not packaged in Debian 12, and civetweb (Debian's embeddable
 // server) starts its worker threads with a fixed ~100 KB stack, which is smaller than the static TLS
 // of the CUDA libraries (cuBLASLt alone has ~94 KB), so it cannot start at all in a CUDA build.
-// Scrapes are rare and small; a blocking accept loop is all this needs.
+// Scrapes are rare and small; one poll loop is all this needs.
 //
 // Thread-safety: Start/destructor from one thread; `body` is called on the exposer's thread.
 #pragma once
@@ -31,8 +32,10 @@ class HttpExposer {
 
  private:
   HttpExposer() = default;
+  struct Connection;
   void Loop();
-  void Serve(int fd);
+  // The whole HTTP reply to `request` (its header block, or the first 16 KiB of it).
+  std::string Reply(const std::string& request) const;
 
   std::function<std::string()> body_;
   int listen_fd_ = -1;

@@ -7,7 +7,6 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <pthread.h>
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -17,6 +16,7 @@
 #include "client/cli_util.h"
 #include "server/flags.h"
 #include "server/ranking_server.h"
+#include "server/stop_signals.h"
 #include "spdlog/spdlog.h"
 
 int main(int argc, char** argv) {
@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
   const std::string level = hstu::server::LogLevelFlag();
   const spdlog::level::level_enum lvl = spdlog::level::from_str(level);
   if (lvl == spdlog::level::off && level != "off") {
-    std::fprintf(stderr, "--log_level=%s: want trace, debug, info, warn, error or off\n",
+    std::fprintf(stderr, "--log_level=%s: want trace, debug, info, warn, error, critical or off\n",
                  level.c_str());
     return 2;
   }
@@ -55,13 +55,13 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  // Block the stop signals in every thread (gRPC's and the metrics exposer's inherit this mask), then wait
-  // for them synchronously on the main thread: no async-signal-safety concerns.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  // SIGTERM and SIGINT from here on, on whichever thread the kernel hands them to (a signal during
+  // the model's load is taken once the server is up: it then drains at once).
+  auto stop = hstu::server::StopSignals::Install({SIGTERM, SIGINT});
+  if (!stop.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(stop.status().message()).c_str());
+    return 1;
+  }
 
   spdlog::info("hstu_server {} starting", hstu::server::ServerVersion());
   auto server = hstu::server::RankingServer::Start(*options);
@@ -70,7 +70,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int code = hstu::server::ServeUntilStopped(
-      **server, stop_signals, absl::Seconds(hstu::server::ShutdownGraceSeconds()));
+      **server, [s = *stop](absl::Duration timeout) { return s->Wait(timeout); },
+      absl::Seconds(hstu::server::ShutdownGraceSeconds()));
   if (code == hstu::server::kEngineStalled || code == hstu::server::kDrainInterrupted) {
     // The engine thread is stuck, or the drain is cut short: no destructors.
     spdlog::shutdown();

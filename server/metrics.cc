@@ -143,7 +143,13 @@ ServerMetrics::ServerMetrics(const std::string& version)
                                      {"version", "device", "model"})) {
   // Children that must exist before the first observation, so dashboards and alerts see zeros.
   request_duration_.WithLabels({"OK"});
-  requests_total_.WithLabels({"OK"});
+  // Every code the server answers with, so that the first failure is a step from 0 that rate()
+  // sees, not a new series at its value.
+  for (const char* code : {"OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
+                           "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "INTERNAL",
+                           "UNAVAILABLE"}) {
+    requests_total_.WithLabels({code});
+  }
   for (const SubmitRejection r : {SubmitRejection::kQueueFull, SubmitRejection::kUserQueueFull,
                                   SubmitRejection::kShuttingDown}) {
     queue_rejections_.WithLabels({SubmitRejectionName(r)});

@@ -48,6 +48,16 @@ absl::Status AsSeenByTheClient(absl::Status status, std::chrono::system_clock::t
   return absl::CancelledError("call was cancelled before the answer");
 }
 
+std::optional<std::chrono::nanoseconds> TimeLeft(gpr_timespec deadline, gpr_timespec now) {
+  if (gpr_time_cmp(deadline, gpr_inf_future(deadline.clock_type)) == 0) return std::nullopt;
+  const gpr_timespec left = gpr_time_sub(deadline, now);
+  if (left.tv_sec < 0) return std::chrono::nanoseconds(0);
+  if (left.tv_sec >= std::chrono::duration_cast<std::chrono::seconds>(kFarDeadline).count()) {
+    return std::nullopt;
+  }
+  return std::chrono::seconds(left.tv_sec) + std::chrono::nanoseconds(left.tv_nsec);
+}
+
 void RankService::Attach(const Engine* engine, Scheduler* scheduler) {
   attached_holder_ = std::make_unique<Attached>(Attached{engine, scheduler, MakeModelInfo(*engine)});
   attached_.store(attached_holder_.get(), std::memory_order_release);
@@ -73,24 +83,40 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
   const Clock::time_point arrived = Clock::now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   metrics_->AddInflight(1);
+  inflight_.fetch_add(1);
   ServerMetrics* metrics = metrics_;
+  // The call's deadline on both clocks, from gRPC's raw time (its std::chrono conversion overflows
+  // for the far deadlines some clients send).
+  const gpr_timespec raw_deadline = context->raw_deadline();
+  const std::optional<std::chrono::nanoseconds> left =
+      TimeLeft(raw_deadline, gpr_now(raw_deadline.clock_type));
+  const auto client_deadline =
+      left ? std::chrono::system_clock::now() +
+                 std::chrono::duration_cast<std::chrono::system_clock::duration>(*left)
+           : std::chrono::system_clock::time_point::max();
   // Answers the RPC exactly once, from whichever thread finishes it.
-  auto finish = [reactor, metrics, arrived, context](absl::Status status) {
+  auto finish = [this, reactor, metrics, arrived, context, client_deadline](absl::Status status) {
     // A call the client gave up on got no answer, whatever the batch computed: it is counted as
     // the client saw it.
     if (context->IsCancelled()) {
-      status = AsSeenByTheClient(std::move(status), context->deadline(),
+      status = AsSeenByTheClient(std::move(status), client_deadline,
                                  std::chrono::system_clock::now());
     }
     metrics->ObserveRequest(GrpcCodeName(status.code()),
                             std::chrono::duration<double>(Clock::now() - arrived).count());
     metrics->AddInflight(-1);
     reactor->Finish(ToGrpcStatus(status));
+    inflight_.fetch_sub(1);
   };
 
   const Attached* a = attached_.load(std::memory_order_acquire);
   if (a == nullptr) {
     finish(absl::UnavailableError("model is loading"));
+    return reactor;
+  }
+  if (!admitting_.load()) {
+    metrics->CountQueueRejection(SubmitRejectionName(SubmitRejection::kShuttingDown));
+    finish(absl::UnavailableError("server is shutting down"));
     return reactor;
   }
   if (request->request_id().size() > kMaxRequestIdBytes) {
@@ -107,12 +133,7 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
 
   PendingRank pending;
   pending.request = std::move(rank_request);
-  const auto deadline = context->deadline();
-  if (deadline != std::chrono::system_clock::time_point::max()) {
-    // gRPC deadlines are wall-clock; the scheduler uses the monotonic clock.
-    pending.deadline = arrived + std::chrono::duration_cast<Clock::duration>(
-                                     deadline - std::chrono::system_clock::now());
-  }
+  if (left) pending.deadline = arrived + std::chrono::duration_cast<Clock::duration>(*left);
   pending.is_cancelled = [context] { return context->IsCancelled(); };
   std::string request_id = request->request_id();
   pending.done = [finish, response, metrics, request_id = std::move(request_id)](

@@ -7,7 +7,9 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
 
+#include <grpc/support/time.h>
 #include <grpcpp/grpcpp.h>
 
 #include "engine/engine.h"
@@ -31,6 +33,11 @@ class RankService final : public hstu::v1::Ranker::CallbackService {
                                          const hstu::v1::GetModelInfoRequest* request,
                                          hstu::v1::ModelInfo* response) override;
 
+  // From now on Rank answers UNAVAILABLE ("server is shutting down") at once (the drain).
+  void StopAdmitting() { admitting_.store(false); }
+  // Rank calls received and not yet answered.
+  int64_t InFlight() const { return inflight_.load(); }
+
  private:
   struct Attached {
     const Engine* engine;
@@ -40,6 +47,8 @@ class RankService final : public hstu::v1::Ranker::CallbackService {
   ServerMetrics* const metrics_;
   std::unique_ptr<Attached> attached_holder_;
   std::atomic<const Attached*> attached_{nullptr};
+  std::atomic<bool> admitting_{true};
+  std::atomic<int64_t> inflight_{0};
 };
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
@@ -55,6 +64,12 @@ inline constexpr std::chrono::milliseconds kDeadlineSlack{5};
 // answered, as the client saw it: DEADLINE_EXCEEDED within kDeadlineSlack of `deadline` (the
 // server's copy), otherwise CANCELLED. The server's own failures (other than CANCELLED) are kept:
 // they are what an operator needs to see.
+// The time left before a call's deadline `deadline` at `now` (gRPC's raw times, of one clock
+// type), or nullopt when the call has none: no deadline, or one further than kFarDeadline (a
+// client's "forever" is often ~292 years, past what std::chrono's nanosecond clocks hold).
+inline constexpr std::chrono::hours kFarDeadline{24 * 365};
+std::optional<std::chrono::nanoseconds> TimeLeft(gpr_timespec deadline, gpr_timespec now);
+
 absl::Status AsSeenByTheClient(absl::Status status, std::chrono::system_clock::time_point deadline,
                                std::chrono::system_clock::time_point now);
 

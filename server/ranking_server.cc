@@ -89,6 +89,9 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   s->service_ = std::make_unique<RankService>(s->metrics_.get());
   grpc::ServerBuilder builder;
+  // A port another process listens on is an error, not shared: with SO_REUSEPORT (gRPC's default)
+  // a second server on the same port silently took half of the new connections.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &s->port_);
   builder.RegisterService(s->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
@@ -260,8 +263,16 @@ void RankingServer::Shutdown(absl::Duration grace) {
   shut_down_ = true;
   if (grpc_server_ != nullptr) {
     SetServing(false);
-    // Refuses new calls at once and waits for in-flight ones, which the scheduler keeps serving.
-    grpc_server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoSeconds(grace));
+    // New Rank calls are refused at once (UNAVAILABLE); those in flight finish, within the grace.
+    // Only then is gRPC shut down, with no wait: its own wait would also hold for the streams
+    // that never end by themselves (health Watch), the whole grace. Whatever is still running
+    // then is cancelled.
+    const absl::Time until = absl::Now() + grace;
+    if (service_ != nullptr) {
+      service_->StopAdmitting();
+      while (service_->InFlight() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(2));
+    }
+    grpc_server_->Shutdown(std::chrono::system_clock::now());
     grpc_server_->Wait();
   }
   if (scheduler_ != nullptr) scheduler_->Drain();
@@ -281,9 +292,9 @@ absl::Status RankingServer::CheckStall() {
       " (--engine_stall_timeout_s): the GPU looks hung"));
 }
 
-int ServeUntilStopped(RankingServer& server, const sigset_t& stop_signals, absl::Duration grace) {
+int ServeUntilStopped(RankingServer& server, const StopWait& wait_stop, absl::Duration grace) {
   // Waits of 200 ms for a signal, the engine's health and progress looked at between them.
-  const timespec poll = {0, 200 * 1000 * 1000};
+  const absl::Duration poll = absl::Milliseconds(200);
   const auto stalled = [&server]() -> bool {
     const absl::Status stall = server.CheckStall();
     if (stall.ok()) return false;
@@ -295,10 +306,12 @@ int ServeUntilStopped(RankingServer& server, const sigset_t& stop_signals, absl:
   int sig = -1;
   absl::Status engine_health;
   while (sig < 0 && engine_health.ok()) {
-    sig = sigtimedwait(&stop_signals, nullptr, &poll);
+    sig = wait_stop(poll);
     if (stalled()) return kEngineStalled;
     engine_health = server.engine_health();
   }
+  const int first_sig = sig;
+  const absl::Time first_at = absl::Now();
   if (!engine_health.ok()) {
     spdlog::error("engine lost its device ({}); draining (up to {} s) and exiting with status 1 "
                   "so that the process is restarted",
@@ -318,11 +331,16 @@ int ServeUntilStopped(RankingServer& server, const sigset_t& stop_signals, absl:
     drained->store(true);
   });
   while (!drained->load()) {
-    sig = sigtimedwait(&stop_signals, nullptr, &poll);
+    sig = wait_stop(poll);
     if (drained->load()) break;
     if (stalled()) {
       drain.detach();
       return kEngineStalled;
+    }
+    if (sig >= 0 && sig == first_sig && absl::Now() - first_at < kDuplicateSignalWindow) {
+      spdlog::info("received {} again at once (one request to stop, sent twice); draining on",
+                   SignalName(sig));
+      continue;
     }
     if (sig >= 0) {
       spdlog::warn("received {} while draining; exiting with status {} without finishing the "

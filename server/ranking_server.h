@@ -91,16 +91,21 @@ class RankingServer {
   absl::Duration stall_timeout_ = absl::ZeroDuration();  // zero: off
 };
 
-// main()'s life after start-up: waits for one of `stop_signals` (blocked in every thread, so that
-// it is taken here synchronously), then drains with `grace` and returns 0; or, once the engine
-// reports its device lost, drains the same way and returns 1 (restart the process). Once a batch
-// has run past the stall timeout, before or during the drain, it returns kEngineStalled at once
-// without waiting for the drain: the engine thread is stuck. A second signal during the drain
-// returns kDrainInterrupted at once. After either, main() must end the process without
-// destructors (std::_Exit): the drain may still be running.
+// Waits up to `timeout` for a request to stop (a signal); returns the signal's number, or -1.
+using StopWait = std::function<int(absl::Duration timeout)>;
+
+// main()'s life after start-up: waits for a stop signal (`wait_stop`), then drains with `grace`
+// and returns 0; or, once the engine reports its device lost, drains the same way and returns 1
+// (restart the process). Once a batch has run past the stall timeout, before or during the
+// drain, it returns kEngineStalled at once without waiting for the drain: the engine thread is
+// stuck. A second signal during the drain returns kDrainInterrupted at once, unless it is the
+// same signal within kDuplicateSignalWindow of the first (a supervisor such as timeout(1) sends
+// its signal to the process and to its group: one request to stop, not two). After either,
+// main() must end the process without destructors (std::_Exit): the drain may still be running.
 inline constexpr int kEngineStalled = 2;
 inline constexpr int kDrainInterrupted = 3;
-int ServeUntilStopped(RankingServer& server, const sigset_t& stop_signals, absl::Duration grace);
+inline constexpr absl::Duration kDuplicateSignalWindow = absl::Milliseconds(100);
+int ServeUntilStopped(RankingServer& server, const StopWait& wait_stop, absl::Duration grace);
 
 // The version reported in hstu_build_info and the start-up log.
 const char* ServerVersion();

@@ -53,6 +53,10 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(const SchedulerOpti
   if (options.max_queue < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_queue must be >= 1, got ", options.max_queue));
   }
+  if (options.max_queued_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queued_tokens must be >= 0, got ", options.max_queued_tokens));
+  }
   if (options.max_queue_per_user < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_queue_per_user must be >= 0, got ", options.max_queue_per_user));
@@ -98,6 +102,13 @@ absl::Status Scheduler::Submit(PendingRank pending, SubmitRejection* reason) {
                     absl::ResourceExhaustedError(absl::StrCat(
                         "request queue is full (", options_.max_queue, " requests)")));
     }
+    if (TokensFullLocked(item.tokens, item.enqueued)) {
+      return reject(SubmitRejection::kQueueFull,
+                    absl::ResourceExhaustedError(absl::StrCat(
+                        "request queue is full: it holds at most ", options_.max_queued_tokens,
+                        " estimated tokens (--max_queued_tokens), and this request has ",
+                        item.tokens)));
+    }
     if (UserQueueFullLocked(item.pending.request.user_id, item.enqueued)) {
       return reject(SubmitRejection::kUserQueueFull,
                     absl::ResourceExhaustedError(absl::StrCat(
@@ -105,6 +116,7 @@ absl::Status Scheduler::Submit(PendingRank pending, SubmitRejection* reason) {
                         options_.max_queue_per_user,
                         " requests queued (--max_queue_per_user); they run one per batch")));
     }
+    queued_tokens_ += item.tokens;
     queue_.push_back(std::move(item));
     depth_.store(static_cast<int64_t>(queue_.size()), std::memory_order_relaxed);
   }
@@ -131,12 +143,25 @@ bool Scheduler::UserQueueFullLocked(uint64_t user, Clock::time_point now) const 
   return live >= options_.max_queue_per_user;
 }
 
+bool Scheduler::TokensFullLocked(int64_t tokens, Clock::time_point now) const {
+  const int64_t budget = options_.max_queued_tokens;
+  if (budget == 0 || queue_.empty() || queued_tokens_ + tokens <= budget) return false;
+  // Dead requests hold no place here either, up to twice the budget (their memory is still held).
+  if (queued_tokens_ + tokens > 2 * budget) return true;
+  int64_t live = 0;
+  for (const Item& item : queue_) {
+    if (DeadStatus(item.pending, now, "").ok()) live += item.tokens;
+  }
+  return live > 0 && live + tokens > budget;
+}
+
 void Scheduler::SweepDeadLocked(Clock::time_point now, std::vector<Item>* rejected) {
   size_t kept = 0;
   for (size_t i = 0; i < queue_.size(); ++i) {
     Item& item = queue_[i];
     if (absl::Status dead = DeadStatus(item.pending, now, "while queued"); !dead.ok()) {
       item.rejection = std::move(dead);
+      queued_tokens_ -= item.tokens;
       rejected->push_back(std::move(item));
     } else if (kept++ != i) {
       queue_[kept - 1] = std::move(item);
@@ -205,7 +230,10 @@ bool Scheduler::TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wak
   }
   last_batch_size_ = static_cast<int32_t>(chosen.size());
   batch->reserve(chosen.size());
-  for (size_t idx : chosen) batch->push_back(std::move(queue_[idx]));
+  for (size_t idx : chosen) {
+    queued_tokens_ -= queue_[idx].tokens;
+    batch->push_back(std::move(queue_[idx]));
+  }
   // Erase back to front so earlier indices stay valid.
   for (auto it = chosen.rbegin(); it != chosen.rend(); ++it) {
     queue_.erase(queue_.begin() + static_cast<std::ptrdiff_t>(*it));

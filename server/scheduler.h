@@ -19,7 +19,9 @@
 //  - the queue is bounded: Submit() answers RESOURCE_EXHAUSTED when it holds max_queue requests
 //    that can still be answered (dead ones, not yet answered, take no place), or, with
 //    max_queue_per_user > 0, that many of the request's user (they run one per batch, so a user's
-//    flood would otherwise hold the queue's places and only lengthen its own wait);
+//    flood would otherwise hold the queue's places and only lengthen its own wait), or, with
+//    max_queued_tokens > 0, when the request's estimated tokens would take the queue past that
+//    (a request always queues behind an empty queue);
 //  - Drain() stops admitting (UNAVAILABLE), finishes everything queued, then stops the worker;
 //  - an engine failure of one batch answers INTERNAL for that batch only.
 //
@@ -57,6 +59,9 @@ struct SchedulerOptions {
   bool adaptive_fill = false;
   int32_t max_queue = 1024;          // queued requests beyond which Submit() rejects
   int32_t max_queue_per_user = 0;    // queued requests of one user beyond which it rejects; 0: none
+  // Estimated tokens (token_cost) queued beyond which Submit() rejects, unless the queue is empty:
+  // what bounds the queue's memory, since one request may carry 2^20 events. 0: no bound.
+  int64_t max_queued_tokens = 0;
   // Estimated tokens of a request (history tokens + candidates); the scheduler cannot see the
   // cache, so this is an upper bound of what the engine computes. Unset: 2 * events + candidates.
   std::function<int64_t(const RankRequest&)> token_cost;
@@ -141,6 +146,8 @@ class Scheduler {
   int64_t LiveQueuedLocked(Clock::time_point now) const;
   // Whether `user` already has max_queue_per_user such requests queued.
   bool UserQueueFullLocked(uint64_t user, Clock::time_point now) const;
+  // Whether `tokens` more would take the queue's live requests past max_queued_tokens.
+  bool TokensFullLocked(int64_t tokens, Clock::time_point now) const;
   // Moves the dead requests of the queue to *rejected, keeping the order of the others.
   void SweepDeadLocked(Clock::time_point now, std::vector<Item>* rejected);
 
@@ -151,6 +158,7 @@ class Scheduler {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_;
+  int64_t queued_tokens_ = 0;  // the tokens of queue_'s items, dead ones included
   bool draining_ = false;
   std::atomic<int64_t> depth_{0};
   std::atomic<int64_t> batch_start_ns_{0};  // steady clock of the running batch's start; 0: idle

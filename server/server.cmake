@@ -6,7 +6,7 @@ target_link_libraries(hstu_server_core PUBLIC hstu_engine absl::status absl::sta
                       absl::strings Threads::Threads)
 
 add_library(hstu_server_lib STATIC metrics.cc http_exposer.cc validation.cc rank_service.cc
-            ranking_server.cc)
+            ranking_server.cc stop_signals.cc)
 target_link_libraries(hstu_server_lib PUBLIC hstu_server_core hstu_proto hstu_engine
                       hstu_grpc_reflection absl::time spdlog::spdlog)
 

@@ -109,8 +109,8 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
   const auto [rc, out] = RunCommand(absl::StrCat(HSTU_SERVER_BIN, " --help"));
   for (const char* flag :
        {"listen", "metrics_listen", "model", "seed", "device", "max_batch_size", "max_batch_tokens",
-        "batch_timeout_us", "max_queue", "max_queue_per_user", "max_candidates", "max_message_bytes", "page_size",
-        "cache_pages", "host_cache_pages", "onload_policy", "enable_cache", "no_cache",
+        "batch_timeout_us", "max_queue", "max_queue_per_user", "max_queued_tokens",
+        "max_candidates", "max_message_bytes", "page_size", "cache_pages", "host_cache_pages", "onload_policy", "enable_cache", "no_cache",
         "log_level"}) {
     EXPECT_NE(out.find(absl::StrCat("--", flag, " (")), std::string::npos) << flag;
   }
@@ -132,6 +132,16 @@ TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
        {"--metrics_listen=127.0.0.1:65536", "--metrics_listen=127.0.0.1:65536: must be HOST:PORT"},
        {"--metrics_listen=127.0.0.1:-1", "--metrics_listen=127.0.0.1:-1: must be HOST:PORT"},
        {"--shutdown_grace_s=-4", "--shutdown_grace_s=-4: must be >= 0"},
+       // Before: accepted, then overflowing the scheduler's wake-up time (no wait at all).
+       {"--batch_timeout_us=9300000000000000", "--batch_timeout_us=9300000000000000: must be in [0, 10000000]"},
+       // Before: accepted here, then refused by the engine at start-up (exit 1).
+       {"--page_size=8192", "--page_size=8192: must be a power of two in [1, 4096]"},
+       // Before: silently clamped to 2^31 - 1 while the log said the value given.
+       {"--max_message_bytes=99999999999", "--max_message_bytes=99999999999: must be in [1024, 2147483647]"},
+       // Before: accepted here, then "Name or service not known" at start-up (exit 1).
+       {"--metrics_listen=unix:/tmp/m.sock", "--metrics_listen=unix:/tmp/m.sock: must be HOST:PORT (no unix sockets here)"},
+       {"--max_queued_tokens=-1", "--max_queued_tokens=-1: must be >= 0"},
+       {"--max_queue_per_user=-1", "--max_queue_per_user=-1: must be >= 0"},
        // Every program takes the dashed spelling of its flags (README).
        {"--shutdown-grace-s=-4", "--shutdown_grace_s=-4: must be >= 0"}},
       2);

@@ -8,9 +8,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <future>
 #include <mutex>
 #include <random>
@@ -21,6 +23,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "hstu/v1/ranking.grpc.pb.h"
 #include "server/ranking_server.h"
+#include "server/stop_signals.h"
 #include "server/validation.h"
 #include "tests/integration/test_util.h"
 #include "tests/util/faulty_backend.h"
@@ -362,6 +365,40 @@ TEST_F(ServerTest, ACallThatExpiresDuringItsBatchIsCountedAsTheClientSawIt) {
   EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "OK"}}), 0);
 }
 
+TEST(TimeLeft, SaturatesFarDeadlinesToNone) {
+  const gpr_timespec now = gpr_now(GPR_CLOCK_REALTIME);
+  auto at = [&](int64_t seconds) {
+    gpr_timespec t = now;
+    t.tv_sec += seconds;
+    return t;
+  };
+  EXPECT_FALSE(TimeLeft(gpr_inf_future(GPR_CLOCK_REALTIME), now).has_value());
+  EXPECT_EQ(TimeLeft(at(5), now), std::chrono::nanoseconds(5s));
+  EXPECT_EQ(TimeLeft(at(-1), now), std::chrono::nanoseconds(0));
+  // 2562047 hours (~292 years, what some clients send for "forever") and more: no deadline.
+  EXPECT_FALSE(TimeLeft(at(int64_t{2562047} * 3600), now).has_value());
+  EXPECT_FALSE(TimeLeft(at(int64_t{99999999} * 3600), now).has_value());
+  EXPECT_EQ(TimeLeft(at(3600), now), std::chrono::nanoseconds(1h));
+}
+
+TEST(StopSignals, ASignalTakenByAnotherThreadStillReachesTheWait) {
+  // Before: the stop signals were blocked in main()'s threads and taken with sigtimedwait; a
+  // thread a library started before main() (OpenBLAS's) did not block them, and the kernel's
+  // delivery to it killed the process.
+  auto stop = StopSignals::Install({SIGUSR2});
+  ASSERT_TRUE(stop.ok()) << stop.status();
+  EXPECT_EQ((*stop)->Wait(absl::Milliseconds(20)), -1);
+  std::promise<void> go;
+  std::thread other([f = go.get_future()]() mutable { f.wait(); });
+  ASSERT_EQ(pthread_kill(other.native_handle(), SIGUSR2), 0);
+  EXPECT_EQ((*stop)->Wait(absl::Seconds(5)), SIGUSR2);
+  go.set_value();
+  other.join();
+  ASSERT_EQ(kill(getpid(), SIGUSR2), 0);  // to the process: whichever thread takes it
+  EXPECT_EQ((*stop)->Wait(absl::Seconds(5)), SIGUSR2);
+  EXPECT_EQ((*stop)->Wait(absl::Milliseconds(20)), -1);
+}
+
 TEST(AsSeenByTheClient, KeepsServerFailuresAndTellsDeadlinesFromCancels) {
   using SysClock = std::chrono::system_clock;
   const auto now = SysClock::now();
@@ -427,6 +464,72 @@ TEST_F(ServerTest, FullQueueAnswersResourceExhausted) {
   EXPECT_EQ(ok.load(), 4);
 }
 
+TEST_F(ServerTest, TheQueuedTokensAreBounded) {
+  // Before: only the number of queued requests was bounded, and requests of 2^20 events (~29 MiB
+  // each once parsed) could take a replica out of memory.
+  ServerOptions o;
+  o.scheduler.max_queued_tokens = 100;
+  StartServer(o);
+  gate_.Close();
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  auto send = [&](uint64_t user, int events) {
+    threads.emplace_back([&, user, events] {
+      hstu::v1::RankResponse r;
+      if (Rank(MakeRequest(user, events, 3, user), &r).ok()) ++ok;
+    });
+  };
+  send(1, 5);
+  ASSERT_TRUE(gate_.WaitEntered(1));
+  send(2, 40);  // 83 estimated tokens: alone in the queue
+  for (int i = 0; i < 250 && server_->scheduler().QueueDepth() < 1; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_EQ(server_->scheduler().QueueDepth(), 1);
+  hstu::v1::RankResponse resp;
+  const grpc::Status full = Rank(MakeRequest(3, 20, 3, 3), &resp);  // 43 more: past 100
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(full.error_message().find("--max_queued_tokens"), std::string::npos)
+      << full.error_message();
+  EXPECT_EQ(Scrape().Sum("hstu_queue_rejections_total", {{"reason", "queue_full"}}), 1);
+  send(4, 5);  // 13 more: fits
+  for (int i = 0; i < 250 && server_->scheduler().QueueDepth() < 2; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(server_->scheduler().QueueDepth(), 2);
+  gate_.Open();
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), 3);
+}
+
+TEST_F(ServerTest, AFarDeadlineIsNoDeadline) {
+  // A sanity check end to end: the C++ client caps a far deadline itself before it sends it. The
+  // raw grpc-timeout some clients send for "forever" (2562047H, ~292 years), which overflowed the
+  // server's std::chrono conversion (DEADLINE_EXCEEDED at once; undefined behaviour), is
+  // TimeLeft's test above.
+  StartServer();
+  grpc::ClientContext ctx;
+  gpr_timespec forever = gpr_now(GPR_CLOCK_REALTIME);
+  forever.tv_sec += int64_t{99999999} * 3600;
+  ctx.set_deadline(forever);
+  hstu::v1::RankResponse resp;
+  const grpc::Status s = stub_->Rank(&ctx, MakeRequest(1, 5, 3, 1), &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+TEST_F(ServerTest, ASecondServerCannotShareThePort) {
+  // Before: gRPC's SO_REUSEPORT let a second server bind the same port and take half of the new
+  // connections, silently.
+  StartServer();
+  ServerOptions o;
+  o.listen = absl::StrCat("127.0.0.1:", server_->port());
+  o.metrics_listen = "";
+  o.engine.device = "cpu";
+  auto second = RankingServer::Start(o);
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find("cannot listen"), std::string::npos) << second.status();
+}
+
 TEST_F(ServerTest, CancelledCallIsDroppedBeforeTheEngine) {
   StartServer();
   gate_.Close();
@@ -467,39 +570,49 @@ TEST_F(ServerTest, EngineFailureAnswersInternalAndServingContinues) {
   EXPECT_TRUE(Rank(MakeRequest(5, 5, 3, 1), &resp).ok());
 }
 
-// main()'s wait on a thread of its own, with SIGUSR1 as its stop signal (blocked there, so that a
-// signal sent to that thread with Signal() waits for sigtimedwait, as SIGTERM does in main()).
+// main()'s wait on a thread of its own; Signal() hands it SIGUSR1 as a stop signal, as the
+// handler hands SIGTERM to main()'s wait.
 class ServingThread {
  public:
   ServingThread(RankingServer& server, absl::Duration grace) {
     thread_ = std::thread([this, &server, grace] {
-      sigset_t stop;
-      sigemptyset(&stop);
-      sigaddset(&stop, SIGUSR1);
-      pthread_sigmask(SIG_BLOCK, &stop, nullptr);
-      ready_.set_value();
-      result_.set_value(ServeUntilStopped(server, stop, grace));
+      result_.set_value(ServeUntilStopped(
+          server, [this](absl::Duration timeout) { return WaitSignal(timeout); }, grace));
       done_ = true;
     });
-    ready_.get_future().wait();
     code_ = result_.get_future();
   }
   // A test that failed early leaves the wait running: two signals end it.
   ~ServingThread() {
     while (!done_) {
-      pthread_kill(thread_.native_handle(), SIGUSR1);
-      std::this_thread::sleep_for(50ms);
+      Signal();
+      std::this_thread::sleep_for(150ms);
     }
     thread_.join();
   }
-  void Signal() { ASSERT_EQ(pthread_kill(thread_.native_handle(), SIGUSR1), 0); }
+  void Signal() {
+    std::lock_guard<std::mutex> lock(mu_);
+    signals_.push_back(SIGUSR1);
+    cv_.notify_all();
+  }
   bool Returned(std::chrono::milliseconds within) {
     return code_.wait_for(within) == std::future_status::ready;
   }
   int code() { return code_.get(); }
 
  private:
-  std::promise<void> ready_;
+  int WaitSignal(absl::Duration timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, absl::ToChronoMilliseconds(timeout), [this] { return !signals_.empty(); });
+    if (signals_.empty()) return -1;
+    const int sig = signals_.front();
+    signals_.pop_front();
+    return sig;
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<int> signals_;
   std::promise<int> result_;
   std::future<int> code_;
   std::atomic<bool> done_{false};
@@ -593,6 +706,51 @@ TEST_F(ServerTest, SecondSignalDuringTheDrainEndsTheWait) {
   }
   gate_.Open();
   caller.join();
+}
+
+TEST_F(ServerTest, TheSameSignalTwiceAtOnceIsOneRequestToStop) {
+  // timeout(1) sends its signal to the process and to its group: the second copy arrives within
+  // microseconds. Before, it cut the drain short (exit 3).
+  StartServer();
+  grpc::Status status;
+  std::thread caller = HoldOneBatch(&status);
+  ServingThread serving(*server_, absl::Seconds(30));
+  serving.Signal();
+  serving.Signal();
+  EXPECT_FALSE(serving.Returned(300ms));  // still draining: the held batch
+  gate_.Open();
+  ASSERT_TRUE(serving.Returned(10s));
+  EXPECT_EQ(serving.code(), 0);
+  caller.join();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+}
+
+TEST_F(ServerTest, AnOpenHealthWatchDoesNotHoldTheDrain) {
+  // Before: the drain waited for every call, and a health Watch stream never ends by itself: the
+  // process exited only when the whole grace had passed.
+  StartServer();
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext watch_ctx;
+  grpc::health::v1::HealthCheckRequest req;
+  auto reader = health->Watch(&watch_ctx, req);
+  grpc::health::v1::HealthCheckResponse first;
+  ASSERT_TRUE(reader->Read(&first));
+  EXPECT_EQ(first.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  std::thread watcher([&] {
+    grpc::health::v1::HealthCheckResponse r;
+    while (reader->Read(&r)) {
+    }
+    reader->Finish().ok();
+  });
+  const auto start = std::chrono::steady_clock::now();
+  {
+    ServingThread serving(*server_, absl::Seconds(30));
+    serving.Signal();
+    ASSERT_TRUE(serving.Returned(10s));
+    EXPECT_EQ(serving.code(), 0);
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  watcher.join();
 }
 
 // Without a second signal the drain finishes the held batch: the caller gets its scores and
@@ -725,8 +883,8 @@ class TricklingClient {
 };
 
 TEST_F(ServerTest, ASlowMetricsClientHoldsNeitherTheScrapeNorTheShutdown) {
-  // The exposer serves one connection at a time: a trickling client used to hold it (and the
-  // shutdown, which joins it) for as long as it kept sending. Now a connection gets 2 s in all.
+  // A trickling client used to hold the exposer (and the shutdown, which joins it) for as long as
+  // it kept sending. Now a connection gets 2 s in all, and connections are served side by side.
   StartServer();
   TricklingClient slow(server_->metrics_port());
   ASSERT_TRUE(slow.connected());
@@ -742,6 +900,94 @@ TEST_F(ServerTest, ASlowMetricsClientHoldsNeitherTheScrapeNorTheShutdown) {
   start = std::chrono::steady_clock::now();
   server_->Shutdown(absl::Seconds(5));
   EXPECT_LT(std::chrono::steady_clock::now() - start, 4s);
+}
+
+// Sends `bytes` on a fresh connection to the metrics port and returns all it reads back until
+// the server closes it (5 s at most).
+std::string RawHttp(int port, const std::string& bytes) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string reply;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size())) {
+    timeval tv{5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    char buf[4096];
+    ssize_t n;
+    while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) reply.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  return reply;
+}
+
+TEST_F(ServerTest, IdleMetricsConnectionsDelayNoScrape) {
+  // Before: connections were served one at a time, 2 s each: 20 idle ones held a scrape 34 s.
+  StartServer();
+  std::vector<int> idle;
+  for (int i = 0; i < 20; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(server_->metrics_port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    idle.push_back(fd);
+  }
+  std::this_thread::sleep_for(200ms);  // accepted first
+  const auto start = std::chrono::steady_clock::now();
+  auto body = testing::HttpGet(server_->metrics_port(), "/metrics");
+  ASSERT_TRUE(body.ok()) << body.status();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+  for (const int fd : idle) close(fd);
+}
+
+TEST_F(ServerTest, MetricsEndpointAnswersOddRequestsPlainly) {
+  StartServer();
+  const int port = server_->metrics_port();
+  // A request ended by bare line feeds (before: no reply, the connection held 2 s).
+  const auto start = std::chrono::steady_clock::now();
+  const std::string lf = RawHttp(port, "GET /metrics HTTP/1.0\n\n");
+  EXPECT_EQ(lf.rfind("HTTP/1.1 200 OK", 0), 0u) << lf;
+  EXPECT_NE(lf.find("hstu_requests_total"), std::string::npos);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+  // HEAD: the headers of GET, no body (before: 405).
+  const std::string head = RawHttp(port, "HEAD /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(head.rfind("HTTP/1.1 200 OK", 0), 0u) << head;
+  EXPECT_EQ(head.find("hstu_requests_total"), std::string::npos);
+  EXPECT_EQ(head.substr(head.size() - 4), "\r\n\r\n");
+  // Another method: 405 with the methods allowed (before: no Allow header).
+  const std::string post = RawHttp(port, "POST /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(post.rfind("HTTP/1.1 405", 0), 0u) << post;
+  EXPECT_NE(post.find("Allow: GET, HEAD\r\n"), std::string::npos) << post;
+  // Errors are plain text, not labelled as the exposition format.
+  const std::string missing = RawHttp(port, "GET /nothing HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(missing.rfind("HTTP/1.1 404", 0), 0u) << missing;
+  EXPECT_NE(missing.find("Content-Type: text/plain; charset=utf-8\r\n"), std::string::npos);
+}
+
+TEST_F(ServerTest, EveryCodeTheServerAnswersHasASeriesFromTheStart) {
+  // Before: only code="OK" existed until the first failure, whose series then appeared at its
+  // value, a step that rate() and increase() do not see.
+  StartServer();
+  const auto m = Scrape();
+  for (const char* code : {"OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
+                           "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE"}) {
+    const bool present = std::any_of(m.samples.begin(), m.samples.end(), [&](const auto& s) {
+      return s.name == "hstu_requests_total" && s.labels.count("code") &&
+             s.labels.at("code") == code;
+    });
+    EXPECT_TRUE(present) << code;
+  }
+  for (const char* reason : {"queue_full", "user_queue_full", "shutting_down"}) {
+    const bool present = std::any_of(m.samples.begin(), m.samples.end(), [&](const auto& s) {
+      return s.name == "hstu_queue_rejections_total" && s.labels.count("reason") &&
+             s.labels.at("reason") == reason;
+    });
+    EXPECT_TRUE(present) << reason;
+  }
 }
 
 TEST_F(ServerTest, MetricsExposeEveryFamilyWithSaneValues) {
