@@ -181,7 +181,7 @@ class CacheManager {
   // Every offload returned by Commit so far has completed.
   void OffloadsComplete();
   bool offloads_in_flight() const;
-  void Clear();  // drops every unpinned entry
+  void Clear();  // drops every unpinned entry, and the host copies of the others
   CacheStats Stats() const;
   // Number of cached tokens of a user (0 when absent); for tests and tools.
   int32_t CachedTokens(uint64_t user_id) const;

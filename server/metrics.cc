@@ -57,8 +57,9 @@ ServerMetrics::ServerMetrics(const std::string& version)
                                            "Finished Rank RPCs by gRPC status code.", {"code"})),
       queue_rejections_(registry_.AddCounter(
           "hstu_queue_rejections_total",
-          "Rank requests the scheduler turned away, by reason: queue_full (--max_queue), "
-          "user_queue_full (--max_queue_per_user), shutting_down.",
+          "Rank requests turned away before any engine work, by reason: queue_full "
+          "(--max_queue or --max_queued_tokens), user_queue_full (--max_queue_per_user), "
+          "shutting_down (refused during the drain; these are not in hstu_requests_total).",
           {"reason"})),
       process_start_time_(registry_.AddGauge(
           "process_start_time_seconds",

@@ -115,8 +115,12 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
     return reactor;
   }
   if (!admitting_.load()) {
+    // The drain's refusals are counted as such, not as answers in hstu_requests_total: before
+    // they were refused by gRPC itself, and an UNAVAILABLE there reads as the server's failure.
     metrics->CountQueueRejection(SubmitRejectionName(SubmitRejection::kShuttingDown));
-    finish(absl::UnavailableError("server is shutting down"));
+    metrics->AddInflight(-1);
+    reactor->Finish(ToGrpcStatus(absl::UnavailableError("server is shutting down")));
+    inflight_.fetch_sub(1);
     return reactor;
   }
   if (request->request_id().size() > kMaxRequestIdBytes) {

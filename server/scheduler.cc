@@ -83,6 +83,7 @@ absl::Status Scheduler::Submit(PendingRank pending, SubmitRejection* reason) {
   };
   if (reason != nullptr) *reason = SubmitRejection::kNone;
   Item item;
+  item.memory_tokens = DefaultTokenCost(pending.request);
   item.tokens = options_.token_cost ? options_.token_cost(pending.request)
                                     : DefaultTokenCost(pending.request);
   item.enqueued = Clock::now();
@@ -102,12 +103,12 @@ absl::Status Scheduler::Submit(PendingRank pending, SubmitRejection* reason) {
                     absl::ResourceExhaustedError(absl::StrCat(
                         "request queue is full (", options_.max_queue, " requests)")));
     }
-    if (TokensFullLocked(item.tokens, item.enqueued)) {
+    if (TokensFullLocked(item.memory_tokens, item.enqueued)) {
       return reject(SubmitRejection::kQueueFull,
                     absl::ResourceExhaustedError(absl::StrCat(
                         "request queue is full: it holds at most ", options_.max_queued_tokens,
                         " estimated tokens (--max_queued_tokens), and this request has ",
-                        item.tokens)));
+                        item.memory_tokens)));
     }
     if (UserQueueFullLocked(item.pending.request.user_id, item.enqueued)) {
       return reject(SubmitRejection::kUserQueueFull,
@@ -116,7 +117,7 @@ absl::Status Scheduler::Submit(PendingRank pending, SubmitRejection* reason) {
                         options_.max_queue_per_user,
                         " requests queued (--max_queue_per_user); they run one per batch")));
     }
-    queued_tokens_ += item.tokens;
+    queued_tokens_ += item.memory_tokens;
     queue_.push_back(std::move(item));
     depth_.store(static_cast<int64_t>(queue_.size()), std::memory_order_relaxed);
   }
@@ -150,7 +151,7 @@ bool Scheduler::TokensFullLocked(int64_t tokens, Clock::time_point now) const {
   if (queued_tokens_ + tokens > 2 * budget) return true;
   int64_t live = 0;
   for (const Item& item : queue_) {
-    if (DeadStatus(item.pending, now, "").ok()) live += item.tokens;
+    if (DeadStatus(item.pending, now, "").ok()) live += item.memory_tokens;
   }
   return live > 0 && live + tokens > budget;
 }
@@ -161,7 +162,7 @@ void Scheduler::SweepDeadLocked(Clock::time_point now, std::vector<Item>* reject
     Item& item = queue_[i];
     if (absl::Status dead = DeadStatus(item.pending, now, "while queued"); !dead.ok()) {
       item.rejection = std::move(dead);
-      queued_tokens_ -= item.tokens;
+      queued_tokens_ -= item.memory_tokens;
       rejected->push_back(std::move(item));
     } else if (kept++ != i) {
       queue_[kept - 1] = std::move(item);
@@ -231,7 +232,7 @@ bool Scheduler::TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wak
   last_batch_size_ = static_cast<int32_t>(chosen.size());
   batch->reserve(chosen.size());
   for (size_t idx : chosen) {
-    queued_tokens_ -= queue_[idx].tokens;
+    queued_tokens_ -= queue_[idx].memory_tokens;
     batch->push_back(std::move(queue_[idx]));
   }
   // Erase back to front so earlier indices stay valid.

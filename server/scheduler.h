@@ -59,8 +59,9 @@ struct SchedulerOptions {
   bool adaptive_fill = false;
   int32_t max_queue = 1024;          // queued requests beyond which Submit() rejects
   int32_t max_queue_per_user = 0;    // queued requests of one user beyond which it rejects; 0: none
-  // Estimated tokens (token_cost) queued beyond which Submit() rejects, unless the queue is empty:
-  // what bounds the queue's memory, since one request may carry 2^20 events. 0: no bound.
+  // Estimated tokens queued (DefaultTokenCost: every history event, even those the model will not
+  // keep, since the request holds them in memory) beyond which Submit() rejects, unless the queue
+  // is empty: what bounds the queue's memory, since one request may carry 2^20 events. 0: none.
   int64_t max_queued_tokens = 0;
   // Estimated tokens of a request (history tokens + candidates); the scheduler cannot see the
   // cache, so this is an upper bound of what the engine computes. Unset: 2 * events + candidates.
@@ -130,7 +131,8 @@ class Scheduler {
   struct Item {
     PendingRank pending;
     Clock::time_point enqueued;
-    int64_t tokens = 0;
+    int64_t tokens = 0;         // token_cost: what it counts against max_batch_tokens
+    int64_t memory_tokens = 0;  // DefaultTokenCost, history uncapped: against max_queued_tokens
     absl::Status rejection;  // why it left the queue without engine work
   };
 
@@ -158,7 +160,7 @@ class Scheduler {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_;
-  int64_t queued_tokens_ = 0;  // the tokens of queue_'s items, dead ones included
+  int64_t queued_tokens_ = 0;  // the memory_tokens of queue_'s items, dead ones included
   bool draining_ = false;
   std::atomic<int64_t> depth_{0};
   std::atomic<int64_t> batch_start_ns_{0};  // steady clock of the running batch's start; 0: idle

@@ -126,6 +126,9 @@ TEST(SchedulerTest, RejectsBadOptions) {
   o.max_queue = 0;
   EXPECT_EQ(Scheduler::Create(o, run).status().code(), absl::StatusCode::kInvalidArgument);
   o = SchedulerOptions();
+  o.max_queued_tokens = -1;
+  EXPECT_EQ(Scheduler::Create(o, run).status().code(), absl::StatusCode::kInvalidArgument);
+  o = SchedulerOptions();
   o.max_queue_per_user = -1;
   EXPECT_EQ(Scheduler::Create(o, run).status().code(), absl::StatusCode::kInvalidArgument);
   o = SchedulerOptions();
@@ -415,6 +418,30 @@ TEST(SchedulerTest, WithoutAPerUserLimitOneUserMayFillTheQueue) {
   EXPECT_EQ(why, SubmitRejection::kQueueFull);
   engine.Open();
   for (int i = 0; i < 4; ++i) EXPECT_TRUE(Await(outs[i]).ok()) << i;
+}
+
+TEST(SchedulerTest, TheQueuedTokenBudgetCountsLiveRequestsAndAdmitsBehindAnEmptyQueue) {
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.max_queued_tokens = 50;  // Pending(user, out, events): 2 * events + 1 tokens
+  auto s = MakeScheduler(&engine, o);
+  Outcome first;
+  HoldEngine(engine, *s, &first);
+  std::vector<Outcome> outs(4);
+  // Larger than the budget, but the queue is empty: it queues (it could never run otherwise).
+  ASSERT_TRUE(s->Submit(Pending(1, &outs[0], 26, Clock::now() + 20ms)).ok());  // 53
+  SubmitRejection why = SubmitRejection::kNone;
+  EXPECT_EQ(s->Submit(Pending(2, &outs[1], 5), &why).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(why, SubmitRejection::kQueueFull);
+  // Once the large one's deadline has passed, it holds no place of the budget (its memory counts
+  // only against twice the budget, until it is answered).
+  std::this_thread::sleep_for(40ms);
+  EXPECT_TRUE(s->Submit(Pending(2, &outs[2], 20), &why).ok());  // 41 live, 94 in all
+  EXPECT_EQ(s->Submit(Pending(3, &outs[3], 5), &why).code(),  // 41 + 11 > 50
+            absl::StatusCode::kResourceExhausted);
+  engine.Open();
+  EXPECT_EQ(Await(outs[0]).status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(Await(outs[2]).ok());
 }
 
 TEST(SchedulerTest, DeadRequestsBehindAFullBatchAreAnsweredWhenItStarts) {

@@ -388,11 +388,15 @@ TEST(StopSignals, ASignalTakenByAnotherThreadStillReachesTheWait) {
   auto stop = StopSignals::Install({SIGUSR2});
   ASSERT_TRUE(stop.ok()) << stop.status();
   EXPECT_EQ((*stop)->Wait(absl::Milliseconds(20)), -1);
-  std::promise<void> go;
-  std::thread other([f = go.get_future()]() mutable { f.wait(); });
+  // The other thread sleeps in short steps: under ThreadSanitizer a handler runs only when its
+  // thread passes through an intercepted call, and a thread blocked for good would hold it back.
+  std::atomic<bool> done{false};
+  std::thread other([&done] {
+    while (!done) std::this_thread::sleep_for(1ms);
+  });
   ASSERT_EQ(pthread_kill(other.native_handle(), SIGUSR2), 0);
   EXPECT_EQ((*stop)->Wait(absl::Seconds(5)), SIGUSR2);
-  go.set_value();
+  done = true;
   other.join();
   ASSERT_EQ(kill(getpid(), SIGUSR2), 0);  // to the process: whichever thread takes it
   EXPECT_EQ((*stop)->Wait(absl::Seconds(5)), SIGUSR2);
@@ -466,9 +470,11 @@ TEST_F(ServerTest, FullQueueAnswersResourceExhausted) {
 
 TEST_F(ServerTest, TheQueuedTokensAreBounded) {
   // Before: only the number of queued requests was bounded, and requests of 2^20 events (~29 MiB
-  // each once parsed) could take a replica out of memory.
+  // each once parsed) could take a replica out of memory. The budget counts every event a request
+  // carries, also those past the model's maximum history (256 tokens here), which it holds in
+  // memory all the same.
   ServerOptions o;
-  o.scheduler.max_queued_tokens = 100;
+  o.scheduler.max_queued_tokens = 1000;
   StartServer(o);
   gate_.Close();
   std::vector<std::thread> threads;
@@ -479,24 +485,24 @@ TEST_F(ServerTest, TheQueuedTokensAreBounded) {
       if (Rank(MakeRequest(user, events, 3, user), &r).ok()) ++ok;
     });
   };
+  auto await_depth = [&](int depth) {
+    for (int i = 0; i < 250 && server_->scheduler().QueueDepth() < depth; ++i) {
+      std::this_thread::sleep_for(10ms);
+    }
+    return server_->scheduler().QueueDepth();
+  };
   send(1, 5);
   ASSERT_TRUE(gate_.WaitEntered(1));
-  send(2, 40);  // 83 estimated tokens: alone in the queue
-  for (int i = 0; i < 250 && server_->scheduler().QueueDepth() < 1; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  ASSERT_EQ(server_->scheduler().QueueDepth(), 1);
+  send(2, 300);  // 603 estimated tokens (259 once the history is cut to the model's 256)
+  ASSERT_EQ(await_depth(1), 1);
   hstu::v1::RankResponse resp;
-  const grpc::Status full = Rank(MakeRequest(3, 20, 3, 3), &resp);  // 43 more: past 100
+  const grpc::Status full = Rank(MakeRequest(3, 300, 3, 3), &resp);  // 603 more: past 1000
   EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(full.error_message().find("--max_queued_tokens"), std::string::npos)
       << full.error_message();
   EXPECT_EQ(Scrape().Sum("hstu_queue_rejections_total", {{"reason", "queue_full"}}), 1);
-  send(4, 5);  // 13 more: fits
-  for (int i = 0; i < 250 && server_->scheduler().QueueDepth() < 2; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_EQ(server_->scheduler().QueueDepth(), 2);
+  send(4, 50);  // 103 more: fits
+  EXPECT_EQ(await_depth(2), 2);
   gate_.Open();
   for (auto& t : threads) t.join();
   EXPECT_EQ(ok.load(), 3);
@@ -756,6 +762,33 @@ class DrainTest : public ServerTest {
 };
 
 TEST_F(DrainTest, SignalDrainsTheHeldBatchAndReturnsZero) { ExpectTheHeldBatchDrained(1); }
+
+TEST_F(DrainTest, CallsDuringTheDrainAreRefusedAndCountedAsSuch) {
+  StartServer();
+  grpc::Status status;
+  std::thread caller = HoldOneBatch(&status);
+  ServingThread serving(*server_, absl::Seconds(30));
+  serving.Signal();
+  hstu::v1::RankResponse resp;
+  grpc::Status refused;
+  // Until the drain has begun: a call admitted before it waits behind the held batch, and is
+  // given up on after 100 ms.
+  for (int i = 0; i < 100; ++i) {
+    refused = Rank(MakeRequest(9 + i, 5, 3, 1), &resp, 100ms);
+    if (refused.error_code() == grpc::StatusCode::UNAVAILABLE) break;
+  }
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(refused.error_message().find("shutting down"), std::string::npos)
+      << refused.error_message();
+  const auto m = Scrape();
+  EXPECT_EQ(m.Sum("hstu_queue_rejections_total", {{"reason", "shutting_down"}}), 1);
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "UNAVAILABLE"}}), 0);
+  gate_.Open();
+  ASSERT_TRUE(serving.Returned(10s));
+  EXPECT_EQ(serving.code(), 0);
+  caller.join();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+}
 
 // timeout(1) sends its signal to the process and to its group: the second copy arrives within
 // microseconds. Before, it cut the drain short (exit 3).

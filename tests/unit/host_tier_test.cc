@@ -230,6 +230,20 @@ TEST(HostTier, AFailedRequestKeepsItsUsersCompletedHostCopy) {
   }
 }
 
+TEST(HostTier, ClearForgetsTheHostCopiesOfEntriesInUse) {
+  // Clear() follows a failed copy: no host page can be trusted. An entry pinned by a request in
+  // flight survives it; were its host copy kept, a failure of that request would keep it too (a
+  // failed request keeps its completed host copy) and serve it.
+  CacheManager m(4, 16, 16);
+  AcquireCommitComplete(m, 1, Keys(8, 1));  // two pages offloaded
+  auto r = m.Acquire(1, Keys(12, 1));
+  ASSERT_TRUE(r.ok()) << r.status();
+  m.Clear();
+  EXPECT_EQ(m.Stats().host_pages_free, 16);
+  m.Release(*r);  // its forward failed
+  EXPECT_EQ(m.CachedTokens(1), 0);
+}
+
 TEST(HostTier, ANewUsersFailedRequestDropsNothingCached) {
   CacheManager m(4, 16, 16);
   auto r = m.Acquire(9, Keys(10, 9));
