@@ -22,14 +22,18 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "client/bench_attention_layer.h"
 #include "client/bench_gemm.h"
 #include "client/bench_util.h"
@@ -80,21 +84,19 @@ using hstu::bench::Median;
 using hstu::bench::TimeMs;
 
 
-std::vector<int> ParseList(const std::string& s) {
+// A comma-separated list of integers >= `min`, or an error naming `flag`.
+absl::StatusOr<std::vector<int>> ParseList(const char* flag, const std::string& s, int min) {
   std::vector<int> v;
-  size_t at = 0;
-  while (at < s.size()) {
-    size_t end = s.find(',', at);
-    if (end == std::string::npos) end = s.size();
-    v.push_back(std::stoi(s.substr(at, end - at)));
-    at = end + 1;
+  for (absl::string_view item : absl::StrSplit(s, ',')) {
+    int x = 0;
+    if (!absl::SimpleAtoi(item, &x) || x < min) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", s, ": want a comma-separated "
+                                                     "list of integers >= ", min));
+    }
+    v.push_back(x);
   }
   return v;
 }
-
-
-
-
 
 // The decode-step shape of the anchors: per user `cached` history tokens in the pages,
 // `num_new` new history rows and `cand` candidates; base model heads (4 × 256).
@@ -215,7 +217,7 @@ json BenchAttention(int reps, int page_size, const std::vector<int>& batches) {
   hstu::cuda::Stream stream;
   HSTU_BENCH_CHECK_CUDA(stream.Create());
   struct HD { int H, D; };
-  const std::vector<int> slot_list = ParseList(absl::GetFlag(FLAGS_attn_slots));
+  const std::vector<int> slot_list = *ParseList("attn_slots", absl::GetFlag(FLAGS_attn_slots), 0);
   for (HD hd : {HD{4, 256}, HD{8, 128}, HD{16, 64}}) {
     for (int B : batches) {
       for (int slots : slot_list) {
@@ -267,8 +269,9 @@ json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batche
   std::printf("| batch | slots | CTAs | blocks / CTA | event time | kernel span | PDL wait | Q | first K/V "
               "| loop | per block | epilogue | of it to the cluster sync | CTA total | CTAs' busy share of span |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  const std::vector<int> slot_list = *ParseList("attn_slots", absl::GetFlag(FLAGS_attn_slots), 0);
   for (int B : batches) {
-    for (int slots : ParseList(absl::GetFlag(FLAGS_attn_slots))) {
+    for (int slots : slot_list) {
       AttnSetup a;
       a.B = B;
       a.cached = cached;
@@ -1221,24 +1224,49 @@ json BenchOffload(int reps, int page_size) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("hstu_bench attention|kernels|block [--json FILE] [--reps N] [--batches 1,8]");
+  constexpr const char* kModes =
+      "attention | attention_trace | kernels | block | attention_sweep | layer | block_graphs | "
+      "timeline | e2e | offload | gemm_algos | gemm_search";
+  absl::SetProgramUsageMessage(absl::StrCat("hstu_bench MODE [--json FILE] [--reps N] [--batches 1,8]\n"
+                                            "MODE: ", kModes));
   auto flag_args = hstu::NormalizeFlagDashes(argc, argv);
   auto flag_argv = hstu::ArgvOf(flag_args);
   std::vector<char*> args =
       absl::ParseCommandLine(static_cast<int>(flag_args.size()), flag_argv.data());
   if (args.size() != 2) {
-    std::fprintf(stderr, "usage: hstu_bench attention|attention_trace|kernels|block|attention_sweep|layer|block_graphs|"
-                         "timeline|e2e|offload|gemm_algos|gemm_search [--json FILE]\n");
+    std::fprintf(stderr, "usage: hstu_bench MODE [--json FILE]; MODE: %s\n", kModes);
     return 2;
   }
   const std::string mode = args[1];
+  // Everything the flags say is checked before the GPU is touched.
+  const std::vector<std::string> modes = absl::StrSplit(kModes, " | ");
+  if (std::find(modes.begin(), modes.end(), mode) == modes.end()) {
+    std::fprintf(stderr, "unknown mode '%s' (%s)\n", mode.c_str(), kModes);
+    return 2;
+  }
+  for (const auto& [flag, value, min] :
+       {std::tuple<const char*, std::string, int>{"batches", absl::GetFlag(FLAGS_batches), 1},
+        {"attn_slots", absl::GetFlag(FLAGS_attn_slots), 0}}) {
+    if (auto list = ParseList(flag, value, min); !list.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(list.status().message()).c_str());
+      return 2;
+    }
+  }
+  if (absl::GetFlag(FLAGS_reps) < 1) {
+    std::fprintf(stderr, "--reps=%d: must be >= 1\n", absl::GetFlag(FLAGS_reps));
+    return 2;
+  }
+  if (const int ps = absl::GetFlag(FLAGS_page_size); ps < 1 || ps > 4096 || (ps & (ps - 1)) != 0) {
+    std::fprintf(stderr, "--page_size=%d: must be a power of two in [1, 4096]\n", ps);
+    return 2;
+  }
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
     std::fprintf(stderr, "hstu_bench: no CUDA device present\n");
     return 1;
   }
   const int reps = absl::GetFlag(FLAGS_reps), page_size = absl::GetFlag(FLAGS_page_size);
-  const std::vector<int> batches = ParseList(absl::GetFlag(FLAGS_batches));
+  const std::vector<int> batches = *ParseList("batches", absl::GetFlag(FLAGS_batches), 1);
   int driver = 0, runtime = 0;
   cudaDriverGetVersion(&driver);
   cudaRuntimeGetVersion(&runtime);
@@ -1282,9 +1310,7 @@ int main(int argc, char** argv) {
   } else if (mode == "gemm_search") {
     j["results"] = hstu::bench::BenchGemmSearch(reps);
   } else {
-    std::fprintf(stderr, "unknown mode '%s' (attention | attention_trace | kernels | block | attention_sweep | layer | "
-                         "block_graphs | timeline | e2e | offload | gemm_algos | gemm_search)\n",
-                 mode.c_str());
+    std::fprintf(stderr, "unknown mode '%s' (%s)\n", mode.c_str(), kModes);
     return 2;
   }
   if (monitor != nullptr) {
@@ -1293,6 +1319,17 @@ int main(int argc, char** argv) {
     j["clocks"] = ClocksJson(all);
   }
   const std::string path = absl::GetFlag(FLAGS_json);
-  if (!path.empty()) std::ofstream(path) << j.dump(2) << "\n";
+  if (!path.empty()) {
+    // Beside the target, then renamed: a failed write leaves no partial results file.
+    const std::string tmp = path + ".tmp";
+    std::ofstream f(tmp);
+    f << j.dump(2) << "\n";
+    f.close();
+    if (!f || std::rename(tmp.c_str(), path.c_str()) != 0) {
+      std::remove(tmp.c_str());
+      std::fprintf(stderr, "hstu_bench: cannot write the results to --json '%s'\n", path.c_str());
+      return 1;
+    }
+  }
   return 0;
 }

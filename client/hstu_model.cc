@@ -169,6 +169,15 @@ int main(int argc, char** argv) {
   std::vector<char*> pos = absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data());
   if (pos.size() >= 2 && std::string(pos[1]) == "init" && pos.size() == 2) return Init();
   if (pos.size() == 3 && std::string(pos[1]) == "info") return Info(pos[2]);
+  if (pos.size() < 2) {
+    std::fprintf(stderr, "error: a command is required: init or info\n");
+  } else if (std::string(pos[1]) == "init") {
+    std::fprintf(stderr, "error: init takes flags only, not '%s'\n", pos[2]);
+  } else if (std::string(pos[1]) == "info") {
+    std::fprintf(stderr, "error: info takes one model file\n");
+  } else {
+    std::fprintf(stderr, "error: unknown command '%s' (init or info)\n", pos[1]);
+  }
   std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
   return 2;
 }

@@ -1,11 +1,13 @@
 // hstu_rank: offline scoring of a JSONL file of requests, in order, in one process (so returning
 // users reuse their KV cache). One JSON line out per line in.
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -24,8 +26,10 @@ ABSL_FLAG(std::string, device, "cpu",
 ABSL_FLAG(bool, no_cache, false, "recompute every history (no KV reuse between requests)");
 ABSL_FLAG(int32_t, page_size, 32, "tokens per KV page");
 ABSL_FLAG(int64_t, cache_pages, 0, "KV pool size in pages (0 = default for the device)");
-ABSL_FLAG(int64_t, host_cache_pages, 0, "host KV tier size in pages (0 = no host tier)");
-ABSL_FLAG(int64_t, max_candidates, 1 << 20, "reject requests with more candidates than this");
+ABSL_FLAG(int64_t, host_cache_pages, 0,
+          "host KV tier size in pages (0 = no host tier, -1 = automatic: on a GPU 2x its pool)");
+ABSL_FLAG(int64_t, max_candidates, 1 << 20,
+          "reject requests with more candidates than this (<= 0: no limit)");
 
 namespace {
 
@@ -85,15 +89,24 @@ absl::StatusOr<hstu::RankRequest> ParseRequest(const std::string& line) {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "hstu_rank: scores JSONL requests offline.\n"
-      "  hstu_rank --model FILE|random:PRESET --input FILE.jsonl [--device cpu|cpu-bf16|cuda:N] [--no-cache]\n"
-      "            [--page-size N] [--cache-pages N] [--host-cache-pages N]\n"
+      "  hstu_rank --model FILE|random:PRESET --input FILE.jsonl|- [--device cpu|cpu-bf16|cuda:N|auto]\n"
+      "            [--no-cache] [--page-size N] [--cache-pages N] [--host-cache-pages N]\n"
+      "            [--max-candidates N] [--seed N]\n"
+      "(--input=- reads stdin; a blank input line gives no output line.)\n"
       "Input line: {\"user_id\": 7, \"history_item_ids\": [...], \"history_actions\": [...],\n"
       "             \"candidate_item_ids\": [...]}\n"
       "Output line: {\"user_id\": 7, \"scores\": [[t0, t1, ...] per candidate], \"reused_tokens\": R,\n"
       "              \"computed_tokens\": C}  or  {\"line\": N, \"error\": \"...\"}");
   auto args = hstu::NormalizeFlagDashes(argc, argv);
   auto argv2 = hstu::ArgvOf(args);
-  absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data());
+  const std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data());
+  if (rest.size() > 1) {
+    // A word that is no flag: a second input file, or a value given to a bool flag apart from it
+    // (`--no-cache false` is --no-cache, then "false").
+    std::fprintf(stderr, "error: unexpected argument '%s' (flags only; a bool flag takes its value "
+                 "as --flag=false; see --help)\n", rest[1]);
+    return 2;
+  }
   // Logs go to stderr: stdout carries only the JSON lines.
   spdlog::set_default_logger(spdlog::stderr_color_mt("hstu_rank"));
   spdlog::set_level(spdlog::level::warn);
@@ -106,6 +119,11 @@ int main(int argc, char** argv) {
   std::ifstream file;
   std::istream* in = &std::cin;
   if (input != "-") {
+    std::error_code ec;
+    if (std::filesystem::is_directory(input, ec)) {
+      std::fprintf(stderr, "error: --input '%s' is a directory\n", input.c_str());
+      return 2;
+    }
     file.open(input);
     if (!file) {
       std::fprintf(stderr, "error: cannot open --input '%s'\n", input.c_str());
@@ -155,6 +173,14 @@ int main(int argc, char** argv) {
                 {"computed_tokens", res->computed_tokens}};
     std::printf("%s\n", out.dump().c_str());
     std::fflush(stdout);
+  }
+  if (in->bad()) {
+    std::fprintf(stderr, "error: reading --input '%s' failed\n", input.c_str());
+    return 1;
+  }
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    std::fprintf(stderr, "error: writing the results to stdout failed\n");
+    return 1;
   }
   return failures == 0 ? 0 : 1;
 }

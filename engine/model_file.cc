@@ -1,6 +1,10 @@
 #include "engine/model_file.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -203,11 +207,39 @@ std::string SerializeModelFile(const ModelWeights& w, FileDType dtype) {
 }
 
 absl::Status WriteModelFile(const ModelWeights& w, const std::string& path, FileDType dtype) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) return absl::InvalidArgumentError(absl::StrCat("cannot open '", path, "' for writing"));
-  const std::string bytes = SerializeModelFile(w, dtype);
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  if (!f) return absl::InternalError(absl::StrCat("write to '", path, "' failed"));
+  std::string bytes;
+  try {
+    bytes = SerializeModelFile(w, dtype);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("not enough memory to build the model file '", path, "'; nothing written"));
+  }
+  // Written beside the target, then renamed over it: a failed write (a full disk) leaves the file
+  // that was there, if any, as it was, and no partial file.
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot write '", path, "': cannot create '", tmp,
+                                                   "': ", std::strerror(errno)));
+  }
+  int err = 0;
+  for (size_t done = 0; done < bytes.size();) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = n < 0 ? errno : EIO;
+      break;
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (err == 0 && ::fsync(fd) != 0) err = errno;
+  if (::close(fd) != 0 && err == 0) err = errno;
+  if (err == 0 && ::rename(tmp.c_str(), path.c_str()) != 0) err = errno;
+  if (err != 0) {
+    ::unlink(tmp.c_str());
+    return absl::InternalError(absl::StrCat("write to '", path, "' failed: ", std::strerror(err),
+                                            "; nothing written"));
+  }
   return absl::OkStatus();
 }
 
@@ -218,8 +250,18 @@ absl::StatusOr<ModelWeights> ReadModelFile(const std::string& path) {
   }
   std::ifstream f(path, std::ios::binary);
   if (!f) return absl::NotFoundError(absl::StrCat("cannot open model file '", path, "'"));
-  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  return ParseModelFile(bytes, path);
+  // The file, then its tensors: about twice its size at the peak.
+  try {
+    std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    if (f.bad()) {
+      return absl::DataLossError(absl::StrCat("reading model file '", path, "' failed"));
+    }
+    return ParseModelFile(bytes, path);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "not enough memory to load model file '", path, "' (",
+        std::filesystem::file_size(path, ec), " bytes; loading takes about twice that)"));
+  }
 }
 
 absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std::string& name) {

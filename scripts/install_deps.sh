@@ -6,6 +6,7 @@ set -euo pipefail
 
 PKGS=(
   build-essential cmake ninja-build pkg-config git ca-certificates python3 python3-pip curl
+  python3-numpy
   libabsl-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev
   libopenblas-dev
@@ -55,6 +56,7 @@ PY
   fi
   rm -rf "$tmp"
 fi
-# numpy for the independent Python reference used by the tests.
-python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy || $SUDO apt-get install -y -qq python3-numpy
+# numpy for the independent Python reference used by the tests (Debian's python3-numpy above; pip
+# where python3 is not Debian's).
+python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy
 echo "[install_deps] done"

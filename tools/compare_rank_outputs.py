@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Compares two hstu_rank outputs of the same requests (e.g. --device cuda:0 vs --device cpu).
 
-Fails (exit 1) on any error line, NaN/Inf, a shape mismatch, a score difference above --tol, or a
-different reused/computed token count; prints the worst difference either way.
+Fails (exit 1) on any error line, NaN/Inf (written as null), a shape mismatch (lines, candidates,
+tasks), a different user or reused/computed token count, no lines at all, or a score difference
+above --tol; prints the worst difference either way.
 
     compare_rank_outputs.py A.jsonl B.jsonl [--tol 2e-3] [--bf16 C.jsonl]
 
@@ -27,7 +28,12 @@ def main():
     ap.add_argument("--bf16-slack", type=float, default=1.25,
                     help="how much further from A than the bf16 emulation B may be (ratio)")
     args = ap.parse_args()
-    rows_a, rows_b = read(args.a), read(args.b)
+    try:
+        rows_a, rows_b = read(args.a), read(args.b)
+        rows_c = read(args.bf16) if args.bf16 else None
+    except (OSError, ValueError) as e:
+        print(f"error: {e}")
+        return 1
     problems, over_tol, diffs = compare(rows_a, rows_b, args.tol)
     worst = max(diffs, default=0.0)
     mean = sum(diffs) / len(diffs) if diffs else 0.0
@@ -35,7 +41,7 @@ def main():
           f"mean {mean:.3e} (tolerance {args.tol})")
     failures = problems + over_tol
     if args.bf16:
-        emu_problems, _, emu = compare(rows_a, read(args.bf16), args.tol)
+        emu_problems, _, emu = compare(rows_a, rows_c, args.tol)
         emu_worst, emu_mean = max(emu, default=0.0), sum(emu) / len(emu) if emu else 0.0
         print(f"  the bf16 emulation ({args.bf16}): worst {emu_worst:.3e}, mean {emu_mean:.3e}")
         as_close = (worst <= args.bf16_slack * emu_worst and mean <= args.bf16_slack * emu_mean)
@@ -53,8 +59,25 @@ def main():
 
 
 def read(path):
+    rows = []
     with open(path) as f:
-        return [json.loads(l) for l in f if l.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path} line {n} is not JSON: {e}") from None
+            if not isinstance(row, dict) or ("error" not in row and not all(
+                    k in row for k in ("user_id", "scores", "reused_tokens", "computed_tokens"))):
+                raise ValueError(f"{path} line {n} is not an hstu_rank output line")
+            rows.append(row)
+    return rows
+
+
+def finite(x):
+    """hstu_rank writes NaN and Inf as null (JSON has neither)."""
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def compare(rows_a, rows_b, tol):
@@ -64,19 +87,24 @@ def compare(rows_a, rows_b, tol):
     problems, over_tol, diffs = [], [], []
     if len(rows_a) != len(rows_b):
         problems.append(f"{len(rows_a)} lines vs {len(rows_b)}")
+    if not rows_a or not rows_b:
+        problems.append("no requests to compare")
     for i, (ra, rb) in enumerate(zip(rows_a, rows_b), 1):
         if "error" in ra or "error" in rb:
             problems.append(f"line {i}: error {ra.get('error')} / {rb.get('error')}")
             continue
-        for key in ("reused_tokens", "computed_tokens"):
+        for key in ("user_id", "reused_tokens", "computed_tokens"):
             if ra[key] != rb[key]:
                 problems.append(f"line {i}: {key} {ra[key]} vs {rb[key]}")
         if len(ra["scores"]) != len(rb["scores"]):
             problems.append(f"line {i}: {len(ra['scores'])} vs {len(rb['scores'])} candidates")
             continue
         for c, (sa, sb) in enumerate(zip(ra["scores"], rb["scores"])):
+            if len(sa) != len(sb):
+                problems.append(f"line {i} candidate {c}: {len(sa)} vs {len(sb)} tasks")
+                continue
             for t, (x, y) in enumerate(zip(sa, sb)):
-                if not (math.isfinite(x) and math.isfinite(y)):
+                if not (finite(x) and finite(y)):
                     problems.append(f"line {i} candidate {c} task {t}: non-finite {x} / {y}")
                     continue
                 d = abs(x - y)

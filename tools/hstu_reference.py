@@ -353,11 +353,13 @@ def parse_request(obj, model: Model):
         return value
 
     user_id = obj.get("user_id")
-    if isinstance(user_id, bool) or not isinstance(user_id, int) or user_id < 0:
-        raise ValueError("user_id must be a non-negative integer")
+    if isinstance(user_id, bool) or not isinstance(user_id, int) or not 0 <= user_id < 2**64:
+        raise ValueError("user_id must be an integer in [0, 2^64)")
     items = int_list("history_item_ids")
     actions = int_list("history_actions")
     candidates = int_list("candidate_item_ids")
+    if not candidates:
+        raise ValueError("candidate_item_ids is empty")
     if len(items) != len(actions):
         raise ValueError(
             f"history_actions has {len(actions)} entries but history_item_ids has {len(items)}"
@@ -385,8 +387,10 @@ def main(argv=None) -> int:
     num = FP64
     if args.numerics == "bf16":
         model, num = with_bf16_weights(model), BF16
-    out = open(args.output, "w") if args.output else sys.stdout
+    failures = 0
     with open(args.input) as f:
+        # Opened once the input is: a missing input leaves an existing output as it was.
+        out = open(args.output, "w") if args.output else sys.stdout
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -394,13 +398,14 @@ def main(argv=None) -> int:
                 user_id, items, actions, candidates = parse_request(json.loads(line), model)
             except (ValueError, json.JSONDecodeError) as e:
                 out.write(json.dumps({"line": line_no, "error": str(e)}) + "\n")
+                failures += 1
                 continue
             scores = score_request(model, items, actions, candidates, num)
             # repr-exact floats: the comparison tolerance is the test's business, not ours.
             out.write(json.dumps({"user_id": user_id, "scores": scores.tolist()}) + "\n")
     if out is not sys.stdout:
         out.close()
-    return 0
+    return 1 if failures else 0  # as hstu_rank: 1 when any line was an error
 
 
 if __name__ == "__main__":

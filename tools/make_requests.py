@@ -164,11 +164,18 @@ def make_workload(shape: dict, num_users: int, num_visits: int, seed: int) -> li
     return requests
 
 
+def positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="safetensors model file (header is read)")
-    parser.add_argument("--users", type=int, default=8)
-    parser.add_argument("--visits", type=int, default=6)
+    parser.add_argument("--users", type=positive, default=8)
+    parser.add_argument("--visits", type=positive, default=6)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", required=True, help="JSONL file to write")
     args = parser.parse_args(argv)

@@ -550,5 +550,29 @@ TEST(ProcessTest, HstuRankRejectsIntegersOutOfTheirFieldsRange) {
   EXPECT_EQ(lines[3]["user_id"].get<uint64_t>(), 18446744073709551615ull);
 }
 
+TEST(ProcessTest, HstuRankAndHstuModelFailLoudly) {
+  const std::string dir = TempDir();
+  {
+    std::ofstream f(dir + "/requests.jsonl");
+    f << R"({"user_id": 1, "history_item_ids": [5], "history_actions": [1], "candidate_item_ids": [3]})" "\n";
+  }
+  const std::string rank = absl::StrCat(HSTU_RANK_BIN, " --model=random:tiny --device=cpu ");
+  // Before: each of these exited 0. A stray word (here a bool flag's value given apart from it,
+  // which silently left --no-cache on); a directory as the input (no output at all); results
+  // that could not be written.
+  ExpectEachFlagRejected(rank, {{absl::StrCat("--input=", dir, "/requests.jsonl --no-cache false"),
+                                 "error: unexpected argument 'false'"},
+                                {absl::StrCat("--input=", dir), "is a directory"}},
+                         2);
+  const auto [rc, out] = RunCommand(
+      absl::StrCat("{ ", rank, "--input=", dir, "/requests.jsonl >/dev/full; }"));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("writing the results to stdout failed"), std::string::npos) << out;
+  // hstu_model names what it did not understand (before: the usage text alone).
+  ExpectEachFlagRejected(HSTU_MODEL_BIN, {{"init extra", "error: init takes flags only, not 'extra'"},
+                                          {"infos x", "error: unknown command 'infos'"}},
+                         2);
+}
+
 }  // namespace
 }  // namespace hstu::testing

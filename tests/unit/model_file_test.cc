@@ -1,5 +1,10 @@
 // Model files: round trips and every malformed-file case, each error naming what is wrong.
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <csignal>
 #include <cstring>
+#include <filesystem>
 
 #include "engine/model_file.h"
 #include "gtest/gtest.h"
@@ -55,6 +60,38 @@ TEST(ModelFile, F32RoundTripIsExact) {
   EXPECT_EQ(r->position_embedding, w.position_embedding);
   EXPECT_EQ(r->layers[1].uvqk_w, w.layers[1].uvqk_w);
   EXPECT_EQ(r->head[1].b, w.head[1].b);
+}
+
+TEST(ModelFile, AFailedWriteLeavesTheOldFileAndNoPartialOne) {
+  // Before: the target was truncated first and written in place, so a full disk left a partial
+  // file where a valid model had been.
+  const std::string dir = ::testing::TempDir() + "/model_write_" + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/m.safetensors";
+  const ModelWeights small = RandomModel(SmallConfig(), 7);
+  ASSERT_TRUE(WriteModelFile(small, path, FileDType::kF32).ok());
+  const std::string before = SerializeModelFile(small, FileDType::kF32);
+  ModelConfig big_config = SmallConfig();
+  big_config.item_rows = 100000;  // a file far past the size limit below
+  const ModelWeights big = RandomModel(big_config, 8);
+  // A file size limit stands in for a full disk (EFBIG instead of ENOSPC).
+  signal(SIGXFSZ, SIG_IGN);
+  rlimit old_limit{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  rlimit small_limit = old_limit;
+  small_limit.rlim_cur = before.size() * 4;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small_limit), 0);
+  const absl::Status s = WriteModelFile(big, path, FileDType::kF32);
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(std::string(s.message()).find("nothing written"), std::string::npos) << s;
+  auto r = ReadModelFile(path);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->config.item_rows, small.config.item_rows);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir),
+                          std::filesystem::directory_iterator()),
+            1);  // no temporary left behind
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ModelFile, Bf16RoundTripRoundsToBf16) {
