@@ -39,17 +39,23 @@ using json = nlohmann::json;
 // (a value is never wrapped: an action of 2^32 + 1 is not action 1).
 template <typename T>
 absl::StatusOr<T> IntegerAs(const json& v, const std::string& field) {
+  const std::string range = std::string(std::is_signed_v<T> ? "int" : "uint") + std::to_string(8 * sizeof(T));
+  if (v.is_number_float()) {
+    // A literal past 64 bits is read as a double, as is 1.5.
+    return absl::InvalidArgumentError("field '" + field + "' = " + v.dump() +
+                                      " is not an integer in the range of " + range);
+  }
   if (!v.is_number_integer()) return absl::InvalidArgumentError("field '" + field + "' is not an integer");
   bool fits;
   if (v.is_number_unsigned()) {
     fits = v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max());
   } else {  // nlohmann parses only negative literals as signed
-    const int64_t x = v.get<int64_t>();
-    fits = std::is_signed_v<T> && x >= static_cast<int64_t>(std::numeric_limits<T>::min());
+    const int64_t x = v.get<int64_t>();  // "-0" is 0
+    fits = x >= 0 || (std::is_signed_v<T> && x >= static_cast<int64_t>(std::numeric_limits<T>::min()));
   }
   if (!fits) {
     return absl::InvalidArgumentError("field '" + field + "' = " + v.dump() + " is out of the range of " +
-                                      (std::is_signed_v<T> ? "int" : "uint") + std::to_string(8 * sizeof(T)));
+                                      range);
   }
   return v.get<T>();
 }

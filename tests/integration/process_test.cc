@@ -532,7 +532,10 @@ TEST(ProcessTest, HstuRankRejectsIntegersOutOfTheirFieldsRange) {
     f << R"({"user_id": 1, "history_item_ids": [5], "history_actions": [4294967297], "candidate_item_ids": [3]})" "\n"
       << R"({"user_id": 1, "history_item_ids": [18446744073709551615], "history_actions": [1], "candidate_item_ids": [3]})" "\n"
       << R"({"user_id": -3, "history_item_ids": [5], "history_actions": [1], "candidate_item_ids": [3]})" "\n"
-      << R"({"user_id": 18446744073709551615, "history_item_ids": [5], "history_actions": [1], "candidate_item_ids": [3]})" "\n";
+      << R"({"user_id": 18446744073709551615, "history_item_ids": [5], "history_actions": [1], "candidate_item_ids": [3]})" "\n"
+      // Before: "is not an integer" (the literal is read as a double), and "-0" out of range.
+      << R"({"user_id": 18446744073709551616, "history_item_ids": [5], "history_actions": [1], "candidate_item_ids": [3]})" "\n"
+      << R"({"user_id": -0, "history_item_ids": [5], "history_actions": [1], "candidate_item_ids": [3]})" "\n";
   }
   const auto [rc, out] = RunCommand(absl::StrCat("{ ", HSTU_RANK_BIN, " --model=random:tiny --device=cpu --input=",
                                                  dir, "/requests.jsonl 2>/dev/null; }"));
@@ -541,13 +544,17 @@ TEST(ProcessTest, HstuRankRejectsIntegersOutOfTheirFieldsRange) {
   for (absl::string_view line : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
     lines.push_back(nlohmann::json::parse(line, nullptr, false));
   }
-  ASSERT_EQ(lines.size(), 4u) << out;
+  ASSERT_EQ(lines.size(), 6u) << out;
   EXPECT_EQ(lines[0].value("error", ""), "field 'history_actions[0]' = 4294967297 is out of the range of int32");
   EXPECT_EQ(lines[1].value("error", ""),
             "field 'history_item_ids[0]' = 18446744073709551615 is out of the range of int64");
   EXPECT_EQ(lines[2].value("error", ""), "field 'user_id' = -3 is out of the range of uint64");
   ASSERT_TRUE(lines[3].contains("scores")) << out;
   EXPECT_EQ(lines[3]["user_id"].get<uint64_t>(), 18446744073709551615ull);
+  EXPECT_EQ(lines[4].value("error", ""),
+            "field 'user_id' = 1.8446744073709552e+19 is not an integer in the range of uint64");
+  ASSERT_TRUE(lines[5].contains("scores")) << out;
+  EXPECT_EQ(lines[5]["user_id"].get<uint64_t>(), 0u);
 }
 
 TEST(ProcessTest, HstuRankAndHstuModelFailLoudly) {
