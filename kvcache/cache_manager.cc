@@ -620,6 +620,7 @@ void CacheManager::Clear() {
     if (!e.pinned && e.inflight_pages == 0 && !e.prefetch_pending) victims.push_back(user);
   }
   for (uint64_t u : victims) DropLocked(u);
+  stats_.dropped_entries += victims.size();
   // The entries in use stay, but not their host copies (Clear follows a failed copy: no host page
   // can be trusted), unless a copy still writes them.
   for (auto& [user, e] : entries_) {

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -145,6 +146,10 @@ void HttpExposer::Loop() {
       if (fd >= 0) {
         if (conns.size() >= kMaxConnections) close_at(0);  // the oldest
         conns.push_back({fd, now + kConnectionTimeout, {}, {}, 0});
+      } else if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        // The pending connection stays, so the socket stays readable: without a pause the loop
+        // would spin until a descriptor frees.
+        std::this_thread::sleep_for(std::chrono::milliseconds(kPollMs));
       }
     }
   }

@@ -148,7 +148,7 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
   }
   spdlog::info("engine: KV pool {} pages of {} tokens; CUDA graphs {}", stats.cache.pages_total,
                options.engine.page_size,
-               options.engine.use_cuda_graphs ? "on (where the backend has them)" : "off");
+               on_cpu ? "none (CPU backend)" : options.engine.use_cuda_graphs ? "on" : "off");
   spdlog::info("engine: attention: {}", s->engine_->attention_kernel());
 
   if (options.warmup) {

@@ -236,10 +236,12 @@ TEST(HostTier, ClearForgetsTheHostCopiesOfEntriesInUse) {
   // failed request keeps its completed host copy) and serve it.
   CacheManager m(4, 16, 16);
   AcquireCommitComplete(m, 1, Keys(8, 1));  // two pages offloaded
+  AcquireCommitComplete(m, 2, Keys(8, 2));
   auto r = m.Acquire(1, Keys(12, 1));
   ASSERT_TRUE(r.ok()) << r.status();
   m.Clear();
   EXPECT_EQ(m.Stats().host_pages_free, 16);
+  EXPECT_EQ(m.Stats().dropped_entries, 1u);  // user 2 (before: not counted)
   m.Release(*r);  // its forward failed
   EXPECT_EQ(m.CachedTokens(1), 0);
 }
