@@ -13,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <random>
@@ -748,13 +749,15 @@ TEST_F(ServerTest, AnOpenHealthWatchDoesNotHoldTheDrain) {
 // main()'s wait returns 0.
 class DrainTest : public ServerTest {
  protected:
-  void ExpectTheHeldBatchDrained(int signals) {
+  // Holds a batch, sends `signals` stop signals, runs `while_draining`, then lets the batch end.
+  void ExpectTheHeldBatchDrained(int signals, const std::function<void()>& while_draining = {}) {
     StartServer();
     grpc::Status status;
     std::thread caller = HoldOneBatch(&status);
     ServingThread serving(*server_, absl::Seconds(30));
     for (int i = 0; i < signals; ++i) serving.Signal();
     EXPECT_FALSE(serving.Returned(300ms));  // still draining: the held batch
+    if (while_draining) while_draining();
     gate_.Open();
     ASSERT_TRUE(serving.Returned(10s));
     EXPECT_EQ(serving.code(), 0);
@@ -766,30 +769,16 @@ class DrainTest : public ServerTest {
 TEST_F(DrainTest, SignalDrainsTheHeldBatchAndReturnsZero) { ExpectTheHeldBatchDrained(1); }
 
 TEST_F(DrainTest, CallsDuringTheDrainAreRefusedAndCountedAsSuch) {
-  StartServer();
-  grpc::Status status;
-  std::thread caller = HoldOneBatch(&status);
-  ServingThread serving(*server_, absl::Seconds(30));
-  serving.Signal();
-  hstu::v1::RankResponse resp;
-  grpc::Status refused;
-  // Until the drain has begun: a call admitted before it waits behind the held batch, and is
-  // given up on after 100 ms.
-  for (int i = 0; i < 100; ++i) {
-    refused = Rank(MakeRequest(9 + i, 5, 3, 1), &resp, 100ms);
-    if (refused.error_code() == grpc::StatusCode::UNAVAILABLE) break;
-  }
-  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_NE(refused.error_message().find("shutting down"), std::string::npos)
-      << refused.error_message();
-  const auto m = Scrape();
-  EXPECT_EQ(m.Sum("hstu_queue_rejections_total", {{"reason", "shutting_down"}}), 1);
-  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "UNAVAILABLE"}}), 0);
-  gate_.Open();
-  ASSERT_TRUE(serving.Returned(10s));
-  EXPECT_EQ(serving.code(), 0);
-  caller.join();
-  EXPECT_TRUE(status.ok()) << status.error_message();
+  ExpectTheHeldBatchDrained(1, [this] {
+    hstu::v1::RankResponse resp;
+    const grpc::Status refused = Rank(MakeRequest(9, 5, 3, 1), &resp, 5s);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
+    EXPECT_NE(refused.error_message().find("shutting down"), std::string::npos)
+        << refused.error_message();
+    const auto m = Scrape();
+    EXPECT_EQ(m.Sum("hstu_queue_rejections_total", {{"reason", "shutting_down"}}), 1);
+    EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "UNAVAILABLE"}}), 0);
+  });
 }
 
 // timeout(1) sends its signal to the process and to its group: the second copy arrives within
