@@ -22,7 +22,6 @@
 #include <optional>
 #include <random>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -209,7 +208,8 @@ int ConcurrentCtas(int head_dim) {
   return p.multiProcessorCount * std::max(per_sm, 1);
 }
 
-json BenchAttention(int reps, int page_size, const std::vector<int>& batches) {
+json BenchAttention(int reps, int page_size, const std::vector<int>& batches,
+                    const std::vector<int>& slot_list) {
   json rows = json::array();
   std::printf("\n### attention (paged HSTU, fused; 3968 cached + 128 new + 256 candidates per user, N = 4352)\n\n");
   std::printf("| batch | H x D | queries x keys | time (us) | TFLOP/s | GB/s (min bytes) | CTAs | chunk (keys) |\n");
@@ -217,7 +217,6 @@ json BenchAttention(int reps, int page_size, const std::vector<int>& batches) {
   hstu::cuda::Stream stream;
   HSTU_BENCH_CHECK_CUDA(stream.Create());
   struct HD { int H, D; };
-  const std::vector<int> slot_list = *ParseList("attn_slots", absl::GetFlag(FLAGS_attn_slots), 0);
   for (HD hd : {HD{4, 256}, HD{8, 128}, HD{16, 64}}) {
     for (int B : batches) {
       for (int slots : slot_list) {
@@ -255,7 +254,8 @@ json BenchAttention(int reps, int page_size, const std::vector<int>& batches) {
 // summarised per CTA — waiting for the previous kernel, Q load, first K/V tile, the key loop (per
 // 64-key block), the epilogue — with the kernel's span and the event-timed attention (kernel +
 // split reduction, back to back as in `attention`). `cached` of 4096 history tokens are in the pages.
-json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batches, int cached) {
+json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batches,
+                         const std::vector<int>& slot_list, int cached) {
   json rows = json::array();
   std::vector<uint64_t> trace;
   if (hstu::cuda::ReadHstuAttentionTrace(&trace) == cudaErrorNotSupported) {
@@ -269,7 +269,6 @@ json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batche
   std::printf("| batch | slots | CTAs | blocks / CTA | event time | kernel span | PDL wait | Q | first K/V "
               "| loop | per block | epilogue | of it to the cluster sync | CTA total | CTAs' busy share of span |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-  const std::vector<int> slot_list = *ParseList("attn_slots", absl::GetFlag(FLAGS_attn_slots), 0);
   for (int B : batches) {
     for (int slots : slot_list) {
       AttnSetup a;
@@ -1244,14 +1243,18 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "unknown mode '%s' (%s)\n", mode.c_str(), kModes);
     return 2;
   }
-  for (const auto& [flag, value, min] :
-       {std::tuple<const char*, std::string, int>{"batches", absl::GetFlag(FLAGS_batches), 1},
-        {"attn_slots", absl::GetFlag(FLAGS_attn_slots), 0}}) {
-    if (auto list = ParseList(flag, value, min); !list.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(list.status().message()).c_str());
+  const absl::StatusOr<std::vector<int>> batches_or =
+      ParseList("batches", absl::GetFlag(FLAGS_batches), 1);
+  const absl::StatusOr<std::vector<int>> slots_or =
+      ParseList("attn_slots", absl::GetFlag(FLAGS_attn_slots), 0);
+  for (const absl::Status& s : {batches_or.status(), slots_or.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
       return 2;
     }
   }
+  const std::vector<int>& batches = *batches_or;
+  const std::vector<int>& slots = *slots_or;
   if (absl::GetFlag(FLAGS_reps) < 1) {
     std::fprintf(stderr, "--reps=%d: must be >= 1\n", absl::GetFlag(FLAGS_reps));
     return 2;
@@ -1266,7 +1269,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int reps = absl::GetFlag(FLAGS_reps), page_size = absl::GetFlag(FLAGS_page_size);
-  const std::vector<int> batches = *ParseList("batches", absl::GetFlag(FLAGS_batches), 1);
   int driver = 0, runtime = 0;
   cudaDriverGetVersion(&driver);
   cudaRuntimeGetVersion(&runtime);
@@ -1285,9 +1287,9 @@ int main(int argc, char** argv) {
   if (monitor == nullptr) std::printf("(no clock samples: %s)\n", no_monitor.c_str());
   const auto mode_start = GpuMonitor::Clock::now();
   if (mode == "attention") {
-    j["results"] = BenchAttention(reps, page_size, batches);
+    j["results"] = BenchAttention(reps, page_size, batches, slots);
   } else if (mode == "attention_trace") {
-    j["results"] = BenchAttentionTrace(reps, page_size, batches, absl::GetFlag(FLAGS_cached));
+    j["results"] = BenchAttentionTrace(reps, page_size, batches, slots, absl::GetFlag(FLAGS_cached));
   } else if (mode == "kernels") {
     j["results"] =
         BenchKernels(reps, page_size, batches, absl::GetFlag(FLAGS_cached), monitor.get());
@@ -1320,14 +1322,8 @@ int main(int argc, char** argv) {
   }
   const std::string path = absl::GetFlag(FLAGS_json);
   if (!path.empty()) {
-    // Beside the target, then renamed: a failed write leaves no partial results file.
-    const std::string tmp = path + ".tmp";
-    std::ofstream f(tmp);
-    f << j.dump(2) << "\n";
-    f.close();
-    if (!f || std::rename(tmp.c_str(), path.c_str()) != 0) {
-      std::remove(tmp.c_str());
-      std::fprintf(stderr, "hstu_bench: cannot write the results to --json '%s'\n", path.c_str());
+    if (absl::Status s = hstu::WriteFileAtomically(path, j.dump(2) + "\n"); !s.ok()) {
+      std::fprintf(stderr, "hstu_bench: the results to --json: %s\n", std::string(s.message()).c_str());
       return 1;
     }
   }

@@ -229,10 +229,14 @@ void Engine::CheckDevice() {
                 std::string(health_.message()));
 }
 
+absl::Status Engine::Unavailable() const {
+  const absl::Status h = health();
+  return h.ok() ? h : absl::UnavailableError(absl::StrCat("engine unavailable: ", h.message()));
+}
+
 std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankRequest> batch) {
-  if (absl::Status h = health(); !h.ok()) {
-    return std::vector<absl::StatusOr<RankResult>>(
-        batch.size(), absl::UnavailableError(absl::StrCat("engine unavailable: ", h.message())));
+  if (absl::Status lost = Unavailable(); !lost.ok()) {
+    return std::vector<absl::StatusOr<RankResult>>(batch.size(), lost);
   }
   std::vector<absl::StatusOr<RankResult>> results(batch.size(), absl::UnknownError("not run"));
   // Waves: the k-th request of each user goes into wave k, so a user's later request sees the
@@ -255,10 +259,8 @@ std::vector<absl::StatusOr<RankResult>> Engine::Rank(absl::Span<const RankReques
     while (!pending.empty()) {
       // A wave that lost the device answers the rest UNAVAILABLE, as Rank() does from then on,
       // without touching the device again.
-      if (absl::Status h = health(); !h.ok()) {
-        for (size_t i : pending) {
-          results[i] = absl::UnavailableError(absl::StrCat("engine unavailable: ", h.message()));
-        }
+      if (absl::Status lost = Unavailable(); !lost.ok()) {
+        for (size_t i : pending) results[i] = lost;
         break;
       }
       std::vector<const RankRequest*> reqs;

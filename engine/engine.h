@@ -134,6 +134,8 @@ class Engine {
   // After a failed backend call: asks the backend whether its device is lost, and if so keeps
   // that as health_.
   void CheckDevice();
+  // OK while healthy, else the UNAVAILABLE every request is answered once the device is lost.
+  absl::Status Unavailable() const;
 
   EngineOptions options_;
   ModelConfig config_;

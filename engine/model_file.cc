@@ -206,16 +206,7 @@ std::string SerializeModelFile(const ModelWeights& w, FileDType dtype) {
   return out;
 }
 
-absl::Status WriteModelFile(const ModelWeights& w, const std::string& path, FileDType dtype) {
-  std::string bytes;
-  try {
-    bytes = SerializeModelFile(w, dtype);
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("not enough memory to build the model file '", path, "'; nothing written"));
-  }
-  // Written beside the target, then renamed over it: a failed write (a full disk) leaves the file
-  // that was there, if any, as it was, and no partial file.
+absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes) {
   const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
@@ -241,6 +232,17 @@ absl::Status WriteModelFile(const ModelWeights& w, const std::string& path, File
                                             "; nothing written"));
   }
   return absl::OkStatus();
+}
+
+absl::Status WriteModelFile(const ModelWeights& w, const std::string& path, FileDType dtype) {
+  std::string bytes;
+  try {
+    bytes = SerializeModelFile(w, dtype);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("not enough memory to build the model file '", path, "'; nothing written"));
+  }
+  return WriteFileAtomically(path, bytes);
 }
 
 absl::StatusOr<ModelWeights> ReadModelFile(const std::string& path) {

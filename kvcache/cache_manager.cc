@@ -179,19 +179,18 @@ void CacheManager::TruncateLocked(Entry& e, size_t full_pages) {
   e.prefix_hash = e.page_hashes.empty() ? PrefixHash({}, page_size_) : e.page_hashes.back();
 }
 
-void CacheManager::EvictFromGpuLocked(uint64_t user_id) {
-  Entry& e = entries_.at(user_id);
-  ++stats_.evictions;
-  if (LivePages(e.host_page_ids, e.dead_pages) == 0) {
-    DropLocked(user_id);
-    ++stats_.dropped_entries;
-    return;
-  }
+bool CacheManager::KeepOnlyHostCopyLocked(Entry& e) {
+  if (LivePages(e.host_page_ids, e.dead_pages) == 0) return false;
   // The host copy covers the full pages; a partial last page is recomputed on the next visit.
   FreeLive(allocator_, e.page_ids);
   e.page_ids.clear();
   TruncateLocked(e, e.host_page_ids.size());
-  if (e.num_tokens == 0) {  // the window left nothing the host copy could serve
+  return e.num_tokens > 0;  // else the window left nothing the host copy could serve
+}
+
+void CacheManager::EvictFromGpuLocked(uint64_t user_id) {
+  ++stats_.evictions;
+  if (!KeepOnlyHostCopyLocked(entries_.at(user_id))) {
     DropLocked(user_id);
     ++stats_.dropped_entries;
   }
@@ -488,12 +487,7 @@ void CacheManager::Release(const Reservation& r) {
   // The failed forward may have left the GPU pages half written (its own rows, or an onload that
   // did not complete); the host copies, whose offloads completed, it never touches: keep those,
   // as an eviction would.
-  if (!e.prefetch_pending && LivePages(e.host_page_ids, e.dead_pages) > 0) {
-    FreeLive(allocator_, e.page_ids);
-    e.page_ids.clear();
-    TruncateLocked(e, e.host_page_ids.size());
-    if (e.num_tokens > 0) return;
-  }
+  if (!e.prefetch_pending && KeepOnlyHostCopyLocked(e)) return;
   DropLocked(r.user_id);
   if (!r.new_entry) ++stats_.dropped_entries;  // a new user's failed request loses nothing
 }

@@ -212,6 +212,9 @@ class CacheManager {
   static bool GpuEvictable(uint64_t victim, const Entry& e, uint64_t user_id);
   bool AllocateLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out);
   bool AllocateHostLocked(uint64_t user_id, int64_t n, std::vector<int32_t>* out);
+  // Frees the entry's GPU pages and cuts it to its host copy; false when nothing is left to serve
+  // (the caller drops it).
+  bool KeepOnlyHostCopyLocked(Entry& e);
   void EvictFromGpuLocked(uint64_t user_id);
   void DropLocked(uint64_t user_id);
   void TruncateLocked(Entry& e, size_t full_pages);

@@ -94,8 +94,14 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
       left ? std::chrono::system_clock::now() +
                  std::chrono::duration_cast<std::chrono::system_clock::duration>(*left)
            : std::chrono::system_clock::time_point::max();
-  // Answers the RPC exactly once, from whichever thread finishes it.
-  auto finish = [this, reactor, metrics, arrived, context, client_deadline](absl::Status status) {
+  // Answers the RPC, the one way every answer ends.
+  auto answer = [this, reactor, metrics](const absl::Status& status) {
+    metrics->AddInflight(-1);
+    reactor->Finish(ToGrpcStatus(status));
+    inflight_.fetch_sub(1);
+  };
+  // Answers the RPC exactly once, from whichever thread finishes it, counted in the metrics.
+  auto finish = [answer, metrics, arrived, context, client_deadline](absl::Status status) {
     // A call the client gave up on got no answer, whatever the batch computed: it is counted as
     // the client saw it.
     if (context->IsCancelled()) {
@@ -104,9 +110,7 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
     }
     metrics->ObserveRequest(GrpcCodeName(status.code()),
                             std::chrono::duration<double>(Clock::now() - arrived).count());
-    metrics->AddInflight(-1);
-    reactor->Finish(ToGrpcStatus(status));
-    inflight_.fetch_sub(1);
+    answer(status);
   };
 
   const Attached* a = attached_.load(std::memory_order_acquire);
@@ -118,9 +122,7 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
     // The drain's refusals are counted as such, not as answers in hstu_requests_total: before
     // they were refused by gRPC itself, and an UNAVAILABLE there reads as the server's failure.
     metrics->CountQueueRejection(SubmitRejectionName(SubmitRejection::kShuttingDown));
-    metrics->AddInflight(-1);
-    reactor->Finish(ToGrpcStatus(absl::UnavailableError("server is shutting down")));
-    inflight_.fetch_sub(1);
+    answer(absl::UnavailableError("server is shutting down"));
     return reactor;
   }
   if (request->request_id().size() > kMaxRequestIdBytes) {

@@ -60,16 +60,16 @@ const char* GrpcCodeName(absl::StatusCode code);
 // server's deadline is taken for the deadline.
 inline constexpr std::chrono::milliseconds kDeadlineSlack{5};
 
-// The status of a call the client gave up on (cancelled, or past its deadline) before the server
-// answered, as the client saw it: DEADLINE_EXCEEDED within kDeadlineSlack of `deadline` (the
-// server's copy), otherwise CANCELLED. The server's own failures (other than CANCELLED) are kept:
-// they are what an operator needs to see.
 // The time left before a call's deadline `deadline` at `now` (gRPC's raw times, of one clock
 // type), or nullopt when the call has none: no deadline, or one further than kFarDeadline (a
 // client's "forever" is often ~292 years, past what std::chrono's nanosecond clocks hold).
 inline constexpr std::chrono::hours kFarDeadline{24 * 365};
 std::optional<std::chrono::nanoseconds> TimeLeft(gpr_timespec deadline, gpr_timespec now);
 
+// The status of a call the client gave up on (cancelled, or past its deadline) before the server
+// answered, as the client saw it: DEADLINE_EXCEEDED within kDeadlineSlack of `deadline` (the
+// server's copy), otherwise CANCELLED. The server's own failures (other than CANCELLED) are kept:
+// they are what an operator needs to see.
 absl::Status AsSeenByTheClient(absl::Status status, std::chrono::system_clock::time_point deadline,
                                std::chrono::system_clock::time_point now);
 

@@ -1,6 +1,7 @@
 #include "server/scheduler.h"
 
 #include <algorithm>
+#include <tuple>
 #include <unordered_set>
 #include <utility>
 
@@ -42,24 +43,15 @@ int64_t DefaultTokenCost(const RankRequest& request) {
 absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(const SchedulerOptions& options,
                                                              RunBatchFn run_batch,
                                                              BatchObserver observer) {
-  if (options.max_batch_size < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_batch_size must be >= 1, got ", options.max_batch_size));
-  }
-  if (options.max_batch_tokens < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_batch_tokens must be >= 1, got ", options.max_batch_tokens));
-  }
-  if (options.max_queue < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("max_queue must be >= 1, got ", options.max_queue));
-  }
-  if (options.max_queued_tokens < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_queued_tokens must be >= 0, got ", options.max_queued_tokens));
-  }
-  if (options.max_queue_per_user < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_queue_per_user must be >= 0, got ", options.max_queue_per_user));
+  for (const auto& [name, value, min] : {std::tuple<const char*, int64_t, int64_t>{
+                                             "max_batch_size", options.max_batch_size, 1},
+                                         {"max_batch_tokens", options.max_batch_tokens, 1},
+                                         {"max_queue", options.max_queue, 1},
+                                         {"max_queued_tokens", options.max_queued_tokens, 0},
+                                         {"max_queue_per_user", options.max_queue_per_user, 0}}) {
+    if (value < min) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " must be >= ", min, ", got ", value));
+    }
   }
   if (options.batch_timeout.count() < 0) {
     return absl::InvalidArgumentError("batch_timeout must be >= 0");
@@ -125,23 +117,24 @@ absl::Status Scheduler::Submit(PendingRank pending, SubmitRejection* reason) {
   return absl::OkStatus();
 }
 
+template <typename Weight>
+int64_t Scheduler::SumLiveLocked(Clock::time_point now, Weight weight) const {
+  int64_t sum = 0;
+  for (const Item& item : queue_) {
+    if (const int64_t w = weight(item); w != 0 && DeadStatus(item.pending, now, "").ok()) sum += w;
+  }
+  return sum;
+}
+
 int64_t Scheduler::LiveQueuedLocked(Clock::time_point now) const {
-  return std::count_if(queue_.begin(), queue_.end(), [now](const Item& item) {
-    return DeadStatus(item.pending, now, "").ok();
-  });
+  return SumLiveLocked(now, [](const Item&) { return 1; });
 }
 
 bool Scheduler::UserQueueFullLocked(uint64_t user, Clock::time_point now) const {
   if (options_.max_queue_per_user == 0) return false;
-  int64_t queued = 0, live = 0;
-  for (const Item& item : queue_) {
-    if (item.pending.request.user_id == user) ++queued;
-  }
-  if (queued < options_.max_queue_per_user) return false;
-  for (const Item& item : queue_) {
-    if (item.pending.request.user_id == user && DeadStatus(item.pending, now, "").ok()) ++live;
-  }
-  return live >= options_.max_queue_per_user;
+  return SumLiveLocked(now, [user](const Item& item) {
+           return item.pending.request.user_id == user ? 1 : 0;
+         }) >= options_.max_queue_per_user;
 }
 
 bool Scheduler::TokensFullLocked(int64_t tokens, Clock::time_point now) const {
@@ -149,10 +142,7 @@ bool Scheduler::TokensFullLocked(int64_t tokens, Clock::time_point now) const {
   if (budget == 0 || queue_.empty() || queued_tokens_ + tokens <= budget) return false;
   // Dead requests hold no place here either, up to twice the budget (their memory is still held).
   if (queued_tokens_ + tokens > 2 * budget) return true;
-  int64_t live = 0;
-  for (const Item& item : queue_) {
-    if (DeadStatus(item.pending, now, "").ok()) live += item.memory_tokens;
-  }
+  const int64_t live = SumLiveLocked(now, [](const Item& item) { return item.memory_tokens; });
   return live > 0 && live + tokens > budget;
 }
 

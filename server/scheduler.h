@@ -144,7 +144,11 @@ class Scheduler {
   bool TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wake_at,
                        std::vector<Item>* rejected);
   void RunBatch(std::vector<Item>& batch);
-  // Queued requests that can still be answered usefully (deadline ahead, call not cancelled).
+  // The sum of `weight(item)` over the queued requests that can still be answered usefully
+  // (deadline ahead, call not cancelled); items of weight 0 are not probed.
+  template <typename Weight>
+  int64_t SumLiveLocked(Clock::time_point now, Weight weight) const;
+  // Queued requests that can still be answered usefully.
   int64_t LiveQueuedLocked(Clock::time_point now) const;
   // Whether `user` already has max_queue_per_user such requests queued.
   bool UserQueueFullLocked(uint64_t user, Clock::time_point now) const;

@@ -29,10 +29,10 @@ namespace hstu::cuda {
 
 inline constexpr int kAttnBlockM = 128;  // query rows per tile (2 warpgroups × 64)
 inline constexpr int kAttnBlockN = 64;   // keys per pipeline stage (2 stages)
-inline constexpr int kMaxAttnCluster = 8;
+inline constexpr int kMaxAttnCluster = 8;  // portable thread block cluster size
 // Most pages a layer's KV pool may hold: the warp-specialised kernel's tensor map addresses a page's
 // K and V halves as 2·page + kv along a dimension of 2^24 (backends refuse larger pools).
-inline constexpr int64_t kMaxKvPoolPages = int64_t{1} << 23;  // portable thread block cluster size
+inline constexpr int64_t kMaxKvPoolPages = int64_t{1} << 23;
 // A CTA's fixed work outside its key loop, in 64-key blocks, as the planner counts it
 // (PlanHstuAttention; docs/kernel_rounds.md, round 26).
 inline constexpr int32_t kAttnCtaOverheadBlocks = 4;

@@ -117,6 +117,13 @@ std::unique_ptr<Scheduler> MakeScheduler(FakeEngine* engine, SchedulerOptions o)
   return std::move(*s);
 }
 
+// A scheduler whose engine is held in a batch of user 100 (HoldEngine), answered into *first.
+std::unique_ptr<Scheduler> MakeHeldScheduler(FakeEngine& engine, SchedulerOptions o, Outcome* first) {
+  auto s = MakeScheduler(&engine, std::move(o));
+  HoldEngine(engine, *s, first);
+  return s;
+}
+
 TEST(SchedulerTest, RejectsBadOptions) {
   auto run = [](absl::Span<const RankRequest>) { return std::vector<absl::StatusOr<RankResult>>(); };
   SchedulerOptions o;
@@ -190,9 +197,8 @@ TEST(SchedulerTest, PrefetchSeesTheRequestsQueuedBehindEachBatch) {
     std::lock_guard<std::mutex> lock(mu);
     prefetched.push_back(users);
   };
-  auto s = MakeScheduler(&engine, o);
   Outcome first;
-  HoldEngine(engine, *s, &first);
+  auto s = MakeHeldScheduler(engine, o, &first);
   // Queue 1..5 → batches {1,2} {3,4} {5}; before {1,2} the prefetch sees {3,4} (at most
   // max_batch_size), before {3,4} it sees {5}, before {5} nothing (and is not called).
   std::vector<Outcome> outs(5);
@@ -210,9 +216,8 @@ TEST(SchedulerTest, TokenBudgetSplitsBatchesButOversizeRequestRunsAlone) {
   SchedulerOptions o;
   o.max_batch_size = 8;
   o.max_batch_tokens = 100;  // cost = 2 * events + 1 candidate
-  auto s = MakeScheduler(&engine, o);
   Outcome first;
-  HoldEngine(engine, *s, &first);
+  auto s = MakeHeldScheduler(engine, o, &first);
   // Costs 41, 41, 41 (two fit), then 201 (alone), then 3.
   std::vector<Outcome> outs(5);
   ASSERT_TRUE(s->Submit(Pending(1, &outs[0], 20)).ok());
@@ -299,9 +304,8 @@ TEST(SchedulerTest, FullQueueAnswersResourceExhausted) {
   FakeEngine engine;
   SchedulerOptions o;
   o.max_queue = 2;
-  auto s = MakeScheduler(&engine, o);
   Outcome first;
-  HoldEngine(engine, *s, &first);
+  auto s = MakeHeldScheduler(engine, o, &first);
   std::vector<Outcome> outs(3);
   EXPECT_TRUE(s->Submit(Pending(1, &outs[0])).ok());
   EXPECT_TRUE(s->Submit(Pending(2, &outs[1])).ok());
@@ -315,9 +319,8 @@ TEST(SchedulerTest, FullQueueAnswersResourceExhausted) {
 
 TEST(SchedulerTest, ExpiredAndCancelledRequestsNeverReachTheEngine) {
   FakeEngine engine;
-  auto s = MakeScheduler(&engine, SchedulerOptions());
   Outcome first;
-  HoldEngine(engine, *s, &first);
+  auto s = MakeHeldScheduler(engine, SchedulerOptions(), &first);
   Outcome expired, cancelled, fine;
   ASSERT_TRUE(s->Submit(Pending(1, &expired, 1, Clock::now() + 10ms)).ok());
   std::atomic<bool> cancel{false};
@@ -342,9 +345,8 @@ TEST(SchedulerTest, DeadRequestsHoldNoPlaceInTheQueue) {
   FakeEngine engine;
   SchedulerOptions o;
   o.max_queue = 2;
-  auto s = MakeScheduler(&engine, o);
   Outcome first;
-  HoldEngine(engine, *s, &first);
+  auto s = MakeHeldScheduler(engine, o, &first);
   std::vector<Outcome> dead(2), live(3);
   for (int i = 0; i < 2; ++i) {
     ASSERT_TRUE(s->Submit(Pending(1 + i, &dead[i], 1, Clock::now() + 10ms)).ok());
@@ -367,9 +369,8 @@ TEST(SchedulerTest, OneUsersFloodTakesAtMostItsShareOfTheQueue) {
   SchedulerOptions o;
   o.max_queue = 6;
   o.max_queue_per_user = 3;
-  auto s = MakeScheduler(&engine, o);
   Outcome first;
-  HoldEngine(engine, *s, &first);
+  auto s = MakeHeldScheduler(engine, o, &first);
   std::vector<Outcome> flood(5), others(2);
   std::atomic<bool> cancel{false};
   for (int i = 0; i < 3; ++i) {
@@ -408,9 +409,8 @@ TEST(SchedulerTest, WithoutAPerUserLimitOneUserMayFillTheQueue) {
   SchedulerOptions o;
   o.max_queue = 4;
   o.max_queue_per_user = 0;
-  auto s = MakeScheduler(&engine, o);
   Outcome first;
-  HoldEngine(engine, *s, &first);
+  auto s = MakeHeldScheduler(engine, o, &first);
   std::vector<Outcome> outs(5);
   for (int i = 0; i < 4; ++i) ASSERT_TRUE(s->Submit(Pending(7, &outs[i])).ok()) << i;
   SubmitRejection why = SubmitRejection::kNone;
@@ -424,9 +424,8 @@ TEST(SchedulerTest, TheQueuedTokenBudgetCountsLiveRequestsAndAdmitsBehindAnEmpty
   FakeEngine engine;
   SchedulerOptions o;
   o.max_queued_tokens = 50;  // Pending(user, out, events): 2 * events + 1 tokens
-  auto s = MakeScheduler(&engine, o);
   Outcome first;
-  HoldEngine(engine, *s, &first);
+  auto s = MakeHeldScheduler(engine, o, &first);
   std::vector<Outcome> outs(4);
   // Larger than the budget, but the queue is empty: it queues (it could never run otherwise).
   ASSERT_TRUE(s->Submit(Pending(1, &outs[0], 26, Clock::now() + 20ms)).ok());  // 53
@@ -450,9 +449,8 @@ TEST(SchedulerTest, DeadRequestsBehindAFullBatchAreAnsweredWhenItStarts) {
   FakeEngine engine;
   SchedulerOptions o;
   o.max_batch_size = 1;
-  auto s = MakeScheduler(&engine, o);
   Outcome first, live, expired;
-  HoldEngine(engine, *s, &first);
+  auto s = MakeHeldScheduler(engine, o, &first);
   ASSERT_TRUE(s->Submit(Pending(1, &live)).ok());
   ASSERT_TRUE(s->Submit(Pending(2, &expired, 1, Clock::now() + 10ms)).ok());
   std::this_thread::sleep_for(30ms);
@@ -472,9 +470,8 @@ TEST(SchedulerTest, ARequestThatExpiresWhileItsBatchIsPreparedGetsNoEngineWork) 
   o.prefetch = [](absl::Span<const RankRequest* const>, absl::Span<const RankRequest* const>) {
     std::this_thread::sleep_for(300ms);
   };
-  auto s = MakeScheduler(&engine, o);
   Outcome first, expires, later;
-  HoldEngine(engine, *s, &first);
+  auto s = MakeHeldScheduler(engine, o, &first);
   ASSERT_TRUE(s->Submit(Pending(1, &expires, 1, Clock::now() + 150ms)).ok());
   ASSERT_TRUE(s->Submit(Pending(1, &later)).ok());  // one user: stays queued, so a prefetch runs
   engine.Open();
@@ -509,9 +506,8 @@ TEST(SchedulerTest, WrongResultCountIsInternalForThatBatch) {
 
 TEST(SchedulerTest, DrainFinishesQueuedWorkThenRejects) {
   FakeEngine engine;
-  auto s = MakeScheduler(&engine, SchedulerOptions());
   Outcome first;
-  HoldEngine(engine, *s, &first);
+  auto s = MakeHeldScheduler(engine, SchedulerOptions(), &first);
   std::vector<Outcome> outs(5);
   for (int i = 0; i < 5; ++i) ASSERT_TRUE(s->Submit(Pending(i + 1, &outs[i])).ok());
   std::thread drainer([&] { s->Drain(); });

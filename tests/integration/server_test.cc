@@ -870,12 +870,8 @@ TEST_F(ServerTest, ConcurrentClientsWithRepeatedUsersLoseNothingAndReuseCorrectl
 class TricklingClient {
  public:
   explicit TricklingClient(int port) {
-    fd_ = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    connected_ = connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    fd_ = testing::ConnectLoopback(port);
+    connected_ = fd_ >= 0;
     thread_ = std::thread([this] {
       const std::string req = "GET /metrics HTTP/1.1\r\n";
       for (size_t i = 0; !stop_ && i < req.size(); ++i) {
@@ -918,38 +914,13 @@ TEST_F(ServerTest, ASlowMetricsClientHoldsNeitherTheScrapeNorTheShutdown) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, 4s);
 }
 
-// Sends `bytes` on a fresh connection to the metrics port and returns all it reads back until
-// the server closes it (5 s at most).
-std::string RawHttp(int port, const std::string& bytes) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string reply;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size())) {
-    timeval tv{5, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    char buf[4096];
-    ssize_t n;
-    while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) reply.append(buf, static_cast<size_t>(n));
-  }
-  close(fd);
-  return reply;
-}
-
 TEST_F(ServerTest, IdleMetricsConnectionsDelayNoScrape) {
   // Before: connections were served one at a time, 2 s each: 20 idle ones held a scrape 34 s.
   StartServer();
   std::vector<int> idle;
   for (int i = 0; i < 20; ++i) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(server_->metrics_port()));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    const int fd = testing::ConnectLoopback(server_->metrics_port());
+    ASSERT_GE(fd, 0);
     idle.push_back(fd);
   }
   std::this_thread::sleep_for(200ms);  // accepted first
@@ -965,21 +936,21 @@ TEST_F(ServerTest, MetricsEndpointAnswersOddRequestsPlainly) {
   const int port = server_->metrics_port();
   // A request ended by bare line feeds (before: no reply, the connection held 2 s).
   const auto start = std::chrono::steady_clock::now();
-  const std::string lf = RawHttp(port, "GET /metrics HTTP/1.0\n\n");
+  const std::string lf = testing::RawHttp(port, "GET /metrics HTTP/1.0\n\n");
   EXPECT_EQ(lf.rfind("HTTP/1.1 200 OK", 0), 0u) << lf;
   EXPECT_NE(lf.find("hstu_requests_total"), std::string::npos);
   EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
   // HEAD: the headers of GET, no body (before: 405).
-  const std::string head = RawHttp(port, "HEAD /metrics HTTP/1.1\r\n\r\n");
+  const std::string head = testing::RawHttp(port, "HEAD /metrics HTTP/1.1\r\n\r\n");
   EXPECT_EQ(head.rfind("HTTP/1.1 200 OK", 0), 0u) << head;
   EXPECT_EQ(head.find("hstu_requests_total"), std::string::npos);
   EXPECT_EQ(head.substr(head.size() - 4), "\r\n\r\n");
   // Another method: 405 with the methods allowed (before: no Allow header).
-  const std::string post = RawHttp(port, "POST /metrics HTTP/1.1\r\n\r\n");
+  const std::string post = testing::RawHttp(port, "POST /metrics HTTP/1.1\r\n\r\n");
   EXPECT_EQ(post.rfind("HTTP/1.1 405", 0), 0u) << post;
   EXPECT_NE(post.find("Allow: GET, HEAD\r\n"), std::string::npos) << post;
   // Errors are plain text, not labelled as the exposition format.
-  const std::string missing = RawHttp(port, "GET /nothing HTTP/1.1\r\n\r\n");
+  const std::string missing = testing::RawHttp(port, "GET /nothing HTTP/1.1\r\n\r\n");
   EXPECT_EQ(missing.rfind("HTTP/1.1 404", 0), 0u) << missing;
   EXPECT_NE(missing.find("Content-Type: text/plain; charset=utf-8\r\n"), std::string::npos);
 }

@@ -13,8 +13,13 @@
 
 namespace hstu::testing {
 
+// A TCP connection to 127.0.0.1:`port`: its descriptor, or -1 when the connect failed.
+int ConnectLoopback(int port);
 // GET http://127.0.0.1:port/path; the body of a 200 answer, an error otherwise.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
+// Sends `bytes` on a fresh connection to 127.0.0.1:`port` and returns all it reads back until the
+// server closes it (5 s at most); empty when it cannot connect.
+std::string RawHttp(int port, const std::string& bytes);
 // A port that was free a moment ago (bind to 0, read it back, close).
 int FreePort();
 
