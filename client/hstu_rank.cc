@@ -27,7 +27,8 @@ ABSL_FLAG(bool, no_cache, false, "recompute every history (no KV reuse between r
 ABSL_FLAG(int32_t, page_size, 32, "tokens per KV page");
 ABSL_FLAG(int64_t, cache_pages, 0, "KV pool size in pages (0 = default for the device)");
 ABSL_FLAG(int64_t, host_cache_pages, 0,
-          "host KV tier size in pages (0 = no host tier, -1 = automatic: on a GPU 2x its pool)");
+          "host KV tier size in pages (0 = no host tier, -1 = automatic: on a GPU 2x its pool, within "
+          "1/4 of the RAM or cgroup limit and 32 GiB)");
 ABSL_FLAG(int64_t, max_candidates, 1 << 20,
           "reject requests with more candidates than this (<= 0: no limit)");
 
@@ -95,10 +96,11 @@ absl::StatusOr<hstu::RankRequest> ParseRequest(const std::string& line) {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "hstu_rank: scores JSONL requests offline.\n"
-      "  hstu_rank --model FILE|random:PRESET --input FILE.jsonl|- [--device cpu|cpu-bf16|cuda:N|auto]\n"
+      "  hstu_rank --model FILE|random:PRESET --input=FILE.jsonl|--input=- [--device cpu|cpu-bf16|cuda:N|auto]\n"
       "            [--no-cache] [--page-size N] [--cache-pages N] [--host-cache-pages N]\n"
       "            [--max-candidates N] [--seed N]\n"
-      "(--input=- reads stdin; a blank input line gives no output line.)\n"
+      "(--input=- reads stdin; write it with '=': absl asks whether a separate '-' was meant;\n"
+      " a blank input line gives no output line.)\n"
       "Input line: {\"user_id\": 7, \"history_item_ids\": [...], \"history_actions\": [...],\n"
       "             \"candidate_item_ids\": [...]}\n"
       "Output line: {\"user_id\": 7, \"scores\": [[t0, t1, ...] per candidate], \"reused_tokens\": R,\n"
@@ -119,7 +121,7 @@ int main(int argc, char** argv) {
 
   const std::string input = absl::GetFlag(FLAGS_input);
   if (input.empty()) {
-    std::fprintf(stderr, "error: --input FILE.jsonl is required (see --help)\n");
+    std::fprintf(stderr, "error: --input=FILE.jsonl (or --input=- for stdin) is required (see --help)\n");
     return 2;
   }
   std::ifstream file;

@@ -11,6 +11,7 @@ PKGS=(
   libgtest-dev libgmock-dev
   libopenblas-dev
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  prometheus-cpp-dev
   prometheus
 )
 

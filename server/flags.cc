@@ -10,7 +10,7 @@
 #include "absl/strings/str_split.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
-          "gRPC listen address HOST:PORT (port 0 picks a free port).");
+          "gRPC listen address HOST:PORT (port 0 picks a free port) or unix:PATH.");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
           "Prometheus exposer address HOST:PORT serving /metrics; empty disables it.");
 ABSL_FLAG(std::string, model, "random:tiny",
@@ -47,11 +47,12 @@ ABSL_FLAG(int64_t, max_message_bytes, 16 << 20,
 ABSL_FLAG(int32_t, page_size, 32, "KV cache page size in tokens (a power of two, at most 4096).");
 ABSL_FLAG(int64_t, cache_pages, 0,
           "KV cache pool size in pages; 0 = auto: 16 GiB of pages on a GPU, 1 GiB on the CPU, at "
-          "least two users of the model's maximum history. Start-up fails below one such user.");
+          "least two users of the model's maximum history. Start-up fails below one such user, "
+          "and on a GPU above 8388608 pages.");
 ABSL_FLAG(int64_t, host_cache_pages, -1,
           "Host (pinned memory) KV tier in pages; 0 disables the tier (evicted users are "
-          "recomputed); -1 = auto: on a GPU 2x the GPU pool within 1/4 of the RAM and 32 GiB, on "
-          "the CPU none.");
+          "recomputed); -1 = auto: on a GPU 2x the GPU pool within 1/4 of the RAM (or the cgroup "
+          "limit) and 32 GiB, on the CPU none.");
 ABSL_FLAG(int64_t, offload_backlog_mib, 128,
           "Host tier write-behind: MiB of GPU -> host page copies in flight at most (at least one "
           "user's pages); pages committed past it stay GPU-only until their user's next commit.");
@@ -81,7 +82,7 @@ ABSL_FLAG(int32_t, engine_stall_timeout_s, -1,
           "status 2 at once (it cannot drain; also while a drain waits for that batch) for its "
           "supervisor to restart it. -1 = 60 on a GPU and off on the CPU (whose batches of large "
           "models can take minutes); 0 = off.");
-ABSL_FLAG(std::string, log_level, "info", "spdlog level: trace, debug, info, warn, error, off.");
+ABSL_FLAG(std::string, log_level, "info", "spdlog level: trace, debug, info, warn, error, critical, off.");
 
 namespace hstu::server {
 namespace {

@@ -2,8 +2,8 @@
 // thread of its own that serves up to 64 connections side by side (poll), each given 2 s in all,
 // `Connection: close`.
 //
-// Why not a library: prometheus-cpp is not packaged in Debian 12, and civetweb (Debian's embeddable
-// server) starts its worker threads with a fixed ~100 KB stack, which is smaller than the static TLS
+// Why not prometheus-cpp's pull library: it serves through civetweb (Debian's embeddable server),
+// which starts its worker threads with a fixed ~100 KB stack, which is smaller than the static TLS
 // of the CUDA libraries (cuBLASLt alone has ~94 KB), so it cannot start at all in a CUDA build.
 // Scrapes are rare and small; one poll loop is all this needs.
 //

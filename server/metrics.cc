@@ -7,6 +7,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "prometheus/text_serializer.h"
 #include "server/scheduler.h"
 
 namespace hstu::server {
@@ -30,116 +31,116 @@ std::vector<double> BatchTokenBuckets() {
 
 ServerMetrics::ServerMetrics(const std::string& version)
     : version_(version),
-      request_duration_(registry_.AddHistogram(
+      request_duration_(RegisterHistogram(registry_,
           "hstu_request_duration_seconds",
           "Rank RPC latency in the server, from arrival to the answer, by gRPC status code.",
           LatencyBucketsSeconds(), {"code"})),
-      request_queue_(registry_.AddHistogram(
+      request_queue_(RegisterHistogram(registry_,
           "hstu_request_queue_seconds",
           "Time a Rank request waited in the scheduler queue before its batch started.",
           LatencyBucketsSeconds())),
-      batch_compute_(registry_.AddHistogram("hstu_batch_compute_seconds",
+      batch_compute_(RegisterHistogram(registry_, "hstu_batch_compute_seconds",
                                             "Engine time of one batch (all its forward passes).",
                                             LatencyBucketsSeconds())),
-      kv_onload_wait_(registry_.AddHistogram(
+      kv_onload_wait_(RegisterHistogram(registry_,
           "hstu_kv_onload_wait_seconds",
           "Device time a forward pass's compute stalled on KV pages coming back from the host "
           "tier (onloads, prefetches), one observation per pass that waited (none on the CPU "
           "backend, whose copies are synchronous).",
           LatencyBucketsSeconds())),
-      batch_size_(registry_.AddHistogram("hstu_batch_size", "Requests per engine batch.",
+      batch_size_(RegisterHistogram(registry_, "hstu_batch_size", "Requests per engine batch.",
                                          BatchSizeBuckets())),
-      batch_tokens_(registry_.AddHistogram(
+      batch_tokens_(RegisterHistogram(registry_,
           "hstu_batch_tokens",
           "Estimated tokens per engine batch (history tokens plus candidates, before cache reuse).",
           BatchTokenBuckets())),
-      requests_total_(registry_.AddCounter("hstu_requests_total",
+      requests_total_(RegisterCounter(registry_, "hstu_requests_total",
                                            "Finished Rank RPCs by gRPC status code.", {"code"})),
-      queue_rejections_(registry_.AddCounter(
+      queue_rejections_(RegisterCounter(registry_,
           "hstu_queue_rejections_total",
           "Rank requests turned away before any engine work, by reason: queue_full "
           "(--max_queue or --max_queued_tokens), user_queue_full (--max_queue_per_user), "
           "shutting_down (refused during the drain; these are not in hstu_requests_total).",
           {"reason"})),
-      process_start_time_(registry_.AddGauge(
+      process_start_time_(RegisterGauge(registry_,
           "process_start_time_seconds",
           "Start time of the process since the Unix epoch in seconds (a restart changes it).")),
-      inflight_(registry_.AddGauge("hstu_inflight_requests",
+      inflight_(RegisterGauge(registry_, "hstu_inflight_requests",
                                    "Rank RPCs received and not yet answered.")),
-      queue_depth_(registry_.AddGauge("hstu_queue_depth",
+      queue_depth_(RegisterGauge(registry_, "hstu_queue_depth",
                                       "Requests waiting in the scheduler queue.")),
-      kv_lookups_(registry_.AddCounter("hstu_kv_lookups_total",
+      kv_lookups_(RegisterCounter(registry_, "hstu_kv_lookups_total",
                                        "KV cache lookups by outcome.", {"result"})),
-      kv_tokens_(registry_.AddCounter(
+      kv_tokens_(RegisterCounter(registry_,
           "hstu_kv_tokens_total", "History tokens served from the cache (reused) or computed.",
           {"kind"})),
-      kv_pages_(registry_.AddGauge("hstu_kv_pages", "KV cache pages by tier and state.",
+      kv_pages_(RegisterGauge(registry_, "hstu_kv_pages", "KV cache pages by tier and state.",
                                    {"tier", "state"})),
-      kv_transfer_bytes_(registry_.AddCounter(
+      kv_transfer_bytes_(RegisterCounter(registry_,
           "hstu_kv_transfer_bytes_total", "KV bytes moved between the GPU and the host tier.",
           {"direction"})),
-      kv_evictions_(registry_.AddCounter("hstu_kv_evictions_total",
+      kv_evictions_(RegisterCounter(registry_, "hstu_kv_evictions_total",
                                          "KV cache entries evicted to make room, by tier.",
                                          {"tier"})),
-      kv_dropped_(registry_.AddCounter(
+      kv_dropped_(RegisterCounter(registry_,
           "hstu_kv_dropped_entries_total",
           "KV cache entries dropped because their request failed or they could not be kept.")),
-      kv_prefetched_(registry_.AddCounter(
+      kv_prefetched_(RegisterCounter(registry_,
           "hstu_kv_prefetch_pages_total",
           "KV pages whose host-to-GPU onload started before their request's batch (prefetch).",
           {})),
-      kv_window_released_(registry_.AddCounter(
+      kv_window_released_(RegisterCounter(registry_,
           "hstu_kv_window_released_pages_total",
           "GPU KV pages released because no request reads them again under the model's sliding "
           "window.",
           {})),
-      kv_onload_bandwidth_(registry_.AddGauge(
+      kv_onload_bandwidth_(RegisterGauge(registry_,
           "hstu_kv_onload_bandwidth_bytes_per_second",
           "Host-to-GPU KV onload bandwidth the onload policy assumes: measured from completed "
           "onloads (a start value until the first one), or fixed.")),
-      kv_recompute_cost_(registry_.AddGauge(
+      kv_recompute_cost_(RegisterGauge(registry_,
           "hstu_kv_recompute_seconds_per_token",
           "GPU seconds per forward row (history token or candidate) the onload policy assumes: "
           "measured from forward passes that waited for no copy (a start value until the first), "
           "or fixed.")),
-      cuda_graph_replays_(registry_.AddCounter("hstu_cuda_graph_replays_total",
+      cuda_graph_replays_(RegisterCounter(registry_, "hstu_cuda_graph_replays_total",
                                                "Forward passes replayed from captured CUDA graphs.")),
-      gpu_memory_(registry_.AddGauge("hstu_gpu_memory_bytes",
+      gpu_memory_(RegisterGauge(registry_, "hstu_gpu_memory_bytes",
                                      "Device memory held by the engine, by kind (0 on the CPU).",
                                      {"kind"})),
-      gpu_sm_clock_(registry_.AddGauge("hstu_gpu_sm_clock_hertz",
+      gpu_sm_clock_(RegisterGauge(registry_, "hstu_gpu_sm_clock_hertz",
                                        "The GPU's SM clock at the scrape (NVML; no series on the "
                                        "CPU). Under sustained load the power limit lowers it.")),
-      gpu_power_(registry_.AddGauge("hstu_gpu_power_watts",
+      gpu_power_(RegisterGauge(registry_, "hstu_gpu_power_watts",
                                     "The GPU board's power draw at the scrape (NVML).")),
-      gpu_clock_event_(registry_.AddGauge(
+      gpu_clock_event_(RegisterGauge(registry_,
           "hstu_gpu_clock_event_active",
           "1 while the driver holds the SM clock down for this reason at the scrape (NVML clock "
           "event reasons: power_cap = the software power limit, thermal = temperature), else 0.",
           {"reason"})),
-      gpu_energy_(registry_.AddCounter(
+      gpu_energy_(RegisterCounter(registry_,
           "hstu_gpu_energy_joules_total",
           "The GPU board's energy since the driver loaded (NVML); its rate is the mean power.")),
-      gpu_throttled_(registry_.AddCounter(
+      gpu_throttled_(RegisterCounter(registry_,
           "hstu_gpu_throttled_seconds_total",
           "Time the GPU's clock was held below its target, by cause (NVML violation counters, since "
           "the driver loaded); its rate is the share of time throttled.",
           {"reason"})),
-      engine_compute_(registry_.AddCounter(
+      engine_compute_(RegisterCounter(registry_,
           "hstu_engine_compute_seconds_total",
           "Total time inside the engine's backend forward passes.")),
-      engine_device_(registry_.AddCounter(
+      engine_device_(RegisterCounter(registry_,
           "hstu_engine_device_seconds_total",
           "Of the forward passes' time, the device's time on their steps, from the first kernel to "
           "the score read-back (CUDA events; 0 on the CPU). The rest is host work.")),
-      engine_batches_(registry_.AddCounter("hstu_engine_batches_total",
+      engine_batches_(RegisterCounter(registry_, "hstu_engine_batches_total",
                                            "Batches the engine has run.")),
-      engine_healthy_(registry_.AddGauge(
+      engine_healthy_(RegisterGauge(registry_,
           "hstu_engine_healthy",
           "1 while the engine can run work; 0 once its device is lost (a sticky CUDA error): "
           "requests are then answered UNAVAILABLE, health is NOT_SERVING, and the process exits "
           "to be restarted.")),
-      build_info_(registry_.AddGauge("hstu_build_info",
+      build_info_(RegisterGauge(registry_, "hstu_build_info",
                                      "Always 1; labels say the version, device and model.",
                                      {"version", "device", "model"})) {
   // Children that must exist before the first observation, so dashboards and alerts see zeros.
@@ -187,7 +188,6 @@ ServerMetrics::ServerMetrics(const std::string& version)
   engine_compute_.WithLabels({});
   engine_batches_.WithLabels({});
   engine_healthy_.WithLabels({}).Set(1);
-  registry_.AddCollectHook([this] { Collect(); });
 }
 
 void ServerMetrics::SetGpuTelemetry(std::unique_ptr<GpuTelemetry> telemetry) {
@@ -256,9 +256,15 @@ EngineStats CountersSince(const EngineStats& now, const EngineStats& base) {
   return d;
 }
 
-void ServerMetrics::AddInflight(int delta) { inflight_.WithLabels({}).Add(delta); }
+void ServerMetrics::AddInflight(int delta) { inflight_.WithLabels({}).Increment(delta); }
 
-void ServerMetrics::Collect() {
+std::string ServerMetrics::Serialize() const {
+  std::lock_guard<std::mutex> lock(scrape_mu_);
+  Collect();
+  return prometheus::TextSerializer().Serialize(registry_.Collect());
+}
+
+void ServerMetrics::Collect() const {
   std::function<EngineStats()> stats_fn;
   std::function<int64_t()> depth_fn;
   std::shared_ptr<const GpuTelemetry> telemetry;
@@ -278,12 +284,12 @@ void ServerMetrics::Collect() {
           .Set((r->clock_event_reasons & kClockEventSwPowerCap) != 0 ? 1 : 0);
       gpu_clock_event_.WithLabels({"thermal"})
           .Set((r->clock_event_reasons & kClockEventThermal) != 0 ? 1 : 0);
-      if (r->energy_joules >= 0) gpu_energy_.WithLabels({}).Set(r->energy_joules);
+      if (r->energy_joules >= 0) MirrorTotal(gpu_energy_.WithLabels({}), r->energy_joules);
       if (r->power_throttled_seconds >= 0) {
-        gpu_throttled_.WithLabels({"power"}).Set(r->power_throttled_seconds);
+        MirrorTotal(gpu_throttled_.WithLabels({"power"}), r->power_throttled_seconds);
       }
       if (r->thermal_throttled_seconds >= 0) {
-        gpu_throttled_.WithLabels({"thermal"}).Set(r->thermal_throttled_seconds);
+        MirrorTotal(gpu_throttled_.WithLabels({"thermal"}), r->thermal_throttled_seconds);
       }
     }
   }
@@ -291,36 +297,36 @@ void ServerMetrics::Collect() {
   const EngineStats s = stats_fn();
   const CacheStats& c = s.cache;
   for (int r = 0; r < static_cast<int>(LookupResult::kNumResults); ++r) {
-    kv_lookups_.WithLabels({LookupResultName(static_cast<LookupResult>(r))})
-        .Set(static_cast<double>(c.lookups[r]));
+    MirrorTotal(kv_lookups_.WithLabels({LookupResultName(static_cast<LookupResult>(r))}),
+        static_cast<double>(c.lookups[r]));
   }
-  kv_tokens_.WithLabels({"reused"}).Set(static_cast<double>(c.tokens_reused));
-  kv_tokens_.WithLabels({"computed"}).Set(static_cast<double>(c.tokens_computed));
+  MirrorTotal(kv_tokens_.WithLabels({"reused"}), static_cast<double>(c.tokens_reused));
+  MirrorTotal(kv_tokens_.WithLabels({"computed"}), static_cast<double>(c.tokens_computed));
   kv_pages_.WithLabels({"gpu", "used"}).Set(static_cast<double>(c.pages_total - c.pages_free));
   kv_pages_.WithLabels({"gpu", "free"}).Set(static_cast<double>(c.pages_free));
   kv_pages_.WithLabels({"gpu", "pinned"}).Set(static_cast<double>(c.pages_pinned));
   kv_pages_.WithLabels({"host", "used"})
       .Set(static_cast<double>(c.host_pages_total - c.host_pages_free));
   kv_pages_.WithLabels({"host", "free"}).Set(static_cast<double>(c.host_pages_free));
-  kv_evictions_.WithLabels({"gpu"}).Set(static_cast<double>(c.evictions));
-  kv_evictions_.WithLabels({"host"}).Set(static_cast<double>(c.host_evictions));
-  kv_transfer_bytes_.WithLabels({"offload"}).Set(static_cast<double>(s.kv_offload_bytes));
-  kv_transfer_bytes_.WithLabels({"onload"}).Set(static_cast<double>(s.kv_onload_bytes));
-  kv_dropped_.WithLabels({}).Set(static_cast<double>(c.dropped_entries));
-  kv_prefetched_.WithLabels({}).Set(static_cast<double>(c.pages_prefetched));
-  kv_window_released_.WithLabels({}).Set(static_cast<double>(c.window_pages_released));
+  MirrorTotal(kv_evictions_.WithLabels({"gpu"}), static_cast<double>(c.evictions));
+  MirrorTotal(kv_evictions_.WithLabels({"host"}), static_cast<double>(c.host_evictions));
+  MirrorTotal(kv_transfer_bytes_.WithLabels({"offload"}), static_cast<double>(s.kv_offload_bytes));
+  MirrorTotal(kv_transfer_bytes_.WithLabels({"onload"}), static_cast<double>(s.kv_onload_bytes));
+  MirrorTotal(kv_dropped_.WithLabels({}), static_cast<double>(c.dropped_entries));
+  MirrorTotal(kv_prefetched_.WithLabels({}), static_cast<double>(c.pages_prefetched));
+  MirrorTotal(kv_window_released_.WithLabels({}), static_cast<double>(c.window_pages_released));
   kv_onload_bandwidth_.WithLabels({}).Set(s.onload_bytes_per_second);
   kv_recompute_cost_.WithLabels({}).Set(s.recompute_seconds_per_token);
-  cuda_graph_replays_.WithLabels({}).Set(static_cast<double>(s.graph_replays));
+  MirrorTotal(cuda_graph_replays_.WithLabels({}), static_cast<double>(s.graph_replays));
   // On the CPU backend the "gpu" tier is the engine's primary KV pool in host memory, and the
   // device memory is 0: the labels keep their meaning when the CUDA backend lands.
   gpu_memory_.WithLabels({"total"}).Set(static_cast<double>(s.device_memory_bytes));
   const bool on_device = s.device_memory_bytes > 0;
   gpu_memory_.WithLabels({"kv_pool"}).Set(on_device ? static_cast<double>(s.kv_pool_bytes) : 0);
   gpu_memory_.WithLabels({"weights"}).Set(on_device ? static_cast<double>(s.weight_bytes) : 0);
-  engine_compute_.WithLabels({}).Set(s.compute_seconds);
-  engine_device_.WithLabels({}).Set(s.device_seconds);
-  engine_batches_.WithLabels({}).Set(static_cast<double>(s.batches));
+  MirrorTotal(engine_compute_.WithLabels({}), s.compute_seconds);
+  MirrorTotal(engine_device_.WithLabels({}), s.device_seconds);
+  MirrorTotal(engine_batches_.WithLabels({}), static_cast<double>(s.batches));
   engine_healthy_.WithLabels({}).Set(s.device_lost ? 0 : 1);
 }
 

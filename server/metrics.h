@@ -14,7 +14,8 @@
 #include "engine/engine.h"
 #include "engine/gpu_telemetry.h"
 #include "server/http_exposer.h"
-#include "server/prom_registry.h"
+#include "prometheus/registry.h"
+#include "server/prom_family.h"
 
 namespace hstu::server {
 
@@ -51,49 +52,50 @@ class ServerMetrics {
   // below have no series without it: on the CPU, or without NVML).
   void SetGpuTelemetry(std::unique_ptr<GpuTelemetry> telemetry);
 
-  std::string Serialize() const { return registry_.Serialize(); }
-  Registry& registry() { return registry_; }
+  // The text exposition format 0.0.4, after mirroring the engine's stats and the GPU's telemetry.
+  std::string Serialize() const;
 
  private:
-  void Collect();
+  void Collect() const;  // under scrape_mu_
 
-  Registry registry_;
+  prometheus::Registry registry_;
   const std::string version_;
-  Family<Histogram>& request_duration_;
-  Family<Histogram>& request_queue_;
-  Family<Histogram>& batch_compute_;
-  Family<Histogram>& kv_onload_wait_;
-  Family<Histogram>& batch_size_;
-  Family<Histogram>& batch_tokens_;
-  Family<Counter>& requests_total_;
-  Family<Counter>& queue_rejections_;
-  Family<Gauge>& process_start_time_;
-  Family<Gauge>& inflight_;
-  Family<Gauge>& queue_depth_;
-  Family<Counter>& kv_lookups_;
-  Family<Counter>& kv_tokens_;
-  Family<Gauge>& kv_pages_;
-  Family<Counter>& kv_transfer_bytes_;
-  Family<Counter>& kv_evictions_;
-  Family<Counter>& kv_dropped_;
-  Family<Counter>& kv_prefetched_;
-  Family<Counter>& kv_window_released_;
-  Family<Gauge>& kv_onload_bandwidth_;
-  Family<Gauge>& kv_recompute_cost_;
-  Family<Counter>& cuda_graph_replays_;
-  Family<Gauge>& gpu_memory_;
-  Family<Gauge>& gpu_sm_clock_;
-  Family<Gauge>& gpu_power_;
-  Family<Gauge>& gpu_clock_event_;
-  Family<Counter>& gpu_energy_;
-  Family<Counter>& gpu_throttled_;
-  Family<Counter>& engine_compute_;
-  Family<Counter>& engine_device_;
-  Family<Counter>& engine_batches_;
-  Family<Gauge>& engine_healthy_;
-  Family<Gauge>& build_info_;
+  const LabeledFamily<prometheus::Histogram> request_duration_;
+  const LabeledFamily<prometheus::Histogram> request_queue_;
+  const LabeledFamily<prometheus::Histogram> batch_compute_;
+  const LabeledFamily<prometheus::Histogram> kv_onload_wait_;
+  const LabeledFamily<prometheus::Histogram> batch_size_;
+  const LabeledFamily<prometheus::Histogram> batch_tokens_;
+  const LabeledFamily<prometheus::Counter> requests_total_;
+  const LabeledFamily<prometheus::Counter> queue_rejections_;
+  const LabeledFamily<prometheus::Gauge> process_start_time_;
+  const LabeledFamily<prometheus::Gauge> inflight_;
+  const LabeledFamily<prometheus::Gauge> queue_depth_;
+  const LabeledFamily<prometheus::Counter> kv_lookups_;
+  const LabeledFamily<prometheus::Counter> kv_tokens_;
+  const LabeledFamily<prometheus::Gauge> kv_pages_;
+  const LabeledFamily<prometheus::Counter> kv_transfer_bytes_;
+  const LabeledFamily<prometheus::Counter> kv_evictions_;
+  const LabeledFamily<prometheus::Counter> kv_dropped_;
+  const LabeledFamily<prometheus::Counter> kv_prefetched_;
+  const LabeledFamily<prometheus::Counter> kv_window_released_;
+  const LabeledFamily<prometheus::Gauge> kv_onload_bandwidth_;
+  const LabeledFamily<prometheus::Gauge> kv_recompute_cost_;
+  const LabeledFamily<prometheus::Counter> cuda_graph_replays_;
+  const LabeledFamily<prometheus::Gauge> gpu_memory_;
+  const LabeledFamily<prometheus::Gauge> gpu_sm_clock_;
+  const LabeledFamily<prometheus::Gauge> gpu_power_;
+  const LabeledFamily<prometheus::Gauge> gpu_clock_event_;
+  const LabeledFamily<prometheus::Counter> gpu_energy_;
+  const LabeledFamily<prometheus::Counter> gpu_throttled_;
+  const LabeledFamily<prometheus::Counter> engine_compute_;
+  const LabeledFamily<prometheus::Counter> engine_device_;
+  const LabeledFamily<prometheus::Counter> engine_batches_;
+  const LabeledFamily<prometheus::Gauge> engine_healthy_;
+  const LabeledFamily<prometheus::Gauge> build_info_;
 
-  std::mutex mu_;  // guards the sources below
+  mutable std::mutex scrape_mu_;  // one scrape at a time: the mirrored counters step by deltas
+  mutable std::mutex mu_;  // guards the sources below
   std::function<EngineStats()> engine_stats_;
   std::function<int64_t()> queue_depth_source_;
   std::shared_ptr<const GpuTelemetry> gpu_telemetry_;

@@ -1,14 +1,20 @@
-# hstu_server (issue 4): gRPC front end, scheduler, metrics. The serving core (scheduler) and the
-# metrics registry have no gRPC types, so tests use them directly.
+# hstu_server (issue 4): gRPC front end, scheduler, metrics. The serving core (the scheduler) has
+# no gRPC types, so tests use it directly.
 
-add_library(hstu_server_core STATIC scheduler.cc prom_registry.cc)
+# prometheus-cpp's core library (Debian's prometheus-cpp-dev): the metric families and the text
+# format. Its pull library is not used (server/http_exposer.h says why); the package's CMake config
+# also requires the pull and push libraries' dependencies, so the core is found by pkg-config.
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(HSTU_PROMETHEUS REQUIRED IMPORTED_TARGET prometheus-cpp-core>=1.0)
+
+add_library(hstu_server_core STATIC scheduler.cc)
 target_link_libraries(hstu_server_core PUBLIC hstu_engine absl::status absl::statusor absl::span
                       absl::strings Threads::Threads)
 
-add_library(hstu_server_lib STATIC metrics.cc http_exposer.cc validation.cc rank_service.cc
-            ranking_server.cc stop_signals.cc)
+add_library(hstu_server_lib STATIC metrics.cc prom_family.cc http_exposer.cc validation.cc
+            rank_service.cc ranking_server.cc stop_signals.cc)
 target_link_libraries(hstu_server_lib PUBLIC hstu_server_core hstu_proto hstu_engine
-                      hstu_grpc_reflection absl::time spdlog::spdlog)
+                      hstu_grpc_reflection absl::time spdlog::spdlog PkgConfig::HSTU_PROMETHEUS)
 
 add_executable(hstu_server main.cc flags.cc)
 target_link_libraries(hstu_server PRIVATE hstu_server_lib absl::flags absl::flags_parse
