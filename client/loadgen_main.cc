@@ -4,6 +4,7 @@
 // when the previous one answers. Open loop (--rate=R[,R2...]): requests are sent on a schedule
 // (constant or Poisson gaps) whatever the server does, and latency is measured from the scheduled
 // send time, so a slow server cannot hide its queueing (no coordinated omission).
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -79,6 +81,16 @@ ABSL_FLAG(bool, progress, true, "Live progress line on stderr.");
 ABSL_FLAG(int64_t, max_outstanding, 10000,
           "Open loop: sends beyond this many unanswered requests are counted as LOADGEN_BACKLOG "
           "errors instead of sent.");
+ABSL_FLAG(double, max_error_rate, 0.01,
+          "Exit status 1 when a level's failed calls exceed this share of its measured calls "
+          "(1: never; an overload study that expects errors sets it).");
+ABSL_FLAG(int64_t, prewarm_visits, 0,
+          "Visits sent before the first level and not reported (at the first level's concurrency, "
+          "or 8 callers for a rate), so that the population's first visits, all misses, do not "
+          "land in the first level.");
+ABSL_FLAG(bool, overlapping_visits, false,
+          "Let a user have several visits in flight (the later ones re-send its history). By "
+          "default a visit goes to a user with none in flight while there is one.");
 
 namespace hstu::loadgen {
 namespace {
@@ -86,7 +98,48 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using hstu::v1::Ranker;
 
+// Bounds that keep every duration a finite time point and every sweep a sane size.
+constexpr double kMaxSeconds = 86400;   // --duration, --warmup, --wait_ready_s: at most a day
+constexpr int64_t kMaxTimeoutMs = 86'400'000;
+constexpr double kMinRate = 0.001, kMaxRate = 1e7;
+constexpr int32_t kMaxConcurrency = 10000;  // a thread each
+constexpr size_t kMaxLevels = 1000;
+
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// SIGINT/SIGTERM: the level running stops and the report of what was measured is printed and
+// written; a second signal ends the process at once.
+std::atomic<bool> g_interrupted{false};
+
+extern "C" void OnStopSignal(int sig) {
+  if (g_interrupted.exchange(true)) {
+    signal(sig, SIG_DFL);
+    raise(sig);
+  }
+}
+
+void InstallStopSignals() {
+  struct sigaction sa = {};
+  sa.sa_handler = OnStopSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
+// Sleeps until `t` in short slices; false when a stop signal came first.
+bool SleepUntil(Clock::time_point t) {
+  while (!g_interrupted.load()) {
+    const Clock::time_point now = Clock::now();
+    if (now >= t) return true;
+    std::this_thread::sleep_for(std::min<Clock::duration>(t - now, std::chrono::milliseconds(50)));
+  }
+  return false;
+}
+
+bool SleepFor(double s) {
+  return SleepUntil(Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(std::max(0.0, s))));
+}
 
 const char* CodeName(grpc::StatusCode code) {
   static const char* kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT",
@@ -102,30 +155,36 @@ absl::StatusOr<std::vector<int32_t>> ParseConcurrency(const std::string& spec) {
   std::vector<int32_t> out;
   auto bad = [&] {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--concurrency=", spec, ": want N, A:B:xF, A:B:+S or a list A,B,C (all >= 1)"));
+        "--concurrency=", spec, ": want N, A:B:xF, A:B:+S or a list A,B,C (each in [1, ",
+        kMaxConcurrency, "], at most ", kMaxLevels, " levels)"));
   };
   std::vector<std::string> parts = absl::StrSplit(spec, ':');
   if (parts.size() == 3) {
     int32_t lo, hi, step;
     if (!absl::SimpleAtoi(parts[0], &lo) || !absl::SimpleAtoi(parts[1], &hi) || lo < 1 ||
-        hi < lo || parts[2].size() < 2 || !absl::SimpleAtoi(parts[2].substr(1), &step)) {
+        hi < lo || hi > kMaxConcurrency || parts[2].size() < 2 ||
+        !absl::SimpleAtoi(parts[2].substr(1), &step)) {
       return bad();
     }
     if (parts[2][0] == 'x' && step >= 2) {
       for (int64_t c = lo; c <= hi; c *= step) out.push_back(static_cast<int32_t>(c));
     } else if (parts[2][0] == '+' && step >= 1) {
-      for (int64_t c = lo; c <= hi; c += step) out.push_back(static_cast<int32_t>(c));
+      for (int64_t c = lo; c <= hi && out.size() <= kMaxLevels; c += step) {
+        out.push_back(static_cast<int32_t>(c));
+      }
     } else {
       return bad();
     }
+    if (out.size() > kMaxLevels) return bad();
     return out;
   }
   if (parts.size() != 1) return bad();
   for (absl::string_view p : absl::StrSplit(spec, ',')) {
     int32_t c;
-    if (!absl::SimpleAtoi(p, &c) || c < 1) return bad();
+    if (!absl::SimpleAtoi(p, &c) || c < 1 || c > kMaxConcurrency) return bad();
     out.push_back(c);
   }
+  if (out.size() > kMaxLevels) return bad();
   return out;
 }
 
@@ -133,10 +192,15 @@ absl::StatusOr<std::vector<double>> ParseRates(const std::string& spec) {
   std::vector<double> out;
   for (absl::string_view p : absl::StrSplit(spec, ',')) {
     double r;
-    if (!absl::SimpleAtod(p, &r) || !std::isfinite(r) || r <= 0) {  // NaN never ends a level
-      return absl::InvalidArgumentError(absl::StrCat("--rate=", spec, ": want R or R1,R2 (finite, > 0)"));
+    // NaN never ends a level, and a rate below the minimum would wait days for its first send.
+    if (!absl::SimpleAtod(p, &r) || !(r >= kMinRate && r <= kMaxRate)) {
+      return absl::InvalidArgumentError(absl::StrCat("--rate=", spec, ": want R or R1,R2 (each in [",
+                                                     kMinRate, ", ", kMaxRate, "] per second)"));
     }
     out.push_back(r);
+  }
+  if (out.size() > kMaxLevels) {
+    return absl::InvalidArgumentError(absl::StrCat("--rate=", spec, ": at most ", kMaxLevels, " levels"));
   }
   return out;
 }
@@ -197,8 +261,10 @@ class Level {
       result_->duration_s = std::chrono::duration<double>(last_done_ - window_start_).count();
     }
   }
-  std::string Progress(const std::string& label, double elapsed_s) {
+  // Seconds since the level started warming up, or since its window opened.
+  std::string Progress(const std::string& label) {
     std::lock_guard<std::mutex> lock(mu_);
+    const double elapsed_s = Since(measuring_ ? window_start_ : created_);
     const double rps = measuring_ && elapsed_s > 0 ? result_->requests / elapsed_s : 0;
     return absl::StrCat("[", label, "] ", measuring_ ? "measuring" : "warming up", " ",
                         static_cast<int>(elapsed_s), "s  ok ", result_->requests, "  ",
@@ -211,6 +277,7 @@ class Level {
  private:
   std::mutex mu_;
   LevelResult* result_;
+  const Clock::time_point created_ = Clock::now();
   bool measuring_ = false;
   bool window_closed_ = false;
   Clock::time_point window_start_, window_end_, last_done_;
@@ -243,41 +310,60 @@ class Driver {
   }
   Ranker::Stub* NextStub() { return stubs_[next_stub_.fetch_add(1) % stubs_.size()].get(); }
 
-  // Closed loop: `concurrency` threads, each with one synchronous call outstanding.
-  void RunClosed(Level* level, int32_t concurrency, double warmup_s, double duration_s,
-                 int64_t num_requests) {
+  // Closed loop: `concurrency` threads, each with one synchronous call outstanding. A stop
+  // signal ends the level early (the window closes then); an error only when its threads could
+  // not all start.
+  absl::Status RunClosed(Level* level, int32_t concurrency, double warmup_s, double duration_s,
+                         int64_t num_requests) {
     std::atomic<bool> stop{false};
     std::atomic<int64_t> issued{0};
     std::vector<std::thread> workers;
-    for (int32_t w = 0; w < concurrency; ++w) {
-      workers.emplace_back([&] {
-        while (!stop.load()) {
-          const bool measured = level->measuring();
-          if (measured && num_requests > 0 && issued.fetch_add(1) >= num_requests) break;
-          const Visit v = traffic_->Next();
-          const hstu::v1::RankRequest req = MakeRequest(v);
-          hstu::v1::RankResponse resp;
-          grpc::ClientContext ctx;
-          const Clock::time_point start = Clock::now();
-          PrepareContext(&ctx, v.user_id, start);
-          const grpc::Status status = NextStub()->Rank(&ctx, req, &resp);
-          traffic_->Done(v);
-          level->Done(measured, status, Since(start), resp, v.new_user);
+    auto worker = [&] {
+      // An unreachable server answers UNAVAILABLE at once: back off (1 ms doubling to 100 ms)
+      // instead of spinning through failed calls.
+      std::chrono::milliseconds backoff{0};
+      while (!stop.load() && !g_interrupted.load()) {
+        const bool measured = level->measuring();
+        if (measured && num_requests > 0 && issued.fetch_add(1) >= num_requests) break;
+        const Visit v = traffic_->Next();
+        const hstu::v1::RankRequest req = MakeRequest(v);
+        hstu::v1::RankResponse resp;
+        grpc::ClientContext ctx;
+        const Clock::time_point start = Clock::now();
+        PrepareContext(&ctx, v.user_id, start);
+        const grpc::Status status = NextStub()->Rank(&ctx, req, &resp);
+        traffic_->Done(v);
+        level->Done(measured, status, Since(start), resp, v.new_user);
+        if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+          backoff = std::clamp(2 * backoff, std::chrono::milliseconds(1),
+                               std::chrono::milliseconds(100));
+          std::this_thread::sleep_for(backoff);
+        } else {
+          backoff = std::chrono::milliseconds(0);
         }
-      });
-    }
-    Sleep(warmup_s);
-    level->StartMeasuring();
-    if (num_requests > 0) {
-      // Workers stop by themselves after the count; the window closes at the last answer.
-      for (auto& t : workers) t.join();
-    } else {
-      Sleep(duration_s);
-      level->CloseWindow();
+      }
+    };
+    absl::Status started;
+    try {
+      for (int32_t w = 0; w < concurrency; ++w) workers.emplace_back(worker);
+    } catch (const std::system_error& e) {
+      started = absl::ResourceExhaustedError(absl::StrCat(
+          "could not start caller thread ", workers.size() + 1, " of ", concurrency, ": ", e.what()));
       stop.store(true);
-      for (auto& t : workers) t.join();
     }
+    if (started.ok() && SleepFor(warmup_s)) {
+      level->StartMeasuring();
+      // With --requests the workers stop by themselves after the count, and the window closes at
+      // the last answer; a stop signal stops them too.
+      if (num_requests == 0) {
+        SleepFor(duration_s);
+        level->CloseWindow();
+      }
+    }
+    if (num_requests == 0 || !started.ok() || g_interrupted.load()) stop.store(true);
+    for (auto& t : workers) t.join();
     level->Finish();
+    return started;
   }
 
   // Open loop: one sender on a schedule; answers arrive on gRPC's callback threads.
@@ -298,7 +384,7 @@ class Driver {
       const Clock::time_point scheduled =
           t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(offset_s));
       if (!measuring && offset_s >= warmup_s) {
-        std::this_thread::sleep_until(scheduled);
+        if (!SleepUntil(scheduled)) break;  // a stop signal in the warm-up: nothing measured
         level->StartMeasuring();
         measuring = true;
         measure_start = scheduled;
@@ -307,13 +393,16 @@ class Driver {
         if (num_requests > 0 && sent_measured >= num_requests) break;
         if (num_requests == 0 &&
             scheduled - measure_start >= std::chrono::duration<double>(duration_s)) {
-          std::this_thread::sleep_until(scheduled);
+          SleepUntil(scheduled);
           level->CloseWindow();
           break;
         }
         ++sent_measured;
       }
-      std::this_thread::sleep_until(scheduled);
+      if (!SleepUntil(scheduled)) {
+        if (measuring) level->CloseWindow();
+        break;
+      }
       if (outstanding.load() >= max_outstanding) {
         level->Backlog();
         continue;
@@ -349,9 +438,6 @@ class Driver {
   }
 
  private:
-  static void Sleep(double s) {
-    std::this_thread::sleep_for(std::chrono::duration<double>(std::max(0.0, s)));
-  }
   std::vector<std::unique_ptr<Ranker::Stub>> stubs_;
   TrafficModel* traffic_;
   const int64_t timeout_ms_;
@@ -392,12 +478,38 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
   };
   if (absl::GetFlag(FLAGS_connections) < 1) return bad("connections", absl::GetFlag(FLAGS_connections), "must be >= 1");
   if (absl::GetFlag(FLAGS_requests) < 0) return bad("requests", absl::GetFlag(FLAGS_requests), "must be >= 0 (0: use --duration)");
-  if (absl::GetFlag(FLAGS_requests) == 0 && !(absl::GetFlag(FLAGS_duration) > 0)) {
-    return bad("duration", absl::GetFlag(FLAGS_duration), "must be > 0 (or give --requests)");
+  const std::string a_day = absl::StrCat(" and at most ", kMaxSeconds, " (a day)");
+  if (absl::GetFlag(FLAGS_requests) == 0 &&
+      !(absl::GetFlag(FLAGS_duration) > 0 && absl::GetFlag(FLAGS_duration) <= kMaxSeconds)) {
+    return bad("duration", absl::GetFlag(FLAGS_duration),
+               absl::StrCat("must be > 0", a_day, " (or give --requests)"));
   }
-  if (!(absl::GetFlag(FLAGS_warmup) >= 0)) return bad("warmup", absl::GetFlag(FLAGS_warmup), "must be >= 0");
-  if (!(absl::GetFlag(FLAGS_wait_ready_s) >= 0)) return bad("wait_ready_s", absl::GetFlag(FLAGS_wait_ready_s), "must be >= 0");
-  if (absl::GetFlag(FLAGS_timeout_ms) < 1) return bad("timeout_ms", absl::GetFlag(FLAGS_timeout_ms), "must be >= 1");
+  if (!(absl::GetFlag(FLAGS_warmup) >= 0 && absl::GetFlag(FLAGS_warmup) <= kMaxSeconds)) {
+    return bad("warmup", absl::GetFlag(FLAGS_warmup), absl::StrCat("must be >= 0", a_day));
+  }
+  if (!(absl::GetFlag(FLAGS_wait_ready_s) >= 0 && absl::GetFlag(FLAGS_wait_ready_s) <= kMaxSeconds)) {
+    return bad("wait_ready_s", absl::GetFlag(FLAGS_wait_ready_s), absl::StrCat("must be >= 0", a_day));
+  }
+  if (absl::GetFlag(FLAGS_timeout_ms) < 1 || absl::GetFlag(FLAGS_timeout_ms) > kMaxTimeoutMs) {
+    return bad("timeout_ms", absl::GetFlag(FLAGS_timeout_ms),
+               absl::StrCat("must be in [1, ", kMaxTimeoutMs, "] (a day)"));
+  }
+  if (!(absl::GetFlag(FLAGS_max_error_rate) >= 0 && absl::GetFlag(FLAGS_max_error_rate) <= 1)) {
+    return bad("max_error_rate", absl::GetFlag(FLAGS_max_error_rate), "must be in [0, 1]");
+  }
+  if (absl::GetFlag(FLAGS_prewarm_visits) < 0) {
+    return bad("prewarm_visits", absl::GetFlag(FLAGS_prewarm_visits), "must be >= 0");
+  }
+  for (const std::string& path : {absl::GetFlag(FLAGS_json), absl::GetFlag(FLAGS_csv)}) {
+    if (path.empty()) continue;
+    // Checked now, not after a run of minutes: the report is written after each level.
+    const size_t slash = path.rfind('/');
+    const std::string dir = slash == std::string::npos ? "." : path.substr(0, std::max<size_t>(slash, 1));
+    if (access(dir.c_str(), W_OK | X_OK) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("report file ", path, ": directory ", dir, " is missing or not writable"));
+    }
+  }
   if (absl::GetFlag(FLAGS_candidates) < 0) return bad("candidates", absl::GetFlag(FLAGS_candidates), "must be >= 0 (0: the model's candidates per forward)");
   if (absl::GetFlag(FLAGS_initial_events) < 0) return bad("initial_events", absl::GetFlag(FLAGS_initial_events), "must be >= 0 (0: half the model's maximum)");
   if (absl::GetFlag(FLAGS_max_events) < 0) return bad("max_events", absl::GetFlag(FLAGS_max_events), "must be >= 0 (0: twice the model's maximum)");
@@ -502,12 +614,16 @@ int Main() {
   t.new_events_min = absl::GetFlag(FLAGS_new_events_min);
   t.new_events_max = absl::GetFlag(FLAGS_new_events);
   t.initial_events_min = absl::GetFlag(FLAGS_initial_events_min);
-  t.initial_events_max = absl::GetFlag(FLAGS_initial_events) > 0
-                             ? absl::GetFlag(FLAGS_initial_events)
-                             : std::max(1, model_events / 2);
-  t.max_events = absl::GetFlag(FLAGS_max_events) > 0
-                     ? absl::GetFlag(FLAGS_max_events)
-                     : std::max(t.initial_events_max, 2 * model_events);
+  // The defaults that follow the model give way to the flags given (checked against each other
+  // before connecting): a default initial history within [--initial_events_min, --max_events].
+  const int32_t max_events_flag = absl::GetFlag(FLAGS_max_events);
+  t.initial_events_max = absl::GetFlag(FLAGS_initial_events);
+  if (t.initial_events_max == 0) {
+    t.initial_events_max = std::max(t.initial_events_min, model_events / 2);
+    if (max_events_flag > 0) t.initial_events_max = std::min(t.initial_events_max, max_events_flag);
+  }
+  t.max_events = max_events_flag > 0 ? max_events_flag
+                                     : std::max(t.initial_events_max, 2 * model_events);
   // Default: one forward pass's worth, within what the server accepts (its --max_candidates).
   int64_t per_forward = info.candidates_per_forward() > 0 ? info.candidates_per_forward()
                                                           : info.max_candidates();
@@ -516,6 +632,7 @@ int Main() {
                          ? absl::GetFlag(FLAGS_candidates)
                          : static_cast<int32_t>(std::max<int64_t>(1, per_forward));
   t.num_actions = info.num_actions() > 0 ? static_cast<int32_t>(info.num_actions()) : 1;
+  t.overlapping_visits = absl::GetFlag(FLAGS_overlapping_visits);
   t.seed = absl::GetFlag(FLAGS_seed);
   while (t.seed == 0) {
     t.seed = (static_cast<uint64_t>(std::random_device()()) << 32) ^ std::random_device()() ^
@@ -538,41 +655,6 @@ int Main() {
   const bool progress = absl::GetFlag(FLAGS_progress);
   const bool tty = isatty(STDERR_FILENO) != 0;
 
-  for (LevelResult& l : *levels) {
-    Level level(&l);
-    const std::string label = LevelLabel(l);
-    std::atomic<bool> running{true};
-    std::thread progress_thread;
-    if (progress) {
-      progress_thread = std::thread([&] {
-        const Clock::time_point start = Clock::now();
-        Clock::time_point measure_start = start;
-        bool was_measuring = false;
-        int ticks = 0;
-        while (running.load()) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(250));
-          if (!running.load()) break;
-          const bool m = level.measuring();
-          if (m && !was_measuring) measure_start = Clock::now();
-          was_measuring = m;
-          // Without a terminal, a line every 2 s instead of a line rewritten in place.
-          if (!tty && ++ticks % 8 != 0) continue;
-          const std::string line = level.Progress(label, m ? Since(measure_start) : Since(start));
-          std::fprintf(stderr, tty ? "\r%-100s" : "%s\n", line.c_str());
-        }
-        if (tty) std::fprintf(stderr, "\r%-100s\r", "");
-      });
-    }
-    if (l.mode == "closed") {
-      driver.RunClosed(&level, l.concurrency, warmup_s, duration_s, num_requests);
-    } else {
-      driver.RunOpen(&level, l.rate_rps, arrival == "poisson", warmup_s, duration_s, num_requests,
-                     absl::GetFlag(FLAGS_max_outstanding), t.seed);
-    }
-    running.store(false);
-    if (progress_thread.joinable()) progress_thread.join();
-  }
-
   RunInfo run;
   run.target = target;
   run.model = info.model_name();
@@ -582,29 +664,104 @@ int Main() {
   run.zipf = t.zipf_s;
   run.connections = num_connections;
   run.seed = t.seed;
-  std::printf("%s", FormatTable(run, *levels).c_str());
-  std::fflush(stdout);
+  // The report files hold every level finished so far: a run cut short keeps what it measured.
+  auto write_reports = [&](const std::vector<LevelResult>& done) {
+    bool ok = true;
+    if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
+      if (absl::Status s = WriteFile(path, ToJson(run, done)); !s.ok()) {
+        std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());
+        ok = false;
+      }
+    }
+    if (const std::string path = absl::GetFlag(FLAGS_csv); !path.empty()) {
+      if (absl::Status s = WriteFile(path, ToCsv(done)); !s.ok()) {
+        std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());
+        ok = false;
+      }
+    }
+    return ok;
+  };
+
+  InstallStopSignals();
   int rc = 0;
-  // A level that no request got through measured nothing: say so in the exit status, so that a
-  // script driving the server does not take an all-errors run (a wrong target model, deadlines too
-  // short for the device) as a result.
-  for (const LevelResult& l : *levels) {
+  if (const int64_t prewarm = absl::GetFlag(FLAGS_prewarm_visits); prewarm > 0) {
+    LevelResult scratch;
+    Level level(&scratch);
+    const int32_t callers = levels->front().mode == "closed" ? levels->front().concurrency : 8;
+    std::fprintf(stderr, "hstu_loadgen: prewarm, %lld visits at %d callers\n",
+                 static_cast<long long>(prewarm), callers);
+    if (absl::Status s = driver.RunClosed(&level, callers, 0, 0, prewarm); !s.ok()) {
+      std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());
+      return 1;
+    }
+  }
+  std::vector<LevelResult> done;
+  for (LevelResult& l : *levels) {
+    if (g_interrupted.load()) break;
+    Level level(&l);
+    const std::string label = LevelLabel(l);
+    std::atomic<bool> running{true};
+    std::thread progress_thread;
+    if (progress) {
+      progress_thread = std::thread([&] {
+        int ticks = 0;
+        while (running.load()) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(250));
+          if (!running.load()) break;
+          // Without a terminal, a line every 2 s instead of a line rewritten in place.
+          if (!tty && ++ticks % 8 != 0) continue;
+          std::fprintf(stderr, tty ? "\r%-100s" : "%s\n", level.Progress(label).c_str());
+        }
+        if (tty) std::fprintf(stderr, "\r%-100s\r", "");
+      });
+    }
+    absl::Status ran;
+    if (l.mode == "closed") {
+      ran = driver.RunClosed(&level, l.concurrency, warmup_s, duration_s, num_requests);
+    } else {
+      driver.RunOpen(&level, l.rate_rps, arrival == "poisson", warmup_s, duration_s, num_requests,
+                     absl::GetFlag(FLAGS_max_outstanding), t.seed);
+    }
+    running.store(false);
+    if (progress_thread.joinable()) progress_thread.join();
+    if (!ran.ok()) {
+      std::fprintf(stderr, "hstu_loadgen: %s: %s\n", label.c_str(),
+                   std::string(ran.message()).c_str());
+      rc = 1;
+      break;
+    }
+    const bool measured = level.measuring();
+    l.interrupted = g_interrupted.load();
+    if (!measured) break;  // stopped in its warm-up: nothing to report
+    done.push_back(std::move(l));
+    if (!write_reports(done)) rc = 1;
+  }
+
+  std::printf("%s", FormatTable(run, done).c_str());
+  std::fflush(stdout);
+  if (g_interrupted.load()) {
+    std::fprintf(stderr, "hstu_loadgen: stopped by a signal after %zu of %zu levels\n", done.size(),
+                 levels->size());
+    rc = 1;
+  }
+  // A level that no request got through measured nothing, and one with more failures than
+  // --max_error_rate measured a failing server: say so in the exit status, so that a script
+  // driving the server does not take such a run (a wrong target model, deadlines too short for
+  // the device, a server that died) as a result.
+  const double max_error_rate = absl::GetFlag(FLAGS_max_error_rate);
+  for (const LevelResult& l : done) {
+    const int64_t errors = l.error_count();
+    const double share = static_cast<double>(errors) / static_cast<double>(std::max<int64_t>(1, errors + l.requests));
     if (l.requests == 0) {
       std::fprintf(stderr, "hstu_loadgen: no request succeeded at %s (%lld errors)\n",
-                   LevelLabel(l).c_str(),
-                   static_cast<long long>(l.error_count()));
+                   LevelLabel(l).c_str(), static_cast<long long>(errors));
       rc = 1;
-    }
-  }
-  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
-    if (absl::Status s = WriteFile(path, ToJson(run, *levels)); !s.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
-      rc = 1;
-    }
-  }
-  if (const std::string path = absl::GetFlag(FLAGS_csv); !path.empty()) {
-    if (absl::Status s = WriteFile(path, ToCsv(*levels)); !s.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+    } else if (share > max_error_rate) {
+      std::fprintf(stderr,
+                   "hstu_loadgen: %s: %lld of %lld calls failed (%.2f %%, above --max_error_rate "
+                   "%.2f %%)\n",
+                   LevelLabel(l).c_str(), static_cast<long long>(errors),
+                   static_cast<long long>(errors + l.requests), 100 * share, 100 * max_error_rate);
       rc = 1;
     }
   }
@@ -620,9 +777,11 @@ int main(int argc, char** argv) {
       "  hstu_loadgen --target=HOST:PORT [--concurrency=8 | --concurrency=1:64:x2 | "
       "--rate=500 --arrival=poisson]\n"
       "               [--duration=10 | --requests=N] [--users=1000 --zipf=1.0] [--json=F --csv=F]\n"
-      "Exit status: 0 when every load level answered at least one request; 1 when one answered\n"
-      "none, or the server could not be reached, or a report file could not be written, or a flag\n"
-      "does not parse; 2 for a flag value out of range.");
+      "Exit status: 0 when every load level ran and answered within --max_error_rate; 1 when a\n"
+      "level answered no request or failed more calls than that, or the server could not be\n"
+      "reached, or a report file could not be written, or a signal stopped the run (the levels\n"
+      "measured are still printed and written), or a flag does not parse; 2 for a flag value out\n"
+      "of range or a report file in a directory that cannot be written.");
   absl::FlagsUsageConfig usage;
   // --help lists this program's flags (absl's default matches files named after the binary).
   usage.contains_help_flags = [](absl::string_view path) {

@@ -37,8 +37,9 @@ std::string Errors(const LevelResult& l) { return l.errors.empty() ? "0" : JoinC
 }  // namespace
 
 std::string LevelLabel(const LevelResult& l) {
-  return l.mode == "closed" ? absl::StrCat("c=", l.concurrency)
-                            : absl::StrFormat("%.0f rps %s", l.rate_rps, l.arrival);
+  return absl::StrCat(l.mode == "closed" ? absl::StrCat("c=", l.concurrency)
+                                         : absl::StrFormat("%g rps %s", l.rate_rps, l.arrival),
+                      l.interrupted ? " (stopped)" : "");
 }
 
 std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& levels) {
@@ -107,6 +108,7 @@ std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels) 
       j["arrival"] = l.arrival;
     }
     j["duration_s"] = l.duration_s;
+    j["interrupted"] = l.interrupted;
     j["requests"] = l.requests;
     j["throughput_rps"] = l.throughput_rps();
     const LatencyHistogram& h = l.latency;
@@ -149,19 +151,20 @@ std::string ToCsv(const std::vector<LevelResult>& levels) {
   std::string out =
       "mode,concurrency,rate_rps,arrival,duration_s,requests,throughput_rps,p50_ms,p90_ms,p95_ms,"
       "p99_ms,p999_ms,mean_ms,max_ms,errors,errors_by_code,reused_tokens,computed_tokens,"
-      "requests_by_cache_result\n";
+      "requests_by_cache_result,new_user_visits,interrupted\n";
   for (const LevelResult& l : levels) {
     const LatencyHistogram& h = l.latency;
     std::map<std::string, int64_t> by_cache;
     for (const auto& [name, hist] : l.by_cache_result) by_cache[name] = hist.count();
-    absl::StrAppend(&out, absl::StrFormat("%s,%d,%.3f,%s,%.3f,%d,%.3f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%d,%s,%d,%d,%s\n",
+    absl::StrAppend(&out, absl::StrFormat("%s,%d,%.3f,%s,%.3f,%d,%.3f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%d,%s,%d,%d,%s,%d,%d\n",
                                           l.mode, l.concurrency, l.rate_rps, l.arrival,
                                           l.duration_s, l.requests, l.throughput_rps(),
                                           Ms(h.Quantile(0.5)), Ms(h.Quantile(0.9)),
                                           Ms(h.Quantile(0.95)), Ms(h.Quantile(0.99)),
                                           Ms(h.Quantile(0.999)), Ms(h.mean_seconds()),
                                           Ms(h.max_seconds()), l.error_count(), JoinCounts(l.errors, ";"),
-                                          l.reused_tokens, l.computed_tokens, JoinCounts(by_cache, ";")));
+                                          l.reused_tokens, l.computed_tokens, JoinCounts(by_cache, ";"),
+                                          l.new_user_visits, l.interrupted ? 1 : 0));
   }
   return out;
 }

@@ -28,6 +28,7 @@ struct LevelResult {
   int64_t computed_tokens = 0;
   int64_t new_user_visits = 0;
   std::map<std::string, LatencyHistogram> by_cache_result;  // server-reported cache_result → latency
+  bool interrupted = false;  // a stop signal ended the level's window early
 
   double throughput_rps() const {
     return duration_s > 0 ? static_cast<double>(ok_in_window >= 0 ? ok_in_window : requests) / duration_s
@@ -47,7 +48,8 @@ struct RunInfo {
   uint64_t seed = 0;
 };
 
-// "c=8" for a closed-loop level, "500 rps poisson" for an open-loop one.
+// "c=8" for a closed-loop level, "500 rps poisson" for an open-loop one; " (stopped)" after a level
+// a stop signal cut short.
 std::string LevelLabel(const LevelResult& l);
 std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& levels);
 std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels);

@@ -52,8 +52,14 @@ TrafficModel::TrafficModel(const TrafficOptions& options)
   }
   for (double& c : cdf_) c /= acc;
   slots_.resize(options_.num_users);
-  // User ids are spread out (not 0..N) so that hashing load balancers see realistic keys.
-  for (auto& s : slots_) s.user_id = Mix64(options_.seed * 1000003 + next_user_id_++) >> 1;
+  for (auto& s : slots_) s.user_id = UserId(next_user_id_++);
+}
+
+uint64_t TrafficModel::UserId(uint64_t k) const {
+  // Spread out (not 0..N) so that hashing load balancers see realistic keys, and keyed by the
+  // seed's mix, so that two seeds' populations do not share ids (with `seed * C + k` the user
+  // k + C of one seed was the user k of the next).
+  return Mix64(Mix64(options_.seed) ^ k) >> 1;
 }
 
 int64_t TrafficModel::SampleRank(double u) const {
@@ -65,7 +71,29 @@ void TrafficModel::Done(const Visit& visit) {
   if (visit.slot < 0 || visit.slot >= options_.num_users) return;
   std::lock_guard<std::mutex> lock(mu_);
   int32_t& in_flight = slots_[visit.slot].in_flight;
-  in_flight = std::max(0, in_flight - 1);
+  if (in_flight == 0) return;
+  if (--in_flight == 0) --users_in_flight_;
+}
+
+int64_t TrafficModel::PickSlotLocked() {
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  const int64_t first = SampleRank(unit(rng_));
+  if (options_.overlapping_visits || slots_[first].in_flight == 0 ||
+      users_in_flight_ >= options_.num_users) {
+    return first;
+  }
+  // Popularity among the users free now: draw again while the draws keep hitting users in
+  // flight, then take the next free user after the last draw (a busy population's tail).
+  int64_t slot = first;
+  for (int tries = 0; tries < 64; ++tries) {
+    slot = SampleRank(unit(rng_));
+    if (slots_[slot].in_flight == 0) return slot;
+  }
+  for (int64_t i = 1; i < options_.num_users; ++i) {
+    const int64_t s = (slot + i) % options_.num_users;
+    if (slots_[s].in_flight == 0) return s;
+  }
+  return first;  // not reached: users_in_flight_ < num_users
 }
 
 Visit TrafficModel::Next() {
@@ -75,15 +103,16 @@ Visit TrafficModel::Next() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     std::uniform_real_distribution<double> unit(0.0, 1.0);
-    v.slot = SampleRank(unit(rng_));
+    v.slot = PickSlotLocked();
     UserSlot& slot = slots_[v.slot];
     // A user with a visit in flight keeps its history (and its id) for this one.
     if (slot.in_flight++ == 0) {
+      ++users_in_flight_;
       const bool churn = unit(rng_) < options_.new_user_rate;
       std::uniform_int_distribution<int32_t> add(options_.new_events_min, options_.new_events_max);
       const int32_t grown = slot.num_events + add(rng_);
       if (churn || (slot.num_events > 0 && grown > options_.max_events)) {
-        slot.user_id = Mix64(options_.seed * 1000003 + next_user_id_++) >> 1;
+        slot.user_id = UserId(next_user_id_++);
         slot.num_events = 0;
       }
       if (slot.num_events == 0) {

@@ -33,6 +33,13 @@ struct TrafficOptions {
   int64_t item_space = 1000000;     // item ids are drawn from [0, item_space)
   int32_t num_actions = 16;         // action ids are drawn from [0, num_actions)
   uint64_t seed = 1;
+  // false: a visit goes to a user with no visit in flight (drawn again by popularity, else the
+  // next such user), as one person's app asks one request at a time; only when every user has one
+  // in flight does a second go out. true: the user is drawn by popularity alone, and a visit drawn
+  // while another of the same user is in flight re-sends its history (a second surface of the app
+  // asking at once). With a small population at high concurrency that queues a popular user's
+  // identical requests behind each other in the server.
+  bool overlapping_visits = false;
 };
 
 struct Visit {
@@ -47,12 +54,12 @@ struct Visit {
 class TrafficModel {
  public:
   static absl::StatusOr<std::unique_ptr<TrafficModel>> Create(const TrafficOptions& options);
-  // The next visit, its user drawn by popularity and marked in flight until Done(). A user's
-  // history grows only at a visit drawn while none of the user's visits is in flight (every
-  // earlier one answered, so the server has committed it); a visit drawn while another is in
-  // flight re-sends the same history, as a second surface of the app asking at the same time
-  // would. Before, it grew, and could reach the server ahead of the shorter one, which then cut
-  // the user's cache (a traffic artefact reported as partial or hash-mismatch results).
+  // The next visit, its user drawn by popularity (see overlapping_visits) and marked in flight
+  // until Done(). A user's history grows only at a visit drawn while none of the user's visits is
+  // in flight (every earlier one answered, so the server has committed it); a second visit in
+  // flight re-sends the same history. Before, it grew, and could reach the server ahead of the
+  // shorter one, which then cut the user's cache (a traffic artefact reported as partial or
+  // hash-mismatch results).
   Visit Next();
   // The answer to `visit` came back (or its call failed).
   void Done(const Visit& visit);
@@ -66,6 +73,11 @@ class TrafficModel {
     int32_t in_flight = 0;   // visits sent and not yet Done()
   };
   explicit TrafficModel(const TrafficOptions& options);
+  // The slot of the next visit: drawn by popularity, avoiding users with a visit in flight unless
+  // overlapping_visits (or every user has one). Under mu_.
+  int64_t PickSlotLocked();
+  // The id of the population's k-th user (k counts every user ever created, restarts included).
+  uint64_t UserId(uint64_t k) const;
 
   const TrafficOptions options_;
   std::vector<double> cdf_;  // [num_users], cumulative Zipf probabilities
@@ -74,6 +86,7 @@ class TrafficModel {
   std::vector<UserSlot> slots_;
   uint64_t next_user_id_ = 0;
   uint64_t visit_counter_ = 0;
+  int64_t users_in_flight_ = 0;  // slots with in_flight > 0
 };
 
 // splitmix64: the deterministic mixer behind event and candidate ids.

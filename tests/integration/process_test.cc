@@ -117,7 +117,9 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
   const auto [rc2, out2] = RunCommand(absl::StrCat(HSTU_LOADGEN_BIN, " --help"));
   for (const char* flag : {"target", "duration", "requests", "concurrency", "rate", "arrival",
                            "users", "zipf", "candidates", "timeout_ms", "warmup", "seed",
-                           "connections", "json", "csv", "new_user_rate", "wait_ready_s"}) {
+                           "connections", "json", "csv", "new_user_rate", "wait_ready_s",
+                           "max_outstanding", "max_error_rate", "prewarm_visits",
+                           "overlapping_visits"}) {
     EXPECT_NE(out2.find(absl::StrCat("--", flag, " (")), std::string::npos) << flag;
   }
 }
@@ -435,10 +437,19 @@ TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
   // A bad flag fails before connecting (no server at port 1), naming the flag.
   ExpectEachFlagRejected(absl::StrCat(HSTU_LOADGEN_BIN, " --target=127.0.0.1:1"),
                          {{"--duration=-1", "--duration=-1: must be > 0"},
-                          {"--timeout_ms=0", "--timeout_ms=0: must be >= 1"},
+                          {"--timeout_ms=0", "--timeout_ms=0: must be in [1, 86400000]"},
                           {"--requests=-3", "--requests=-3: must be >= 0"},
                           {"--arrival=weird", "--arrival=weird: want constant or poisson"},
-                          {"--rate=nan", "--rate=nan: want R or R1,R2 (finite, > 0)"},
+                          {"--rate=nan", "--rate=nan: want R or R1,R2 (each in [0.001, 1e+07]"},
+                          // Before: accepted, then overflowing (every call DEADLINE_EXCEEDED at
+                          // once), a zero-length window, a run that never ended, 16 GB of levels.
+                          {"--timeout_ms=9223372036854775807", "--timeout_ms=9223372036854775807: must be in [1, 86400000]"},
+                          {"--duration=inf", "--duration=inf: must be > 0 and at most 86400"},
+                          {"--rate=1e-300", "--rate=1e-300: want R or R1,R2"},
+                          {"--concurrency=1:1000000:+1", "--concurrency=1:1000000:+1: want N"},
+                          {"--max_error_rate=2", "--max_error_rate=2: must be in [0, 1]"},
+                          // Before: found only after the whole run.
+                          {"--json=/nonexistent/dir/r.json", "report file /nonexistent/dir/r.json: directory /nonexistent/dir is missing or not writable"},
                           // The traffic model's flags too (before: checked after connecting).
                           {"--users=0", "--users=0: must be in [1, 100000000]"},
                           {"--zipf=nan", "--zipf=nan: must be finite and >= 0"},
@@ -447,7 +458,7 @@ TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
                           {"--initial_events=4 --initial_events_min=5", "--initial_events=4: must be >= --initial_events_min (5)"},
                           {"--initial_events=64 --max_events=32", "--max_events=32: must be >= --initial_events (64)"},
                           // The dashed spelling names the same flag.
-                          {"--timeout-ms=0", "--timeout_ms=0: must be >= 1"}},
+                          {"--timeout-ms=0", "--timeout_ms=0: must be in [1, 86400000]"}},
                          2);
   // Every request rejected (more candidates than the server takes): the report is printed, and
   // the exit status says that nothing was measured.
@@ -474,6 +485,44 @@ TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
                                                    " --requests=20 --warmup=0 --progress=false"));
   EXPECT_EQ(rc2, 0) << out2;
   EXPECT_NE(out2.find(", 4 candidates,"), std::string::npos) << out2;
+}
+
+TEST(ProcessTest, LoadgenReportsWhatItMeasuredWhenStoppedAndFailsWhenTheServerDies) {
+  ServerProcess server;
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  const std::string dir = TempDir();
+  // A stop signal in the middle of a sweep: the levels measured so far are printed and written,
+  // the one cut short marked (before: exit 143, no table, no file).
+  {
+    Subprocess loadgen({HSTU_LOADGEN_BIN, absl::StrCat("--target=", server.target()),
+                        "--concurrency=1,2,4", "--duration=1.5", "--warmup=0.2", "--progress=false",
+                        absl::StrCat("--json=", dir, "/stopped.json")},
+                       dir + "/loadgen_stopped.log");
+    std::this_thread::sleep_for(2500ms);
+    loadgen.Signal(SIGTERM);
+    EXPECT_EQ(loadgen.Wait(30s), 1) << loadgen.Log();
+    EXPECT_NE(loadgen.Log().find("stopped by a signal after"), std::string::npos) << loadgen.Log();
+    const nlohmann::json report = nlohmann::json::parse(ReadFile(dir + "/stopped.json"));
+    ASSERT_GE(report["levels"].size(), 1u) << report.dump();
+    ASSERT_LE(report["levels"].size(), 2u) << report.dump();
+    EXPECT_TRUE(report["levels"].back()["interrupted"].get<bool>()) << report.dump();
+    EXPECT_GT(report["levels"].back()["requests"].get<int64_t>(), 0) << report.dump();
+    if (report["levels"].size() == 2) EXPECT_FALSE(report["levels"][0]["interrupted"].get<bool>());
+  }
+  // The server dies mid-level: the callers back off instead of spinning through failed calls
+  // (before: ~48,000 UNAVAILABLE a second), and the exit status says the run failed (before: 0,
+  // with 99 % of the calls failed).
+  Subprocess loadgen({HSTU_LOADGEN_BIN, absl::StrCat("--target=", server.target()),
+                      "--concurrency=4", "--duration=3", "--warmup=0", "--progress=false",
+                      absl::StrCat("--json=", dir, "/died.json")},
+                     dir + "/loadgen_died.log");
+  std::this_thread::sleep_for(1000ms);
+  server.proc().Signal(SIGKILL);
+  EXPECT_EQ(loadgen.Wait(60s), 1) << loadgen.Log();
+  EXPECT_NE(loadgen.Log().find("above --max_error_rate"), std::string::npos) << loadgen.Log();
+  const nlohmann::json died = nlohmann::json::parse(ReadFile(dir + "/died.json"));
+  EXPECT_GT(died["levels"][0]["errors"].value("UNAVAILABLE", int64_t{0}), 0) << died.dump();
+  EXPECT_LT(died["levels"][0]["error_count"].get<int64_t>(), 1000) << died.dump();
 }
 
 TEST(ProcessTest, ScoresEqualHstuRankForTheSameRequests) {
