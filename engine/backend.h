@@ -121,6 +121,9 @@ class Backend {
   virtual std::optional<CopyTiming> TakeOnloadTiming() { return std::nullopt; }
   // Forward passes run by replaying a CUDA graph (0 on backends without graphs). Thread-safe.
   virtual uint64_t graph_replays() const { return 0; }
+  // Forward passes that fit a captured bucket's size but not its capture (the attention plan's
+  // kind or capacity) and ran eagerly. Thread-safe.
+  virtual uint64_t graph_fallbacks() const { return 0; }
   // Bytes of one page over all layers (K and V).
   virtual int64_t page_bytes() const { return num_pages() > 0 ? kv_pool_bytes() / num_pages() : 0; }
   // OK while the device can still run work. Once an error has left it unusable for the rest of the

@@ -68,6 +68,9 @@ absl::Status CudaBackendImpl::Init(const ModelWeights& w) {
     HSTU_RETURN_IF_ERROR(UploadF32(w.head[j].w, &head_[j].w, &weight_bytes_));
     HSTU_RETURN_IF_ERROR(UploadF32(w.head[j].b, &head_[j].b, &weight_bytes_));
   }
+  // A cudaMemcpy from pageable memory may return before its DMA lands, and the compute stream is
+  // non-blocking (not ordered after the legacy stream the copies ran on).
+  HSTU_CUDA_RETURN(cudaDeviceSynchronize());
   page_elems_ = 2LL * page_size_ * config_.hd();
   const size_t pool_bytes = static_cast<size_t>(page_elems_) * num_pages_ * config_.num_layers * sizeof(bf16);
   const cudaError_t err = pool_.Reserve(pool_bytes);
@@ -196,9 +199,10 @@ absl::Status CudaBackendImpl::UploadMeta(const ForwardBatch& batch,
                                          int32_t cands, Workspace* ws) {
   const int32_t B = batch.num_users, R = batch.num_rows();
   const int32_t C = static_cast<int32_t>(cand_rows.size());
-  HSTU_CUDA_RETURN(meta_host_.Reserve(L.total));
-  // The previous batch's upload must be finished before its staging memory is overwritten.
+  // The previous batch's upload must be finished before its staging memory is overwritten, or
+  // freed by a Reserve that grows it.
   HSTU_CUDA_RETURN(cudaStreamSynchronize(stream_.get()));
+  HSTU_CUDA_RETURN(meta_host_.Reserve(L.total));
   uint8_t* h = meta_host_.as<uint8_t>();
   auto put = [&](size_t at, const void* src, size_t bytes) { if (bytes) std::memcpy(h + at, src, bytes); };
   // Padding: users with no rows, tokens or pages; rows past row_offsets[B] (no user's new rows,

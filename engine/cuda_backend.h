@@ -2,7 +2,7 @@
 // statistics and accumulation; cuBLAS GEMMs and the kernels of kernels/cuda.
 //
 // Threading: a backend is used by one thread at a time (the engine worker), except graph_replays()
-// (thread-safe); it owns one device, a compute stream, two copy streams (host tier: onload and
+// and graph_fallbacks() (thread-safe); it owns one device, a compute stream, two copy streams (host tier: onload and
 // offload, one copy engine each) and one cuBLAS handle. Every CUDA or cuBLAS error becomes an
 // absl::Status here.
 //
@@ -66,8 +66,6 @@ class CudaBackend : public Backend {
   // Tests: false runs a bucketed step eagerly on the very same padded inputs instead of replaying.
   virtual void SetGraphReplay(bool on) = 0;
   virtual int num_graphs() const = 0;
-  // Batches that fit a bucket's size but not its static capacity (attention plan) and ran eagerly.
-  virtual uint64_t graph_fallbacks() const = 0;
   // Replays of the bucket's graph with per-layer onload waits (onloads or prefetches were issued
   // since the last step); the other replays run the graph without those wait nodes.
   virtual uint64_t graph_wait_replays() const = 0;

@@ -296,11 +296,14 @@ class CudaBackendImpl final : public CudaBackend {
   // The last layer's plan is never a cluster plan: its few candidate tiles split over more CTAs
   // than a cluster holds, and a CUDA graph's captured node keeps its kind (a cluster plan of the
   // warm-up batch could not serve the decode steps).
-  void PlanAttention(const ForwardBatch& batch) {
+  // `clusters` false plans without clusters even where they apply (a graph bucket captured
+  // without them replays the batch).
+  void PlanAttention(const ForwardBatch& batch, bool clusters = true) {
     plan_ = cuda::PlanHstuAttention(batch.row_offsets.data(), batch.num_new.data(),
                                     batch.num_tokens.data(), batch.num_users,
                                     config_.max_attn_len, config_.num_heads, concurrent_ctas_,
-                                    /*max_split=*/64, attn_cluster_, attn_max_clusters_);
+                                    /*max_split=*/64, clusters ? attn_cluster_ : 0,
+                                    clusters ? attn_max_clusters_ : 0);
     last_plan_ = cuda::PlanHstuAttention(
         batch.row_offsets.data(), batch.num_new.data(), batch.num_tokens.data(), batch.num_users,
         config_.max_attn_len, config_.num_heads, concurrent_ctas_, /*max_split=*/64,
@@ -316,7 +319,12 @@ class CudaBackendImpl final : public CudaBackend {
   absl::Status SetDebugPoison(bool on) override {
     HSTU_CUDA_RETURN(cudaSetDevice(device_));
     poison_ = on;
-    if (on) HSTU_CUDA_RETURN(cudaMemset(pool_.get(), 0xFF, pool_.bytes()));
+    if (on) {
+      // On the compute stream and finished here: a memset on the legacy stream is not ordered
+      // before the non-blocking streams' next appends.
+      HSTU_CUDA_RETURN(cudaMemsetAsync(pool_.get(), 0xFF, pool_.bytes(), stream_.get()));
+      HSTU_CUDA_RETURN(cudaStreamSynchronize(stream_.get()));
+    }
     return absl::OkStatus();
   }
   absl::StatusOr<bool> StageStep(const ForwardBatch& batch, bool use_graph) override;
@@ -327,7 +335,9 @@ class CudaBackendImpl final : public CudaBackend {
   uint64_t graph_wait_replays() const override {
     return graph_wait_replays_.load(std::memory_order_relaxed);
   }
-  uint64_t graph_fallbacks() const override { return graph_fallbacks_; }
+  uint64_t graph_fallbacks() const override {
+    return graph_fallbacks_.load(std::memory_order_relaxed);
+  }
   void SetCopyMethod(CopyMethod m) override {
     copy_method_ = m == CopyMethod::kBatch ? cuda::PageCopyMethod::kMemcpyBatch
                                            : cuda::PageCopyMethod::kMemcpyPerRun;
@@ -423,7 +433,7 @@ class CudaBackendImpl final : public CudaBackend {
   bool returning_kv_from_rows_ = false;
   bool replay_ = true;
   std::atomic<uint64_t> graph_replays_{0};
-  uint64_t graph_fallbacks_ = 0;
+  std::atomic<uint64_t> graph_fallbacks_{0};
 
   // Host tier.
   cuda::Stream onload_stream_;   // host → GPU

@@ -209,6 +209,7 @@ EngineStats Engine::Stats() const {
   }
   s.cache = cache_->Stats();
   s.graph_replays = backend_->graph_replays();
+  s.graph_fallbacks = backend_->graph_fallbacks();
   s.kv_offload_bytes = s.cache.pages_offloaded * static_cast<uint64_t>(s.kv_page_bytes);
   s.kv_onload_bytes = s.cache.pages_onloaded * static_cast<uint64_t>(s.kv_page_bytes);
   return s;

@@ -63,6 +63,7 @@ struct EngineStats {
   uint64_t kv_offload_bytes = 0;    // GPU → host
   uint64_t kv_onload_bytes = 0;     // host → GPU
   uint64_t graph_replays = 0;       // forward passes replayed from a CUDA graph
+  uint64_t graph_fallbacks = 0;     // passes that fit a bucket's size but ran eagerly
   bool device_lost = false;         // Engine::health() is not OK: nothing more can run
   uint64_t onload_waits = 0;        // forward passes that waited for host → GPU KV copies
   double onload_wait_seconds = 0;   // the device time their compute stalled on those copies

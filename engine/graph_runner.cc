@@ -99,9 +99,13 @@ absl::StatusOr<bool> CudaBackendImpl::StageStep(const ForwardBatch& batch, bool 
     staged_ = false;
     std::vector<int32_t> cand_rows;
     HSTU_RETURN_IF_ERROR(Validate(batch, &cand_rows));
-    PlanAttention(batch);
     const GraphSlot& g = slots_[best];
     // A captured attention node keeps its kind (cluster plan or not); the grid follows the plan.
+    // A bucket captured without clusters replays a batch that could take them with a plan
+    // without (a split plan: ~3 µs a layer slower at batch 1 than the cluster plan, against the
+    // ~40 µs of launches a replay saves a step); one captured with clusters cannot replay a plan
+    // without them, which runs eagerly (counted in graph_fallbacks).
+    PlanAttention(batch, /*clusters=*/g.plain.grid[kAllRows].cluster > 0);
     auto fits = [&](const cuda::AttentionPlan& plan, AttentionPlanKind kind) {
       const int32_t items = static_cast<int32_t>(plan.items.size());
       return items > 0 && items <= g.item_cap && plan.num_partials <= g.partial_cap &&
@@ -112,7 +116,7 @@ absl::StatusOr<bool> CudaBackendImpl::StageStep(const ForwardBatch& batch, bool 
       HSTU_RETURN_IF_ERROR(StageGraph(batch, best, std::move(cand_rows)));
       return true;
     }
-    ++graph_fallbacks_;
+    graph_fallbacks_.fetch_add(1, std::memory_order_relaxed);
   }
   HSTU_RETURN_IF_ERROR(Stage(batch));
   return false;
@@ -153,8 +157,6 @@ absl::Status CudaBackendImpl::EnqueueStep() {
       g.append_shrunk = static_cast<int8_t>(step_.append_idle);
     }
     HSTU_CUDA_RETURN(cudaGraphLaunch(g.exec, stream_.get()));
-    graph_replays_.fetch_add(1, std::memory_order_relaxed);
-    if (waits) graph_wait_replays_.fetch_add(1, std::memory_order_relaxed);
     if (onload_waits_) {
       step_waits_ = true;  // the waiting variant's event-record nodes time every layer's wait
       wait_timed_.assign(wait_timed_.size(), true);
@@ -163,7 +165,11 @@ absl::Status CudaBackendImpl::EnqueueStep() {
     // The last layer's tail and the head run eagerly on the real candidate rows (cuBLAS bakes a
     // GEMM's row count into a capture).
     HSTU_RETURN_IF_ERROR(EnqueueLastLayerTail());
-    return EnqueueHead();
+    HSTU_RETURN_IF_ERROR(EnqueueHead());
+    // Counted once the whole pass is enqueued: a pass that failed was not a replayed one.
+    graph_replays_.fetch_add(1, std::memory_order_relaxed);
+    if (waits) graph_wait_replays_.fetch_add(1, std::memory_order_relaxed);
+    return absl::OkStatus();
   }
   HSTU_RETURN_IF_ERROR(EnqueueLayerStack());
   return EnqueueHead();
@@ -202,11 +208,20 @@ absl::Status CudaBackendImpl::CaptureGraphs() {
     fb.positions[0] = 0;
     std::vector<int32_t> cand_rows;
     HSTU_RETURN_IF_ERROR(Validate(fb, &cand_rows));
-    PlanAttention(fb);
-    HSTU_RETURN_IF_ERROR(StageGraph(fb, i, std::move(cand_rows)));
     // Warm-up: loads every kernel module and lets cuBLAS pick its algorithms outside the capture.
-    HSTU_RETURN_IF_ERROR(EnqueueLayerStack());
-    HSTU_RETURN_IF_ERROR(EnqueueHead());
+    // A GPU that refuses the cluster launch it reported room for (EnqueueAttention turns clusters
+    // off) gets the bucket warmed up again without them, instead of failing the start-up.
+    absl::Status warmed;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      PlanAttention(fb);
+      HSTU_RETURN_IF_ERROR(StageGraph(fb, i, cand_rows));
+      warmed = EnqueueLayerStack();
+      if (warmed.ok()) warmed = EnqueueHead();
+      if (warmed.ok() || plan_.cluster == 0 || attn_cluster_ > 0) break;
+      cudaGetLastError();  // the refused launch's (non-sticky) error
+      HSTU_CUDA_RETURN(cudaStreamSynchronize(stream_.get()));
+    }
+    HSTU_RETURN_IF_ERROR(warmed);
     HSTU_CUDA_RETURN(cudaStreamSynchronize(stream_.get()));
 
     HSTU_RETURN_IF_ERROR(CaptureStep(/*waits=*/true, &g.with_waits));

@@ -105,6 +105,11 @@ ServerMetrics::ServerMetrics(const std::string& version)
           "or fixed.")),
       cuda_graph_replays_(RegisterCounter(registry_, "hstu_cuda_graph_replays_total",
                                                "Forward passes replayed from captured CUDA graphs.")),
+      cuda_graph_fallbacks_(RegisterCounter(
+          registry_, "hstu_cuda_graph_fallbacks_total",
+          "Forward passes that fit a captured graph bucket's size but ran eagerly: their attention "
+          "plan was of another kind (cluster or not) or larger than the capture holds. Passes "
+          "larger than every bucket are not counted.")),
       gpu_memory_(RegisterGauge(registry_, "hstu_gpu_memory_bytes",
                                      "Device memory held by the engine, by kind (0 on the CPU).",
                                      {"kind"})),
@@ -184,6 +189,7 @@ ServerMetrics::ServerMetrics(const std::string& version)
   kv_onload_bandwidth_.WithLabels({});
   kv_recompute_cost_.WithLabels({});
   cuda_graph_replays_.WithLabels({});
+  cuda_graph_fallbacks_.WithLabels({});
   for (const char* kind : {"total", "kv_pool", "weights"}) gpu_memory_.WithLabels({kind});
   engine_compute_.WithLabels({});
   engine_batches_.WithLabels({});
@@ -251,6 +257,7 @@ EngineStats CountersSince(const EngineStats& now, const EngineStats& base) {
   d.kv_offload_bytes -= base.kv_offload_bytes;
   d.kv_onload_bytes -= base.kv_onload_bytes;
   d.graph_replays -= base.graph_replays;
+  d.graph_fallbacks -= base.graph_fallbacks;
   d.onload_waits -= base.onload_waits;
   d.onload_wait_seconds -= base.onload_wait_seconds;
   return d;
@@ -318,6 +325,7 @@ void ServerMetrics::Collect() const {
   kv_onload_bandwidth_.WithLabels({}).Set(s.onload_bytes_per_second);
   kv_recompute_cost_.WithLabels({}).Set(s.recompute_seconds_per_token);
   MirrorTotal(cuda_graph_replays_.WithLabels({}), static_cast<double>(s.graph_replays));
+  MirrorTotal(cuda_graph_fallbacks_.WithLabels({}), static_cast<double>(s.graph_fallbacks));
   // On the CPU backend the "gpu" tier is the engine's primary KV pool in host memory, and the
   // device memory is 0: the labels keep their meaning when the CUDA backend lands.
   gpu_memory_.WithLabels({"total"}).Set(static_cast<double>(s.device_memory_bytes));

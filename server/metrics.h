@@ -82,6 +82,7 @@ class ServerMetrics {
   const LabeledFamily<prometheus::Gauge> kv_onload_bandwidth_;
   const LabeledFamily<prometheus::Gauge> kv_recompute_cost_;
   const LabeledFamily<prometheus::Counter> cuda_graph_replays_;
+  const LabeledFamily<prometheus::Counter> cuda_graph_fallbacks_;
   const LabeledFamily<prometheus::Gauge> gpu_memory_;
   const LabeledFamily<prometheus::Gauge> gpu_sm_clock_;
   const LabeledFamily<prometheus::Gauge> gpu_power_;

@@ -321,6 +321,30 @@ TEST(CudaGraphs, ClusterPlansReplayEqualEager) {
   std::printf("  %d clusters of 8 at once on %d SMs: cluster plans of %d..%d tiles (2 heads)\n",
               max_clusters, sms, lo, hi);
   g.SetGraphReplay(true);
+
+  // A bucket captured without clusters (lo - 1 tiles) replays a batch that would take them (two
+  // users of 2·128 + 1 rows: lo tiles in fewer rows) with a plan without them. Before, it ran
+  // eagerly (a graph fallback).
+  go.buckets = {{2, (lo - 1) * cuda::kAttnBlockM}};
+  auto plain = CreateCudaBackendExt(w, page_size, num_pages, 0, go);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  CudaBackend& p = **plain;
+  ASSERT_TRUE(p.SetDebugPoison(true).ok());
+  std::vector<User> fresh(2);
+  ASSERT_TRUE(p.Forward(Step(&fresh, {300, 500}, {0, 0}, page_size, &free_pages, &rng), false,
+                        &out).ok());
+  const int a = (lo - 2) / 2, b = lo - 2 - a;  // lo tiles: (a + 1) + (b + 1)
+  const std::vector<int> rows = {a * cuda::kAttnBlockM + 1, b * cuda::kAttnBlockM + 1};
+  std::vector<int> nn, cand;
+  for (int r : rows) {
+    cand.push_back(std::min(256, r - 1));
+    nn.push_back(r - cand.back());
+  }
+  const ForwardBatch two = Step(&fresh, nn, cand, page_size, &free_pages, &rng);
+  ASSERT_LE(two.num_rows(), (lo - 1) * cuda::kAttnBlockM);
+  ReplayThenEager(p, two, /*replay=*/true, "a cluster-sized batch in a bucket without clusters");
+  EXPECT_EQ(p.attention_cluster(), 0);
+  p.SetGraphReplay(true);
 }
 
 // Returning users whose cached prefix is whole 64-key blocks have their new K/V read from the rows
