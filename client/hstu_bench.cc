@@ -57,7 +57,8 @@ ABSL_FLAG(int32_t, window, 0,
           "sliding window (max_attn_len) of the base model in block, block_graphs and e2e; 0 = none");
 ABSL_FLAG(std::string, batches, "1,8", "batch sizes (users)");
 ABSL_FLAG(int32_t, cached, 3968,
-          "kernels, timeline: history tokens per user already in the pages, of 4096 (0 = the "
+          "kernels, timeline, attention_trace: history tokens per user already in the pages, of "
+          "4096 (0 = the "
           "no-cache block's layer: 4096 new history rows + 256 candidates per user)");
 ABSL_FLAG(bool, no_cache_only, false,
           "block: only the no-cache rows with 256 candidates (pages kept and not, alternated three "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's main command: builds if needed, starts hstu_server on an embedded random model
+# The server + loadgen part of the README's main command (scripts/run_main.sh): builds if needed, starts hstu_server on an embedded random model
 # (tiny on the CPU, base on cuda:0 when a GPU is present), waits for health, runs hstu_loadgen for
 # a few seconds, prints its report, stops the server with SIGTERM and checks that it exits 0.
 #

@@ -146,8 +146,10 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                  stats.cache.host_pages_total, host_gib,
                  OnloadPolicyName(options.engine.onload_policy));
   }
-  spdlog::info("engine: KV pool {} pages of {} tokens; CUDA graphs {}", stats.cache.pages_total,
-               options.engine.page_size,
+  spdlog::info("engine: KV pool {} pages of {} tokens ({:.2f} GiB); CUDA graphs {}",
+               stats.cache.pages_total, options.engine.page_size,
+               static_cast<double>(stats.cache.pages_total) * static_cast<double>(stats.kv_page_bytes) /
+                   static_cast<double>(1 << 30),
                on_cpu ? "none (CPU backend)" : options.engine.use_cuda_graphs ? "on" : "off");
   spdlog::info("engine: attention: {}", s->engine_->attention_kernel());
 
