@@ -56,8 +56,17 @@ class CpuBackend final : public Backend {
                       std::vector<float>* out) override;
 
   absl::Status CreateHostPool(int64_t num_pages) override {
+    // The engine bounds num_pages by 2^31 - 1; the product fits 64 bits.
+    const size_t floats = static_cast<size_t>(page_elems_) * static_cast<size_t>(num_pages) *
+                          static_cast<size_t>(w_.config.num_layers);
+    host_pool_.reset(new (std::nothrow) float[floats]);
+    if (host_pool_ == nullptr) {
+      host_num_pages_ = 0;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot allocate the host KV tier of ", num_pages, " pages (", floats * sizeof(float),
+          " bytes)"));
+    }
     host_num_pages_ = num_pages;
-    host_pool_.reset(new float[static_cast<size_t>(page_elems_ * num_pages * w_.config.num_layers)]);
     return absl::OkStatus();
   }
   // On the CPU a host copy is a memcpy per page and layer; it is complete on return.

@@ -9,6 +9,8 @@
 #include <optional>
 #include <unordered_map>
 
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 #include "engine/model_file.h"
 #include "kernels/params.h"
@@ -108,8 +110,21 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     return absl::InvalidArgumentError(
         absl::StrCat("page_size must be in [1, 4096], got ", options.page_size));
   }
-  if (options.cache_pages < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("cache_pages must be >= 0, got ", options.cache_pages));
+  // Page ids are 32-bit (kvcache/page_allocator.h).
+  constexpr int64_t kMaxPoolPages = std::numeric_limits<int32_t>::max();
+  if (options.cache_pages < 0 || options.cache_pages > kMaxPoolPages) {
+    return absl::InvalidArgumentError(absl::StrCat("cache_pages must be in [0, ", kMaxPoolPages,
+                                                   "], got ", options.cache_pages));
+  }
+  if (options.host_cache_pages < -1 || options.host_cache_pages > kMaxPoolPages) {
+    return absl::InvalidArgumentError(absl::StrCat("host_cache_pages must be in [-1, ",
+                                                   kMaxPoolPages, "], got ",
+                                                   options.host_cache_pages));
+  }
+  // At most 1 TiB: its byte count must not overflow.
+  if (options.offload_backlog_mib < 1 || options.offload_backlog_mib > (int64_t{1} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "offload_backlog_mib must be in [1, 1048576], got ", options.offload_backlog_mib));
   }
   if (!(options.onload_bytes_per_second >= 0) || !(options.recompute_seconds_per_token >= 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -151,9 +166,6 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
                  pages_per_user);
   }
   int64_t host_pages = options.host_cache_pages;
-  if (host_pages < -1) {
-    return absl::InvalidArgumentError(absl::StrCat("host_cache_pages must be >= -1, got ", host_pages));
-  }
   if (host_pages == -1) host_pages = AutoHostPages(**backend, num_pages);
   if (!options.enable_cache) host_pages = 0;  // nothing is kept, so nothing moves to the host
   if (host_pages > 0) {
@@ -170,10 +182,6 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   // GPU pool, and waiting for the copies (when nothing else can be evicted) is short. On an H200
   // under a Zipf load 128 MiB gave 1.2x the throughput of 512 MiB (docs/benchmark_history.md,
   // run 7).
-  if (options.offload_backlog_mib < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("offload_backlog_mib must be >= 1, got ", options.offload_backlog_mib));
-  }
   const int64_t page_bytes = std::max<int64_t>(1, (*backend)->page_bytes());
   const int64_t max_inflight =
       std::max<int64_t>(pages_per_user, (options.offload_backlog_mib << 20) / page_bytes);

@@ -546,9 +546,11 @@ PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> k
   const size_t first = static_cast<size_t>(e.dead_pages);
   const int64_t live = static_cast<int64_t>(k - first);
   if (onload_ok && !onload_ok(live, static_cast<int64_t>(k) * page_size_)) return copies;
-  // Make room only from entries that lose nothing but a partial last page by moving to the host.
-  for (auto vit = lru_.end(); allocator_.num_free() < live && vit != lru_.begin();) {
-    --vit;
+  // Make room only from entries that lose nothing but a partial last page by moving to the host,
+  // and only when they make enough of it: a prefetch that cannot start evicts nobody.
+  std::vector<uint64_t> victims;
+  int64_t room = allocator_.num_free();
+  for (auto vit = lru_.rbegin(); room < live && vit != lru_.rend(); ++vit) {
     const uint64_t victim = *vit;
     const Entry& v = entries_.at(victim);
     if (victim == user_id || v.pinned || v.page_ids.empty() || v.inflight_pages > 0 ||
@@ -556,10 +558,11 @@ PageCopies CacheManager::Prefetch(uint64_t user_id, absl::Span<const uint64_t> k
         std::find(keep.begin(), keep.end(), victim) != keep.end()) {
       continue;
     }
-    const auto after = std::next(vit);
-    EvictFromGpuLocked(victim);
-    vit = after;
+    victims.push_back(victim);
+    room += LivePages(v.page_ids, v.dead_pages);
   }
+  if (room < live) return copies;
+  for (uint64_t victim : victims) EvictFromGpuLocked(victim);
   if (live > allocator_.num_free()) return copies;
   TruncateLocked(e, k);
   e.page_ids.assign(first, kDeadPage);

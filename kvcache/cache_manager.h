@@ -22,8 +22,8 @@
 // Sliding window (window_tokens W > 0, the model's max_attn_len, DESIGN §2.2): a request that
 // reuses a prefix of P tokens reads keys from P − W on only, which the GPU kernels round down to
 // a block of kWindowKeyBlock keys. So each commit of an entry of T tokens releases, on both tiers,
-// its pages wholly before T − W − WindowSlackTokens() (at least kWindowSlackPages pages and one
-// key block). Those are "dead": their slots in the page lists hold kDeadPage, and nothing reads
+// its pages wholly before T − W − WindowSlackTokens() (kWindowSlackPages pages plus one key
+// block). Those are "dead": their slots in the page lists hold kDeadPage, and nothing reads
 // them again. A reuse whose block-rounded P − W falls before the live pages counts as a hash
 // mismatch and recomputes the user. The slack keeps a history whose last events changed
 // reusable. A user then holds about W tokens + the slack + 2 pages of each tier.
@@ -125,9 +125,11 @@ class CacheManager {
   // Keys the attention kernels read in one block (kernels/cuda: kAttnBlockN), from the block
   // holding a query's first key.
   static constexpr int32_t kWindowKeyBlock = 64;
-  int32_t WindowSlackTokens() const {
-    return std::max(kWindowSlackPages * page_size_, kWindowKeyBlock);
-  }
+  // A reuse point cut back to whole pages (up to a page and the changed events before T) then
+  // loses up to a key block to the kernels' rounding: the two add up. (As their maximum, with a
+  // page size that does not divide the block, a failed request's cut released pages an offload
+  // was still reading, and with page size 1 an edit of the last event recomputed the user.)
+  int32_t WindowSlackTokens() const { return kWindowSlackPages * page_size_ + kWindowKeyBlock; }
 
   CacheManager(int32_t page_size, int64_t num_pages, int64_t host_num_pages = 0,
                int64_t max_inflight_pages = 0 /* 0 = no bound below the host tier's size */,

@@ -144,6 +144,9 @@ TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
        {"--metrics_listen=unix:/tmp/m.sock", "--metrics_listen=unix:/tmp/m.sock: must be HOST:PORT (no unix sockets here)"},
        {"--max_queued_tokens=-1", "--max_queued_tokens=-1: must be >= 0"},
        {"--max_queue_per_user=-1", "--max_queue_per_user=-1: must be >= 0"},
+       // Before: std::bad_alloc out of the engine's start-up (the process aborted).
+       {"--host_cache_pages=99999999999", "--host_cache_pages=99999999999: must be in [0, 2147483647], or -1 for auto"},
+       {"--offload_backlog_mib=99999999999999", "--offload_backlog_mib=99999999999999: must be in [1, 1048576]"},
        // Every program takes the dashed spelling of its flags (README).
        {"--shutdown-grace-s=-4", "--shutdown_grace_s=-4: must be >= 0"}},
       2);

@@ -224,11 +224,30 @@ TEST(Engine, UserLargerThanThePoolFailsAloneWithResourceExhausted) {
 
 TEST(Engine, AKvPoolTooLargeForMemoryIsAnErrorNotAnAbort) {
   EngineOptions o;
-  o.page_size = 4;
-  o.cache_pages = int64_t{1} << 50;
+  o.page_size = 4096;
+  o.cache_pages = std::numeric_limits<int32_t>::max();  // petabytes
   auto e = Engine::Create(o, RandomModel(TestConfig(false, 0), 3));
   ASSERT_FALSE(e.ok());
   EXPECT_EQ(e.status().code(), absl::StatusCode::kResourceExhausted) << e.status();
+  // Past what 32-bit page ids address: refused by name before any allocation.
+  o.cache_pages = int64_t{1} << 50;
+  e = Engine::Create(o, RandomModel(TestConfig(false, 0), 3));
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
+  EXPECT_NE(e.status().message().find("cache_pages must be in [0, 2147483647]"), std::string::npos)
+      << e.status();
+  // The host tier too. Before: std::bad_alloc (or bad_array_new_length) out of Engine::Create.
+  o.cache_pages = 64;
+  o.host_cache_pages = std::numeric_limits<int32_t>::max();
+  e = Engine::Create(o, RandomModel(TestConfig(false, 0), 3));
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kResourceExhausted) << e.status();
+  EXPECT_NE(e.status().message().find("host KV tier"), std::string::npos) << e.status();
+  o.host_cache_pages = int64_t{1} << 40;
+  e = Engine::Create(o, RandomModel(TestConfig(false, 0), 3));
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
+  o.host_cache_pages = 0;
+  o.offload_backlog_mib = int64_t{1} << 44;  // its bytes overflowed
+  e = Engine::Create(o, RandomModel(TestConfig(false, 0), 3));
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
 }
 
 TEST(Engine, UsersThatDoNotFitBesideEachOtherRunOneAfterAnother) {

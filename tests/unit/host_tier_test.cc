@@ -676,6 +676,27 @@ TEST(HostTierEngine, CreateRejectsNegativeRates) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST(HostTierPrefetch, APrefetchThatCannotFitEvictsNobody) {
+  // A (8 pages) on the host, B (4) and C (8) on a 12-page pool; A's prefetch needs 8 pages and
+  // may take only B's 4 (C runs next). Before: B was moved to the host, then nothing started.
+  CacheManager m(4, 12, 64);
+  for (const auto& [user, tokens] : std::vector<std::pair<uint64_t, int>>{{1, 32}, {2, 16}, {3, 32}}) {
+    auto r = m.Acquire(user, Keys(tokens, static_cast<int>(user)));
+    ASSERT_TRUE(r.ok()) << r.status();
+    m.Commit(*r, Keys(tokens, static_cast<int>(user)));
+    m.OffloadsComplete();
+  }
+  ASSERT_EQ(m.Stats().evictions, 1u);
+  ASSERT_TRUE(m.PrefetchCandidate(1));
+  EXPECT_TRUE(m.Prefetch(1, Keys(32, 1), std::vector<uint64_t>{3}).empty());
+  EXPECT_EQ(m.Stats().evictions, 1u);
+  EXPECT_FALSE(m.PrefetchCandidate(2));  // still on the GPU
+  auto b = m.Acquire(2, Keys(20, 2));
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->result, LookupResult::kHit);
+  m.Commit(*b, Keys(20, 2));
+}
+
 TEST(HostTierPrefetch, QueuedHostUserIsOnloadedEarlyAndReportedAsHostHit) {
   CacheManager m(4, 4, 16);
   for (int u = 1; u <= 2; ++u) {  // user 1 ends up on the host only

@@ -19,10 +19,11 @@ std::vector<uint64_t> Keys(int n, int salt = 1) {
   return k;
 }
 
-// Pages wholly before T − W − the slack (here one 64-key block: more than two pages of 4) are dead
-// after a commit of T tokens.
+// Pages wholly before T − W − the slack (here two pages of 4 and one 64-key block: 72 tokens) are
+// dead after a commit of T tokens.
 int32_t DeadAfter(int32_t tokens) {
-  return std::max(0, (tokens - kWindow - CacheManager::kWindowKeyBlock) / kPage);
+  return std::max(0, (tokens - kWindow - CacheManager::kWindowSlackPages * kPage -
+                      CacheManager::kWindowKeyBlock) / kPage);
 }
 
 void ExpectDeadPrefix(const Reservation& r, int32_t dead) {
@@ -38,14 +39,14 @@ void ExpectDeadPrefix(const Reservation& r, int32_t dead) {
 
 TEST(WindowCache, CommitReleasesThePagesBehindTheWindow) {
   CacheManager m(kPage, 64, 0, 0, kWindow);
-  EXPECT_EQ(m.WindowSlackTokens(), 64);
+  EXPECT_EQ(m.WindowSlackTokens(), 72);
   auto r1 = m.Acquire(1, Keys(120));
   ASSERT_TRUE(r1.ok());
   EXPECT_EQ(r1->dead_pages, 0);
   m.Commit(*r1, Keys(120));
-  ASSERT_EQ(DeadAfter(120), 11);  // tokens 0-43: the first query of a reuse (120) reads from 64 on
-  EXPECT_EQ(m.Stats().pages_free, 64 - (30 - 11));
-  EXPECT_EQ(m.Stats().window_pages_released, 11u);
+  ASSERT_EQ(DeadAfter(120), 9);  // tokens 0-35: the first query of a reuse (120) reads from 64 on
+  EXPECT_EQ(m.Stats().pages_free, 64 - (30 - 9));
+  EXPECT_EQ(m.Stats().window_pages_released, 9u);
 
   // The grown history reuses everything: its first query (token 120) reads from token 110 on.
   auto r2 = m.Acquire(1, Keys(128));
@@ -53,11 +54,11 @@ TEST(WindowCache, CommitReleasesThePagesBehindTheWindow) {
   EXPECT_EQ(r2->result, LookupResult::kHit);
   EXPECT_EQ(r2->reused_tokens, 120);
   ASSERT_EQ(r2->page_ids.size(), 32u);
-  ExpectDeadPrefix(*r2, 11);
-  EXPECT_EQ(std::vector<int32_t>(r2->page_ids.begin() + 11, r2->page_ids.begin() + 30),
-            std::vector<int32_t>(r1->page_ids.begin() + 11, r1->page_ids.end()));
-  EXPECT_EQ(r2->pinned_pages, 21);
-  EXPECT_EQ(m.Stats().pages_pinned, 21);
+  ExpectDeadPrefix(*r2, 9);
+  EXPECT_EQ(std::vector<int32_t>(r2->page_ids.begin() + 9, r2->page_ids.begin() + 30),
+            std::vector<int32_t>(r1->page_ids.begin() + 9, r1->page_ids.end()));
+  EXPECT_EQ(r2->pinned_pages, 23);
+  EXPECT_EQ(m.Stats().pages_pinned, 23);
   m.Commit(*r2, Keys(128));
   EXPECT_EQ(m.Stats().pages_pinned, 0);
   EXPECT_EQ(m.Stats().window_pages_released, static_cast<uint64_t>(DeadAfter(128)));
@@ -75,8 +76,8 @@ TEST(WindowCache, PrefixThatWouldReadReleasedPagesIsRecomputed) {
   CacheManager m(kPage, 64, 0, 0, kWindow);
   auto r = m.Acquire(1, Keys(128));
   m.Commit(*r, Keys(128));
-  const int32_t dead = DeadAfter(128);  // 13 pages: tokens 0-51
-  ASSERT_EQ(dead, 13);
+  const int32_t dead = DeadAfter(128);  // 11 pages: tokens 0-43
+  ASSERT_EQ(dead, 11);
 
   // Token 125 edited: 31 pages match, and their first new query (token 124) reads the block of
   // token 114, keys 64 on.
@@ -90,7 +91,7 @@ TEST(WindowCache, PrefixThatWouldReadReleasedPagesIsRecomputed) {
   m.Commit(*a, late);
 
   // Token 70 edited: 17 pages match, but a query at token 68 would read the block of token 58,
-  // keys 0-63, released up to 51.
+  // keys 0-63, released up to 43.
   std::vector<uint64_t> early = late;
   early[70] = TokenKey(false, 88888);
   auto b = m.Acquire(1, early);
@@ -129,17 +130,17 @@ TEST(WindowCache, HostCopiesHoldOnlyLivePagesAndOnloadOnlyThose) {
   CacheManager m(kPage, 40, 128, 0, kWindow);
   PageCopies off;
   UserOneOnTheHostOnly(m, &off);
-  // User 1's commit released pages 0-10 before offloading: only pages 11-29 went to the host.
-  ASSERT_EQ(off.src.size(), 19u);
+  // User 1's commit released pages 0-8 before offloading: only pages 9-29 went to the host.
+  ASSERT_EQ(off.src.size(), 21u);
   auto back = m.Acquire(1, Keys(124, 1));
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->result, LookupResult::kHostHit);
   EXPECT_EQ(back->reused_tokens, 120);
-  ExpectDeadPrefix(*back, 11);
+  ExpectDeadPrefix(*back, 9);
   EXPECT_EQ(back->onload.src, off.dst);
-  EXPECT_EQ(back->onload.dst, std::vector<int32_t>(back->page_ids.begin() + 11,
+  EXPECT_EQ(back->onload.dst, std::vector<int32_t>(back->page_ids.begin() + 9,
                                                    back->page_ids.begin() + 30));
-  EXPECT_EQ(m.Stats().pages_onloaded, 19u);
+  EXPECT_EQ(m.Stats().pages_onloaded, 21u);
   m.Commit(*back, Keys(124, 1));
   m.OffloadsComplete();
   m.Clear();
@@ -159,14 +160,14 @@ TEST(WindowCache, DeclinedOnloadRecomputesEveryPageAndDropsTheHostCopy) {
     return false;
   });
   ASSERT_TRUE(r.ok());
-  EXPECT_EQ(asked, 19);       // the live pages it would have copied
+  EXPECT_EQ(asked, 21);       // the live pages it would have copied
   EXPECT_EQ(recompute, 120);  // the tokens a decline recomputes: the whole prefix
   EXPECT_EQ(r->result, LookupResult::kHostRecompute);
   EXPECT_EQ(r->reused_tokens, 0);
   ExpectDeadPrefix(*r, 0);
   EXPECT_EQ(r->page_ids.size(), 31u);
   EXPECT_TRUE(r->onload.empty());
-  EXPECT_EQ(m.Stats().host_pages_free, host_free + 19);
+  EXPECT_EQ(m.Stats().host_pages_free, host_free + 21);
   PageCopies again = m.Commit(*r, Keys(124, 1));
   EXPECT_EQ(again.src.size(), static_cast<size_t>(31 - DeadAfter(124)));
 }
@@ -204,25 +205,25 @@ TEST(WindowCache, PrefetchCopiesOnlyLivePages) {
     recompute = tokens;
     return true;
   });
-  EXPECT_EQ(asked, 19);
+  EXPECT_EQ(asked, 21);
   EXPECT_EQ(recompute, 120);
   EXPECT_EQ(pre.src, off.dst);
-  ASSERT_EQ(pre.dst.size(), 19u);
+  ASSERT_EQ(pre.dst.size(), 21u);
   m.PrefetchesComplete();
   auto r = m.Acquire(1, Keys(124, 1));
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->result, LookupResult::kHostHit);
   EXPECT_TRUE(r->onload.empty());
-  ExpectDeadPrefix(*r, 11);
-  EXPECT_EQ(std::vector<int32_t>(r->page_ids.begin() + 11, r->page_ids.begin() + 30), pre.dst);
+  ExpectDeadPrefix(*r, 9);
+  EXPECT_EQ(std::vector<int32_t>(r->page_ids.begin() + 9, r->page_ids.begin() + 30), pre.dst);
   m.Commit(*r, Keys(124, 1));
 }
 
 TEST(WindowCache, PrefetchedUserDoesNotMakeARequestThatCannotFitEvictOthers) {
-  // User 1's prefetch holds 19 live pages behind 11 dead slots. A request of 32 pages cannot fit
-  // (11 free + 19 evictable), so it must fail without evicting anyone. (The prefetch count was
-  // lowered by 30, dead slots included, when user 1 acquired: the check saw 41 pages and evicted
-  // user 1 for nothing.)
+  // User 1's prefetch holds 21 live pages behind 9 dead slots. A request of 32 pages cannot fit
+  // (9 free + 21 evictable), so it must fail without evicting anyone. (The prefetch count was
+  // lowered by 30, dead slots included, when user 1 acquired: the check saw more pages than there
+  // were and evicted user 1 for nothing.)
   CacheManager m(kPage, 32, 64, 0, kWindow);
   for (uint64_t u : {1, 2}) {
     const int n = u == 1 ? 120 : 8;
@@ -234,7 +235,7 @@ TEST(WindowCache, PrefetchedUserDoesNotMakeARequestThatCannotFitEvictOthers) {
   auto big = m.Acquire(3, Keys(128, 3));  // 32 pages: both users to the host
   ASSERT_TRUE(big.ok()) << big.status();
   m.Release(*big);
-  ASSERT_EQ(m.Prefetch(1, Keys(120, 1)).src.size(), 19u);
+  ASSERT_EQ(m.Prefetch(1, Keys(120, 1)).src.size(), 21u);
   ASSERT_EQ(m.Prefetch(2, Keys(8, 2)).src.size(), 2u);
   auto r1 = m.Acquire(1, Keys(120, 1));
   ASSERT_TRUE(r1.ok()) << r1.status();
@@ -244,6 +245,52 @@ TEST(WindowCache, PrefetchedUserDoesNotMakeARequestThatCannotFitEvictOthers) {
   EXPECT_EQ(r4.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(m.Stats().evictions, evictions);
   EXPECT_EQ(m.CachedTokens(1), 120);
+}
+
+// The slack is a page cut plus a key block, not the larger of the two. With their maximum (64
+// tokens here), a history of T tokens whose last event changed was recomputed whole for 2 % of the
+// T at page size 1, and with a page size that does not divide the block a failed request's cut
+// released the pages an offload in flight was still reading.
+TEST(WindowCache, AnEditedLastEventKeepsItsPrefixAtPageSizeOne) {
+  for (int tokens = 200; tokens < 300; ++tokens) {
+    CacheManager m(/*page_size=*/1, 1000, 0, 0, /*window_tokens=*/100);
+    std::vector<uint64_t> k(tokens);
+    for (int i = 0; i < tokens; ++i) k[i] = TokenKey(i % 2 == 1, 1000 + i);
+    auto first = m.Acquire(1, k);
+    ASSERT_TRUE(first.ok());
+    m.Commit(*first, k);
+    k[tokens - 2] = TokenKey(false, 7);  // the last event (item, action) changed
+    k[tokens - 1] = TokenKey(true, 7);
+    auto edited = m.Acquire(1, k);
+    ASSERT_TRUE(edited.ok());
+    EXPECT_EQ(edited->result, LookupResult::kPartial) << tokens;  // before: a mismatch at 229
+    EXPECT_EQ(edited->reused_tokens, tokens - 2) << tokens;
+    m.Release(*edited);
+  }
+}
+
+TEST(WindowCache, AFailedRequestKeepsTheHostCopyAnOffloadInFlightWrites) {
+  // Page size 17, window 1: the commit of 133 tokens offloads its live full pages; the user's
+  // next request (a GPU hit) fails while that offload is in flight. Before: the cut behind the
+  // window emptied the entry, freeing the pages the offload was still reading and writing.
+  CacheManager m(/*page_size=*/17, 40, 40, 0, /*window_tokens=*/1);
+  auto first = m.Acquire(6, Keys(133));
+  ASSERT_TRUE(first.ok());
+  const PageCopies off = m.Commit(*first, Keys(133));
+  ASSERT_FALSE(off.empty());
+  auto again = m.Acquire(6, Keys(163));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->result, LookupResult::kHit);
+  m.Release(*again);
+  ASSERT_TRUE(m.offloads_in_flight());
+  EXPECT_EQ(m.CachedTokens(6), 7 * 17);
+  // The offload's pages are still the entry's: none is free to hand out.
+  EXPECT_LE(m.Stats().pages_free, 40 - static_cast<int64_t>(off.src.size()));
+  EXPECT_LE(m.Stats().host_pages_free, 40 - static_cast<int64_t>(off.dst.size()));
+  m.OffloadsComplete();
+  m.Clear();
+  EXPECT_EQ(m.Stats().pages_free, 40);
+  EXPECT_EQ(m.Stats().host_pages_free, 40);
 }
 
 // Random edits, truncations, failures, evictions to a host tier, prefetches and offloads that
