@@ -63,6 +63,11 @@ struct GraphBucket {
   int32_t max_users = 0;
   int32_t max_rows = 0;
 };
+// Bounds on a bucket (a captured graph holds static buffers for max_rows rows and max_users
+// users' pages; beyond these the sizes' int32 arithmetic would overflow long before memory ran
+// out).
+inline constexpr int32_t kMaxGraphBucketUsers = 4096;
+inline constexpr int32_t kMaxGraphBucketRows = 1 << 20;
 struct GraphOptions {
   bool enable = false;               // backends without graphs ignore it
   std::vector<GraphBucket> buckets;  // empty: the backend's defaults

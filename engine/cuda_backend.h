@@ -13,8 +13,9 @@
 // (GPU → host) wait for the compute stream (the forward that wrote the pages) and run on the
 // offload stream; CopiesDone() polls both streams, WaitCopies() blocks on them.
 //
-// CUDA graphs (DESIGN §7): at creation, after a warm-up, the decode step (gather → layers → head)
-// is captured once per bucket into static buffers; a batch that fits a bucket is padded (padding
+// CUDA graphs (DESIGN §7): at creation, after a warm-up, the decode step (the gather and the
+// layers but the last one's candidate-row tail; that tail and the head run eagerly after the
+// replay, on the real candidate rows) is captured once per bucket into static buffers; a batch that fits a bucket is padded (padding
 // users own no rows; padding rows belong to no user and are never appended or read back), its
 // metadata is copied into the static buffers, the attention nodes get the batch's work-item count
 // as their grid, and the graph is replayed. The per-layer onload waits are external event-wait

@@ -179,9 +179,11 @@ absl::Status CudaBackendImpl::CaptureGraphs() {
   slots_.clear();
   for (const GraphBucket& b : graph_options_.buckets.empty() ? DefaultGraphBuckets()
                                                              : graph_options_.buckets) {
-    if (b.max_users <= 0 || b.max_rows <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat("graph bucket (", b.max_users, " users, ",
-                                                     b.max_rows, " rows) must be positive"));
+    if (b.max_users <= 0 || b.max_rows <= 0 || b.max_users > kMaxGraphBucketUsers ||
+        b.max_rows > kMaxGraphBucketRows) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "graph bucket (", b.max_users, " users, ", b.max_rows, " rows) must have users in [1, ",
+          kMaxGraphBucketUsers, "] and rows in [1, ", kMaxGraphBucketRows, "]"));
     }
     GraphSlot g;
     g.bucket = b;

@@ -142,9 +142,11 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
     std::vector<std::string> parts = absl::StrSplit(item, 'x');
     GraphBucket b;
     if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &b.max_users) ||
-        !absl::SimpleAtoi(parts[1], &b.max_rows) || b.max_users < 1 || b.max_rows < 1) {
+        !absl::SimpleAtoi(parts[1], &b.max_rows) || b.max_users < 1 || b.max_rows < 1 ||
+        b.max_users > kMaxGraphBucketUsers || b.max_rows > kMaxGraphBucketRows) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "--graph_buckets: '", item, "' is not USERSxROWS with positive numbers (e.g. 8x4096)"));
+          "--graph_buckets: '", item, "' is not USERSxROWS with users in [1, ",
+          kMaxGraphBucketUsers, "] and rows in [1, ", kMaxGraphBucketRows, "] (e.g. 8x4096)"));
     }
     o.engine.graph_buckets.push_back(b);
   }

@@ -147,6 +147,8 @@ TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
        // Before: std::bad_alloc out of the engine's start-up (the process aborted).
        {"--host_cache_pages=99999999999", "--host_cache_pages=99999999999: must be in [0, 2147483647], or -1 for auto"},
        {"--offload_backlog_mib=99999999999999", "--offload_backlog_mib=99999999999999: must be in [1, 1048576]"},
+       // Before: accepted, then int32 overflow in the bucket's static sizes.
+       {"--graph_buckets=8x2147483000", "--graph_buckets: '8x2147483000' is not USERSxROWS with users in [1, 4096] and rows in [1, 1048576]"},
        // Every program takes the dashed spelling of its flags (README).
        {"--shutdown-grace-s=-4", "--shutdown_grace_s=-4: must be >= 0"}},
       2);
