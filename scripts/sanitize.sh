@@ -17,7 +17,10 @@ JOBS="${HSTU_JOBS:-$(nproc)}"
 cmake -S . -B "$DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHSTU_ENABLE_CUDA=OFF \
   -DHSTU_SANITIZE="$SAN" > /dev/null
 cmake --build "$DIR" -j "$JOBS"
-export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1}"
+# allocator_may_return_null: an allocation too large for the machine fails as it would without a
+# sanitizer (new(std::nothrow) returns null, and the code under test reports RESOURCE_EXHAUSTED)
+# instead of the sanitizer aborting the test.
+export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1:allocator_may_return_null=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
-export TSAN_OPTIONS="${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1:suppressions=$PWD/tests/tsan_suppressions.txt}"
+export TSAN_OPTIONS="${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1:allocator_may_return_null=1:suppressions=$PWD/tests/tsan_suppressions.txt}"
 ctest --test-dir "$DIR" --output-on-failure --no-tests=error -j "$JOBS" "$@"
