@@ -19,6 +19,7 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -82,8 +83,9 @@ ABSL_FLAG(int64_t, max_outstanding, 10000,
           "Open loop: sends beyond this many unanswered requests are counted as LOADGEN_BACKLOG "
           "errors instead of sent.");
 ABSL_FLAG(double, max_error_rate, 0.01,
-          "Exit status 1 when a level's failed calls exceed this share of its measured calls "
-          "(1: never; an overload study that expects errors sets it).");
+          "Exit status 1 when a level's failed calls (and open-loop sends skipped as "
+          "LOADGEN_BACKLOG) exceed this share of its measured calls, or none succeeded (1: never; "
+          "an overload study that expects errors sets it).");
 ABSL_FLAG(int64_t, prewarm_visits, 0,
           "Visits sent before the first level and not reported (at the first level's concurrency, "
           "or 8 callers for a rate), so that the population's first visits, all misses, do not "
@@ -121,6 +123,7 @@ extern "C" void OnStopSignal(int sig) {
 void InstallStopSignals() {
   struct sigaction sa = {};
   sa.sa_handler = OnStopSignal;
+  sa.sa_flags = SA_RESTART;  // stdio writes to a pipe are not cut short by the signal
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
@@ -139,6 +142,40 @@ bool SleepUntil(Clock::time_point t) {
 bool SleepFor(double s) {
   return SleepUntil(Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                        std::chrono::duration<double>(std::max(0.0, s))));
+}
+
+// The calls of a level in flight, so that a stop signal can cancel them instead of waiting out
+// their deadlines (up to --timeout_ms).
+class InFlightCalls {
+ public:
+  void Add(grpc::ClientContext* ctx) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    calls_.insert(ctx);
+  }
+  // Before the context is destroyed.
+  void Remove(grpc::ClientContext* ctx) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    calls_.erase(ctx);
+  }
+  // Holds the lock, so no context is destroyed meanwhile, except by a completion that gRPC runs
+  // inside TryCancel on this thread (hence the recursive lock, and the walk over a copy that
+  // skips what such a completion removed).
+  void CancelAll() {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    const std::vector<grpc::ClientContext*> now(calls_.begin(), calls_.end());
+    for (grpc::ClientContext* ctx : now) {
+      if (calls_.contains(ctx)) ctx->TryCancel();
+    }
+  }
+
+ private:
+  std::recursive_mutex mu_;
+  std::unordered_set<grpc::ClientContext*> calls_;
+};
+
+// A call that a stop signal cancelled: not the server's answer, so not counted.
+bool CancelledByUs(const grpc::Status& status) {
+  return status.error_code() == grpc::StatusCode::CANCELLED && g_interrupted.load();
 }
 
 const char* CodeName(grpc::StatusCode code) {
@@ -317,6 +354,8 @@ class Driver {
                          int64_t num_requests) {
     std::atomic<bool> stop{false};
     std::atomic<int64_t> issued{0};
+    std::atomic<int32_t> running{0};
+    InFlightCalls calls;
     std::vector<std::thread> workers;
     auto worker = [&] {
       // An unreachable server answers UNAVAILABLE at once: back off (1 ms doubling to 100 ms)
@@ -331,9 +370,11 @@ class Driver {
         grpc::ClientContext ctx;
         const Clock::time_point start = Clock::now();
         PrepareContext(&ctx, v.user_id, start);
+        calls.Add(&ctx);
         const grpc::Status status = NextStub()->Rank(&ctx, req, &resp);
+        calls.Remove(&ctx);
         traffic_->Done(v);
-        level->Done(measured, status, Since(start), resp, v.new_user);
+        if (!CancelledByUs(status)) level->Done(measured, status, Since(start), resp, v.new_user);
         if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
           backoff = std::clamp(2 * backoff, std::chrono::milliseconds(1),
                                std::chrono::milliseconds(100));
@@ -345,8 +386,15 @@ class Driver {
     };
     absl::Status started;
     try {
-      for (int32_t w = 0; w < concurrency; ++w) workers.emplace_back(worker);
+      for (int32_t w = 0; w < concurrency; ++w) {
+        running.fetch_add(1);
+        workers.emplace_back([&] {
+          worker();
+          running.fetch_sub(1);
+        });
+      }
     } catch (const std::system_error& e) {
+      running.fetch_sub(1);  // the thread that did not start
       started = absl::ResourceExhaustedError(absl::StrCat(
           "could not start caller thread ", workers.size() + 1, " of ", concurrency, ": ", e.what()));
       stop.store(true);
@@ -361,6 +409,11 @@ class Driver {
       }
     }
     if (num_requests == 0 || !started.ok() || g_interrupted.load()) stop.store(true);
+    // A stop signal cancels the calls in flight instead of waiting out their deadlines.
+    while (running.load() > 0) {
+      if (g_interrupted.load()) calls.CancelAll();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
     for (auto& t : workers) t.join();
     level->Finish();
     return started;
@@ -374,6 +427,7 @@ class Driver {
     std::atomic<int64_t> outstanding{0};
     std::mutex done_mu;
     std::condition_variable done_cv;
+    InFlightCalls calls;
     const Clock::time_point t0 = Clock::now();
     double offset_s = 0;
     bool measuring = false;
@@ -418,22 +472,34 @@ class Driver {
       call->req = MakeRequest(call->visit);
       PrepareContext(&call->ctx, call->visit.user_id, scheduled);
       outstanding.fetch_add(1);
+      calls.Add(&call->ctx);
       const bool measured = measuring;
       NextStub()->async()->Rank(
           &call->ctx, &call->req, &call->resp,
-          [this, call, level, measured, scheduled, &outstanding, &done_mu, &done_cv](grpc::Status s) {
+          [this, call, level, measured, scheduled, &calls, &outstanding, &done_mu,
+           &done_cv](grpc::Status s) {
             // Latency from the scheduled send time: queueing in a slow client or server counts.
             const double latency = std::chrono::duration<double>(Clock::now() - scheduled).count();
             traffic_->Done(call->visit);
-            level->Done(measured, s, latency, call->resp, call->visit.new_user);
+            if (!CancelledByUs(s)) level->Done(measured, s, latency, call->resp, call->visit.new_user);
+            calls.Remove(&call->ctx);
             delete call;
             std::lock_guard<std::mutex> lock(done_mu);
             outstanding.fetch_sub(1);
             done_cv.notify_all();
           });
     }
-    std::unique_lock<std::mutex> lock(done_mu);
-    done_cv.wait(lock, [&] { return outstanding.load() == 0; });
+    // The answers still out; a stop signal cancels them instead of waiting out their deadlines.
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(done_mu);
+        if (done_cv.wait_for(lock, std::chrono::milliseconds(20),
+                             [&] { return outstanding.load() == 0; })) {
+          break;
+        }
+      }
+      if (g_interrupted.load()) calls.CancelAll();  // not under done_mu, which completions take
+    }
     level->Finish();
   }
 
@@ -664,6 +730,7 @@ int Main() {
   run.zipf = t.zipf_s;
   run.connections = num_connections;
   run.seed = t.seed;
+  run.levels_planned = levels->size();
   // The report files hold every level finished so far: a run cut short keeps what it measured.
   auto write_reports = [&](const std::vector<LevelResult>& done) {
     bool ok = true;
@@ -737,9 +804,13 @@ int Main() {
     if (!write_reports(done)) rc = 1;
   }
 
+  // The last write says whether the run was cut short (also when no level got measured: a file
+  // left by an earlier run must not pass for this one's).
+  run.interrupted = g_interrupted.load();
+  if (!write_reports(done)) rc = 1;
   std::printf("%s", FormatTable(run, done).c_str());
   std::fflush(stdout);
-  if (g_interrupted.load()) {
+  if (run.interrupted) {
     std::fprintf(stderr, "hstu_loadgen: stopped by a signal after %zu of %zu levels\n", done.size(),
                  levels->size());
     rc = 1;
@@ -750,6 +821,7 @@ int Main() {
   // the device, a server that died) as a result.
   const double max_error_rate = absl::GetFlag(FLAGS_max_error_rate);
   for (const LevelResult& l : done) {
+    if (max_error_rate >= 1) break;  // errors are what the run studies
     const int64_t errors = l.error_count();
     const double share = static_cast<double>(errors) / static_cast<double>(std::max<int64_t>(1, errors + l.requests));
     if (l.requests == 0) {
@@ -758,8 +830,8 @@ int Main() {
       rc = 1;
     } else if (share > max_error_rate) {
       std::fprintf(stderr,
-                   "hstu_loadgen: %s: %lld of %lld calls failed (%.2f %%, above --max_error_rate "
-                   "%.2f %%)\n",
+                   "hstu_loadgen: %s: %lld of %lld calls failed or were not sent (%.2f %%, above "
+                   "--max_error_rate %.2f %%)\n",
                    LevelLabel(l).c_str(), static_cast<long long>(errors),
                    static_cast<long long>(errors + l.requests), 100 * share, 100 * max_error_rate);
       rc = 1;

@@ -1,11 +1,10 @@
 #include "client/report.h"
 
-#include <cstdio>
-#include <fstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "engine/atomic_file.h"
 #include "nlohmann/json.hpp"
 
 namespace hstu::loadgen {
@@ -38,7 +37,7 @@ std::string Errors(const LevelResult& l) { return l.errors.empty() ? "0" : JoinC
 
 std::string LevelLabel(const LevelResult& l) {
   return absl::StrCat(l.mode == "closed" ? absl::StrCat("c=", l.concurrency)
-                                         : absl::StrFormat("%g rps %s", l.rate_rps, l.arrival),
+                                         : absl::StrFormat("%.10g rps %s", l.rate_rps, l.arrival),
                       l.interrupted ? " (stopped)" : "");
 }
 
@@ -97,6 +96,8 @@ std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels) 
   root["zipf"] = info.zipf;
   root["connections"] = info.connections;
   root["seed"] = info.seed;
+  root["levels_planned"] = info.levels_planned;
+  root["interrupted"] = info.interrupted;
   nlohmann::json arr = nlohmann::json::array();
   for (const LevelResult& l : levels) {
     nlohmann::json j;
@@ -170,12 +171,8 @@ std::string ToCsv(const std::vector<LevelResult>& levels) {
 }
 
 absl::Status WriteFile(const std::string& path, const std::string& contents) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) return absl::UnavailableError(absl::StrCat("cannot write ", path));
-  f << contents;
-  f.close();
-  if (!f) return absl::DataLossError(absl::StrCat("error writing ", path));
-  return absl::OkStatus();
+  // Rewritten after every level: a run killed mid-write keeps the previous levels' file.
+  return WriteFileAtomically(path, contents);
 }
 
 }  // namespace hstu::loadgen

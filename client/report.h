@@ -46,6 +46,8 @@ struct RunInfo {
   double zipf = 0;
   int32_t connections = 0;
   uint64_t seed = 0;
+  size_t levels_planned = 0;
+  bool interrupted = false;  // a stop signal ended the run before its last level
 };
 
 // "c=8" for a closed-loop level, "500 rps poisson" for an open-loop one; " (stopped)" after a level
@@ -54,6 +56,7 @@ std::string LevelLabel(const LevelResult& l);
 std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& levels);
 std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels);
 std::string ToCsv(const std::vector<LevelResult>& levels);
+// Whole or not at all (a temporary file renamed over `path`).
 absl::Status WriteFile(const std::string& path, const std::string& contents);
 
 }  // namespace hstu::loadgen

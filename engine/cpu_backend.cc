@@ -13,6 +13,16 @@
 namespace hstu {
 namespace {
 
+// Past 1 TiB no machine we run on has the memory, and the pool's byte count stays in range.
+absl::Status CheckPoolSize(const char* what, int64_t num_pages, int64_t page_floats) {
+  if (num_pages > (int64_t{1} << 40) / std::max<int64_t>(1, page_floats * 4)) {
+    return absl::ResourceExhaustedError(absl::StrCat("a ", what, " of ", num_pages, " pages of ",
+                                                     page_floats * 4,
+                                                     " bytes is too large (over 1 TiB)"));
+  }
+  return absl::OkStatus();
+}
+
 constexpr float kLayerNormEps = 1e-5f;
 
 class CpuBackend final : public Backend {
@@ -56,7 +66,10 @@ class CpuBackend final : public Backend {
                       std::vector<float>* out) override;
 
   absl::Status CreateHostPool(int64_t num_pages) override {
-    // The engine bounds num_pages by 2^31 - 1; the product fits 64 bits.
+    if (absl::Status s = CheckPoolSize("host KV tier", num_pages, page_elems_ * w_.config.num_layers);
+        !s.ok()) {
+      return s;
+    }
     const size_t floats = static_cast<size_t>(page_elems_) * static_cast<size_t>(num_pages) *
                           static_cast<size_t>(w_.config.num_layers);
     host_pool_.reset(new (std::nothrow) float[floats]);
@@ -264,11 +277,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const ModelWeights& we
   if (page_size <= 0) return absl::InvalidArgumentError("page_size must be > 0");
   if (num_pages <= 0) return absl::InvalidArgumentError("the KV pool needs at least one page");
   const int64_t page_floats = 2LL * page_size * weights.config.hd() * weights.config.num_layers;
-  // Past 1 TiB no machine we run on has the memory (and the multiplication below stays in range).
-  if (num_pages > (int64_t{1} << 40) / std::max<int64_t>(1, page_floats * 4)) {
-    return absl::ResourceExhaustedError(absl::StrCat("a KV pool of ", num_pages, " pages of ",
-                                                     page_floats * 4, " bytes is too large (over 1 TiB)"));
-  }
+  if (absl::Status s = CheckPoolSize("KV pool", num_pages, page_floats); !s.ok()) return s;
   auto backend = std::make_unique<CpuBackend>(weights, page_size, num_pages, numerics);
   if (!backend->allocated()) {
     return absl::ResourceExhaustedError(absl::StrCat(

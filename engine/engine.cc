@@ -110,8 +110,6 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     return absl::InvalidArgumentError(
         absl::StrCat("page_size must be in [1, 4096], got ", options.page_size));
   }
-  // Page ids are 32-bit (kvcache/page_allocator.h).
-  constexpr int64_t kMaxPoolPages = std::numeric_limits<int32_t>::max();
   if (options.cache_pages < 0 || options.cache_pages > kMaxPoolPages) {
     return absl::InvalidArgumentError(absl::StrCat("cache_pages must be in [0, ", kMaxPoolPages,
                                                    "], got ", options.cache_pages));
@@ -121,10 +119,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
                                                    kMaxPoolPages, "], got ",
                                                    options.host_cache_pages));
   }
-  // At most 1 TiB: its byte count must not overflow.
-  if (options.offload_backlog_mib < 1 || options.offload_backlog_mib > (int64_t{1} << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "offload_backlog_mib must be in [1, 1048576], got ", options.offload_backlog_mib));
+  if (options.offload_backlog_mib < 1 || options.offload_backlog_mib > kMaxOffloadBacklogMib) {
+    return absl::InvalidArgumentError(absl::StrCat("offload_backlog_mib must be in [1, ",
+                                                   kMaxOffloadBacklogMib, "], got ",
+                                                   options.offload_backlog_mib));
   }
   if (!(options.onload_bytes_per_second >= 0) || !(options.recompute_seconds_per_token >= 0)) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -20,6 +21,11 @@
 #include "kvcache/cache_manager.h"
 
 namespace hstu {
+
+// Bounds on the pools' sizes (page ids are 32-bit: kvcache/page_allocator.h) and on the offload
+// backlog (its bytes must fit 64 bits), checked by Engine::Create.
+inline constexpr int64_t kMaxPoolPages = std::numeric_limits<int32_t>::max();
+inline constexpr int64_t kMaxOffloadBacklogMib = int64_t{1} << 20;  // 1 TiB
 
 struct EngineOptions {
   std::string model = "random:tiny";  // file path or random:PRESET

@@ -6,6 +6,7 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "engine/atomic_file.h"  // WriteFileAtomically, which WriteModelFile uses
 #include "engine/model.h"
 
 namespace hstu {
@@ -17,9 +18,6 @@ absl::StatusOr<ModelWeights> ReadModelFile(const std::string& path);
 // Same, from the file's bytes (used by tests for malformed inputs).
 absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std::string& name);
 
-// Writes `bytes` to a temporary file beside `path`, then renames it over `path`: a failed write (a
-// full disk) leaves what was at `path`, if anything, as it was, and no partial file.
-absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes);
 absl::Status WriteModelFile(const ModelWeights& weights, const std::string& path,
                             FileDType dtype = FileDType::kF32);
 std::string SerializeModelFile(const ModelWeights& weights, FileDType dtype = FileDType::kF32);

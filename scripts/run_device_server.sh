@@ -9,7 +9,7 @@
 # cache_always: the cache with --onload_policy=always, every host hit onloaded: the A/B of the
 # onload-or-recompute rule; cache_gpu: the GPU pool alone, no host tier; cache_b512: a write-behind backlog of
 # 512 MiB instead of the default 128; cache_window: the cache's load on the base shapes with a sliding window
-# of 512 tokens (a model file), whose cache holds a user's last ~600 tokens only; these three are
+# of 512 tokens (a model file), whose cache holds a user's last ~700 tokens only; these three are
 # not in the default parts.)
 # Server against `hstu_bench e2e` with the bench's exact shape (every user starts at 128 events and
 # each visit adds exactly 128 = 256 tokens, up to 2048 events; 256 candidates), one loadgen run per

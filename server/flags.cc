@@ -163,7 +163,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.warmup = absl::GetFlag(FLAGS_warmup);
   o.engine_stall_timeout_s = absl::GetFlag(FLAGS_engine_stall_timeout_s);
 
-  auto bad = [](const char* flag, auto value, const char* want) {
+  auto bad = [](const char* flag, auto value, absl::string_view want) {
     return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", want));
   };
   if (auto s = CheckListenAddress("listen", o.listen); !s.ok()) return s;
@@ -197,19 +197,19 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   if (ps < 1 || ps > 4096 || (ps & (ps - 1)) != 0) {
     return bad("page_size", ps, "must be a power of two in [1, 4096]");
   }
-  // Page ids are 32-bit; the backlog's bytes must fit 64 bits.
-  if (o.engine.cache_pages < 0 || o.engine.cache_pages > INT32_MAX) {
-    return bad("cache_pages", o.engine.cache_pages, "must be in [0, 2147483647]");
+  if (o.engine.cache_pages < 0 || o.engine.cache_pages > kMaxPoolPages) {
+    return bad("cache_pages", o.engine.cache_pages, absl::StrCat("must be in [0, ", kMaxPoolPages, "]"));
   }
-  if (o.engine.offload_backlog_mib < 1 || o.engine.offload_backlog_mib > (int64_t{1} << 20)) {
-    return bad("offload_backlog_mib", o.engine.offload_backlog_mib, "must be in [1, 1048576]");
+  if (o.engine.offload_backlog_mib < 1 || o.engine.offload_backlog_mib > kMaxOffloadBacklogMib) {
+    return bad("offload_backlog_mib", o.engine.offload_backlog_mib,
+               absl::StrCat("must be in [1, ", kMaxOffloadBacklogMib, "]"));
   }
   if (o.engine_stall_timeout_s < -1) {
     return bad("engine_stall_timeout_s", o.engine_stall_timeout_s, "must be >= 0, or -1 for auto");
   }
-  if (o.engine.host_cache_pages < -1 || o.engine.host_cache_pages > INT32_MAX) {
+  if (o.engine.host_cache_pages < -1 || o.engine.host_cache_pages > kMaxPoolPages) {
     return bad("host_cache_pages", o.engine.host_cache_pages,
-               "must be in [0, 2147483647], or -1 for auto");
+               absl::StrCat("must be in [0, ", kMaxPoolPages, "], or -1 for auto"));
   }
   return o;
 }

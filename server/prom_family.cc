@@ -1,18 +1,34 @@
 #include "server/prom_family.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 namespace hstu::server {
+namespace {
+
+const std::string& CheckedHelp(const std::string& name, const std::string& help) {
+  if (help.find_first_of("\\\n") != std::string::npos) {
+    std::fprintf(stderr, "metric %s: help text with a backslash or a newline\n", name.c_str());
+    std::abort();
+  }
+  return help;
+}
+
+}  // namespace
 
 LabeledFamily<prometheus::Counter> RegisterCounter(prometheus::Registry& registry,
                                                    const std::string& name, const std::string& help,
                                                    std::vector<std::string> label_names) {
-  return {prometheus::BuildCounter().Name(name).Help(help).Register(registry), name,
+  return {prometheus::BuildCounter().Name(name).Help(CheckedHelp(name, help)).Register(registry),
+          name,
           std::move(label_names), {}};
 }
 
 LabeledFamily<prometheus::Gauge> RegisterGauge(prometheus::Registry& registry,
                                                const std::string& name, const std::string& help,
                                                std::vector<std::string> label_names) {
-  return {prometheus::BuildGauge().Name(name).Help(help).Register(registry), name,
+  return {prometheus::BuildGauge().Name(name).Help(CheckedHelp(name, help)).Register(registry),
+          name,
           std::move(label_names), {}};
 }
 
@@ -21,7 +37,8 @@ LabeledFamily<prometheus::Histogram> RegisterHistogram(prometheus::Registry& reg
                                                        const std::string& help,
                                                        std::vector<double> upper_bounds,
                                                        std::vector<std::string> label_names) {
-  return {prometheus::BuildHistogram().Name(name).Help(help).Register(registry), name,
+  return {prometheus::BuildHistogram().Name(name).Help(CheckedHelp(name, help)).Register(registry),
+          name,
           std::move(label_names), std::move(upper_bounds)};
 }
 

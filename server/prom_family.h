@@ -7,6 +7,8 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -20,6 +22,7 @@
 
 namespace hstu::server {
 
+// Not copyable or movable (it holds a mutex): built in place from RegisterCounter & co.
 template <typename T>
 class LabeledFamily {
  public:
@@ -31,20 +34,27 @@ class LabeledFamily {
         buckets_(std::move(buckets)) {}
 
   // The series with these label values, created at the first call. `values` has one entry per
-  // label name (aborts otherwise: a programming error).
+  // label name (aborts otherwise: a programming error). Later calls find it here: prometheus-cpp's
+  // Family::Add builds a metric (for a histogram, its buckets) on every call, then drops it when
+  // the series exists.
   T& WithLabels(const std::vector<std::string>& values) const {
     if (values.size() != label_names_.size()) {
       std::fprintf(stderr, "metric %s: %zu label values for %zu labels\n", name_.c_str(),
                    values.size(), label_names_.size());
       std::abort();
     }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = series_.find(values); it != series_.end()) return *it->second;
     prometheus::Labels labels;
     for (size_t i = 0; i < values.size(); ++i) labels.emplace(label_names_[i], values[i]);
+    T* series = nullptr;
     if constexpr (std::is_same_v<T, prometheus::Histogram>) {
-      return family_.Add(labels, buckets_);
+      series = &family_.Add(labels, buckets_);
     } else {
-      return family_.Add(labels);
+      series = &family_.Add(labels);
     }
+    series_.emplace(values, series);
+    return *series;
   }
 
  private:
@@ -52,9 +62,13 @@ class LabeledFamily {
   const std::string name_;
   const std::vector<std::string> label_names_;
   const std::vector<double> buckets_;  // histograms only: ascending upper bounds, +Inf implied
+  mutable std::mutex mu_;
+  mutable std::map<std::vector<std::string>, T*> series_;  // owned by family_
 };
 
-// Registers a family in `registry` (prometheus-cpp keeps it for the registry's life).
+// Registers a family in `registry` (prometheus-cpp keeps it for the registry's life). prometheus-cpp
+// 1.0.1 writes the help text unescaped: one with a backslash or a newline aborts here (a
+// programming error) rather than break the page.
 LabeledFamily<prometheus::Counter> RegisterCounter(prometheus::Registry& registry,
                                                    const std::string& name, const std::string& help,
                                                    std::vector<std::string> label_names = {});

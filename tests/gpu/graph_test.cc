@@ -342,6 +342,12 @@ TEST(CudaGraphs, ClusterPlansReplayEqualEager) {
   }
   const ForwardBatch two = Step(&fresh, nn, cand, page_size, &free_pages, &rng);
   ASSERT_LE(two.num_rows(), (lo - 1) * cuda::kAttnBlockM);
+  // The premise: planned with clusters (one CTA an SM, as the backend plans), it takes them.
+  ASSERT_GT(cuda::PlanHstuAttention(two.row_offsets.data(), two.num_new.data(),
+                                    two.num_tokens.data(), two.num_users, c.max_attn_len, heads,
+                                    sms, /*max_split=*/64, /*cluster=*/8, max_clusters)
+                .cluster,
+            0);
   ReplayThenEager(p, two, /*replay=*/true, "a cluster-sized batch in a bucket without clusters");
   EXPECT_EQ(p.attention_cluster(), 0);
   p.SetGraphReplay(true);

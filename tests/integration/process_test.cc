@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <regex>
@@ -496,32 +497,55 @@ TEST(ProcessTest, LoadgenReportsWhatItMeasuredWhenStoppedAndFailsWhenTheServerDi
   ServerProcess server;
   ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
   const std::string dir = TempDir();
+  // Waits (60 s at most) until `done` holds; the steps below follow the programs' progress, not
+  // the clock, so a slow sanitizer build or a loaded machine only makes them wait longer.
+  auto wait_for = [](const std::function<bool()>& done) {
+    for (int i = 0; i < 3000 && !done(); ++i) std::this_thread::sleep_for(20ms);
+    return done();
+  };
   // A stop signal in the middle of a sweep: the levels measured so far are printed and written,
-  // the one cut short marked (before: exit 143, no table, no file).
+  // the one cut short marked (before: exit 143, no table, no file). The report is rewritten after
+  // each level, so the signal goes ~0.6 s after the first level's report appeared: inside the
+  // second level's window (0.2 s of warm-up, then 3 s).
   {
+    const std::string json = dir + "/stopped.json";
     Subprocess loadgen({HSTU_LOADGEN_BIN, absl::StrCat("--target=", server.target()),
-                        "--concurrency=1,2,4", "--duration=1.5", "--warmup=0.2", "--progress=false",
-                        absl::StrCat("--json=", dir, "/stopped.json")},
+                        "--concurrency=1,2,4", "--duration=3", "--warmup=0.2", "--progress=false",
+                        absl::StrCat("--json=", json)},
                        dir + "/loadgen_stopped.log");
-    std::this_thread::sleep_for(2500ms);
+    ASSERT_TRUE(wait_for([&] { return !ReadFile(json).empty(); })) << loadgen.Log();
+    std::this_thread::sleep_for(600ms);
     loadgen.Signal(SIGTERM);
     EXPECT_EQ(loadgen.Wait(30s), 1) << loadgen.Log();
-    EXPECT_NE(loadgen.Log().find("stopped by a signal after"), std::string::npos) << loadgen.Log();
-    const nlohmann::json report = nlohmann::json::parse(ReadFile(dir + "/stopped.json"));
-    ASSERT_GE(report["levels"].size(), 1u) << report.dump();
-    ASSERT_LE(report["levels"].size(), 2u) << report.dump();
-    EXPECT_TRUE(report["levels"].back()["interrupted"].get<bool>()) << report.dump();
-    EXPECT_GT(report["levels"].back()["requests"].get<int64_t>(), 0) << report.dump();
-    if (report["levels"].size() == 2) EXPECT_FALSE(report["levels"][0]["interrupted"].get<bool>());
+    EXPECT_NE(loadgen.Log().find("stopped by a signal after 2 of 3 levels"), std::string::npos)
+        << loadgen.Log();
+    const nlohmann::json report = nlohmann::json::parse(ReadFile(json));
+    EXPECT_TRUE(report["interrupted"].get<bool>()) << report.dump();
+    EXPECT_EQ(report["levels_planned"].get<int>(), 3) << report.dump();
+    ASSERT_EQ(report["levels"].size(), 2u) << report.dump();
+    EXPECT_FALSE(report["levels"][0]["interrupted"].get<bool>()) << report.dump();
+    EXPECT_TRUE(report["levels"][1]["interrupted"].get<bool>()) << report.dump();
+    EXPECT_GT(report["levels"][1]["requests"].get<int64_t>(), 0) << report.dump();
+    // The calls that the signal cancelled are not the server's answers: no CANCELLED errors.
+    EXPECT_EQ(report["levels"][1]["error_count"].get<int64_t>(), 0) << report.dump();
   }
   // The server dies mid-level: the callers back off instead of spinning through failed calls
   // (before: ~48,000 UNAVAILABLE a second), and the exit status says the run failed (before: 0,
-  // with 99 % of the calls failed).
+  // with 99 % of the calls failed). It is killed once it has answered some of the level's calls.
+  const auto ok_answers = [&]() -> double {
+    const auto body = HttpGet(server.metrics_port(), "/metrics");
+    if (!body.ok()) return -1;
+    const auto expo = ParseExposition(*body);
+    return expo.ok() ? expo->Sum("hstu_requests_total", {{"code", "OK"}}) : -1;
+  };
+  const double before = ok_answers();
+  ASSERT_GT(before, 0);  // the first part's
+  const auto answered = [&] { return ok_answers() > before + 50; };
   Subprocess loadgen({HSTU_LOADGEN_BIN, absl::StrCat("--target=", server.target()),
-                      "--concurrency=4", "--duration=3", "--warmup=0", "--progress=false",
+                      "--concurrency=4", "--duration=4", "--warmup=0", "--progress=false",
                       absl::StrCat("--json=", dir, "/died.json")},
                      dir + "/loadgen_died.log");
-  std::this_thread::sleep_for(1000ms);
+  ASSERT_TRUE(wait_for(answered)) << loadgen.Log();
   server.proc().Signal(SIGKILL);
   EXPECT_EQ(loadgen.Wait(60s), 1) << loadgen.Log();
   EXPECT_NE(loadgen.Log().find("above --max_error_rate"), std::string::npos) << loadgen.Log();

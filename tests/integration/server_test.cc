@@ -23,6 +23,8 @@
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "hstu/v1/ranking.grpc.pb.h"
+#include "prometheus/text_serializer.h"
+#include "server/prom_family.h"
 #include "server/ranking_server.h"
 #include "server/stop_signals.h"
 #include "server/validation.h"
@@ -187,6 +189,31 @@ hstu::v1::RankRequest Prefix(const hstu::v1::RankRequest& full, int events) {
   r.mutable_history_item_ids()->Truncate(events);
   r.mutable_history_actions()->Truncate(events);
   return r;
+}
+
+// The engine's running totals are mirrored into prometheus-cpp counters at each scrape: a counter
+// only moves up, and a series is one object however often it is asked for.
+TEST(PromFamily, MirroredTotalsOnlyMoveUpAndASeriesIsMadeOnce) {
+  prometheus::Registry registry;
+  const LabeledFamily<prometheus::Counter> family =
+      RegisterCounter(registry, "hstu_test_total", "A test counter.", {"kind"});
+  prometheus::Counter& a = family.WithLabels({"a"});
+  EXPECT_EQ(&family.WithLabels({"a"}), &a);
+  EXPECT_NE(&family.WithLabels({"b"}), &a);
+  MirrorTotal(a, 5);
+  EXPECT_EQ(a.Value(), 5);
+  MirrorTotal(a, 3);  // a smaller total (never the engine's) leaves the counter alone
+  EXPECT_EQ(a.Value(), 5);
+  MirrorTotal(a, 7.5);
+  EXPECT_EQ(a.Value(), 7.5);
+  const LabeledFamily<prometheus::Histogram> h =
+      RegisterHistogram(registry, "hstu_test_seconds", "A test histogram.", {0.1, 1});
+  h.WithLabels({}).Observe(0.5);
+  h.WithLabels({}).Observe(2);
+  const std::string page = prometheus::TextSerializer().Serialize(registry.Collect());
+  EXPECT_NE(page.find("hstu_test_total{kind=\"a\"} 7.5"), std::string::npos) << page;
+  EXPECT_NE(page.find("hstu_test_seconds_bucket{le=\"1\"} 1"), std::string::npos) << page;
+  EXPECT_NE(page.find("hstu_test_seconds_count 2"), std::string::npos) << page;
 }
 
 TEST_F(ServerTest, HealthIsServingAndModelInfoDescribesTheModel) {
@@ -1005,6 +1032,7 @@ TEST_F(ServerTest, MetricsExposeEveryFamilyWithSaneValues) {
       {"hstu_kv_onload_bandwidth_bytes_per_second", "gauge"},
       {"hstu_kv_recompute_seconds_per_token", "gauge"},
       {"hstu_cuda_graph_replays_total", "counter"},
+      {"hstu_cuda_graph_fallbacks_total", "counter"},
       {"hstu_gpu_memory_bytes", "gauge"},
       {"hstu_engine_compute_seconds_total", "counter"},
       {"hstu_engine_device_seconds_total", "counter"},
@@ -1034,6 +1062,7 @@ TEST_F(ServerTest, MetricsExposeEveryFamilyWithSaneValues) {
   EXPECT_GT(m.Sum("hstu_kv_pages", {{"tier", "gpu"}, {"state", "used"}}), 0);
   EXPECT_EQ(m.Sum("hstu_kv_pages", {{"tier", "gpu"}, {"state", "pinned"}}), 0);
   EXPECT_EQ(m.Sum("hstu_cuda_graph_replays_total"), 0);
+  EXPECT_EQ(m.Sum("hstu_cuda_graph_fallbacks_total"), 0);
   EXPECT_GT(m.Sum("hstu_engine_compute_seconds_total"), 0);
   EXPECT_EQ(m.Sum("hstu_engine_device_seconds_total"), 0);  // the CPU backend has no device time
   // The GPU telemetry families have no series on the CPU (no GPU to read); prometheus-cpp leaves

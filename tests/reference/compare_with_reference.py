@@ -29,7 +29,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TOOLS = os.path.normpath(os.path.join(HERE, "..", "..", "tools"))
 # The cache's window rule (kvcache/cache_manager.h): with a window W, a commit of T tokens releases
-# the pages wholly before T - W - slack, slack = max(WINDOW_SLACK_PAGES pages, WINDOW_KEY_BLOCK);
+# the pages wholly before T - W - slack, slack = WINDOW_SLACK_PAGES pages + WINDOW_KEY_BLOCK;
 # a later prefix of P tokens is reusable only when P - W, rounded down to a key block, lies past
 # them.
 WINDOW_SLACK_PAGES = 2
@@ -37,7 +37,7 @@ WINDOW_KEY_BLOCK = 64
 
 
 def window_dead_pages(tokens, window, page_size):
-    slack = max(WINDOW_SLACK_PAGES * page_size, WINDOW_KEY_BLOCK)
+    slack = WINDOW_SLACK_PAGES * page_size + WINDOW_KEY_BLOCK
     return max(0, (tokens - window - slack) // page_size)
 
 

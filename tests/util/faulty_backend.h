@@ -76,6 +76,7 @@ class FaultyBackend final : public Backend {
   bool PrefetchesDone() override { return inner_->PrefetchesDone(); }
   std::optional<CopyTiming> TakeOnloadTiming() override { return inner_->TakeOnloadTiming(); }
   uint64_t graph_replays() const override { return inner_->graph_replays(); }
+  uint64_t graph_fallbacks() const override { return inner_->graph_fallbacks(); }
   int64_t page_bytes() const override { return inner_->page_bytes(); }
   absl::Status DeviceStatus() override {
     if (faults_->device_lost) return absl::UnavailableError("injected: the device is lost");
