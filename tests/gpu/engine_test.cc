@@ -113,7 +113,9 @@ TEST(CudaEngine, PagesReleasedBehindTheWindowAreNeverRead) {
   std::vector<RankRequest> users(5);
   for (size_t u = 0; u < users.size(); ++u) users[u].user_id = 2000 + u;
   uint64_t reused = 0;
-  for (int visit = 0; visit < 6; ++visit) {
+  // Ten visits: histories of ~200-230 tokens, past the window (40) and the cache's slack (2 pages
+  // of 16 + 64 tokens) by several pages.
+  for (int visit = 0; visit < 10; ++visit) {
     std::vector<RankRequest> batch;
     for (size_t u = 0; u < users.size(); ++u) {
       RankRequest& r = users[u];
