@@ -14,22 +14,26 @@ const std::string& CheckedHelp(const std::string& name, const std::string& help)
   return help;
 }
 
+template <typename T>
+LabeledFamily<T> Register(prometheus::detail::Builder<T> builder, prometheus::Registry& registry,
+                          const std::string& name, const std::string& help,
+                          std::vector<std::string> label_names, std::vector<double> buckets) {
+  return {builder.Name(name).Help(CheckedHelp(name, help)).Register(registry), name,
+          std::move(label_names), std::move(buckets)};
+}
+
 }  // namespace
 
 LabeledFamily<prometheus::Counter> RegisterCounter(prometheus::Registry& registry,
                                                    const std::string& name, const std::string& help,
                                                    std::vector<std::string> label_names) {
-  return {prometheus::BuildCounter().Name(name).Help(CheckedHelp(name, help)).Register(registry),
-          name,
-          std::move(label_names), {}};
+  return Register(prometheus::BuildCounter(), registry, name, help, std::move(label_names), {});
 }
 
 LabeledFamily<prometheus::Gauge> RegisterGauge(prometheus::Registry& registry,
                                                const std::string& name, const std::string& help,
                                                std::vector<std::string> label_names) {
-  return {prometheus::BuildGauge().Name(name).Help(CheckedHelp(name, help)).Register(registry),
-          name,
-          std::move(label_names), {}};
+  return Register(prometheus::BuildGauge(), registry, name, help, std::move(label_names), {});
 }
 
 LabeledFamily<prometheus::Histogram> RegisterHistogram(prometheus::Registry& registry,
@@ -37,9 +41,8 @@ LabeledFamily<prometheus::Histogram> RegisterHistogram(prometheus::Registry& reg
                                                        const std::string& help,
                                                        std::vector<double> upper_bounds,
                                                        std::vector<std::string> label_names) {
-  return {prometheus::BuildHistogram().Name(name).Help(CheckedHelp(name, help)).Register(registry),
-          name,
-          std::move(label_names), std::move(upper_bounds)};
+  return Register(prometheus::BuildHistogram(), registry, name, help, std::move(label_names),
+                  std::move(upper_bounds));
 }
 
 }  // namespace hstu::server
