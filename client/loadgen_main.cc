@@ -38,6 +38,7 @@
 #include "client/latency_histogram.h"
 #include "client/report.h"
 #include "client/traffic.h"
+#include "engine/atomic_file.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "hstu/v1/ranking.grpc.pb.h"
 
@@ -231,13 +232,15 @@ absl::StatusOr<std::vector<double>> ParseRates(const std::string& spec) {
     double r;
     // NaN never ends a level, and a rate below the minimum would wait days for its first send.
     if (!absl::SimpleAtod(p, &r) || !(r >= kMinRate && r <= kMaxRate)) {
-      return absl::InvalidArgumentError(absl::StrCat("--rate=", spec, ": want R or R1,R2 (each in [",
-                                                     kMinRate, ", ", kMaxRate, "] per second)"));
+      return absl::InvalidArgumentError(absl::StrCat("--rate=", spec,
+                                                     ": want R or R1,R2 (each in [", kMinRate, ", ",
+                                                     kMaxRate, "] per second)"));
     }
     out.push_back(r);
   }
   if (out.size() > kMaxLevels) {
-    return absl::InvalidArgumentError(absl::StrCat("--rate=", spec, ": at most ", kMaxLevels, " levels"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rate=", spec, ": at most ", kMaxLevels, " levels"));
   }
   return out;
 }
@@ -395,8 +398,9 @@ class Driver {
       }
     } catch (const std::system_error& e) {
       running.fetch_sub(1);  // the thread that did not start
-      started = absl::ResourceExhaustedError(absl::StrCat(
-          "could not start caller thread ", workers.size() + 1, " of ", concurrency, ": ", e.what()));
+      started = absl::ResourceExhaustedError(absl::StrCat("could not start caller thread ",
+                                                          workers.size() + 1, " of ", concurrency,
+                                                          ": ", e.what()));
       stop.store(true);
     }
     if (started.ok() && SleepFor(warmup_s)) {
@@ -481,7 +485,8 @@ class Driver {
             // Latency from the scheduled send time: queueing in a slow client or server counts.
             const double latency = std::chrono::duration<double>(Clock::now() - scheduled).count();
             traffic_->Done(call->visit);
-            if (!CancelledByUs(s)) level->Done(measured, s, latency, call->resp, call->visit.new_user);
+            if (!CancelledByUs(s))
+              level->Done(measured, s, latency, call->resp, call->visit.new_user);
             calls.Remove(&call->ctx);
             delete call;
             std::lock_guard<std::mutex> lock(done_mu);
@@ -542,8 +547,12 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
   auto bad = [](const char* flag, auto value, absl::string_view want) {
     return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", want));
   };
-  if (absl::GetFlag(FLAGS_connections) < 1) return bad("connections", absl::GetFlag(FLAGS_connections), "must be >= 1");
-  if (absl::GetFlag(FLAGS_requests) < 0) return bad("requests", absl::GetFlag(FLAGS_requests), "must be >= 0 (0: use --duration)");
+  if (absl::GetFlag(FLAGS_connections) < 1) {
+    return bad("connections", absl::GetFlag(FLAGS_connections), "must be >= 1");
+  }
+  if (absl::GetFlag(FLAGS_requests) < 0) {
+    return bad("requests", absl::GetFlag(FLAGS_requests), "must be >= 0 (0: use --duration)");
+  }
   const std::string a_day = absl::StrCat(" and at most ", kMaxSeconds, " (a day)");
   if (absl::GetFlag(FLAGS_requests) == 0 &&
       !(absl::GetFlag(FLAGS_duration) > 0 && absl::GetFlag(FLAGS_duration) <= kMaxSeconds)) {
@@ -553,8 +562,10 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
   if (!(absl::GetFlag(FLAGS_warmup) >= 0 && absl::GetFlag(FLAGS_warmup) <= kMaxSeconds)) {
     return bad("warmup", absl::GetFlag(FLAGS_warmup), absl::StrCat("must be >= 0", a_day));
   }
-  if (!(absl::GetFlag(FLAGS_wait_ready_s) >= 0 && absl::GetFlag(FLAGS_wait_ready_s) <= kMaxSeconds)) {
-    return bad("wait_ready_s", absl::GetFlag(FLAGS_wait_ready_s), absl::StrCat("must be >= 0", a_day));
+  if (!(absl::GetFlag(FLAGS_wait_ready_s) >= 0 &&
+        absl::GetFlag(FLAGS_wait_ready_s) <= kMaxSeconds)) {
+    return bad("wait_ready_s", absl::GetFlag(FLAGS_wait_ready_s),
+               absl::StrCat("must be >= 0", a_day));
   }
   if (absl::GetFlag(FLAGS_timeout_ms) < 1 || absl::GetFlag(FLAGS_timeout_ms) > kMaxTimeoutMs) {
     return bad("timeout_ms", absl::GetFlag(FLAGS_timeout_ms),
@@ -570,15 +581,25 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
     if (path.empty()) continue;
     // Checked now, not after a run of minutes: the report is written after each level.
     const size_t slash = path.rfind('/');
-    const std::string dir = slash == std::string::npos ? "." : path.substr(0, std::max<size_t>(slash, 1));
+    const std::string dir =
+        slash == std::string::npos ? "." : path.substr(0, std::max<size_t>(slash, 1));
     if (access(dir.c_str(), W_OK | X_OK) != 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("report file ", path, ": directory ", dir, " is missing or not writable"));
     }
   }
-  if (absl::GetFlag(FLAGS_candidates) < 0) return bad("candidates", absl::GetFlag(FLAGS_candidates), "must be >= 0 (0: the model's candidates per forward)");
-  if (absl::GetFlag(FLAGS_initial_events) < 0) return bad("initial_events", absl::GetFlag(FLAGS_initial_events), "must be >= 0 (0: half the model's maximum)");
-  if (absl::GetFlag(FLAGS_max_events) < 0) return bad("max_events", absl::GetFlag(FLAGS_max_events), "must be >= 0 (0: twice the model's maximum)");
+  if (absl::GetFlag(FLAGS_candidates) < 0) {
+    return bad("candidates", absl::GetFlag(FLAGS_candidates),
+               "must be >= 0 (0: the model's candidates per forward)");
+  }
+  if (absl::GetFlag(FLAGS_initial_events) < 0) {
+    return bad("initial_events", absl::GetFlag(FLAGS_initial_events),
+               "must be >= 0 (0: half the model's maximum)");
+  }
+  if (absl::GetFlag(FLAGS_max_events) < 0) {
+    return bad("max_events", absl::GetFlag(FLAGS_max_events),
+               "must be >= 0 (0: twice the model's maximum)");
+  }
   const int64_t users = absl::GetFlag(FLAGS_users);
   if (users < 1 || users > kMaxUsers) {
     return bad("users", users, absl::StrCat("must be in [1, ", kMaxUsers, "]"));
@@ -731,17 +752,18 @@ int Main() {
   run.connections = num_connections;
   run.seed = t.seed;
   run.levels_planned = levels->size();
-  // The report files hold every level finished so far: a run cut short keeps what it measured.
+  // The report files hold every level finished so far, each write whole or not at all: a run cut
+  // short, even mid-write, keeps what it measured.
   auto write_reports = [&](const std::vector<LevelResult>& done) {
     bool ok = true;
     if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
-      if (absl::Status s = WriteFile(path, ToJson(run, done)); !s.ok()) {
+      if (absl::Status s = WriteFileAtomically(path, ToJson(run, done)); !s.ok()) {
         std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());
         ok = false;
       }
     }
     if (const std::string path = absl::GetFlag(FLAGS_csv); !path.empty()) {
-      if (absl::Status s = WriteFile(path, ToCsv(done)); !s.ok()) {
+      if (absl::Status s = WriteFileAtomically(path, ToCsv(done)); !s.ok()) {
         std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());
         ok = false;
       }

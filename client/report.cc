@@ -1,10 +1,8 @@
 #include "client/report.h"
 
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "engine/atomic_file.h"
 #include "nlohmann/json.hpp"
 
 namespace hstu::loadgen {
@@ -168,11 +166,6 @@ std::string ToCsv(const std::vector<LevelResult>& levels) {
                                           l.new_user_visits, l.interrupted ? 1 : 0));
   }
   return out;
-}
-
-absl::Status WriteFile(const std::string& path, const std::string& contents) {
-  // Rewritten after every level: a run killed mid-write keeps the previous levels' file.
-  return WriteFileAtomically(path, contents);
 }
 
 }  // namespace hstu::loadgen

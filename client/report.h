@@ -7,7 +7,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/status/status.h"
 #include "client/latency_histogram.h"
 
 namespace hstu::loadgen {
@@ -56,7 +55,5 @@ std::string LevelLabel(const LevelResult& l);
 std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& levels);
 std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels);
 std::string ToCsv(const std::vector<LevelResult>& levels);
-// Whole or not at all (a temporary file renamed over `path`).
-absl::Status WriteFile(const std::string& path, const std::string& contents);
 
 }  // namespace hstu::loadgen

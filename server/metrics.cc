@@ -31,123 +31,121 @@ std::vector<double> BatchTokenBuckets() {
 
 ServerMetrics::ServerMetrics(const std::string& version)
     : version_(version),
-      request_duration_(RegisterHistogram(registry_,
-          "hstu_request_duration_seconds",
+      request_duration_(RegisterHistogram(
+          registry_, "hstu_request_duration_seconds",
           "Rank RPC latency in the server, from arrival to the answer, by gRPC status code.",
           LatencyBucketsSeconds(), {"code"})),
-      request_queue_(RegisterHistogram(registry_,
-          "hstu_request_queue_seconds",
+      request_queue_(RegisterHistogram(
+          registry_, "hstu_request_queue_seconds",
           "Time a Rank request waited in the scheduler queue before its batch started.",
           LatencyBucketsSeconds())),
       batch_compute_(RegisterHistogram(registry_, "hstu_batch_compute_seconds",
-                                            "Engine time of one batch (all its forward passes).",
-                                            LatencyBucketsSeconds())),
-      kv_onload_wait_(RegisterHistogram(registry_,
-          "hstu_kv_onload_wait_seconds",
+                                       "Engine time of one batch (all its forward passes).",
+                                       LatencyBucketsSeconds())),
+      kv_onload_wait_(RegisterHistogram(
+          registry_, "hstu_kv_onload_wait_seconds",
           "Device time a forward pass's compute stalled on KV pages coming back from the host "
           "tier (onloads, prefetches), one observation per pass that waited (none on the CPU "
           "backend, whose copies are synchronous).",
           LatencyBucketsSeconds())),
       batch_size_(RegisterHistogram(registry_, "hstu_batch_size", "Requests per engine batch.",
-                                         BatchSizeBuckets())),
-      batch_tokens_(RegisterHistogram(registry_,
-          "hstu_batch_tokens",
+                                    BatchSizeBuckets())),
+      batch_tokens_(RegisterHistogram(
+          registry_, "hstu_batch_tokens",
           "Estimated tokens per engine batch (history tokens plus candidates, before cache reuse).",
           BatchTokenBuckets())),
       requests_total_(RegisterCounter(registry_, "hstu_requests_total",
-                                           "Finished Rank RPCs by gRPC status code.", {"code"})),
-      queue_rejections_(RegisterCounter(registry_,
-          "hstu_queue_rejections_total",
+                                      "Finished Rank RPCs by gRPC status code.", {"code"})),
+      queue_rejections_(RegisterCounter(
+          registry_, "hstu_queue_rejections_total",
           "Rank requests turned away before any engine work, by reason: queue_full "
           "(--max_queue or --max_queued_tokens), user_queue_full (--max_queue_per_user), "
           "shutting_down (refused during the drain; these are not in hstu_requests_total).",
           {"reason"})),
-      process_start_time_(RegisterGauge(registry_,
-          "process_start_time_seconds",
+      process_start_time_(RegisterGauge(
+          registry_, "process_start_time_seconds",
           "Start time of the process since the Unix epoch in seconds (a restart changes it).")),
       inflight_(RegisterGauge(registry_, "hstu_inflight_requests",
-                                   "Rank RPCs received and not yet answered.")),
-      queue_depth_(RegisterGauge(registry_, "hstu_queue_depth",
-                                      "Requests waiting in the scheduler queue.")),
+                              "Rank RPCs received and not yet answered.")),
+      queue_depth_(
+          RegisterGauge(registry_, "hstu_queue_depth", "Requests waiting in the scheduler queue.")),
       kv_lookups_(RegisterCounter(registry_, "hstu_kv_lookups_total",
-                                       "KV cache lookups by outcome.", {"result"})),
-      kv_tokens_(RegisterCounter(registry_,
-          "hstu_kv_tokens_total", "History tokens served from the cache (reused) or computed.",
-          {"kind"})),
+                                  "KV cache lookups by outcome.", {"result"})),
+      kv_tokens_(RegisterCounter(registry_, "hstu_kv_tokens_total",
+                                 "History tokens served from the cache (reused) or computed.",
+                                 {"kind"})),
       kv_pages_(RegisterGauge(registry_, "hstu_kv_pages", "KV cache pages by tier and state.",
-                                   {"tier", "state"})),
-      kv_transfer_bytes_(RegisterCounter(registry_,
-          "hstu_kv_transfer_bytes_total", "KV bytes moved between the GPU and the host tier.",
-          {"direction"})),
+                              {"tier", "state"})),
+      kv_transfer_bytes_(RegisterCounter(registry_, "hstu_kv_transfer_bytes_total",
+                                         "KV bytes moved between the GPU and the host tier.",
+                                         {"direction"})),
       kv_evictions_(RegisterCounter(registry_, "hstu_kv_evictions_total",
-                                         "KV cache entries evicted to make room, by tier.",
-                                         {"tier"})),
-      kv_dropped_(RegisterCounter(registry_,
-          "hstu_kv_dropped_entries_total",
+                                    "KV cache entries evicted to make room, by tier.", {"tier"})),
+      kv_dropped_(RegisterCounter(
+          registry_, "hstu_kv_dropped_entries_total",
           "KV cache entries dropped because their request failed or they could not be kept.")),
-      kv_prefetched_(RegisterCounter(registry_,
-          "hstu_kv_prefetch_pages_total",
+      kv_prefetched_(RegisterCounter(
+          registry_, "hstu_kv_prefetch_pages_total",
           "KV pages whose host-to-GPU onload started before their request's batch (prefetch).",
           {})),
-      kv_window_released_(RegisterCounter(registry_,
-          "hstu_kv_window_released_pages_total",
+      kv_window_released_(RegisterCounter(
+          registry_, "hstu_kv_window_released_pages_total",
           "GPU KV pages released because no request reads them again under the model's sliding "
           "window.",
           {})),
-      kv_onload_bandwidth_(RegisterGauge(registry_,
-          "hstu_kv_onload_bandwidth_bytes_per_second",
+      kv_onload_bandwidth_(RegisterGauge(
+          registry_, "hstu_kv_onload_bandwidth_bytes_per_second",
           "Host-to-GPU KV onload bandwidth the onload policy assumes: measured from completed "
           "onloads (a start value until the first one), or fixed.")),
-      kv_recompute_cost_(RegisterGauge(registry_,
-          "hstu_kv_recompute_seconds_per_token",
+      kv_recompute_cost_(RegisterGauge(
+          registry_, "hstu_kv_recompute_seconds_per_token",
           "GPU seconds per forward row (history token or candidate) the onload policy assumes: "
           "measured from forward passes that waited for no copy (a start value until the first), "
           "or fixed.")),
       cuda_graph_replays_(RegisterCounter(registry_, "hstu_cuda_graph_replays_total",
-                                               "Forward passes replayed from captured CUDA graphs.")),
+                                          "Forward passes replayed from captured CUDA graphs.")),
       cuda_graph_fallbacks_(RegisterCounter(
           registry_, "hstu_cuda_graph_fallbacks_total",
           "Forward passes that fit a captured graph bucket's size but ran eagerly: their attention "
           "plan was of another kind (cluster or not) or larger than the capture holds. Passes "
           "larger than every bucket are not counted.")),
       gpu_memory_(RegisterGauge(registry_, "hstu_gpu_memory_bytes",
-                                     "Device memory held by the engine, by kind (0 on the CPU).",
-                                     {"kind"})),
+                                "Device memory held by the engine, by kind (0 on the CPU).",
+                                {"kind"})),
       gpu_sm_clock_(RegisterGauge(registry_, "hstu_gpu_sm_clock_hertz",
-                                       "The GPU's SM clock at the scrape (NVML; no series on the "
-                                       "CPU). Under sustained load the power limit lowers it.")),
+                                  "The GPU's SM clock at the scrape (NVML; no series on the "
+                                  "CPU). Under sustained load the power limit lowers it.")),
       gpu_power_(RegisterGauge(registry_, "hstu_gpu_power_watts",
-                                    "The GPU board's power draw at the scrape (NVML).")),
-      gpu_clock_event_(RegisterGauge(registry_,
-          "hstu_gpu_clock_event_active",
+                               "The GPU board's power draw at the scrape (NVML).")),
+      gpu_clock_event_(RegisterGauge(
+          registry_, "hstu_gpu_clock_event_active",
           "1 while the driver holds the SM clock down for this reason at the scrape (NVML clock "
           "event reasons: power_cap = the software power limit, thermal = temperature), else 0.",
           {"reason"})),
-      gpu_energy_(RegisterCounter(registry_,
-          "hstu_gpu_energy_joules_total",
+      gpu_energy_(RegisterCounter(
+          registry_, "hstu_gpu_energy_joules_total",
           "The GPU board's energy since the driver loaded (NVML); its rate is the mean power.")),
-      gpu_throttled_(RegisterCounter(registry_,
-          "hstu_gpu_throttled_seconds_total",
-          "Time the GPU's clock was held below its target, by cause (NVML violation counters, since "
-          "the driver loaded); its rate is the share of time throttled.",
-          {"reason"})),
-      engine_compute_(RegisterCounter(registry_,
-          "hstu_engine_compute_seconds_total",
-          "Total time inside the engine's backend forward passes.")),
-      engine_device_(RegisterCounter(registry_,
-          "hstu_engine_device_seconds_total",
+      gpu_throttled_(RegisterCounter(registry_, "hstu_gpu_throttled_seconds_total",
+                                     "Time the GPU's clock was held below its target, by cause "
+                                     "(NVML violation counters, since "
+                                     "the driver loaded); its rate is the share of time throttled.",
+                                     {"reason"})),
+      engine_compute_(RegisterCounter(registry_, "hstu_engine_compute_seconds_total",
+                                      "Total time inside the engine's backend forward passes.")),
+      engine_device_(RegisterCounter(
+          registry_, "hstu_engine_device_seconds_total",
           "Of the forward passes' time, the device's time on their steps, from the first kernel to "
           "the score read-back (CUDA events; 0 on the CPU). The rest is host work.")),
-      engine_batches_(RegisterCounter(registry_, "hstu_engine_batches_total",
-                                           "Batches the engine has run.")),
-      engine_healthy_(RegisterGauge(registry_,
-          "hstu_engine_healthy",
+      engine_batches_(
+          RegisterCounter(registry_, "hstu_engine_batches_total", "Batches the engine has run.")),
+      engine_healthy_(RegisterGauge(
+          registry_, "hstu_engine_healthy",
           "1 while the engine can run work; 0 once its device is lost (a sticky CUDA error): "
           "requests are then answered UNAVAILABLE, health is NOT_SERVING, and the process exits "
           "to be restarted.")),
       build_info_(RegisterGauge(registry_, "hstu_build_info",
-                                     "Always 1; labels say the version, device and model.",
-                                     {"version", "device", "model"})) {
+                                "Always 1; labels say the version, device and model.",
+                                {"version", "device", "model"})) {
   // Children that must exist before the first observation, so dashboards and alerts see zeros.
   request_duration_.WithLabels({"OK"});
   // Every code the server answers with, so that the first failure is a step from 0 that rate()

@@ -66,9 +66,9 @@ class LabeledFamily {
   mutable std::map<std::vector<std::string>, T*> series_;  // owned by family_
 };
 
-// Registers a family in `registry` (prometheus-cpp keeps it for the registry's life). prometheus-cpp
-// 1.0.1 writes the help text unescaped: one with a backslash or a newline aborts here (a
-// programming error) rather than break the page.
+// Registers a family in `registry` (prometheus-cpp keeps it for the registry's life).
+// prometheus-cpp 1.0.1 writes the help text unescaped: one with a backslash or a newline aborts
+// here (a programming error) rather than break the page.
 LabeledFamily<prometheus::Counter> RegisterCounter(prometheus::Registry& registry,
                                                    const std::string& name, const std::string& help,
                                                    std::vector<std::string> label_names = {});
