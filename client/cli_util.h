@@ -1,6 +1,7 @@
 // Small helpers shared by the command-line programs.
 #pragma once
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,16 @@ inline std::vector<char*> ArgvOf(std::vector<std::string>& args) {
   for (auto& a : args) out.push_back(a.data());
   out.push_back(nullptr);
   return out;
+}
+
+// What absl::ParseCommandLine left besides the program name: for programs that take flags only,
+// a word there is a mistake (a second file, or a bool flag's value given apart from it:
+// `--warmup false` is --warmup, then "false"). Prints why and returns false when there is one.
+inline bool OnlyFlagsGiven(const std::vector<char*>& rest) {
+  if (rest.size() <= 1) return true;
+  std::fprintf(stderr, "error: unexpected argument '%s' (flags only; a bool flag takes its value "
+               "as --flag=false; see --help)\n", rest[1]);
+  return false;
 }
 
 }  // namespace hstu

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <new>
+#include <exception>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -94,7 +94,7 @@ int Init() {
   hstu::ModelWeights w;
   try {
     w = hstu::RandomModel(c, absl::GetFlag(FLAGS_seed));
-  } catch (const std::bad_alloc&) {
+  } catch (const std::exception&) {  // bad_alloc, or length_error past what a vector can hold
     std::fprintf(stderr, "error: not enough memory for the weights of this model (%lld item rows x "
                  "hidden %d)\n", static_cast<long long>(c.item_rows), c.hidden_dim);
     return 1;

@@ -1,5 +1,6 @@
 // hstu_rank: offline scoring of a JSONL file of requests, in order, in one process (so returning
 // users reuse their KV cache). One JSON line out per line in.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -24,7 +25,9 @@ ABSL_FLAG(std::string, input, "", "JSONL requests, one per line ('-' = stdin)");
 ABSL_FLAG(std::string, device, "cpu",
           "cpu | cpu-bf16 (the CPU reference rounded as the GPU rounds, DESIGN §2.4) | cuda:N | auto");
 ABSL_FLAG(bool, no_cache, false, "recompute every history (no KV reuse between requests)");
-ABSL_FLAG(int32_t, page_size, 32, "tokens per KV page");
+ABSL_FLAG(int32_t, page_size, 32,
+          "tokens per KV page, in [1, 4096]; any size, so that tests can reach odd page layouts "
+          "(hstu_server takes powers of two, DESIGN §6)");
 ABSL_FLAG(int64_t, cache_pages, 0, "KV pool size in pages (0 = default for the device)");
 ABSL_FLAG(int64_t, host_cache_pages, 0,
           "host KV tier size in pages (0 = no host tier, -1 = automatic: on a GPU 2x its pool, within "
@@ -61,10 +64,42 @@ absl::StatusOr<T> IntegerAs(const json& v, const std::string& field) {
   return v.get<T>();
 }
 
+constexpr const char* kFields[] = {"user_id", "history_item_ids", "history_actions",
+                                   "candidate_item_ids"};
+
 // Parses one request; the error names the field.
 absl::StatusOr<hstu::RankRequest> ParseRequest(const std::string& line) {
-  json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("not a JSON object");
+  // A key given twice at the top level: which one was meant is unknown (the parser keeps the last).
+  std::string duplicate;
+  std::vector<std::string> top_keys;
+  auto note_keys = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (depth == 1 && event == json::parse_event_t::key && duplicate.empty()) {
+      const std::string key = parsed.get<std::string>();
+      if (std::find(top_keys.begin(), top_keys.end(), key) != top_keys.end()) duplicate = key;
+      top_keys.push_back(key);
+    }
+    return true;
+  };
+  json j;
+  try {
+    j = json::parse(line, note_keys);
+  } catch (const json::parse_error& e) {
+    // "[json.exception.parse_error.101] parse error at line 1, column 9: ...": from "parse error".
+    const std::string what = e.what();
+    const size_t at = what.find("] ");
+    return absl::InvalidArgumentError("not valid JSON: " +
+                                      (at == std::string::npos ? what : what.substr(at + 2)));
+  }
+  if (!j.is_object()) return absl::InvalidArgumentError("not a JSON object");
+  if (!duplicate.empty()) return absl::InvalidArgumentError("field '" + duplicate + "' is given twice");
+  for (const auto& [key, value] : j.items()) {
+    // A misspelt key would otherwise leave its field empty: "history_items" scored no history.
+    if (std::find(std::begin(kFields), std::end(kFields), key) == std::end(kFields)) {
+      return absl::InvalidArgumentError("unknown field '" + key +
+                                        "' (the fields: user_id, history_item_ids, history_actions, "
+                                        "candidate_item_ids)");
+    }
+  }
   hstu::RankRequest r;
   if (!j.contains("user_id")) return absl::InvalidArgumentError("field 'user_id' is missing");
   auto user = IntegerAs<uint64_t>(j["user_id"], "user_id");
@@ -108,13 +143,7 @@ int main(int argc, char** argv) {
   auto args = hstu::NormalizeFlagDashes(argc, argv);
   auto argv2 = hstu::ArgvOf(args);
   const std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data());
-  if (rest.size() > 1) {
-    // A word that is no flag: a second input file, or a value given to a bool flag apart from it
-    // (`--no-cache false` is --no-cache, then "false").
-    std::fprintf(stderr, "error: unexpected argument '%s' (flags only; a bool flag takes its value "
-                 "as --flag=false; see --help)\n", rest[1]);
-    return 2;
-  }
+  if (!hstu::OnlyFlagsGiven(rest)) return 2;
   // Logs go to stderr: stdout carries only the JSON lines.
   spdlog::set_default_logger(spdlog::stderr_color_mt("hstu_rank"));
   spdlog::set_level(spdlog::level::warn);
@@ -140,6 +169,11 @@ int main(int argc, char** argv) {
     in = &file;
   }
 
+  const int32_t page_size = absl::GetFlag(FLAGS_page_size);
+  if (page_size < 1 || page_size > 4096) {
+    std::fprintf(stderr, "error: --page_size=%d: must be in [1, 4096]\n", page_size);
+    return 2;
+  }
   hstu::EngineOptions opts;
   opts.model = absl::GetFlag(FLAGS_model);
   opts.seed = absl::GetFlag(FLAGS_seed);
@@ -153,6 +187,17 @@ int main(int argc, char** argv) {
   if (!engine.ok()) {
     std::fprintf(stderr, "error: %s\n", std::string(engine.status().message()).c_str());
     return 1;
+  }
+  // As hstu_server: a pool that cannot hold one user of the longest history would fail every
+  // such line (and leave the cache to whatever those failures cut).
+  const int64_t max_history = (*engine)->config().max_history_tokens;
+  const int64_t pages_per_user = hstu::PagesFor(max_history, page_size);
+  if (const int64_t pool = (*engine)->Stats().cache.pages_total; pool < pages_per_user) {
+    std::fprintf(stderr, "error: --cache_pages=%lld: the KV pool must hold one user of the model's "
+                 "maximum history, %lld tokens = %lld pages of %d (0 sizes it automatically)\n",
+                 static_cast<long long>(opts.cache_pages), static_cast<long long>(max_history),
+                 static_cast<long long>(pages_per_user), page_size);
+    return 2;
   }
 
   int failures = 0;

@@ -107,6 +107,11 @@ constexpr int64_t kMaxTimeoutMs = 86'400'000;
 constexpr double kMinRate = 0.001, kMaxRate = 1e7;
 constexpr int32_t kMaxConcurrency = 10000;  // a thread each
 constexpr size_t kMaxLevels = 1000;
+constexpr int32_t kMaxConnections = 1024;
+// A request's sizes: the model file's bound on candidates (2^20), and 2^22 events (the model
+// file's bound on history tokens is 2^22, two a event; longer histories only test truncation).
+constexpr int32_t kMaxCandidates = 1 << 20;
+constexpr int32_t kMaxEvents = 1 << 22;
 
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -387,6 +392,9 @@ class Driver {
         }
       }
     };
+    // Without a warm-up the window opens before the first call: every call sent is counted
+    // (before, the callers' first calls went out unmeasured while the window was still shut).
+    if (warmup_s <= 0) level->StartMeasuring();
     absl::Status started;
     try {
       for (int32_t w = 0; w < concurrency; ++w) {
@@ -404,7 +412,7 @@ class Driver {
       stop.store(true);
     }
     if (started.ok() && SleepFor(warmup_s)) {
-      level->StartMeasuring();
+      if (warmup_s > 0) level->StartMeasuring();
       // With --requests the workers stop by themselves after the count, and the window closes at
       // the last answer; a stop signal stops them too.
       if (num_requests == 0) {
@@ -547,8 +555,9 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
   auto bad = [](const char* flag, auto value, absl::string_view want) {
     return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", want));
   };
-  if (absl::GetFlag(FLAGS_connections) < 1) {
-    return bad("connections", absl::GetFlag(FLAGS_connections), "must be >= 1");
+  if (absl::GetFlag(FLAGS_connections) < 1 || absl::GetFlag(FLAGS_connections) > kMaxConnections) {
+    return bad("connections", absl::GetFlag(FLAGS_connections),
+               absl::StrCat("must be in [1, ", kMaxConnections, "]"));
   }
   if (absl::GetFlag(FLAGS_requests) < 0) {
     return bad("requests", absl::GetFlag(FLAGS_requests), "must be >= 0 (0: use --duration)");
@@ -588,17 +597,19 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
           absl::StrCat("report file ", path, ": directory ", dir, " is missing or not writable"));
     }
   }
-  if (absl::GetFlag(FLAGS_candidates) < 0) {
+  const std::string events_bound = absl::StrCat(" and at most ", kMaxEvents);
+  if (absl::GetFlag(FLAGS_candidates) < 0 || absl::GetFlag(FLAGS_candidates) > kMaxCandidates) {
     return bad("candidates", absl::GetFlag(FLAGS_candidates),
-               "must be >= 0 (0: the model's candidates per forward)");
+               absl::StrCat("must be >= 0 (0: the model's candidates per forward) and at most ",
+                            kMaxCandidates));
   }
-  if (absl::GetFlag(FLAGS_initial_events) < 0) {
+  if (absl::GetFlag(FLAGS_initial_events) < 0 || absl::GetFlag(FLAGS_initial_events) > kMaxEvents) {
     return bad("initial_events", absl::GetFlag(FLAGS_initial_events),
-               "must be >= 0 (0: half the model's maximum)");
+               absl::StrCat("must be >= 0 (0: half the model's maximum)", events_bound));
   }
-  if (absl::GetFlag(FLAGS_max_events) < 0) {
+  if (absl::GetFlag(FLAGS_max_events) < 0 || absl::GetFlag(FLAGS_max_events) > kMaxEvents) {
     return bad("max_events", absl::GetFlag(FLAGS_max_events),
-               "must be >= 0 (0: twice the model's maximum)");
+               absl::StrCat("must be >= 0 (0: twice the model's maximum)", events_bound));
   }
   const int64_t users = absl::GetFlag(FLAGS_users);
   if (users < 1 || users > kMaxUsers) {
@@ -612,12 +623,15 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
   }
   const int32_t new_events_min = absl::GetFlag(FLAGS_new_events_min);
   if (new_events_min < 1) return bad("new_events_min", new_events_min, "must be >= 1");
-  if (absl::GetFlag(FLAGS_new_events) < new_events_min) {
+  if (absl::GetFlag(FLAGS_new_events) < new_events_min ||
+      absl::GetFlag(FLAGS_new_events) > kMaxEvents) {
     return bad("new_events", absl::GetFlag(FLAGS_new_events),
-               absl::StrCat("must be >= --new_events_min (", new_events_min, ")"));
+               absl::StrCat("must be >= --new_events_min (", new_events_min, ")", events_bound));
   }
   const int32_t initial_events_min = absl::GetFlag(FLAGS_initial_events_min);
-  if (initial_events_min < 1) return bad("initial_events_min", initial_events_min, "must be >= 1");
+  if (initial_events_min < 1 || initial_events_min > kMaxEvents) {
+    return bad("initial_events_min", initial_events_min, absl::StrCat("must be >= 1", events_bound));
+  }
   const int32_t initial_events = absl::GetFlag(FLAGS_initial_events);
   if (initial_events > 0 && initial_events < initial_events_min) {
     return bad("initial_events", initial_events,
@@ -875,7 +889,7 @@ int main(int argc, char** argv) {
       "level answered no request or failed more calls than that, or the server could not be\n"
       "reached, or a report file could not be written, or a signal stopped the run (the levels\n"
       "measured are still printed and written), or a flag does not parse; 2 for a flag value out\n"
-      "of range or a report file in a directory that cannot be written.");
+      "of range, a word that is no flag, or a report file in a directory that cannot be written.");
   absl::FlagsUsageConfig usage;
   // --help lists this program's flags (absl's default matches files named after the binary).
   usage.contains_help_flags = [](absl::string_view path) {
@@ -885,6 +899,8 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage);
   auto args = hstu::NormalizeFlagDashes(argc, argv);
   auto argv2 = hstu::ArgvOf(args);
-  absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data());
+  if (!hstu::OnlyFlagsGiven(absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data()))) {
+    return 2;
+  }
   return hstu::loadgen::Main();
 }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <numeric>
 #include <optional>
@@ -569,6 +570,16 @@ std::vector<size_t> Engine::RankWave(absl::Span<const RankRequest* const> wave,
     backend_->WaitCopies().IgnoreError();
   }
   for (Live& l : live) {
+    // A NaN in the forward (weights that overflow on these inputs) reaches the scores through
+    // the sigmoid; the user's new K/V may hold it too, so nothing of the request is kept.
+    if (failure.ok() && !std::all_of(l.result.scores.begin(), l.result.scores.end(),
+                                     [](float x) { return std::isfinite(x); })) {
+      cache_->Release(l.res);
+      *results[l.idx] = absl::InternalError(
+          "the model produced non-finite scores for this request (its weights overflow on these "
+          "inputs); nothing of it was cached");
+      continue;
+    }
     if (failure.ok()) {
       const PageCopies offload = cache_->Commit(l.res, l.kept.keys);
       if (!offload.empty()) {

@@ -1,6 +1,7 @@
 #include "engine/model_file.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -127,6 +128,16 @@ absl::Status ModelConfig::Validate() const {
            {"hstu.num_tasks", num_tasks, 4096}}) {
     if (v > most) return absl::InvalidArgumentError(absl::StrCat(key, " must be at most ", most, ", got ", v));
   }
+  // The embedding tables: rows x hidden_dim values must stay far from int64 (and size_t) wrap.
+  constexpr int64_t kMostTableValues = int64_t{1} << 44;
+  for (auto [key, rows] : std::initializer_list<std::pair<const char*, int64_t>>{
+           {"item_rows", item_rows}, {"action_rows", action_rows}, {"position_rows", position_rows}}) {
+    if (rows > kMostTableValues / hidden_dim) {
+      return absl::InvalidArgumentError(absl::StrCat(key, " must be at most ", kMostTableValues / hidden_dim,
+                                                     " (2^44 values at hidden_dim ", hidden_dim, "), got ",
+                                                     rows));
+    }
+  }
   if (max_attn_len < 0) {
     return absl::InvalidArgumentError(absl::StrCat("hstu.max_attn_len must be >= 0, got ", max_attn_len));
   }
@@ -218,8 +229,14 @@ absl::StatusOr<ModelWeights> ReadModelFile(const std::string& path) {
   if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec)) {
     return absl::InvalidArgumentError(absl::StrCat("model file '", path, "' is not a regular file"));
   }
+  errno = 0;
   std::ifstream f(path, std::ios::binary);
-  if (!f) return absl::NotFoundError(absl::StrCat("cannot open model file '", path, "'"));
+  if (!f) {
+    const int err = errno;
+    const std::string why = absl::StrCat("cannot open model file '", path, "': ", std::strerror(err));
+    if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(why);
+    return err == ENOENT || err == ENOTDIR ? absl::NotFoundError(why) : absl::UnavailableError(why);
+  }
   // The file, then its tensors: about twice its size at the peak.
   try {
     std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -244,6 +261,11 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
   if (header_len == 0 || header_len > bytes.size() - 8) {
     return InvalidModel(name, absl::StrCat("header length ", header_len, " does not fit in the file of ",
                                            bytes.size(), " bytes (not a safetensors file?)"));
+  }
+  // The JSON parser stops at a NUL byte: what follows it would pass unread.
+  if (const size_t nul = bytes.find('\0', 8); nul < 8 + header_len) {
+    return InvalidModel(name, absl::StrCat("header has a NUL byte at offset ", nul - 8,
+                                           " (the header is JSON padded with spaces)"));
   }
   // A key given twice in one object (the parser keeps the last) makes the file mean two things.
   std::vector<std::set<std::string>> keys_seen;
@@ -426,7 +448,11 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
       std::memcpy(out->data(), src, n * 4);
     }
     for (float x : *out) {
-      if (!std::isfinite(x)) return InvalidModel(name, absl::StrCat("tensor '", t, "' contains NaN or Inf"));
+      // Data read at shifted offsets (a wrong header length) is what the layout error names.
+      if (!std::isfinite(x)) {
+        return layout.ok() ? InvalidModel(name, absl::StrCat("tensor '", t, "' contains NaN or Inf"))
+                           : layout;
+      }
     }
     entries.erase(it);
     return absl::OkStatus();

@@ -28,7 +28,8 @@ int main(int argc, char** argv) {
       "Prometheus metrics on http://METRICS_LISTEN/metrics. See docs/server.md.\n"
       "Exit status: 0 stopped by SIGTERM/SIGINT and drained; 1 unknown flag or one that does not\n"
       "parse, start-up failure, or the GPU lost (after a drain); 2 a flag value out of its range,\n"
-      "or a batch past --engine_stall_timeout_s; 3 a second signal during the drain.");
+      "a word that is no flag, or a batch past --engine_stall_timeout_s; 3 a second signal during\n"
+      "the drain.");
   absl::FlagsUsageConfig usage;
   // --help lists the server's flags (absl's default matches files named after the binary).
   usage.contains_help_flags = [](absl::string_view path) {
@@ -38,7 +39,9 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage);
   auto args = hstu::NormalizeFlagDashes(argc, argv);
   auto argv2 = hstu::ArgvOf(args);
-  absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data());
+  if (!hstu::OnlyFlagsGiven(absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data()))) {
+    return 2;
+  }
 
   const std::string level = hstu::server::LogLevelFlag();
   const spdlog::level::level_enum lvl = spdlog::level::from_str(level);

@@ -99,21 +99,59 @@ def _decode_tensor(raw: bytes, dtype: str, shape: list) -> np.ndarray:
 
 
 def load_model(path: str) -> Model:
+    """Reads a model file, checking what the C++ loader checks (engine/model_file.cc): a ValueError
+    names what is wrong."""
     with open(path, "rb") as f:
         blob = f.read()
     if len(blob) < 8:
         raise ValueError(f"{path}: too short for a safetensors header")
     (header_len,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + header_len].decode("utf-8"))
+    if header_len == 0 or header_len > len(blob) - 8:
+        raise ValueError(f"{path}: header length {header_len} does not fit in the file of {len(blob)} bytes")
+    if b"\0" in blob[8 : 8 + header_len]:
+        raise ValueError(f"{path}: header has a NUL byte")
+    try:
+        header = json.loads(blob[8 : 8 + header_len].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: header is not JSON: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise ValueError(f"{path}: header is not a JSON object with __metadata__")
     data = blob[8 + header_len :]
     meta = header.pop("__metadata__")
 
     tensors = {}
+    spans = []
     for name, info in header.items():
-        begin, end = info["data_offsets"]
-        if end > len(data):
-            raise ValueError(f"{path}: tensor {name} runs past the end of the file")
-        tensors[name] = _decode_tensor(data[begin:end], info["dtype"], info["shape"])
+        try:
+            begin, end = info["data_offsets"]
+            dtype, shape = info["dtype"], info["shape"]
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"{path}: tensor {name} lacks dtype, shape or data_offsets [begin, end]") from None
+        if not (0 <= begin <= end <= len(data)):
+            raise ValueError(f"{path}: tensor {name} data [{begin}, {end}) runs past the end of the file")
+        try:
+            values = _decode_tensor(data[begin:end], dtype, shape)
+        except ValueError as e:  # a dtype, or a byte count that is not the shape's
+            raise ValueError(f"{path}: tensor {name}: {e}") from None
+        if not np.all(np.isfinite(values)):
+            raise ValueError(f"{path}: tensor {name} contains NaN or Inf")
+        tensors[name] = values
+        spans.append((begin, end))
+    # Back to back, as safetensors requires: no overlap, no hole, no trailing bytes.
+    at = 0
+    for begin, end in sorted(spans):
+        if begin != at:
+            raise ValueError(f"{path}: tensor data {'overlaps' if begin < at else 'has a hole'} at byte "
+                             f"{min(begin, at)} of the data area")
+        at = end
+    if at != len(data):
+        raise ValueError(f"{path}: the tensors cover {at} of the {len(data)} data bytes (trailing bytes?)")
+
+    class Tensors(dict):
+        def __missing__(self, name):
+            raise ValueError(f"{path}: tensor {name} is missing")
+
+    tensors = Tensors(tensors)
 
     def meta_int(key, default=None):
         if key not in meta:
@@ -122,6 +160,8 @@ def load_model(path: str) -> Model:
             return default
         return int(meta[key])
 
+    if "hstu.position_encoding" not in meta:
+        raise ValueError(f"{path}: metadata hstu.position_encoding is missing")
     position_encoding = meta["hstu.position_encoding"] in ("true", "1")
     layers = []
     for i in range(meta_int("hstu.num_layers")):
@@ -383,7 +423,11 @@ def main(argv=None) -> int:
                         help="bf16: round as the CUDA engine does (see above)")
     args = parser.parse_args(argv)
 
-    model = load_model(args.model)
+    try:
+        model = load_model(args.model)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     num = FP64
     if args.numerics == "bf16":
         model, num = with_bf16_weights(model), BF16
@@ -401,8 +445,13 @@ def main(argv=None) -> int:
                 failures += 1
                 continue
             scores = score_request(model, items, actions, candidates, num)
+            if not np.all(np.isfinite(scores)):
+                # As the engine: a model that overflows gives an error, not NaN (invalid JSON).
+                out.write(json.dumps({"line": line_no, "error": "the model produced non-finite scores"}) + "\n")
+                failures += 1
+                continue
             # repr-exact floats: the comparison tolerance is the test's business, not ours.
-            out.write(json.dumps({"user_id": user_id, "scores": scores.tolist()}) + "\n")
+            out.write(json.dumps({"user_id": user_id, "scores": scores.tolist()}, allow_nan=False) + "\n")
     if out is not sys.stdout:
         out.close()
     return 1 if failures else 0  # as hstu_rank: 1 when any line was an error

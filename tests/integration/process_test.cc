@@ -151,7 +151,9 @@ TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
        // Before: accepted, then int32 overflow in the bucket's static sizes.
        {"--graph_buckets=8x2147483000", "--graph_buckets: '8x2147483000' is not USERSxROWS with users in [1, 4096] and rows in [1, 1048576]"},
        // Every program takes the dashed spelling of its flags (README).
-       {"--shutdown-grace-s=-4", "--shutdown_grace_s=-4: must be >= 0"}},
+       {"--shutdown-grace-s=-4", "--shutdown_grace_s=-4: must be >= 0"},
+       // Before: "false" was dropped and the warm-up ran.
+       {"--warmup false", "error: unexpected argument 'false'"}},
       2);
 }
 
@@ -463,6 +465,12 @@ TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
                           {"--new_events=2 --new_events_min=3", "--new_events=2: must be >= --new_events_min (3)"},
                           {"--initial_events=4 --initial_events_min=5", "--initial_events=4: must be >= --initial_events_min (5)"},
                           {"--initial_events=64 --max_events=32", "--max_events=32: must be >= --initial_events (64)"},
+                          // Before: 2.4 GB of channels and no output; std::bad_alloc (exit 134).
+                          {"--connections=2000000000", "--connections=2000000000: must be in [1, 1024]"},
+                          {"--candidates=2000000000", "--candidates=2000000000: must be >= 0 (0: the model's candidates per forward) and at most 1048576"},
+                          {"--initial_events=2000000000", "--initial_events=2000000000: must be >= 0 (0: half the model's maximum) and at most 4194304"},
+                          // Before: "false" was dropped and the progress line printed.
+                          {"--progress false", "error: unexpected argument 'false'"},
                           // The dashed spelling names the same flag.
                           {"--timeout-ms=0", "--timeout_ms=0: must be in [1, 86400000]"}},
                          2);
@@ -491,6 +499,14 @@ TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
                                                    " --requests=20 --warmup=0 --progress=false"));
   EXPECT_EQ(rc2, 0) << out2;
   EXPECT_NE(out2.find(", 4 candidates,"), std::string::npos) << out2;
+  // Without a warm-up every call sent is a call counted: the server saw exactly the 20 + 20
+  // (before: each caller's first call went out before the window opened, uncounted).
+  auto body = HttpGet(server.metrics_port(), "/metrics");
+  ASSERT_TRUE(body.ok());
+  auto expo = ParseExposition(*body);
+  ASSERT_TRUE(expo.ok());
+  EXPECT_EQ(expo->Sum("hstu_requests_total", {{"code", "INVALID_ARGUMENT"}}), 20) << *body;
+  EXPECT_EQ(expo->Sum("hstu_requests_total", {{"code", "OK"}}), 20) << *body;
 }
 
 TEST(ProcessTest, LoadgenReportsWhatItMeasuredWhenStoppedAndFailsWhenTheServerDies) {
@@ -639,6 +655,46 @@ TEST(ProcessTest, HstuRankRejectsIntegersOutOfTheirFieldsRange) {
             "field 'user_id' = 1.8446744073709552e+19 is not an integer in the range of uint64");
   ASSERT_TRUE(lines[5].contains("scores")) << out;
   EXPECT_EQ(lines[5]["user_id"].get<uint64_t>(), 0u);
+}
+
+TEST(ProcessTest, HstuRankNamesUnknownAndRepeatedFieldsAndJsonErrors) {
+  // Before: a misspelt key was ignored (the request scored with no history, exit 0), a repeated
+  // key kept its last value, and every syntax error read "not a JSON object".
+  const std::string dir = TempDir();
+  {
+    std::ofstream f(dir + "/requests.jsonl");
+    f << R"({"user_id": 1, "history_items": [1, 2], "history_action": [1, 2], "candidate_item_ids": [3]})" "\n"
+      << R"({"user_id": 2, "user_id": 3, "history_item_ids": [], "history_actions": [], "candidate_item_ids": [3]})" "\n"
+      << R"({"user_id": 4, "history_item_ids": [1], "history_actions": [1], "candidate_item_ids": [3]} x)" "\n"
+      << R"([1, 2])" "\n"
+      << R"({"user_id": 5, "history_item_ids": [1], "history_actions": [1], "candidate_item_ids": [3]})" "\n";
+  }
+  const auto [rc, out] = RunCommand(absl::StrCat("{ ", HSTU_RANK_BIN,
+                                                 " --model=random:tiny --device=cpu --input=", dir,
+                                                 "/requests.jsonl 2>/dev/null; }"));
+  EXPECT_EQ(rc, 1) << out;
+  std::vector<nlohmann::json> lines;
+  for (absl::string_view l : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
+    lines.push_back(nlohmann::json::parse(l, nullptr, false));
+  }
+  ASSERT_EQ(lines.size(), 5u) << out;
+  EXPECT_EQ(lines[0].value("error", ""),
+            "unknown field 'history_action' (the fields: user_id, history_item_ids, "
+            "history_actions, candidate_item_ids)");
+  EXPECT_EQ(lines[1].value("error", ""), "field 'user_id' is given twice");
+  EXPECT_NE(lines[2].value("error", "").find("not valid JSON: parse error at line 1, column"),
+            std::string::npos)
+      << lines[2];
+  EXPECT_EQ(lines[3].value("error", ""), "not a JSON object");
+  EXPECT_TRUE(lines[4].contains("scores")) << out;
+  // As hstu_server: a pool that cannot hold one user of the longest history is refused up front
+  // (before: a warning, then every long line failed and cut its user's cache).
+  ExpectEachFlagRejected(
+      absl::StrCat(HSTU_RANK_BIN, " --model=random:tiny --device=cpu --input=", dir,
+                   "/requests.jsonl"),
+      {{"--page_size=32 --cache_pages=3", "error: --cache_pages=3: the KV pool must hold one user"},
+       {"--page_size=0", "error: --page_size=0: must be in [1, 4096]"}},
+      2);
 }
 
 TEST(ProcessTest, HstuRankAndHstuModelFailLoudly) {

@@ -64,6 +64,60 @@ def main():
         rc, out = run(make + [flag, "0"])
         expect(f"make_requests {flag} 0", rc, out, 2, "must be >= 1")
 
+    # Small workloads keep the request whose candidates must be chunked (before: the first two
+    # requests, given 1 and max_candidates candidates, could overwrite it).
+    with open(model, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    max_candidates = int(header["__metadata__"]["hstu.max_candidates"])
+    for users in (1, 2, 3):
+        rc, out = run(make + ["--users", str(users), "--visits", "1", "--seed", "2"])
+        expect(f"make_requests --users {users} --visits 1", rc, out, 0, "")
+        with open(os.path.join(args.work_dir, "r.jsonl")) as f:
+            counts = [len(json.loads(line)["candidate_item_ids"]) for line in f]
+        if max(counts) <= max_candidates:
+            failures.append(f"make_requests --users {users}: no request past {max_candidates} "
+                            f"candidates: {counts}")
+
+    # The reference checks a model file as the C++ loader does (before: NaN weights scored as NaN
+    # and written as bare NaN, overlapping or trailing data scored, a missing tensor a traceback).
+    with open(model, "rb") as f:
+        blob = f.read()
+    data_start = 8 + header_len
+    first = min(info["data_offsets"][0] for name, info in header.items() if name != "__metadata__")
+    requests = write("one.jsonl", [{"user_id": 1, "history_item_ids": [1], "history_actions": [0],
+                                    "candidate_item_ids": [3]}])
+
+    def with_header(h, data):
+        text = json.dumps(h).encode()
+        text += b" " * (-len(text) % 8)
+        return len(text).to_bytes(8, "little") + text + data
+
+    data = blob[data_start:]
+    name0 = next(n for n, i in header.items() if n != "__metadata__" and i["data_offsets"][0] == first)
+    nan = bytearray(data)
+    nan[first:first + 4] = b"\x00\x00\xc0\x7f"  # a float32 NaN
+    missing = {k: v for k, v in header.items() if k != "layers.0.uvqk.bias"}
+    overlap = json.loads(json.dumps(header))
+    b, e = overlap["layers.0.uvqk.bias"]["data_offsets"]
+    overlap["layers.0.uvqk.bias"]["data_offsets"] = [b - 4, e - 4]
+    bad_models = {
+        "NaN weight": (bytes(data), f"tensor {name0} contains NaN or Inf", bytes(nan)),
+        "trailing bytes": (None, "trailing bytes", data + b"\0" * 8),
+        "missing tensor": (missing, "hole", data),
+        "overlapping tensors": (overlap, "", data),
+    }
+    for what, (h, needle, body) in bad_models.items():
+        path = os.path.join(args.work_dir, "bad.safetensors")
+        with open(path, "wb") as f:
+            f.write(with_header(header if not isinstance(h, dict) else h, body))
+        rc, out = run([sys.executable, os.path.join(tools, "hstu_reference.py"), "--model", path,
+                       "--input", requests])
+        expect(f"reference on a model with {what}", rc, out, 1, needle)
+        expect(f"reference on a model with {what}", rc, out, 1, "error: ")
+        if "Traceback" in out:
+            failures.append(f"reference on a model with {what}: a traceback\n{out[-600:]}")
+
     reference = [sys.executable, os.path.join(tools, "hstu_reference.py"), "--model", model]
     bad = write("bad.jsonl", [{"user_id": 1, "history_item_ids": [1], "history_actions": [0]},
                               {"user_id": 2**64, "history_item_ids": [], "history_actions": [],

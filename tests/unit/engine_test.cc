@@ -132,6 +132,29 @@ TEST(Engine, ReturningUserReusesExactlyTheUnchangedPrefix) {
   ExpectSame(edited, RankOne(*fresh, r), "edited history");
 }
 
+TEST(Engine, AModelThatOverflowsFailsTheRequestAndCachesNothing) {
+  // Before: the NaN scores went out (hstu_rank wrote null, the server NaN) and the user's NaN K/V
+  // stayed in the cache for the next visit.
+  const ModelConfig c = TestConfig(false, 0);
+  ModelWeights w = RandomModel(c, 3);
+  for (size_t i = 0; i < w.layers[0].output_w.size(); ++i) {
+    w.layers[0].output_w[i] = i % 2 == 0 ? 3e38f : -3e38f;  // finite, but y · W_o is not
+  }
+  EngineOptions o;
+  o.page_size = 4;
+  auto e = Engine::Create(o, std::move(w));
+  ASSERT_TRUE(e.ok()) << e.status();
+  const RankRequest r{7, {1, 2, 3, 4, 5}, {0, 1, 2, 3, 4}, {9, 8}};
+  auto res = (*e)->Rank({&r, 1});
+  ASSERT_FALSE(res[0].ok());
+  EXPECT_EQ(res[0].status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(std::string(res[0].status().message()).find("non-finite scores"), std::string::npos)
+      << res[0].status();
+  const CacheStats stats = (*e)->Stats().cache;
+  EXPECT_EQ(stats.entries, 0);
+  EXPECT_EQ(stats.pages_free, stats.pages_total);
+}
+
 TEST(Engine, TwoRequestsOfOneUserInABatchRunInOrder) {
   const ModelConfig c = TestConfig(false, 0);
   auto e = MakeEngine(c, true, 4);

@@ -122,6 +122,75 @@ TEST(ModelFile, WrongMagicOrLength) {
   ExpectError(bad, "header length");
 }
 
+TEST(ModelFile, HeaderWithANulByteIsRejected) {
+  // The JSON parser stops at a NUL: before, whatever followed it in the header passed unread.
+  const std::string bytes = SerializeModelFile(RandomModel(SmallConfig(), 1));
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  std::string h = bytes.substr(8, n);
+  while (!h.empty() && h.back() == ' ') h.pop_back();
+  h += std::string(1, '\0') + "GARBAGE!";
+  while (h.size() % 8) h += ' ';
+  uint64_t m = h.size();
+  std::string out(8, '\0');
+  std::memcpy(out.data(), &m, 8);
+  ExpectError(out + h + bytes.substr(8 + n), "NUL byte");
+}
+
+TEST(ModelFile, AShiftedHeaderLengthIsALayoutErrorNotANaN) {
+  // A header length a few bytes short: the header still parses (it ends in padding), every
+  // tensor is read a few bytes early, and the garbage values are what the layout explains.
+  const std::string bytes = SerializeModelFile(RandomModel(SmallConfig(), 1));
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  const std::string padded = bytes.substr(8, n) + std::string(8, ' ');
+  for (const uint64_t shift : {1, 2, 7}) {
+    std::string bad(8, '\0');
+    const uint64_t shorter = padded.size() - shift;
+    std::memcpy(bad.data(), &shorter, 8);
+    bad += padded + bytes.substr(8 + n);
+    auto r = ParseModelFile(bad, "x");
+    ASSERT_FALSE(r.ok()) << shift;
+    EXPECT_NE(std::string(r.status().message()).find("trailing bytes"), std::string::npos)
+        << shift << ": " << r.status();
+  }
+}
+
+TEST(ModelFile, EmbeddingTablesPastTheValueLimitAreRejected) {
+  // Before: hstu_model init --items 2^58 wrapped item_rows * d to 0 and wrote a file whose header
+  // promised 2^58 rows and held none.
+  ModelConfig c = SmallConfig();
+  c.item_rows = int64_t{1} << 58;
+  absl::Status s = c.Validate();
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(std::string(s.message()).find("item_rows must be at most"), std::string::npos) << s;
+  c = SmallConfig();
+  c.action_rows = (int64_t{1} << 44) / c.hidden_dim + 1;
+  s = c.Validate();
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(std::string(s.message()).find("action_rows"), std::string::npos) << s;
+  c.action_rows = (int64_t{1} << 44) / c.hidden_dim;
+  EXPECT_TRUE(c.Validate().ok());
+}
+
+TEST(ModelFile, AnUnreadableFileSaysSo) {
+  auto missing = ReadModelFile(::testing::TempDir() + "/no_such_model.safetensors");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(std::string(missing.status().message()).find("No such file"), std::string::npos)
+      << missing.status();
+  if (geteuid() == 0) GTEST_SKIP() << "root reads a file of mode 000";
+  const std::string path =
+      ::testing::TempDir() + "/unreadable_" + std::to_string(getpid()) + ".safetensors";
+  ASSERT_TRUE(WriteModelFile(RandomModel(SmallConfig(), 1), path, FileDType::kF32).ok());
+  std::filesystem::permissions(path, std::filesystem::perms::none);
+  auto r = ReadModelFile(path);
+  std::filesystem::remove(path);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << r.status();
+  EXPECT_NE(std::string(r.status().message()).find("Permission denied"), std::string::npos);
+}
+
 TEST(ModelFile, HeaderNotJson) {
   std::string h = "{not json!";
   while (h.size() % 8) h += ' ';
