@@ -364,6 +364,11 @@ void Engine::Prefetch(absl::Span<const RankRequest* const> running,
   }
 }
 
+bool Engine::Forget(uint64_t user_id) {
+  SettleOffloads(/*wait=*/true);
+  return cache_->Forget(user_id);
+}
+
 void Engine::SettleOffloads(bool wait) {
   if (!cache_->offloads_in_flight()) return;
   if (wait) {

@@ -102,6 +102,10 @@ class Engine {
   bool has_host_tier() const { return options_.enable_cache && cache_->Stats().host_pages_total > 0; }
 
   absl::Status Validate(const RankRequest& request) const;
+  // Forgets what the cache holds of one user once its offloads are done (the server's warm-up
+  // request leaves nothing behind). Called from the thread that calls Rank(), not during one.
+  // True when nothing of the user is cached now.
+  bool Forget(uint64_t user_id);
   const ModelConfig& config() const { return config_; }
   const EngineOptions& options() const { return options_; }
   std::string device_name() const { return backend_->name(); }

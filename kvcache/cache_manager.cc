@@ -628,6 +628,16 @@ void CacheManager::Clear() {
   }
 }
 
+bool CacheManager::Forget(uint64_t user_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(user_id);
+  if (it == entries_.end()) return true;
+  const Entry& e = it->second;
+  if (e.pinned || e.inflight_pages > 0 || e.prefetch_pending) return false;
+  DropLocked(user_id);
+  return true;
+}
+
 CacheStats CacheManager::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   CacheStats s = stats_;

@@ -184,6 +184,9 @@ class CacheManager {
   void OffloadsComplete();
   bool offloads_in_flight() const;
   void Clear();  // drops every unpinned entry, and the host copies of the others
+  // Drops one user's entry (and its host copy) unless a request or a copy still uses it; true
+  // when the user has no entry now. Not counted as dropped: nothing was lost to pressure.
+  bool Forget(uint64_t user_id);
   CacheStats Stats() const;
   // Number of cached tokens of a user (0 when absent); for tests and tools.
   int32_t CachedTokens(uint64_t user_id) const;

@@ -7,6 +7,8 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <utility>
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -58,8 +60,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  // SIGTERM and SIGINT from here on, on whichever thread the kernel hands them to (a signal during
-  // the model's load is taken once the server is up: it then drains at once).
+  // SIGTERM and SIGINT from here on, on whichever thread the kernel hands them to.
   auto stop = hstu::server::StopSignals::Install({SIGTERM, SIGINT});
   if (!stop.ok()) {
     std::fprintf(stderr, "%s\n", std::string(stop.status().message()).c_str());
@@ -67,13 +68,26 @@ int main(int argc, char** argv) {
   }
 
   spdlog::info("hstu_server {} starting", hstu::server::ServerVersion());
+  // A signal during the start-up ends the process there: nothing is served yet, so nothing drains.
+  hstu::server::StartupWatch watch([s = *stop](absl::Duration timeout) { return s->Wait(timeout); },
+                                   [](int sig) {
+                                     spdlog::info("received {} during start-up; exiting before "
+                                                  "serving anything",
+                                                  strsignal(sig));
+                                     spdlog::shutdown();
+                                     std::_Exit(0);
+                                   });
   auto server = hstu::server::RankingServer::Start(*options);
+  int pending_signal = watch.Finish();
   if (!server.ok()) {
     spdlog::error("start-up failed: {}", server.status().ToString());
     return 1;
   }
   const int code = hstu::server::ServeUntilStopped(
-      **server, [s = *stop](absl::Duration timeout) { return s->Wait(timeout); },
+      **server,
+      [s = *stop, &pending_signal](absl::Duration timeout) {
+        return pending_signal >= 0 ? std::exchange(pending_signal, -1) : s->Wait(timeout);
+      },
       absl::Seconds(hstu::server::ShutdownGraceSeconds()));
   if (code == hstu::server::kEngineStalled || code == hstu::server::kDrainInterrupted) {
     // The engine thread is stuck, or the drain is cut short: no destructors.

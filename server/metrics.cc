@@ -60,7 +60,8 @@ ServerMetrics::ServerMetrics(const std::string& version)
           registry_, "hstu_queue_rejections_total",
           "Rank requests turned away before any engine work, by reason: queue_full "
           "(--max_queue or --max_queued_tokens), user_queue_full (--max_queue_per_user), "
-          "shutting_down (refused during the drain; these are not in hstu_requests_total).",
+          "shutting_down (refused during the drain), starting (refused while the model loads); "
+          "these last two are not in hstu_requests_total.",
           {"reason"})),
       process_start_time_(RegisterGauge(
           registry_, "process_start_time_seconds",
@@ -156,7 +157,7 @@ ServerMetrics::ServerMetrics(const std::string& version)
     requests_total_.WithLabels({code});
   }
   for (const SubmitRejection r : {SubmitRejection::kQueueFull, SubmitRejection::kUserQueueFull,
-                                  SubmitRejection::kShuttingDown}) {
+                                  SubmitRejection::kShuttingDown, SubmitRejection::kStarting}) {
     queue_rejections_.WithLabels({SubmitRejectionName(r)});
   }
   process_start_time_.WithLabels({}).Set(

@@ -70,6 +70,8 @@ grpc::ServerUnaryReactor* RankService::GetModelInfo(grpc::CallbackServerContext*
   const Attached* a = attached_.load(std::memory_order_acquire);
   if (a == nullptr) {
     reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "model is loading"));
+  } else if (!admitting_.load()) {  // as Rank: a draining server takes no new calls
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is shutting down"));
   } else {
     *response = a->info;
     reactor->Finish(grpc::Status::OK);
@@ -113,14 +115,16 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
     answer(status);
   };
 
+  // The refusals of a server not serving (still loading, or draining) are counted as such, not
+  // as answers in hstu_requests_total, where an UNAVAILABLE reads as the server's failure (clients
+  // probing a restarting replica would push the error ratio alert towards firing).
   const Attached* a = attached_.load(std::memory_order_acquire);
   if (a == nullptr) {
-    finish(absl::UnavailableError("model is loading"));
+    metrics->CountQueueRejection(SubmitRejectionName(SubmitRejection::kStarting));
+    answer(absl::UnavailableError("model is loading"));
     return reactor;
   }
   if (!admitting_.load()) {
-    // The drain's refusals are counted as such, not as answers in hstu_requests_total: before
-    // they were refused by gRPC itself, and an UNAVAILABLE there reads as the server's failure.
     metrics->CountQueueRejection(SubmitRejectionName(SubmitRejection::kShuttingDown));
     answer(absl::UnavailableError("server is shutting down"));
     return reactor;

@@ -21,8 +21,8 @@ const char* ServerVersion() { return "0.1.0"; }
 namespace {
 
 // A small request through every layer, so the first real request does not pay for first-touch
-// page faults or lazy initialisation. Its user id is the largest, which no client is expected to
-// use; it leaves one small cache entry behind.
+// page faults or lazy initialisation. Its cache entry is forgotten afterwards: a client's user
+// with this id starts as a miss like any other.
 RankRequest WarmupRequest() {
   RankRequest r;
   r.user_id = ~uint64_t{0};
@@ -160,6 +160,9 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
       return absl::InternalError(absl::StrCat(
           "engine: warm-up request failed: ",
           warm.empty() ? "no result" : std::string(warm[0].status().message())));
+    }
+    if (!s->engine_->Forget(WarmupRequest().user_id)) {
+      spdlog::warn("engine: the warm-up request's cache entry is still in use; it stays");
     }
     spdlog::info("engine: warm-up request done");
   }

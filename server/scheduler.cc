@@ -31,6 +31,7 @@ const char* SubmitRejectionName(SubmitRejection reason) {
     case SubmitRejection::kQueueFull: return "queue_full";
     case SubmitRejection::kUserQueueFull: return "user_queue_full";
     case SubmitRejection::kShuttingDown: return "shutting_down";
+    case SubmitRejection::kStarting: return "starting";
   }
   return "";
 }

@@ -97,9 +97,11 @@ struct BatchInfo {
   double compute_seconds = 0;
 };
 
-// Why Submit() turned a request away.
-enum class SubmitRejection { kNone, kQueueFull, kUserQueueFull, kShuttingDown };
-// Label values for metrics: "queue_full", "user_queue_full", "shutting_down" ("" for kNone).
+// Why a request was turned away before any engine work: Submit()'s reasons, and kStarting (the
+// service's own: the model is still loading).
+enum class SubmitRejection { kNone, kQueueFull, kUserQueueFull, kShuttingDown, kStarting };
+// Label values for metrics: "queue_full", "user_queue_full", "shutting_down", "starting" ("" for
+// kNone).
 const char* SubmitRejectionName(SubmitRejection reason);
 
 class Scheduler {

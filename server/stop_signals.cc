@@ -10,6 +10,7 @@
 #include <csignal>
 #include <cstring>
 #include <mutex>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -62,6 +63,32 @@ int StopSignals::Wait(absl::Duration timeout) {
   if (poll(&p, 1, ms) <= 0 || (p.revents & POLLIN) == 0) return -1;
   unsigned char b = 0;
   return read(g_pipe[0], &b, 1) == 1 ? static_cast<int>(b) : -1;
+}
+
+StartupWatch::StartupWatch(WaitFn wait, std::function<void(int)> on_signal)
+    : thread_([this, wait = std::move(wait), on_signal = std::move(on_signal)] {
+        for (;;) {
+          const int sig = wait(absl::Milliseconds(50));
+          std::lock_guard<std::mutex> lock(mu_);
+          if (finished_) {
+            unhandled_ = sig;
+            return;
+          }
+          if (sig >= 0) {
+            on_signal(sig);  // main() does not return from it; a test's does
+            return;
+          }
+        }
+      }) {}
+
+int StartupWatch::Finish() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    finished_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(unhandled_, -1);
 }
 
 }  // namespace hstu::server

@@ -6,7 +6,10 @@
 // write(), which is async-signal-safe.
 #pragma once
 
+#include <functional>
 #include <initializer_list>
+#include <mutex>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -22,6 +25,29 @@ class StopSignals {
 
  private:
   StopSignals() = default;
+};
+
+// Watches for a stop signal while the server starts (model load, graph capture, warm-up: seconds
+// to minutes). A signal then goes to `on_signal` at once, with nothing served yet and nothing to
+// drain; main() ends the process there. (Before, the signals waited in the pipe until the server
+// was up: a pod stopped during a long load loaded on, reported SERVING, then drained, and two
+// signals seconds apart were read as one sent twice.)
+class StartupWatch {
+ public:
+  using WaitFn = std::function<int(absl::Duration)>;  // as StopSignals::Wait
+  StartupWatch(WaitFn wait, std::function<void(int)> on_signal);
+  ~StartupWatch() { Finish(); }
+  StartupWatch(const StartupWatch&) = delete;
+  StartupWatch& operator=(const StartupWatch&) = delete;
+  // The start-up is over (whether it succeeded or not): stops watching. Returns a signal that
+  // arrived as it ended and was not given to `on_signal` (it is the serving loop's), or -1.
+  int Finish();
+
+ private:
+  std::mutex mu_;
+  bool finished_ = false;  // under mu_
+  int unhandled_ = -1;     // under mu_
+  std::thread thread_;     // last: started once the members above exist
 };
 
 }  // namespace hstu::server

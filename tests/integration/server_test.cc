@@ -24,7 +24,9 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "hstu/v1/ranking.grpc.pb.h"
 #include "prometheus/text_serializer.h"
+#include "server/metrics.h"
 #include "server/prom_family.h"
+#include "server/rank_service.h"
 #include "server/ranking_server.h"
 #include "server/stop_signals.h"
 #include "server/validation.h"
@@ -232,6 +234,27 @@ TEST_F(ServerTest, HealthIsServingAndModelInfoDescribesTheModel) {
   EXPECT_EQ(info.num_actions(), 16u);
   EXPECT_EQ(info.page_size(), 32u);
   EXPECT_EQ(info.device(), "cpu");
+}
+
+TEST_F(ServerTest, TheWarmUpLeavesNothingInTheCache) {
+  // Before: the warm-up request (user 2^64 - 1, items 1-4, candidates 5-6) left its entry, so a
+  // client's user with that id reused 8 tokens on a first visit, or counted a hash mismatch.
+  StartServer();
+  hstu::v1::RankRequest req;
+  req.set_user_id(~uint64_t{0});
+  for (int64_t item : {1, 2, 3, 4}) {
+    req.add_history_item_ids(item);
+    req.add_history_actions(0);
+  }
+  req.add_candidate_item_ids(5);
+  req.add_candidate_item_ids(6);
+  grpc::ClientContext ctx;
+  hstu::v1::RankResponse resp;
+  ASSERT_TRUE(stub_->Rank(&ctx, req, &resp).ok());
+  EXPECT_EQ(resp.reused_tokens(), 0u);
+  EXPECT_EQ(resp.computed_tokens(), 8u);
+  const auto m = Scrape();
+  EXPECT_EQ(m.Sum("hstu_kv_lookups_total", {{"result", "miss"}}), 1);
 }
 
 TEST_F(ServerTest, ScoresAndReuseEqualTheEngineForTheSameRequests) {
@@ -805,7 +828,91 @@ TEST_F(DrainTest, CallsDuringTheDrainAreRefusedAndCountedAsSuch) {
     const auto m = Scrape();
     EXPECT_EQ(m.Sum("hstu_queue_rejections_total", {{"reason", "shutting_down"}}), 1);
     EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "UNAVAILABLE"}}), 0);
+    // GetModelInfo too (before: answered OK during the drain).
+    grpc::ClientContext ctx;
+    hstu::v1::ModelInfo info;
+    const grpc::Status info_status = stub_->GetModelInfo(&ctx, {}, &info);
+    EXPECT_EQ(info_status.error_code(), grpc::StatusCode::UNAVAILABLE);
   });
+}
+
+// A fake signal source for StartupWatch: `Send` queues a signal, the watch's waits take them.
+class FakeSignals {
+ public:
+  void Send(int sig) {
+    std::lock_guard<std::mutex> lock(mu_);
+    queued_.push_back(sig);
+    cv_.notify_all();
+  }
+  int Wait(absl::Duration timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, absl::ToChronoMilliseconds(timeout), [&] { return !queued_.empty(); })) {
+      return -1;
+    }
+    const int sig = queued_.front();
+    queued_.pop_front();
+    return sig;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<int> queued_;
+};
+
+TEST(StartupWatchTest, ASignalDuringTheStartUpIsActedOnAtOnce) {
+  FakeSignals signals;
+  std::promise<int> got;
+  StartupWatch watch([&](absl::Duration t) { return signals.Wait(t); },
+                     [&](int sig) { got.set_value(sig); });
+  std::future<int> f = got.get_future();
+  signals.Send(SIGTERM);
+  // Before: nothing read the signal until the start-up had finished.
+  ASSERT_EQ(f.wait_for(5s), std::future_status::ready);
+  EXPECT_EQ(f.get(), SIGTERM);
+  EXPECT_EQ(watch.Finish(), -1);  // acted on: nothing left for the serving loop
+}
+
+TEST(StartupWatchTest, AfterTheStartUpSignalsAreTheServingLoops) {
+  FakeSignals signals;
+  std::atomic<int> acted{0};
+  StartupWatch watch([&](absl::Duration t) { return signals.Wait(t); },
+                     [&](int) { acted.fetch_add(1); });
+  std::this_thread::sleep_for(120ms);  // a few of the watch's waits, with no signal
+  EXPECT_EQ(watch.Finish(), -1);
+  signals.Send(SIGINT);  // after Finish: the serving loop's to read, not the watch's
+  EXPECT_EQ(signals.Wait(absl::Seconds(1)), SIGINT);
+  EXPECT_EQ(acted.load(), 0);
+}
+
+TEST(RankServiceTest, CallsWhileTheModelLoadsAreRefusedAndCountedAsSuch) {
+  // The service before Attach(): what a client probing a starting replica gets. Before, these
+  // refusals were counted in hstu_requests_total{code="UNAVAILABLE"} (the error ratio's numerator).
+  ServerMetrics metrics("test");
+  RankService service(&metrics);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto stub = hstu::v1::Ranker::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 3; ++i) {
+    grpc::ClientContext ctx;
+    hstu::v1::RankRequest req;
+    req.add_candidate_item_ids(1);
+    hstu::v1::RankResponse resp;
+    const grpc::Status s = stub->Rank(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+    EXPECT_EQ(s.error_message(), "model is loading");
+  }
+  auto m = ParseExposition(metrics.Serialize());
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->Sum("hstu_queue_rejections_total", {{"reason", "starting"}}), 3);
+  EXPECT_EQ(m->Sum("hstu_requests_total"), 0);
+  EXPECT_EQ(m->Sum("hstu_inflight_requests"), 0);
+  server->Shutdown();
 }
 
 // timeout(1) sends its signal to the process and to its group: the second copy arrives within
@@ -995,7 +1102,7 @@ TEST_F(ServerTest, EveryCodeTheServerAnswersHasASeriesFromTheStart) {
     });
     EXPECT_TRUE(present) << code;
   }
-  for (const char* reason : {"queue_full", "user_queue_full", "shutting_down"}) {
+  for (const char* reason : {"queue_full", "user_queue_full", "shutting_down", "starting"}) {
     const bool present = std::any_of(m.samples.begin(), m.samples.end(), [&](const auto& s) {
       return s.name == "hstu_queue_rejections_total" && s.labels.count("reason") &&
              s.labels.at("reason") == reason;
