@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 
@@ -70,6 +71,13 @@ size_t CommonPrefix(absl::Span<const uint64_t> a, absl::Span<const uint64_t> b, 
 void FreeLive(PageAllocator& a, const std::vector<int32_t>& ids, size_t from = 0) {
   for (size_t i = from; i < ids.size(); ++i) {
     if (ids[i] != kDeadPage) a.Free(&ids[i], 1);
+  }
+}
+
+// Takes back the pages of ids[from, end) that are not dead: an undo of FreeLive(a, ids, from).
+void RetakeLive(PageAllocator& a, const std::vector<int32_t>& ids, size_t from) {
+  for (size_t i = from; i < ids.size(); ++i) {
+    if (ids[i] != kDeadPage) a.Retake(&ids[i], 1);
   }
 }
 
@@ -268,6 +276,8 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   };
   auto [it, inserted] = entries_.try_emplace(user_id);
   Entry& e = it->second;
+  std::optional<Entry> before_cut;  // a mismatched entry as it was before its stale pages went
+  size_t cut_gpu_from = 0, cut_host_from = 0;  // the pages [from, end) of before_cut's lists
   const bool host_only = !inserted && e.page_ids.empty() && e.num_tokens > 0;
   const bool from_host = host_only || (!inserted && e.from_host && e.num_tokens > 0);
   r.new_entry = inserted;
@@ -301,7 +311,6 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
       r.reused_tokens = e.num_tokens;
       r.result = e.num_tokens == 0 ? LookupResult::kMiss
                  : from_host       ? LookupResult::kHostHit
-                 : e.cut_by_failed_acquire ? LookupResult::kPartial
                                    : LookupResult::kHit;
     } else {
       // Longest page-aligned prefix whose chain still matches; the rest of the entry is stale.
@@ -309,7 +318,12 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
       size_t k = 0;
       while (k < cmp_pages && page_hashes[k] == e.page_hashes[k]) ++k;
       k = CommonPrefix(keys, e.keys, k * page_size_) / page_size_;  // the keys confirm the chain
+      // Undone if the request cannot get its pages: the stale part may be what the user's next
+      // visit (an older history resent, say) reuses.
+      before_cut = e;
       TruncateLocked(e, k);  // to nothing when the window has released what k pages need
+      cut_gpu_from = e.page_ids.size();
+      cut_host_from = e.host_page_ids.size();
       r.reused_tokens = e.num_tokens;
       r.result = e.num_tokens == 0 ? LookupResult::kMismatch
                  : from_host       ? LookupResult::kHostHit
@@ -322,7 +336,6 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
     e.prefetch_pending = false;
   }
   e.from_host = false;
-  e.cut_by_failed_acquire = false;
   e.pinned = true;
   TouchLocked(e, user_id);
   // A host-only entry with dead pages: onloaded, its dead slots stay dead; recomputed from token
@@ -345,13 +358,22 @@ absl::StatusOr<Reservation> CacheManager::Acquire(uint64_t user_id, absl::Span<c
   // This entry's own pages are pinned now but not yet in pinned_pages_: count them for the check.
   pinned_pages_ += LivePages(e.page_ids, e.dead_pages);
   if (missing > 0 && !AllocateLocked(user_id, missing, &e.page_ids)) {
+    // A request that cannot fit costs nobody their cache, its own user included.
     pinned_pages_ -= LivePages(e.page_ids, e.dead_pages);
-    e.pinned = false;
-    e.from_host = from_host;                // the retry's lookup is still a host hit,
-    e.prefetch_pending = prefetch_pending;  // and its pages may still be being copied,
-    e.cut_by_failed_acquire = r.result == LookupResult::kPartial;  // or a partial hit
-    if (host_only) e.page_ids.clear();  // still on the host only
-    if (e.num_tokens == 0) DropLocked(user_id);
+    if (before_cut) {
+      // The cut's pages are still free (AllocateLocked took and evicted nothing): take them back.
+      RetakeLive(allocator_, before_cut->page_ids, cut_gpu_from);
+      RetakeLive(host_allocator_, before_cut->host_page_ids, cut_host_from);
+      const auto lru_it = e.lru_it;  // TouchLocked moved the user's LRU node
+      e = *std::move(before_cut);     // unpinned, its flags as they were
+      e.lru_it = lru_it;
+    } else {
+      e.pinned = false;
+      e.from_host = from_host;                // the retry's lookup is still a host hit,
+      e.prefetch_pending = prefetch_pending;  // and its pages may still be being copied
+      if (host_only) e.page_ids.clear();      // still on the host only
+      if (e.num_tokens == 0) DropLocked(user_id);
+    }
     return absl::ResourceExhaustedError(absl::StrCat(
         "KV cache pool too small: user ", user_id, " needs ", pages_needed, " pages of ", page_size_,
         " tokens, the pool has ", allocator_.num_pages(), " pages and ", pinned_pages_,

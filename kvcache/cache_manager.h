@@ -207,7 +207,6 @@ class CacheManager {
     int32_t inflight_pages = 0;         // pages of this entry in an offload not yet complete
     bool prefetch_pending = false;      // GPU pages being filled by a Prefetch() copy
     bool from_host = false;             // GPU pages came from the host; next Acquire is a host hit
-    bool cut_by_failed_acquire = false; // a failed Acquire cut the stale pages: next is a partial hit
     std::list<uint64_t>::iterator lru_it;
   };
 

@@ -22,6 +22,21 @@ bool PageAllocator::Allocate(int64_t n, std::vector<int32_t>* out) {
   return true;
 }
 
+void PageAllocator::Retake(const int32_t* ids, int64_t n) {
+  for (int64_t i = n - 1; i >= 0; --i) {  // the reverse of Free's order: each at the back
+    const int32_t id = ids[i];
+    if (id < 0 || id >= num_pages_ || in_use_[id]) {
+      std::fprintf(stderr, "PageAllocator: retake of page %d that is not free\n", id);
+      std::abort();
+    }
+    auto it = free_.end() - 1;
+    while (*it != id) --it;  // found: in_use_ says it is free
+    *it = free_.back();
+    free_.pop_back();
+    in_use_[id] = 1;
+  }
+}
+
 void PageAllocator::Free(const int32_t* ids, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const int32_t id = ids[i];

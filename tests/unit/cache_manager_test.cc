@@ -317,9 +317,32 @@ TEST(CacheManager, FailedAcquireOfAPrefetchedUserKeepsItsPrefetch) {
   EXPECT_TRUE(retry->onload.empty());
 }
 
+TEST(CacheManager, AFailedMismatchedAcquireKeepsTheEntryWhole) {
+  // Before: the mismatch cut the entry to its matching prefix (here nothing) before the
+  // allocation failed, so the user's next visit, extending the cached history, recomputed it all.
+  CacheManager m(4, 6);
+  const std::vector<uint64_t> cached = Keys(8, 1);
+  AcquireCommit(m, 1, cached);
+  std::vector<uint64_t> edited = Keys(28, 1);
+  edited[0] = TokenKey(false, 99999);  // page 0 changes: nothing matches, 7 pages needed
+  auto failed = m.Acquire(1, edited);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(m.CachedTokens(1), 8);
+  EXPECT_EQ(m.Stats().pages_free, 4);
+  std::vector<uint64_t> grown = cached;
+  grown.push_back(TokenKey(true, 5));
+  auto next = m.Acquire(1, grown);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->result, LookupResult::kHit);
+  EXPECT_EQ(next->reused_tokens, 8);
+  m.Commit(*next, grown);
+  EXPECT_EQ(m.Stats().dropped_entries, 0u);
+}
+
 TEST(CacheManager, RetryAfterAFailedPartialAcquireIsStillAPartialHit) {
-  // The failed Acquire cut user 1's stale page. Its retry (the engine runs it once the batch's
-  // other users committed) reuses the page left, and reports the lookup as what it was: partial.
+  // The failed Acquire left user 1's entry whole. Its retry (the engine runs it once the batch's
+  // other users committed) cuts the stale page, reuses the page left, and reports the lookup as
+  // partial.
   CacheManager m(4, 4);
   AcquireCommit(m, 1, Keys(8, 1));
   auto pinned = m.Acquire(2, Keys(8, 2));
