@@ -6,6 +6,7 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -13,6 +14,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/cli_util.h"
 #include "engine/engine.h"
 #include "nlohmann/json.hpp"
@@ -71,19 +74,18 @@ constexpr const char* kFields[] = {"user_id", "history_item_ids", "history_actio
 absl::StatusOr<hstu::RankRequest> ParseRequest(const std::string& line) {
   // A key given twice at the top level: which one was meant is unknown (the parser keeps the last).
   std::string duplicate;
-  std::vector<std::string> top_keys;
+  std::set<std::string> top_keys;
   auto note_keys = [&](int depth, json::parse_event_t event, json& parsed) {
-    if (depth == 1 && event == json::parse_event_t::key && duplicate.empty()) {
-      const std::string key = parsed.get<std::string>();
-      if (std::find(top_keys.begin(), top_keys.end(), key) != top_keys.end()) duplicate = key;
-      top_keys.push_back(key);
+    if (depth == 1 && event == json::parse_event_t::key && duplicate.empty() &&
+        !top_keys.insert(parsed.get<std::string>()).second) {
+      duplicate = parsed.get<std::string>();
     }
     return true;
   };
   json j;
   try {
     j = json::parse(line, note_keys);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // a syntax error, or a number past a double (1e999)
     // "[json.exception.parse_error.101] parse error at line 1, column 9: ...": from "parse error".
     const std::string what = e.what();
     const size_t at = what.find("] ");
@@ -95,9 +97,8 @@ absl::StatusOr<hstu::RankRequest> ParseRequest(const std::string& line) {
   for (const auto& [key, value] : j.items()) {
     // A misspelt key would otherwise leave its field empty: "history_items" scored no history.
     if (std::find(std::begin(kFields), std::end(kFields), key) == std::end(kFields)) {
-      return absl::InvalidArgumentError("unknown field '" + key +
-                                        "' (the fields: user_id, history_item_ids, history_actions, "
-                                        "candidate_item_ids)");
+      return absl::InvalidArgumentError(absl::StrCat("unknown field '", key, "' (the fields: ",
+                                                     absl::StrJoin(kFields, ", "), ")"));
     }
   }
   hstu::RankRequest r;
@@ -189,14 +190,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   // As hstu_server: a pool that cannot hold one user of the longest history would fail every
-  // such line (and leave the cache to whatever those failures cut).
-  const int64_t max_history = (*engine)->config().max_history_tokens;
-  const int64_t pages_per_user = hstu::PagesFor(max_history, page_size);
-  if (const int64_t pool = (*engine)->Stats().cache.pages_total; pool < pages_per_user) {
-    std::fprintf(stderr, "error: --cache_pages=%lld: the KV pool must hold one user of the model's "
-                 "maximum history, %lld tokens = %lld pages of %d (0 sizes it automatically)\n",
-                 static_cast<long long>(opts.cache_pages), static_cast<long long>(max_history),
-                 static_cast<long long>(pages_per_user), page_size);
+  // such line.
+  if (absl::Status pool = (*engine)->CheckPoolHoldsTheLongestHistory(); !pool.ok()) {
+    std::fprintf(stderr, "error: --cache_pages=%lld: %s\n", static_cast<long long>(opts.cache_pages),
+                 std::string(pool.message()).c_str());
     return 2;
   }
 

@@ -74,7 +74,7 @@ ABSL_FLAG(uint64_t, seed, 0,
           "Traffic seed (users, histories, candidates); 0: a fresh one each run, printed with the "
           "report. A run with the seed of an earlier one against the same server resends histories "
           "the server already holds, so its cache results are not a cold start's.");
-ABSL_FLAG(int32_t, connections, 1, "gRPC connections (channels), used round-robin.");
+ABSL_FLAG(int32_t, connections, 1, "gRPC connections (channels), used round-robin (at most 1024).");
 ABSL_FLAG(std::string, json, "", "Write the results as JSON to this file.");
 ABSL_FLAG(std::string, csv, "", "Write the results as CSV to this file.");
 ABSL_FLAG(double, wait_ready_s, 0,
@@ -109,7 +109,7 @@ constexpr int32_t kMaxConcurrency = 10000;  // a thread each
 constexpr size_t kMaxLevels = 1000;
 constexpr int32_t kMaxConnections = 1024;
 // A request's sizes: the model file's bound on candidates (2^20), and 2^22 events (the model
-// file's bound on history tokens is 2^22, two a event; longer histories only test truncation).
+// file's bound on history tokens is 2^22, two per event; longer histories only test truncation).
 constexpr int32_t kMaxCandidates = 1 << 20;
 constexpr int32_t kMaxEvents = 1 << 22;
 

@@ -160,10 +160,6 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   }
   if (!backend.ok()) return backend.status();
   if (options.wrap_backend) backend = options.wrap_backend(*std::move(backend));
-  if (num_pages < pages_per_user) {
-    spdlog::warn("KV pool of {} pages cannot hold one user of max history ({} pages)", num_pages,
-                 pages_per_user);
-  }
   int64_t host_pages = options.host_cache_pages;
   if (host_pages == -1) host_pages = AutoHostPages(**backend, num_pages);
   if (!options.enable_cache) host_pages = 0;  // nothing is kept, so nothing moves to the host
@@ -362,6 +358,16 @@ void Engine::Prefetch(absl::Span<const RankRequest* const> running,
       cache_->PrefetchesComplete();
     }
   }
+}
+
+absl::Status Engine::CheckPoolHoldsTheLongestHistory() const {
+  const int64_t pages_per_user = PagesFor(config_.max_history_tokens, options_.page_size);
+  const int64_t pool = cache_->Stats().pages_total;
+  if (pool >= pages_per_user) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the KV pool of ", pool, " pages must hold one user of the model's maximum history, ",
+      config_.max_history_tokens, " tokens = ", pages_per_user, " pages of ", options_.page_size,
+      " (0 sizes it automatically)"));
 }
 
 bool Engine::Forget(uint64_t user_id) {

@@ -102,6 +102,9 @@ class Engine {
   bool has_host_tier() const { return options_.enable_cache && cache_->Stats().host_pages_total > 0; }
 
   absl::Status Validate(const RankRequest& request) const;
+  // OK when the KV pool holds one user of the model's longest history; else an error saying so
+  // (a front end that would otherwise fail every such request refuses to start).
+  absl::Status CheckPoolHoldsTheLongestHistory() const;
   // Forgets what the cache holds of one user once its offloads are done (the server's warm-up
   // request leaves nothing behind). Called from the thread that calls Rank(), not during one.
   // True when nothing of the user is cached now.

@@ -263,8 +263,9 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
                                            bytes.size(), " bytes (not a safetensors file?)"));
   }
   // The JSON parser stops at a NUL byte: what follows it would pass unread.
-  if (const size_t nul = bytes.find('\0', 8); nul < 8 + header_len) {
-    return InvalidModel(name, absl::StrCat("header has a NUL byte at offset ", nul - 8,
+  if (const void* nul = std::memchr(bytes.data() + 8, '\0', header_len); nul != nullptr) {
+    return InvalidModel(name, absl::StrCat("header has a NUL byte at offset ",
+                                           static_cast<const char*>(nul) - (bytes.data() + 8),
                                            " (the header is JSON padded with spaces)"));
   }
   // A key given twice in one object (the parser keeps the last) makes the file mean two things.

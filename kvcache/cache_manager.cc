@@ -76,8 +76,8 @@ void FreeLive(PageAllocator& a, const std::vector<int32_t>& ids, size_t from = 0
 
 // Takes back the pages of ids[from, end) that are not dead: an undo of FreeLive(a, ids, from).
 void RetakeLive(PageAllocator& a, const std::vector<int32_t>& ids, size_t from) {
-  for (size_t i = from; i < ids.size(); ++i) {
-    if (ids[i] != kDeadPage) a.Retake(&ids[i], 1);
+  for (size_t i = ids.size(); i > from; --i) {  // last freed first: each is at the free list's back
+    if (ids[i - 1] != kDeadPage) a.Retake(&ids[i - 1], 1);
   }
 }
 

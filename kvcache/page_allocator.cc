@@ -23,7 +23,7 @@ bool PageAllocator::Allocate(int64_t n, std::vector<int32_t>* out) {
 }
 
 void PageAllocator::Retake(const int32_t* ids, int64_t n) {
-  for (int64_t i = n - 1; i >= 0; --i) {  // the reverse of Free's order: each at the back
+  for (int64_t i = n - 1; i >= 0; --i) {  // the reverse of Free's order
     const int32_t id = ids[i];
     if (id < 0 || id >= num_pages_ || in_use_[id]) {
       std::fprintf(stderr, "PageAllocator: retake of page %d that is not free\n", id);

@@ -16,8 +16,8 @@ class PageAllocator {
   bool Allocate(int64_t n, std::vector<int32_t>* out);
   // Returns pages; a double free or an id out of range aborts (a broken invariant).
   void Free(const int32_t* ids, int64_t n);
-  // Takes back pages that are free (an undo of Free: the pages last freed are found at once); an
-  // id in use or out of range aborts.
+  // Takes back pages that are free (an undo of Free; a page freed last is found at once, taken in
+  // the reverse of Free's order); an id in use or out of range aborts.
   void Retake(const int32_t* ids, int64_t n);
 
  private:

@@ -7,7 +7,6 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include "absl/flags/parse.h"
@@ -69,16 +68,18 @@ int main(int argc, char** argv) {
 
   spdlog::info("hstu_server {} starting", hstu::server::ServerVersion());
   // A signal during the start-up ends the process there: nothing is served yet, so nothing drains.
-  hstu::server::StartupWatch watch([s = *stop](absl::Duration timeout) { return s->Wait(timeout); },
-                                   [](int sig) {
-                                     spdlog::info("received {} during start-up; exiting before "
-                                                  "serving anything",
-                                                  strsignal(sig));
-                                     spdlog::shutdown();
-                                     std::_Exit(0);
-                                   });
+  // (Each log line is flushed as written; the other threads may still be logging.)
+  hstu::server::StartupWatch watch(
+      [s = *stop](absl::Duration timeout) { return s->Wait(timeout); },
+      [](int sig) {
+        spdlog::info("received {} during start-up; exiting before serving anything",
+                     hstu::server::StopSignalName(sig));
+        std::_Exit(0);
+      });
+  int pending_signal = -1;
+  options->before_serving = [&watch, &pending_signal] { pending_signal = watch.Finish(); };
   auto server = hstu::server::RankingServer::Start(*options);
-  int pending_signal = watch.Finish();
+  if (const int sig = watch.Finish(); sig >= 0) pending_signal = sig;  // a failed start-up
   if (!server.ok()) {
     spdlog::error("start-up failed: {}", server.status().ToString());
     return 1;

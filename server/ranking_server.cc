@@ -5,12 +5,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <memory>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/stop_signals.h"
 #include "server/validation.h"
 #include "spdlog/spdlog.h"
 
@@ -32,9 +32,6 @@ RankRequest WarmupRequest() {
   return r;
 }
 
-const char* SignalName(int sig) {
-  return sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : strsignal(sig);
-}
 
 }  // namespace
 
@@ -46,14 +43,9 @@ namespace {
 // reply (the engine would run the batch and gRPC then refuse to send its scores).
 absl::Status CheckServingLimits(const ServerOptions& options, const Engine& engine) {
   const ModelConfig& c = engine.config();
-  const int64_t page_size = options.engine.page_size;
-  const int64_t pages_per_user = PagesFor(c.max_history_tokens, options.engine.page_size);
-  const int64_t pool = engine.Stats().cache.pages_total;
-  if (pool < pages_per_user) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--cache_pages=", options.engine.cache_pages, ": the KV pool must hold one user of the "
-        "model's maximum history, ", c.max_history_tokens, " tokens = ", pages_per_user,
-        " pages of ", page_size, " (0 sizes it automatically)"));
+  if (absl::Status pool = engine.CheckPoolHoldsTheLongestHistory(); !pool.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cache_pages=", options.engine.cache_pages, ": ", pool.message()));
   }
   const int64_t candidates = options.engine.limits.max_candidates;
   const int64_t largest_reply = candidates * c.num_tasks * 4 + kMaxRequestIdBytes + 1024;
@@ -240,6 +232,7 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                                                          "running longer ends the process)")
                                                        : std::string("off"));
 
+  if (options.before_serving) options.before_serving();
   s->service_->Attach(s->engine_.get(), s->scheduler_.get());
   s->SetServing(true);
   spdlog::info("ready: health SERVING on {}",
@@ -324,7 +317,7 @@ int ServeUntilStopped(RankingServer& server, const StopWait& wait_stop, absl::Du
   } else {
     spdlog::info("received {}, draining (health NOT_SERVING, up to {} s for in-flight requests; "
                  "a second signal exits at once)",
-                 SignalName(sig), absl::ToInt64Seconds(grace));
+                 StopSignalName(sig), absl::ToInt64Seconds(grace));
   }
   // The drain waits for the batch on the engine, so it runs beside this thread, which keeps
   // watching: a batch that hangs during the drain, or a second signal, ends the wait. The drain's
@@ -344,13 +337,13 @@ int ServeUntilStopped(RankingServer& server, const StopWait& wait_stop, absl::Du
     }
     if (sig >= 0 && sig == first_sig && absl::Now() - first_at < kDuplicateSignalWindow) {
       spdlog::info("received {} again at once (one request to stop, sent twice); draining on",
-                   SignalName(sig));
+                   StopSignalName(sig));
       continue;
     }
     if (sig >= 0) {
       spdlog::warn("received {} while draining; exiting with status {} without finishing the "
                    "drain",
-                   SignalName(sig), kDrainInterrupted);
+                   StopSignalName(sig), kDrainInterrupted);
       drain.detach();
       return kDrainInterrupted;
     }

@@ -39,6 +39,9 @@ struct ServerOptions {
   // A batch running longer than this means a hung GPU (ServeUntilStopped then exits). -1: 60 s
   // when the engine runs on a GPU, off on the CPU; 0: off.
   int32_t engine_stall_timeout_s = -1;
+  // Called once the start-up is done, right before the service takes calls and health turns
+  // SERVING (main() ends its watch for stop signals there: from then on a signal drains).
+  std::function<void()> before_serving;
   // Tests only: runs each batch instead of the engine, with the engine's run as `run`.
   std::function<std::vector<absl::StatusOr<RankResult>>(absl::Span<const RankRequest>,
                                                         const Scheduler::RunBatchFn& run)>

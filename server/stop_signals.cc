@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <utility>
@@ -29,6 +30,14 @@ void OnSignal(int sig) {
 }
 
 }  // namespace
+
+const char* StopSignalName(int sig) {
+  if (sig == SIGTERM) return "SIGTERM";
+  if (sig == SIGINT) return "SIGINT";
+  static thread_local char name[24];
+  std::snprintf(name, sizeof(name), "signal %d", sig);
+  return name;
+}
 
 absl::StatusOr<StopSignals*> StopSignals::Install(std::initializer_list<int> signals) {
   static std::mutex mu;

@@ -16,6 +16,9 @@
 
 namespace hstu::server {
 
+// "SIGTERM", "SIGINT", or "signal N".
+const char* StopSignalName(int sig);
+
 class StopSignals {
  public:
   // Installs the handler for `signals` (once per process; later calls add signals).
@@ -41,6 +44,7 @@ class StartupWatch {
   StartupWatch& operator=(const StartupWatch&) = delete;
   // The start-up is over (whether it succeeded or not): stops watching. Returns a signal that
   // arrived as it ended and was not given to `on_signal` (it is the serving loop's), or -1.
+  // Not from `on_signal`, which runs under the lock this takes.
   int Finish();
 
  private:

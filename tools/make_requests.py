@@ -154,13 +154,13 @@ def make_workload(shape: dict, num_users: int, num_visits: int, seed: int) -> li
                 }
             )
     # Every candidate count from the extremes is present even in small workloads: the first two
-    # requests take 1 and max_candidates, and
+    # requests take 1 and max_candidates.
     requests[0]["candidate_item_ids"] = w.candidates(1)
     if len(requests) > 1:
         requests[1]["candidate_item_ids"] = w.candidates(shape["max_candidates"])
-    # one request larger than a forward's maximum, so the engine must chunk its candidates: on a
-    # returning user late in the workload so that it also reuses a cache, never one of the first two
-    # (which would overwrite it) unless there is no other (then the last: chunking comes first).
+    # One request larger than a forward's maximum, so the engine must chunk its candidates: on a
+    # returning user late in the workload so that it also reuses a cache, and not one of the first
+    # two unless there is no other (then the last: chunking comes first).
     rest = requests[2:] or requests[-1:]
     big = next((r for r in reversed(rest) if r["history_item_ids"]), rest[-1])
     big["candidate_item_ids"] = w.candidates(shape["max_candidates"] + 7)

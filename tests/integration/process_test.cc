@@ -125,6 +125,28 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
   }
 }
 
+#if !defined(__SANITIZE_THREAD__)  // random:base's 4 GB of tables, under TSan's shadow memory
+TEST(ProcessTest, AStopSignalDuringTheStartUpEndsItAtOnce) {
+  // random:base builds 4 GB of embedding tables first: seconds of start-up (minutes under ASan).
+  // Before, a SIGTERM then waited for the whole start-up, reported SERVING, and drained.
+  ServerProcess server({"--model=random:base"});
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (server.proc().Log().find("engine: loading model") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline && server.proc().Wait(0ms) < 0) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_NE(server.proc().Log().find("engine: loading model"), std::string::npos)
+      << server.proc().Log();
+  const auto sent = std::chrono::steady_clock::now();
+  server.proc().Signal(SIGTERM);
+  EXPECT_EQ(server.proc().Wait(60s), 0) << server.proc().Log();
+  EXPECT_LT(std::chrono::steady_clock::now() - sent, 5s);
+  const std::string log = server.proc().Log();
+  EXPECT_NE(log.find("received SIGTERM during start-up"), std::string::npos) << log;
+  EXPECT_EQ(log.find("ready: health SERVING"), std::string::npos) << log;
+}
+#endif
+
 TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
   // getaddrinfo takes port 99999 modulo 65536: without the check the server bound port 34463.
   ExpectEachFlagRejected(
@@ -161,7 +183,7 @@ TEST(ProcessTest, LimitsThatWouldFailAcceptedRequestsStopTheStartUp) {
   // random:tiny: 256-token histories (8 pages of 32), 3 tasks.
   ExpectEachFlagRejected(
       absl::StrCat(HSTU_SERVER_BIN, " --device=cpu --listen=127.0.0.1:0 --metrics_listen="),
-      {{"--cache_pages=4", "--cache_pages=4: the KV pool must hold one user of the model's maximum "
+      {{"--cache_pages=4", "--cache_pages=4: the KV pool of 4 pages must hold one user of the model's maximum "
                            "history, 256 tokens = 8 pages of 32"},
        {"--max_message_bytes=4096", "--max_message_bytes=4096: smaller than the largest reply"}},
       1);
@@ -667,6 +689,7 @@ TEST(ProcessTest, HstuRankNamesUnknownAndRepeatedFieldsAndJsonErrors) {
       << R"({"user_id": 2, "user_id": 3, "history_item_ids": [], "history_actions": [], "candidate_item_ids": [3]})" "\n"
       << R"({"user_id": 4, "history_item_ids": [1], "history_actions": [1], "candidate_item_ids": [3]} x)" "\n"
       << R"([1, 2])" "\n"
+      << R"({"user_id": 1e999, "history_item_ids": [], "history_actions": [], "candidate_item_ids": [3]})" "\n"
       << R"({"user_id": 5, "history_item_ids": [1], "history_actions": [1], "candidate_item_ids": [3]})" "\n";
   }
   const auto [rc, out] = RunCommand(absl::StrCat("{ ", HSTU_RANK_BIN,
@@ -677,7 +700,7 @@ TEST(ProcessTest, HstuRankNamesUnknownAndRepeatedFieldsAndJsonErrors) {
   for (absl::string_view l : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
     lines.push_back(nlohmann::json::parse(l, nullptr, false));
   }
-  ASSERT_EQ(lines.size(), 5u) << out;
+  ASSERT_EQ(lines.size(), 6u) << out;
   EXPECT_EQ(lines[0].value("error", ""),
             "unknown field 'history_action' (the fields: user_id, history_item_ids, "
             "history_actions, candidate_item_ids)");
@@ -686,13 +709,16 @@ TEST(ProcessTest, HstuRankNamesUnknownAndRepeatedFieldsAndJsonErrors) {
             std::string::npos)
       << lines[2];
   EXPECT_EQ(lines[3].value("error", ""), "not a JSON object");
-  EXPECT_TRUE(lines[4].contains("scores")) << out;
+  // A number past a double: nlohmann's out_of_range, which ended the process.
+  EXPECT_NE(lines[4].value("error", "").find("not valid JSON: number overflow"), std::string::npos)
+      << lines[4];
+  EXPECT_TRUE(lines[5].contains("scores")) << out;
   // As hstu_server: a pool that cannot hold one user of the longest history is refused up front
   // (before: a warning, then every long line failed and cut its user's cache).
   ExpectEachFlagRejected(
       absl::StrCat(HSTU_RANK_BIN, " --model=random:tiny --device=cpu --input=", dir,
                    "/requests.jsonl"),
-      {{"--page_size=32 --cache_pages=3", "error: --cache_pages=3: the KV pool must hold one user"},
+      {{"--page_size=32 --cache_pages=3", "error: --cache_pages=3: the KV pool of 3 pages must hold one user"},
        {"--page_size=0", "error: --page_size=0: must be in [1, 4096]"}},
       2);
 }

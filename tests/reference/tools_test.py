@@ -105,7 +105,7 @@ def main():
         "NaN weight": (bytes(data), f"tensor {name0} contains NaN or Inf", bytes(nan)),
         "trailing bytes": (None, "trailing bytes", data + b"\0" * 8),
         "missing tensor": (missing, "hole", data),
-        "overlapping tensors": (overlap, "", data),
+        "overlapping tensors": (overlap, "overlaps", data),
     }
     for what, (h, needle, body) in bad_models.items():
         path = os.path.join(args.work_dir, "bad.safetensors")

@@ -25,6 +25,34 @@ void AcquireCommitComplete(CacheManager& m, uint64_t user, const std::vector<uin
   m.OffloadsComplete();
 }
 
+TEST(HostTier, AFailedPartlyMatchingAcquireKeepsBothTiersWhole) {
+  // The cut to the 2 matching pages freed 2 GPU pages and 2 host copies; the allocation of the
+  // rest then failed, and both tiers get their pages back.
+  CacheManager m(4, 6, 16);
+  const std::vector<uint64_t> cached = Keys(16, 1);
+  AcquireCommitComplete(m, 1, cached);
+  ASSERT_EQ(m.Stats().host_pages_free, 12);
+  std::vector<uint64_t> edited = Keys(28, 1);
+  edited[9] = TokenKey(false, 99999);  // page 2 changes: pages 0-1 match, 5 more needed
+  auto failed = m.Acquire(1, edited);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted);
+  CacheStats s = m.Stats();
+  EXPECT_EQ(m.CachedTokens(1), 16);
+  EXPECT_EQ(s.pages_free, 2);
+  EXPECT_EQ(s.host_pages_free, 12);
+  std::vector<uint64_t> grown = cached;
+  grown.push_back(TokenKey(true, 5));
+  auto next = m.Acquire(1, grown);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->result, LookupResult::kHit);
+  EXPECT_EQ(next->reused_tokens, 16);
+  m.Commit(*next, grown);
+  m.OffloadsComplete();
+  s = m.Stats();
+  EXPECT_EQ(s.host_pages_free, 12);  // page 4 is partial: no new host copy
+  EXPECT_EQ(s.pages_free, 1);
+}
+
 TEST(HostTier, CommitOffloadsNewFullPagesOnly) {
   CacheManager m(4, 16, 16);
   auto r = m.Acquire(1, Keys(10, 1));
