@@ -4,6 +4,8 @@
 // exits 1, so that the supervisor (Kubernetes, systemd) restarts the server; a hung one (a batch
 // past --engine_stall_timeout_s, before or during a drain) exits 2 at once. A second signal during
 // the drain exits 3 at once.
+#include <pthread.h>
+
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -76,10 +78,23 @@ int main(int argc, char** argv) {
                      hstu::server::StopSignalName(sig));
         std::_Exit(0);
       });
+  // The start-up's long system calls (pinning gigabytes of host memory, the driver's allocations)
+  // are uninterruptible: a signal the kernel hands to this thread waits for them to return (19 s
+  // once on an H100). Blocked here, the signals go to an idle thread (the watch's, in poll()), and
+  // the threads this one starts during the start-up inherit the block.
+  sigset_t stop_set;
+  sigemptyset(&stop_set);
+  sigaddset(&stop_set, SIGTERM);
+  sigaddset(&stop_set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_set, nullptr);
   int pending_signal = -1;
-  options->before_serving = [&watch, &pending_signal] { pending_signal = watch.Finish(); };
+  options->before_serving = [&watch, &pending_signal, &stop_set] {
+    pending_signal = watch.Finish();
+    pthread_sigmask(SIG_UNBLOCK, &stop_set, nullptr);
+  };
   auto server = hstu::server::RankingServer::Start(*options);
   if (const int sig = watch.Finish(); sig >= 0) pending_signal = sig;  // a failed start-up
+  pthread_sigmask(SIG_UNBLOCK, &stop_set, nullptr);
   if (!server.ok()) {
     spdlog::error("start-up failed: {}", server.status().ToString());
     return 1;
