@@ -366,8 +366,9 @@ class Driver {
     InFlightCalls calls;
     std::vector<std::thread> workers;
     auto worker = [&] {
-      // An unreachable server answers UNAVAILABLE at once: back off (1 ms doubling to 100 ms)
-      // instead of spinning through failed calls.
+      // An unreachable server answers UNAVAILABLE at once, and a full queue RESOURCE_EXHAUSTED:
+      // back off (1 ms doubling to 100 ms), as a well-behaved client does, instead of spinning
+      // through failed calls (800 refusals a second at 8 callers on a queue of 6).
       std::chrono::milliseconds backoff{0};
       while (!stop.load() && !g_interrupted.load()) {
         const bool measured = level->measuring();
@@ -383,7 +384,8 @@ class Driver {
         calls.Remove(&ctx);
         traffic_->Done(v);
         if (!CancelledByUs(status)) level->Done(measured, status, Since(start), resp, v.new_user);
-        if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+        if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+            status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
           backoff = std::clamp(2 * backoff, std::chrono::milliseconds(1),
                                std::chrono::milliseconds(100));
           std::this_thread::sleep_for(backoff);

@@ -592,6 +592,24 @@ TEST(ProcessTest, LoadgenReportsWhatItMeasuredWhenStoppedAndFailsWhenTheServerDi
   EXPECT_LT(died["levels"][0]["error_count"].get<int64_t>(), 1000) << died.dump();
 }
 
+TEST(ProcessTest, LoadgenBacksOffAFullQueue) {
+  // Every request is larger than the queue's token budget: RESOURCE_EXHAUSTED at once, every
+  // time. The callers back off as after UNAVAILABLE (before: they spun, ~800 refusals a second
+  // at 8 callers on a CPU server with a queue of 6).
+  ServerProcess server({"--max_queued_tokens=10"});
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  const std::string dir = TempDir();
+  const auto [rc, out] = RunCommand(absl::StrCat(
+      HSTU_LOADGEN_BIN, " --target=", server.target(),
+      " --concurrency=4 --duration=2 --warmup=0 --progress=false --max_error_rate=1"
+      " --initial_events_min=50 --initial_events=50 --json=", dir, "/full.json"));
+  EXPECT_EQ(rc, 0) << out;
+  const nlohmann::json report = nlohmann::json::parse(ReadFile(dir + "/full.json"));
+  const int64_t refused = report["levels"][0]["errors"].value("RESOURCE_EXHAUSTED", int64_t{0});
+  EXPECT_GT(refused, 0) << report.dump();
+  EXPECT_LT(refused, 1000) << report.dump();  // about 25 a caller at most
+}
+
 TEST(ProcessTest, ScoresEqualHstuRankForTheSameRequests) {
   // Returning users with growing and one edited history, 100 candidates (chunked by 64).
   std::vector<hstu::v1::RankRequest> reqs;
