@@ -583,15 +583,16 @@ std::vector<size_t> Engine::RankWave(absl::Span<const RankRequest* const> wave,
   for (Live& l : live) {
     // A NaN in the forward (weights that overflow on these inputs) reaches the scores through
     // the sigmoid; the user's new K/V may hold it too, so nothing of the request is kept.
-    if (failure.ok() && !std::all_of(l.result.scores.begin(), l.result.scores.end(),
-                                     [](float x) { return std::isfinite(x); })) {
-      cache_->Release(l.res);
-      *results[l.idx] = absl::InternalError(
+    absl::Status status = failure.ok() ? absl::OkStatus()
+                                       : absl::InternalError(absl::StrCat(
+                                             "engine forward failed: ", failure.message()));
+    if (status.ok() && !std::all_of(l.result.scores.begin(), l.result.scores.end(),
+                                    [](float x) { return std::isfinite(x); })) {
+      status = absl::InternalError(
           "the model produced non-finite scores for this request (its weights overflow on these "
           "inputs); nothing of it was cached");
-      continue;
     }
-    if (failure.ok()) {
+    if (status.ok()) {
       const PageCopies offload = cache_->Commit(l.res, l.kept.keys);
       if (!offload.empty()) {
         if (auto s = backend_->CopyPages(CopyKind::kDeviceToHost, offload.src, offload.dst); !s.ok()) {
@@ -603,7 +604,7 @@ std::vector<size_t> Engine::RankWave(absl::Span<const RankRequest* const> wave,
       *results[l.idx] = std::move(l.result);
     } else {
       cache_->Release(l.res);
-      *results[l.idx] = absl::InternalError(absl::StrCat("engine forward failed: ", failure.message()));
+      *results[l.idx] = std::move(status);
     }
   }
   // Offloads stay in flight behind the next waves' compute; the cache keeps their pages until

@@ -88,12 +88,10 @@ int main(int argc, char** argv) {
   sigaddset(&stop_set, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_set, nullptr);
   int pending_signal = -1;
-  options->before_serving = [&watch, &pending_signal, &stop_set] {
-    pending_signal = watch.Finish();
-    pthread_sigmask(SIG_UNBLOCK, &stop_set, nullptr);
-  };
+  options->before_serving = [&watch, &pending_signal] { pending_signal = watch.Finish(); };
   auto server = hstu::server::RankingServer::Start(*options);
   if (const int sig = watch.Finish(); sig >= 0) pending_signal = sig;  // a failed start-up
+  // A signal that came since the watch ended waits in the kernel until here, then drains.
   pthread_sigmask(SIG_UNBLOCK, &stop_set, nullptr);
   if (!server.ok()) {
     spdlog::error("start-up failed: {}", server.status().ToString());
