@@ -37,21 +37,35 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
-// hstu_server on free loopback ports, SERVING when Start() returns true.
+// hstu_server on loopback ports the kernel picks (port 0; the server logs the ones it got), SERVING
+// when WaitServing() returns true. Ports picked here and handed over would race: two picks in a
+// row once returned the same port, and the server then failed to bind its second listener.
 class ServerProcess {
  public:
   explicit ServerProcess(std::vector<std::string> extra = {}) : dir_(TempDir()) {
-    port_ = FreePort();
-    metrics_port_ = FreePort();
-    std::vector<std::string> argv = {HSTU_SERVER_BIN,
-                                     absl::StrCat("--listen=127.0.0.1:", port_),
-                                     absl::StrCat("--metrics_listen=127.0.0.1:", metrics_port_),
-                                     "--device=cpu", "--model=random:tiny"};
+    std::vector<std::string> argv = {HSTU_SERVER_BIN, "--listen=127.0.0.1:0",
+                                     "--metrics_listen=127.0.0.1:0", "--device=cpu",
+                                     "--model=random:tiny"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     proc_ = std::make_unique<Subprocess>(argv, dir_ + "/server.log");
+    // Both listeners are up before the model loads; the gRPC one is logged last.
+    static const std::regex kMetrics(R"(metrics: serving .* \(port (\d+)\))");
+    static const std::regex kGrpc(R"(grpc: listening on .* \(port (\d+)\))");
+    const auto end = std::chrono::steady_clock::now() + 60s;
+    std::smatch m;
+    while (std::chrono::steady_clock::now() < end && proc_->Wait(0ms) < 0) {
+      const std::string log = proc_->Log();
+      if (std::regex_search(log, m, kGrpc)) {
+        port_ = std::stoi(m[1]);
+        if (std::regex_search(log, m, kMetrics)) metrics_port_ = std::stoi(m[1]);
+        break;
+      }
+      std::this_thread::sleep_for(5ms);
+    }
     channel_ = grpc::CreateChannel(target(), grpc::InsecureChannelCredentials());
   }
   bool WaitServing(std::chrono::seconds timeout = 20s) {
+    if (port_ == 0) return false;  // it never listened (the log says why)
     const auto end = std::chrono::steady_clock::now() + timeout;
     while (std::chrono::steady_clock::now() < end) {
       // A fresh channel per try: a channel whose first connect was refused waits out gRPC's
