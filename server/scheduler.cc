@@ -170,6 +170,11 @@ absl::Duration Scheduler::BusyFor() const {
   return absl::Nanoseconds(Clock::now().time_since_epoch() / std::chrono::nanoseconds(1) - start);
 }
 
+bool Scheduler::Draining() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return draining_;
+}
+
 void Scheduler::Drain() {
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -128,6 +128,8 @@ class Scheduler {
   absl::Duration BusyFor() const;
   // Stops admitting, finishes queued and running work, joins the worker. Idempotent.
   void Drain();
+  // Whether Drain() has begun: Submit() refuses from then on.
+  bool Draining() const;
 
  private:
   struct Item {

@@ -239,15 +239,17 @@ TEST(SchedulerTest, BatchTimeoutWaitsForMoreRequests) {
   FakeEngine engine;
   SchedulerOptions o;
   o.max_batch_size = 4;
-  o.batch_timeout = 200ms;
+  // 1 s, far above the 20 ms between the two calls: a stalled test thread on a loaded (or
+  // sanitized) machine must not split the batch.
+  o.batch_timeout = 1s;
   auto s = MakeScheduler(&engine, o);
   std::vector<Outcome> outs(2);
   const auto t0 = Clock::now();
   ASSERT_TRUE(s->Submit(Pending(1, &outs[0])).ok());
   std::this_thread::sleep_for(20ms);
   ASSERT_TRUE(s->Submit(Pending(2, &outs[1])).ok());
-  for (auto& x : outs) ASSERT_EQ(x.future.wait_for(2s), std::future_status::ready);
-  EXPECT_GE(Clock::now() - t0, 190ms);
+  for (auto& x : outs) ASSERT_EQ(x.future.wait_for(5s), std::future_status::ready);
+  EXPECT_GE(Clock::now() - t0, 950ms);
   const auto batches = engine.batches();
   ASSERT_EQ(batches.size(), 1u);
   EXPECT_EQ(batches[0], (std::vector<uint64_t>{1, 2}));
@@ -257,7 +259,9 @@ TEST(SchedulerTest, AdaptiveFillRegroupsAtThePreviousBatchSizeAndWaitsOutAFallOn
   FakeEngine engine;
   SchedulerOptions o;
   o.max_batch_size = 8;
-  o.batch_timeout = 500ms;
+  // 2 s, far above the 20 ms between calls, so that a stalled test thread is not read as a
+  // fall in the arrival rate.
+  o.batch_timeout = 2s;
   o.adaptive_fill = true;
   auto s = MakeScheduler(&engine, o);
   auto submit_all = [&](const std::vector<uint64_t>& users, std::vector<Outcome>* outs) {
@@ -268,7 +272,7 @@ TEST(SchedulerTest, AdaptiveFillRegroupsAtThePreviousBatchSizeAndWaitsOutAFallOn
     }
   };
   auto wait_all = [](std::vector<Outcome>* outs) {
-    for (auto& x : *outs) ASSERT_EQ(x.future.wait_for(5s), std::future_status::ready);
+    for (auto& x : *outs) ASSERT_EQ(x.future.wait_for(10s), std::future_status::ready);
   };
   // The first batch has no predecessor: it runs at once. Three requests queue behind it.
   Outcome first;
@@ -281,17 +285,17 @@ TEST(SchedulerTest, AdaptiveFillRegroupsAtThePreviousBatchSizeAndWaitsOutAFallOn
   auto t0 = Clock::now();
   submit_all({4, 5, 6}, &b);
   wait_all(&b);
-  EXPECT_LT(Clock::now() - t0, 400ms);
+  EXPECT_LT(Clock::now() - t0, 1500ms);
   // One caller comes back alone: it waits out the timeout once...
   t0 = Clock::now();
   submit_all({7}, &c);
   wait_all(&c);
-  EXPECT_GE(Clock::now() - t0, 480ms);
+  EXPECT_GE(Clock::now() - t0, 1900ms);
   // ...and the next single caller runs at once.
   t0 = Clock::now();
   submit_all({8}, &d);
   wait_all(&d);
-  EXPECT_LT(Clock::now() - t0, 400ms);
+  EXPECT_LT(Clock::now() - t0, 1500ms);
   const auto batches = engine.batches();
   ASSERT_EQ(batches.size(), 5u);
   EXPECT_EQ(batches[1], (std::vector<uint64_t>{1, 2, 3}));
@@ -428,13 +432,14 @@ TEST(SchedulerTest, TheQueuedTokenBudgetCountsLiveRequestsAndAdmitsBehindAnEmpty
   auto s = MakeHeldScheduler(engine, o, &first);
   std::vector<Outcome> outs(4);
   // Larger than the budget, but the queue is empty: it queues (it could never run otherwise).
-  ASSERT_TRUE(s->Submit(Pending(1, &outs[0], 26, Clock::now() + 20ms)).ok());  // 53
+  // Its deadline leaves a loaded machine time for the next Submit while it is still live.
+  ASSERT_TRUE(s->Submit(Pending(1, &outs[0], 26, Clock::now() + 500ms)).ok());  // 53
   SubmitRejection why = SubmitRejection::kNone;
   EXPECT_EQ(s->Submit(Pending(2, &outs[1], 5), &why).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(why, SubmitRejection::kQueueFull);
   // Once the large one's deadline has passed, it holds no place of the budget (its memory counts
   // only against twice the budget, until it is answered).
-  std::this_thread::sleep_for(40ms);
+  std::this_thread::sleep_for(550ms);
   EXPECT_TRUE(s->Submit(Pending(2, &outs[2], 20), &why).ok());  // 41 live, 94 in all
   EXPECT_EQ(s->Submit(Pending(3, &outs[3], 5), &why).code(),  // 41 + 11 > 50
             absl::StatusCode::kResourceExhausted);
@@ -511,7 +516,10 @@ TEST(SchedulerTest, DrainFinishesQueuedWorkThenRejects) {
   std::vector<Outcome> outs(5);
   for (int i = 0; i < 5; ++i) ASSERT_TRUE(s->Submit(Pending(i + 1, &outs[i])).ok());
   std::thread drainer([&] { s->Drain(); });
-  std::this_thread::sleep_for(20ms);
+  // Waits for the drainer thread to begin (a fixed 20 ms was once too short for a thread start).
+  const auto end = Clock::now() + 10s;
+  while (!s->Draining() && Clock::now() < end) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(s->Draining());
   Outcome late;
   EXPECT_EQ(s->Submit(Pending(9, &late)).code(), absl::StatusCode::kUnavailable);
   engine.Open();

@@ -74,11 +74,15 @@ class Gate {
   }
   bool WaitEntered(int n) {
     std::unique_lock<std::mutex> l(mu_);
-    return cv_.wait_for(l, 5s, [&] { return entered_ >= n; });
+    return cv_.wait_for(l, 20s, [&] { return entered_ >= n; });
   }
   bool Saw(uint64_t user) {
     std::lock_guard<std::mutex> l(mu_);
     return std::find(seen_.begin(), seen_.end(), user) != seen_.end();
+  }
+  int64_t seen_count() {
+    std::lock_guard<std::mutex> l(mu_);
+    return static_cast<int64_t>(seen_.size());
   }
   bool duplicate_in_batch() {
     std::lock_guard<std::mutex> l(mu_);
@@ -124,6 +128,18 @@ class ServerTest : public ::testing::Test {
     channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
                                    grpc::InsecureChannelCredentials());
     stub_ = hstu::v1::Ranker::NewStub(channel_);
+    // Connected before a test's first call: its deadline then times only the call, not the
+    // connection's set-up on a loaded machine.
+    ASSERT_TRUE(channel_->WaitForConnected(std::chrono::system_clock::now() + 10s));
+  }
+  // Waits (up to 20 s: calls reach the queue late on a loaded, sanitized machine) until `depth`
+  // calls are queued; returns the depth then.
+  int64_t AwaitQueueDepth(int64_t depth) {
+    const auto end = std::chrono::steady_clock::now() + 20s;
+    while (server_->scheduler().QueueDepth() < depth && std::chrono::steady_clock::now() < end) {
+      std::this_thread::sleep_for(5ms);
+    }
+    return server_->scheduler().QueueDepth();
   }
   void TearDown() override {
     gate_.Open();
@@ -374,14 +390,16 @@ TEST_F(ServerTest, ExpiredDeadlineAnswersDeadlineExceededWithoutEngineWork) {
   });
   ASSERT_TRUE(gate_.WaitEntered(1));  // the warm-up bypasses the gate
   hstu::v1::RankResponse resp;
-  EXPECT_EQ(Rank(MakeRequest(2, 5, 3, 2), &resp, 100ms).error_code(),
+  // 1 s: time enough on a loaded machine for the call to reach the queue before it expires.
+  EXPECT_EQ(Rank(MakeRequest(2, 5, 3, 2), &resp, 1s).error_code(),
             grpc::StatusCode::DEADLINE_EXCEEDED);
   // gRPC sends the deadline as a timeout that the server counts from when it receives the call,
   // which on a loaded machine can be well after the client sent it: open the gate only once the
   // call is queued and its deadline has passed on the server's clock too.
-  for (int i = 0; i < 300 && Scrape().Sum("hstu_queue_depth") < 1; ++i) {
+  for (int i = 0; i < 1000 && Scrape().Sum("hstu_queue_depth") < 1; ++i) {
     std::this_thread::sleep_for(10ms);
   }
+  ASSERT_EQ(Scrape().Sum("hstu_queue_depth"), 1);
   std::this_thread::sleep_for(150ms);
   gate_.Open();
   blocker.join();
@@ -400,7 +418,8 @@ TEST_F(ServerTest, ACallThatExpiresDuringItsBatchIsCountedAsTheClientSawIt) {
   gate_.Close();
   hstu::v1::RankResponse resp;
   std::thread caller([&] {
-    EXPECT_EQ(Rank(MakeRequest(1, 5, 3, 1), &resp, 200ms).error_code(),
+    // 2 s: time enough on a loaded machine to reach the engine before it expires.
+    EXPECT_EQ(Rank(MakeRequest(1, 5, 3, 1), &resp, 2s).error_code(),
               grpc::StatusCode::DEADLINE_EXCEEDED);
   });
   ASSERT_TRUE(gate_.WaitEntered(1));  // in the engine
@@ -487,17 +506,11 @@ TEST_F(ServerTest, FullQueueAnswersResourceExhausted) {
       if (Rank(MakeRequest(user, 5, 3, user), &r).ok()) ++ok;
     });
   };
-  auto await_depth = [&](int depth) {
-    for (int i = 0; i < 250 && server_->scheduler().QueueDepth() < depth; ++i) {
-      std::this_thread::sleep_for(10ms);
-    }
-    return server_->scheduler().QueueDepth();
-  };
   send(1);
   ASSERT_TRUE(gate_.WaitEntered(1));
   send(2);
   send(3);
-  ASSERT_EQ(await_depth(2), 2);
+  ASSERT_EQ(AwaitQueueDepth(2), 2);
   hstu::v1::RankResponse resp;
   // User 2 has its one queued request: its next call is turned away, other users' are not.
   const grpc::Status user_full = Rank(MakeRequest(2, 6, 3, 2), &resp);
@@ -506,7 +519,7 @@ TEST_F(ServerTest, FullQueueAnswersResourceExhausted) {
             std::string::npos)
       << user_full.error_message();
   send(4);
-  ASSERT_EQ(await_depth(3), 3);
+  ASSERT_EQ(AwaitQueueDepth(3), 3);
   const grpc::Status full = Rank(MakeRequest(5, 5, 3, 5), &resp);
   EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(full.error_message().find("queue is full"), std::string::npos);
@@ -538,16 +551,10 @@ TEST_F(ServerTest, TheQueuedTokensAreBounded) {
       if (Rank(MakeRequest(user, events, 3, user), &r).ok()) ++ok;
     });
   };
-  auto await_depth = [&](int depth) {
-    for (int i = 0; i < 250 && server_->scheduler().QueueDepth() < depth; ++i) {
-      std::this_thread::sleep_for(10ms);
-    }
-    return server_->scheduler().QueueDepth();
-  };
   send(1, 5);
   ASSERT_TRUE(gate_.WaitEntered(1));
   send(2, 300);  // 603 estimated tokens (259 once the history is cut to the model's 256)
-  ASSERT_EQ(await_depth(1), 1);
+  ASSERT_EQ(AwaitQueueDepth(1), 1);
   hstu::v1::RankResponse resp;
   const grpc::Status full = Rank(MakeRequest(3, 300, 3, 3), &resp);  // 603 more: past 1000
   EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
@@ -555,7 +562,7 @@ TEST_F(ServerTest, TheQueuedTokensAreBounded) {
       << full.error_message();
   EXPECT_EQ(Scrape().Sum("hstu_queue_rejections_total", {{"reason", "queue_full"}}), 1);
   send(4, 50);  // 103 more: fits
-  EXPECT_EQ(await_depth(2), 2);
+  EXPECT_EQ(AwaitQueueDepth(2), 2);
   gate_.Open();
   for (auto& t : threads) t.join();
   EXPECT_EQ(ok.load(), 3);
@@ -606,16 +613,14 @@ TEST_F(ServerTest, CancelledCallIsDroppedBeforeTheEngine) {
     status = s;
     finished = true;
   });
-  for (int i = 0; i < 250 && server_->scheduler().QueueDepth() < 1; ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
+  ASSERT_EQ(AwaitQueueDepth(1), 1);
   ctx.TryCancel();
   for (int i = 0; i < 250 && !finished; ++i) std::this_thread::sleep_for(10ms);
   ASSERT_TRUE(finished);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
   // The client sees its own cancellation at once; give the RST_STREAM time to reach the server
   // before the queued call's turn comes.
-  std::this_thread::sleep_for(300ms);
+  std::this_thread::sleep_for(1s);
   gate_.Open();
   blocker.join();
   EXPECT_FALSE(gate_.Saw(2));
@@ -1218,9 +1223,13 @@ TEST_F(ServerTest, ShutdownDrainsInFlightRequests) {
     });
   }
   ASSERT_TRUE(gate_.WaitEntered(1));
-  for (int i = 0; i < 250 && server_->scheduler().QueueDepth() < 3; ++i) {
-    std::this_thread::sleep_for(10ms);
+  // Every call in: held at the gate (the first batch can take more than one) or queued.
+  const auto end = std::chrono::steady_clock::now() + 20s;
+  while (gate_.seen_count() + server_->scheduler().QueueDepth() < 4 &&
+         std::chrono::steady_clock::now() < end) {
+    std::this_thread::sleep_for(5ms);
   }
+  ASSERT_EQ(gate_.seen_count() + server_->scheduler().QueueDepth(), 4);
   std::thread stopper([&] { server_->Shutdown(absl::Seconds(10)); });
   std::this_thread::sleep_for(100ms);
   gate_.Open();
