@@ -310,6 +310,10 @@ int ServeUntilStopped(RankingServer& server, const StopWait& wait_stop, absl::Du
   }
   const int first_sig = sig;
   const absl::Time first_at = absl::Now();
+  // A copy of the same signal already waiting (timeout(1) signals the process and its group) is
+  // taken now, before the log line and the drain's thread could push it past the window on a
+  // loaded machine. Another signal already waiting is kept for the watch below.
+  int waiting = first_sig >= 0 ? wait_stop(absl::ZeroDuration()) : -1;
   if (!engine_health.ok()) {
     spdlog::error("engine lost its device ({}); draining (up to {} s) and exiting with status 1 "
                   "so that the process is restarted",
@@ -329,13 +333,15 @@ int ServeUntilStopped(RankingServer& server, const StopWait& wait_stop, absl::Du
     drained->store(true);
   });
   while (!drained->load()) {
-    sig = wait_stop(poll);
+    const bool at_once = waiting >= 0;
+    sig = at_once ? std::exchange(waiting, -1) : wait_stop(poll);
     if (drained->load()) break;
     if (stalled()) {
       drain.detach();
       return kEngineStalled;
     }
-    if (sig >= 0 && sig == first_sig && absl::Now() - first_at < kDuplicateSignalWindow) {
+    if (sig >= 0 && sig == first_sig &&
+        (at_once || absl::Now() - first_at < kDuplicateSignalWindow)) {
       spdlog::info("received {} again at once (one request to stop, sent twice); draining on",
                    StopSignalName(sig));
       continue;

@@ -654,9 +654,9 @@ class ServingThread {
     }
     thread_.join();
   }
-  void Signal() {
+  void Signal(int sig = SIGUSR1) {
     std::lock_guard<std::mutex> lock(mu_);
-    signals_.push_back(SIGUSR1);
+    signals_.push_back(sig);
     cv_.notify_all();
   }
   bool Returned(std::chrono::milliseconds within) {
@@ -765,6 +765,21 @@ TEST_F(ServerTest, SecondSignalDuringTheDrainEndsTheWait) {
     serving.Signal();
     EXPECT_FALSE(serving.Returned(600ms));  // draining: the batch is still held
     serving.Signal();
+    ASSERT_TRUE(serving.Returned(5s));
+    EXPECT_EQ(serving.code(), kDrainInterrupted);
+  }
+  gate_.Open();
+  caller.join();
+}
+
+TEST_F(ServerTest, TwoDifferentSignalsAtOnceEndTheWait) {
+  // The second is waiting when the first is taken: it is not the same signal sent twice.
+  StartServer();
+  std::thread caller = HoldOneBatch();
+  {
+    ServingThread serving(*server_, absl::Seconds(30));
+    serving.Signal(SIGUSR1);
+    serving.Signal(SIGUSR2);
     ASSERT_TRUE(serving.Returned(5s));
     EXPECT_EQ(serving.code(), kDrainInterrupted);
   }
