@@ -309,7 +309,6 @@ int ServeUntilStopped(RankingServer& server, const StopWait& wait_stop, absl::Du
     engine_health = server.engine_health();
   }
   const int first_sig = sig;
-  const absl::Time first_at = absl::Now();
   // A copy of the same signal already waiting (timeout(1) signals the process and its group) is
   // taken now, before the log line and the drain's thread could push it past the window on a
   // loaded machine. Another signal already waiting is kept for the watch below.
@@ -332,6 +331,9 @@ int ServeUntilStopped(RankingServer& server, const StopWait& wait_stop, absl::Du
     server.Shutdown(grace);
     drained->store(true);
   });
+  // The duplicate's window starts here, not when the first was taken: the log line and the
+  // thread's start above must not use it up on a loaded machine.
+  const absl::Time watch_from = absl::Now();
   while (!drained->load()) {
     const bool at_once = waiting >= 0;
     sig = at_once ? std::exchange(waiting, -1) : wait_stop(poll);
@@ -341,7 +343,7 @@ int ServeUntilStopped(RankingServer& server, const StopWait& wait_stop, absl::Du
       return kEngineStalled;
     }
     if (sig >= 0 && sig == first_sig &&
-        (at_once || absl::Now() - first_at < kDuplicateSignalWindow)) {
+        (at_once || absl::Now() - watch_from < kDuplicateSignalWindow)) {
       spdlog::info("received {} again at once (one request to stop, sent twice); draining on",
                    StopSignalName(sig));
       continue;

@@ -102,8 +102,9 @@ using StopWait = std::function<int(absl::Duration timeout)>;
 // (restart the process). Once a batch has run past the stall timeout, before or during the
 // drain, it returns kEngineStalled at once without waiting for the drain: the engine thread is
 // stuck. A second signal during the drain returns kDrainInterrupted at once, unless it is the
-// same signal within kDuplicateSignalWindow of the first (a supervisor such as timeout(1) sends
-// its signal to the process and to its group: one request to stop, not two). After either,
+// same signal, already waiting when the first was taken or within kDuplicateSignalWindow of the
+// watch's start (a supervisor such as timeout(1) sends its signal to the process and to its
+// group: one request to stop, not two). After either,
 // main() must end the process without destructors (std::_Exit): the drain may still be running.
 inline constexpr int kEngineStalled = 2;
 inline constexpr int kDrainInterrupted = 3;

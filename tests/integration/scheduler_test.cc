@@ -433,13 +433,13 @@ TEST(SchedulerTest, TheQueuedTokenBudgetCountsLiveRequestsAndAdmitsBehindAnEmpty
   std::vector<Outcome> outs(4);
   // Larger than the budget, but the queue is empty: it queues (it could never run otherwise).
   // Its deadline leaves a loaded machine time for the next Submit while it is still live.
-  ASSERT_TRUE(s->Submit(Pending(1, &outs[0], 26, Clock::now() + 500ms)).ok());  // 53
+  ASSERT_TRUE(s->Submit(Pending(1, &outs[0], 26, Clock::now() + 2s)).ok());  // 53
   SubmitRejection why = SubmitRejection::kNone;
   EXPECT_EQ(s->Submit(Pending(2, &outs[1], 5), &why).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(why, SubmitRejection::kQueueFull);
   // Once the large one's deadline has passed, it holds no place of the budget (its memory counts
   // only against twice the budget, until it is answered).
-  std::this_thread::sleep_for(550ms);
+  std::this_thread::sleep_for(2050ms);
   EXPECT_TRUE(s->Submit(Pending(2, &outs[2], 20), &why).ok());  // 41 live, 94 in all
   EXPECT_EQ(s->Submit(Pending(3, &outs[3], 5), &why).code(),  // 41 + 11 > 50
             absl::StatusCode::kResourceExhausted);

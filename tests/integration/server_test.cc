@@ -147,7 +147,7 @@ class ServerTest : public ::testing::Test {
   }
 
   grpc::Status Rank(const hstu::v1::RankRequest& req, hstu::v1::RankResponse* resp,
-                    std::chrono::milliseconds timeout = 10s) {
+                    std::chrono::milliseconds timeout = 60s) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + timeout);
     return stub_->Rank(&ctx, req, resp);
@@ -396,11 +396,14 @@ TEST_F(ServerTest, ExpiredDeadlineAnswersDeadlineExceededWithoutEngineWork) {
   // gRPC sends the deadline as a timeout that the server counts from when it receives the call,
   // which on a loaded machine can be well after the client sent it: open the gate only once the
   // call is queued and its deadline has passed on the server's clock too.
+  // The server received it before it was seen queued, so its deadline, at most 1 s after
+  // receipt, has passed 1 s after that.
   for (int i = 0; i < 1000 && Scrape().Sum("hstu_queue_depth") < 1; ++i) {
     std::this_thread::sleep_for(10ms);
   }
+  const auto seen_queued = std::chrono::steady_clock::now();
   ASSERT_EQ(Scrape().Sum("hstu_queue_depth"), 1);
-  std::this_thread::sleep_for(150ms);
+  std::this_thread::sleep_until(seen_queued + 1s + 10ms);
   gate_.Open();
   blocker.join();
   EXPECT_FALSE(gate_.Saw(2));
@@ -423,8 +426,10 @@ TEST_F(ServerTest, ACallThatExpiresDuringItsBatchIsCountedAsTheClientSawIt) {
               grpc::StatusCode::DEADLINE_EXCEEDED);
   });
   ASSERT_TRUE(gate_.WaitEntered(1));  // in the engine
+  // The server's copy of the deadline, at most 2 s after it received the call, passes too.
+  const auto entered = std::chrono::steady_clock::now();
   caller.join();
-  std::this_thread::sleep_for(300ms);  // the server's copy of the deadline passes too
+  std::this_thread::sleep_until(entered + 2s + 10ms);
   gate_.Open();
   for (int i = 0; i < 100; ++i) {
     if (Scrape().Sum("hstu_requests_total", {{"code", "DEADLINE_EXCEEDED"}}) == 1) break;
@@ -654,9 +659,11 @@ class ServingThread {
     }
     thread_.join();
   }
-  void Signal(int sig = SIGUSR1) {
+  void Signal(int sig = SIGUSR1) { Signal(std::vector<int>{sig}); }
+  // Several signals queued at once: the wait finds the later ones already waiting.
+  void Signal(const std::vector<int>& sigs) {
     std::lock_guard<std::mutex> lock(mu_);
-    signals_.push_back(sig);
+    signals_.insert(signals_.end(), sigs.begin(), sigs.end());
     cv_.notify_all();
   }
   bool Returned(std::chrono::milliseconds within) {
@@ -778,8 +785,7 @@ TEST_F(ServerTest, TwoDifferentSignalsAtOnceEndTheWait) {
   std::thread caller = HoldOneBatch();
   {
     ServingThread serving(*server_, absl::Seconds(30));
-    serving.Signal(SIGUSR1);
-    serving.Signal(SIGUSR2);
+    serving.Signal({SIGUSR1, SIGUSR2});
     ASSERT_TRUE(serving.Returned(5s));
     EXPECT_EQ(serving.code(), kDrainInterrupted);
   }
@@ -825,7 +831,7 @@ class DrainTest : public ServerTest {
     grpc::Status status;
     std::thread caller = HoldOneBatch(&status);
     ServingThread serving(*server_, absl::Seconds(30));
-    for (int i = 0; i < signals; ++i) serving.Signal();
+    serving.Signal(std::vector<int>(signals, SIGUSR1));
     EXPECT_FALSE(serving.Returned(300ms));  // still draining: the held batch
     if (while_draining) while_draining();
     gate_.Open();
