@@ -161,7 +161,7 @@ int Info(const std::string& path) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "hstu_model: model files.\n"
+      "model files.\n"
       "  hstu_model init --preset tiny|base --seed N --out FILE [--dtype f32|bf16] [overrides]\n"
       "  hstu_model info FILE");
   auto args = hstu::NormalizeFlagDashes(argc, argv);

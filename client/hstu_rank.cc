@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/cli_util.h"
+#include "engine/backend.h"
 #include "engine/engine.h"
 #include "nlohmann/json.hpp"
 #include "spdlog/sinks/stdout_color_sinks.h"
@@ -131,7 +132,7 @@ absl::StatusOr<hstu::RankRequest> ParseRequest(const std::string& line) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "hstu_rank: scores JSONL requests offline.\n"
+      "scores JSONL requests offline.\n"
       "  hstu_rank --model FILE|random:PRESET --input=FILE.jsonl|--input=- [--device cpu|cpu-bf16|cuda:N|auto]\n"
       "            [--no-cache] [--page-size N] [--cache-pages N] [--host-cache-pages N]\n"
       "            [--max-candidates N] [--seed N]\n"
@@ -140,7 +141,11 @@ int main(int argc, char** argv) {
       "Input line: {\"user_id\": 7, \"history_item_ids\": [...], \"history_actions\": [...],\n"
       "             \"candidate_item_ids\": [...]}\n"
       "Output line: {\"user_id\": 7, \"scores\": [[t0, t1, ...] per candidate], \"reused_tokens\": R,\n"
-      "              \"computed_tokens\": C}  or  {\"line\": N, \"error\": \"...\"}");
+      "              \"computed_tokens\": C}  or  {\"line\": N, \"error\": \"...\"}\n"
+      "Exit status: 0 every line scored; 1 a line was an error, the output could not be written,\n"
+      "a flag did not parse, or the model or the device could not be used; 2 a flag value out of\n"
+      "its range (an unknown --device included), a missing or unreadable --input, a word that is\n"
+      "no flag, or a pool too small for the model.");
   auto args = hstu::NormalizeFlagDashes(argc, argv);
   auto argv2 = hstu::ArgvOf(args);
   const std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data());
@@ -173,6 +178,11 @@ int main(int argc, char** argv) {
   const int32_t page_size = absl::GetFlag(FLAGS_page_size);
   if (page_size < 1 || page_size > 4096) {
     std::fprintf(stderr, "error: --page_size=%d: must be in [1, 4096]\n", page_size);
+    return 2;
+  }
+  if (absl::Status name = hstu::CheckDeviceName(absl::GetFlag(FLAGS_device)); !name.ok()) {
+    std::fprintf(stderr, "error: --device=%s: %s\n", absl::GetFlag(FLAGS_device).c_str(),
+                 std::string(name.message()).c_str());
     return 2;
   }
   hstu::EngineOptions opts;

@@ -151,6 +151,9 @@ enum class CpuNumerics { kFp32, kBf16 };
 absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(
     const ModelWeights& weights, int32_t page_size, int64_t num_pages,
     CpuNumerics numerics = CpuNumerics::kFp32);
+// Whether `device` names a device CreateBackend knows (not whether it is present):
+// INVALID_ARGUMENT naming the accepted forms otherwise.
+absl::Status CheckDeviceName(const std::string& device);
 // "cpu", "cpu-bf16" (the CPU backend with CpuNumerics::kBf16), "cuda:N" or "auto" (cuda:0 when a
 // GPU is present, else cpu).
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device,

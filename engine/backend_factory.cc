@@ -8,6 +8,17 @@
 
 namespace hstu {
 
+absl::Status CheckDeviceName(const std::string& device) {
+  int index = 0;
+  if (device == "cpu" || device == "cpu-bf16" || device == "auto" ||
+      (absl::StartsWith(device, "cuda:") && absl::SimpleAtoi(device.substr(5), &index) &&
+       index >= 0)) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("device '", device, "' is not one of cpu, cpu-bf16, cuda:N, auto"));
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device,
                                                        const ModelWeights& weights,
                                                        int32_t page_size, int64_t num_pages,
@@ -16,14 +27,10 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device
   if (device == "cpu-bf16") {
     return CreateCpuBackend(weights, page_size, num_pages, CpuNumerics::kBf16);
   }
-  int index = 0;
+  if (absl::Status name = CheckDeviceName(device); !name.ok()) return name;
   const bool is_auto = device == "auto";
-  if (!is_auto) {
-    if (!absl::StartsWith(device, "cuda:") || !absl::SimpleAtoi(device.substr(5), &index) || index < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("device '", device, "' is not one of cpu, cpu-bf16, cuda:N, auto"));
-    }
-  }
+  int index = 0;
+  if (!is_auto) (void)absl::SimpleAtoi(device.substr(5), &index);
 #if defined(HSTU_WITH_CUDA)
   auto cuda = CreateCudaBackend(weights, page_size, num_pages, index, graphs);
   // auto: the CPU only where no GPU can be used (UNAVAILABLE); any other failure is reported.

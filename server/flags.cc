@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "engine/backend.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
           "gRPC listen address HOST:PORT (port 0 picks a free port) or unix:PATH.");
@@ -119,6 +120,10 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.engine.model = absl::GetFlag(FLAGS_model);
   o.engine.seed = absl::GetFlag(FLAGS_seed);
   o.engine.device = absl::GetFlag(FLAGS_device);
+  // Before the start-up (before: refused by the engine once the ports were open, exit 1).
+  if (absl::Status name = CheckDeviceName(o.engine.device); !name.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--device=", o.engine.device, ": ", name.message()));
+  }
 #ifndef HSTU_WITH_CUDA
   // A build without CUDA can only run on the CPU; resolving "auto" here also sizes the default KV
   // pool for host memory rather than for a GPU.

@@ -189,7 +189,9 @@ TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
        // Every program takes the dashed spelling of its flags (README).
        {"--shutdown-grace-s=-4", "--shutdown_grace_s=-4: must be >= 0"},
        // Before: "false" was dropped and the warm-up ran.
-       {"--warmup false", "error: unexpected argument 'false'"}},
+       {"--warmup false", "error: unexpected argument 'false'"},
+       // Before: refused by the engine once the ports were open (exit 1).
+       {"--device=gpu", "--device=gpu: device 'gpu' is not one of cpu, cpu-bf16, cuda:N, auto"}},
       2);
 }
 
@@ -788,7 +790,10 @@ TEST(ProcessTest, HstuRankAndHstuModelFailLoudly) {
   // that could not be written.
   ExpectEachFlagRejected(rank, {{absl::StrCat("--input=", dir, "/requests.jsonl --no-cache false"),
                                  "error: unexpected argument 'false'"},
-                                {absl::StrCat("--input=", dir), "is a directory"}},
+                                {absl::StrCat("--input=", dir), "is a directory"},
+                                // Before: exit 1, as a device that is named right but absent.
+                                {absl::StrCat("--input=", dir, "/requests.jsonl --device=cuda"),
+                                 "--device=cuda: device 'cuda' is not one of cpu, cpu-bf16, cuda:N, auto"}},
                          2);
   const auto [rc, out] = RunCommand(
       absl::StrCat("{ ", rank, "--input=", dir, "/requests.jsonl >/dev/full; }"));
