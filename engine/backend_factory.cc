@@ -8,16 +8,24 @@
 
 namespace hstu {
 
-absl::Status CheckDeviceName(const std::string& device) {
+namespace {
+
+// The GPU a device name asks for: N for "cuda:N", 0 for "auto" (when a GPU is present), -1 for
+// the CPU backends; INVALID_ARGUMENT for a name that is none of these.
+absl::StatusOr<int> GpuIndex(const std::string& device) {
+  if (device == "cpu" || device == "cpu-bf16") return -1;
+  if (device == "auto") return 0;
   int index = 0;
-  if (device == "cpu" || device == "cpu-bf16" || device == "auto" ||
-      (absl::StartsWith(device, "cuda:") && absl::SimpleAtoi(device.substr(5), &index) &&
-       index >= 0)) {
-    return absl::OkStatus();
+  if (absl::StartsWith(device, "cuda:") && absl::SimpleAtoi(device.substr(5), &index) && index >= 0) {
+    return index;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("device '", device, "' is not one of cpu, cpu-bf16, cuda:N, auto"));
 }
+
+}  // namespace
+
+absl::Status CheckDeviceName(const std::string& device) { return GpuIndex(device).status(); }
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device,
                                                        const ModelWeights& weights,
@@ -27,12 +35,11 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device
   if (device == "cpu-bf16") {
     return CreateCpuBackend(weights, page_size, num_pages, CpuNumerics::kBf16);
   }
-  if (absl::Status name = CheckDeviceName(device); !name.ok()) return name;
+  const absl::StatusOr<int> index = GpuIndex(device);
+  if (!index.ok()) return index.status();
   const bool is_auto = device == "auto";
-  int index = 0;
-  if (!is_auto) (void)absl::SimpleAtoi(device.substr(5), &index);
 #if defined(HSTU_WITH_CUDA)
-  auto cuda = CreateCudaBackend(weights, page_size, num_pages, index, graphs);
+  auto cuda = CreateCudaBackend(weights, page_size, num_pages, *index, graphs);
   // auto: the CPU only where no GPU can be used (UNAVAILABLE); any other failure is reported.
   if (cuda.ok() || !is_auto || cuda.status().code() != absl::StatusCode::kUnavailable) return cuda;
 #else

@@ -32,11 +32,6 @@ RankRequest WarmupRequest() {
   return r;
 }
 
-
-}  // namespace
-
-namespace {
-
 // Settings that would let the server report SERVING and then fail requests it accepted: a KV pool
 // that cannot hold one user of the model's longest history (every such request would answer
 // RESOURCE_EXHAUSTED, which clients read as "back off"), or a message limit below the largest
