@@ -23,7 +23,7 @@ class LatencyHistogram {
 
  private:
   static constexpr int kSubBits = 6;  // 64 sub-buckets per power of two
-  static constexpr int kPowers = 31;  // 2^30 µs ≈ 1074 s
+  static constexpr int kPowers = 31;  // buckets up to 2^36 µs (~19 h); above, the last one
   static int Index(uint64_t us);
   static double UpperEdgeSeconds(int idx);
 

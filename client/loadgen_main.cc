@@ -5,6 +5,7 @@
 // (constant or Poisson gaps) whatever the server does, and latency is measured from the scheduled
 // send time, so a slow server cannot hide its queueing (no coordinated omission).
 #include <signal.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -108,10 +109,11 @@ constexpr double kMinRate = 0.001, kMaxRate = 1e7;
 constexpr int32_t kMaxConcurrency = 10000;  // a thread each
 constexpr size_t kMaxLevels = 1000;
 constexpr int32_t kMaxConnections = 1024;
-// A request's sizes: the model file's bound on candidates (2^20), and 2^22 events (the model
-// file's bound on history tokens is 2^22, two per event; longer histories only test truncation).
+// A request's sizes: the model file's bound on candidates (2^20), and the server's bound on
+// history events (2^20, engine/request.h: it rejects longer histories; up to that, histories
+// longer than the model's maximum are truncated).
 constexpr int32_t kMaxCandidates = 1 << 20;
-constexpr int32_t kMaxEvents = 1 << 22;
+constexpr int32_t kMaxEvents = 1 << 20;
 
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -269,9 +271,21 @@ class Level {
     window_closed_ = true;
     window_end_ = Clock::now();
   }
+  // Whether a call sent now is inside the measured window.
   bool measuring() {
     std::lock_guard<std::mutex> lock(mu_);
+    return measuring_ && !window_closed_;
+  }
+  // Whether the window ever opened (a level stopped in its warm-up did not).
+  bool window_opened() {
+    std::lock_guard<std::mutex> lock(mu_);
     return measuring_;
+  }
+  // Open loop: a measured call left `lag_s` after its scheduled time.
+  void Sent(double lag_s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++result_->sent;
+    result_->sender_lag.Record(lag_s);
   }
   // A finished call; `measured` says whether it was sent inside the measured window.
   void Done(bool measured, const grpc::Status& status, double latency_s,
@@ -381,9 +395,11 @@ class Driver {
         PrepareContext(&ctx, v.user_id, start);
         calls.Add(&ctx);
         const grpc::Status status = NextStub()->Rank(&ctx, req, &resp);
+        // Read at once: the bookkeeping below takes locks other callers hold.
+        const double latency_s = Since(start);
         calls.Remove(&ctx);
         traffic_->Done(v);
-        if (!CancelledByUs(status)) level->Done(measured, status, Since(start), resp, v.new_user);
+        if (!CancelledByUs(status)) level->Done(measured, status, latency_s, resp, v.new_user);
         if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
             status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
           backoff = std::clamp(2 * backoff, std::chrono::milliseconds(1),
@@ -436,6 +452,8 @@ class Driver {
   // Open loop: one sender on a schedule; answers arrive on gRPC's callback threads.
   void RunOpen(Level* level, double rate, bool poisson, double warmup_s, double duration_s,
                int64_t num_requests, int64_t max_outstanding, uint64_t seed) {
+    // The sender's sleeps end when asked, not up to the kernel's default 50 µs slack later.
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
     std::mt19937_64 rng(Mix64(seed + 99));
     std::exponential_distribution<double> gap(rate);
     std::atomic<int64_t> outstanding{0};
@@ -467,23 +485,31 @@ class Driver {
         }
         ++sent_measured;
       }
-      if (!SleepUntil(scheduled)) {
-        if (measuring) level->CloseWindow();
-        break;
-      }
-      if (outstanding.load() >= max_outstanding) {
-        level->Backlog();
-        continue;
-      }
+      // The call is built before its time comes: neither building it nor the sender's wake-up is
+      // timed as the server's. What lateness is left is reported as the sender's lag.
       struct Call {
         grpc::ClientContext ctx;
         hstu::v1::RankRequest req;
         hstu::v1::RankResponse resp;
         Visit visit;
       };
-      auto* call = new Call;
-      call->visit = traffic_->Next();
-      call->req = MakeRequest(call->visit);
+      auto pending = std::make_unique<Call>();
+      pending->visit = traffic_->Next();
+      pending->req = MakeRequest(pending->visit);
+      if (!SleepUntil(scheduled)) {
+        traffic_->Done(pending->visit);
+        if (measuring) level->CloseWindow();
+        break;
+      }
+      if (outstanding.load() >= max_outstanding) {
+        traffic_->Done(pending->visit);  // not sent
+        level->Backlog();
+        continue;
+      }
+      if (measuring) {
+        level->Sent(std::chrono::duration<double>(Clock::now() - scheduled).count());
+      }
+      Call* call = pending.release();
       PrepareContext(&call->ctx, call->visit.user_id, scheduled);
       outstanding.fetch_add(1);
       calls.Add(&call->ctx);
@@ -725,8 +751,9 @@ int Main() {
     t.initial_events_max = std::max(t.initial_events_min, model_events / 2);
     if (max_events_flag > 0) t.initial_events_max = std::min(t.initial_events_max, max_events_flag);
   }
-  t.max_events = max_events_flag > 0 ? max_events_flag
-                                     : std::max(t.initial_events_max, 2 * model_events);
+  t.max_events = max_events_flag > 0
+                     ? max_events_flag
+                     : std::min(kMaxEvents, std::max(t.initial_events_max, 2 * model_events));
   // Default: one forward pass's worth, within what the server accepts (its --max_candidates).
   int64_t per_forward = info.candidates_per_forward() > 0 ? info.candidates_per_forward()
                                                           : info.max_candidates();
@@ -835,7 +862,7 @@ int Main() {
       rc = 1;
       break;
     }
-    const bool measured = level.measuring();
+    const bool measured = level.window_opened();
     l.interrupted = g_interrupted.load();
     if (!measured) break;  // stopped in its warm-up: nothing to report
     done.push_back(std::move(l));

@@ -13,9 +13,18 @@ int64_t LevelResult::error_count() const {
   return n;
 }
 
+bool LevelResult::sender_fell_behind() const {
+  return mode == "open" && sender_lag.count() > 0 &&
+         sender_lag.Quantile(0.99) > kSenderLagWarnSeconds;
+}
+
 namespace {
 
 double Ms(double s) { return s * 1e3; }
+
+double SentRps(const LevelResult& l) {
+  return l.duration_s > 0 ? static_cast<double>(l.sent) / l.duration_s : 0;
+}
 
 double ReusePercent(const LevelResult& l) {
   const int64_t total = l.reused_tokens + l.computed_tokens;
@@ -63,6 +72,33 @@ std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& lev
   }
   absl::StrAppend(&out, "latency: OK answers only (the rest are in errors); rps: OK answers that "
                         "came back in the measured window, over its length\n");
+  // Open loop: what the sender achieved against its schedule.
+  bool open = false;
+  for (const LevelResult& l : levels) open = open || l.mode == "open";
+  if (open) {
+    absl::StrAppend(&out, "\nopen-loop sender (latency counts from the scheduled send time):\n",
+                    absl::StrFormat("| %-18s | %9s | %9s | %12s | %12s | %12s |\n", "load", "sent",
+                                    "sent rps", "lag p50 ms", "lag p99 ms", "lag max ms"),
+                    "|", std::string(20, '-'), "|", std::string(11, '-'), "|", std::string(11, '-'),
+                    "|", std::string(14, '-'), "|", std::string(14, '-'), "|", std::string(14, '-'),
+                    "|\n");
+    for (const LevelResult& l : levels) {
+      if (l.mode != "open") continue;
+      const LatencyHistogram& g = l.sender_lag;
+      absl::StrAppend(&out, absl::StrFormat("| %-18s | %9d | %9.1f | %12.3f | %12.3f | %12.3f |\n",
+                                            LevelLabel(l), l.sent, SentRps(l), Ms(g.Quantile(0.5)),
+                                            Ms(g.Quantile(0.99)), Ms(g.max_seconds())));
+    }
+    for (const LevelResult& l : levels) {
+      if (!l.sender_fell_behind()) continue;
+      absl::StrAppend(
+          &out, absl::StrFormat(
+                    "warning: at %s the sender left its calls %.3f ms late (p99): its latencies "
+                    "and DEADLINE_EXCEEDED count include that lag. Lower --rate, or give "
+                    "hstu_loadgen cores of its own.\n",
+                    LevelLabel(l), Ms(l.sender_lag.Quantile(0.99))));
+    }
+  }
   // Latency by how the server's KV cache served the request (RankResponse.cache_result).
   bool any = false;
   for (const LevelResult& l : levels) any = any || !l.by_cache_result.empty();
@@ -131,6 +167,15 @@ std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels) 
                     {"mean_ms", Ms(hist.mean_seconds())}};
     }
     j["by_cache_result"] = by;
+    if (l.mode == "open") {
+      const LatencyHistogram& g = l.sender_lag;
+      j["sent"] = l.sent;
+      j["sent_rps"] = SentRps(l);
+      j["sender_lag_ms"] = {{"p50", Ms(g.Quantile(0.5))},
+                            {"p99", Ms(g.Quantile(0.99))},
+                            {"max", Ms(g.max_seconds())}};
+      j["sender_fell_behind"] = l.sender_fell_behind();
+    }
     arr.push_back(j);
   }
   root["levels"] = arr;
@@ -150,12 +195,12 @@ std::string ToCsv(const std::vector<LevelResult>& levels) {
   std::string out =
       "mode,concurrency,rate_rps,arrival,duration_s,requests,throughput_rps,p50_ms,p90_ms,p95_ms,"
       "p99_ms,p999_ms,mean_ms,max_ms,errors,errors_by_code,reused_tokens,computed_tokens,"
-      "requests_by_cache_result,new_user_visits,interrupted\n";
+      "requests_by_cache_result,new_user_visits,interrupted,sent,sender_lag_p99_ms\n";
   for (const LevelResult& l : levels) {
     const LatencyHistogram& h = l.latency;
     std::map<std::string, int64_t> by_cache;
     for (const auto& [name, hist] : l.by_cache_result) by_cache[name] = hist.count();
-    absl::StrAppend(&out, absl::StrFormat("%s,%d,%.3f,%s,%.3f,%d,%.3f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%d,%s,%d,%d,%s,%d,%d\n",
+    absl::StrAppend(&out, absl::StrFormat("%s,%d,%.3f,%s,%.3f,%d,%.3f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%d,%s,%d,%d,%s,%d,%d,%d,%.4f\n",
                                           l.mode, l.concurrency, l.rate_rps, l.arrival,
                                           l.duration_s, l.requests, l.throughput_rps(),
                                           Ms(h.Quantile(0.5)), Ms(h.Quantile(0.9)),
@@ -163,7 +208,8 @@ std::string ToCsv(const std::vector<LevelResult>& levels) {
                                           Ms(h.Quantile(0.999)), Ms(h.mean_seconds()),
                                           Ms(h.max_seconds()), l.error_count(), JoinCounts(l.errors, ";"),
                                           l.reused_tokens, l.computed_tokens, JoinCounts(by_cache, ";"),
-                                          l.new_user_visits, l.interrupted ? 1 : 0));
+                                          l.new_user_visits, l.interrupted ? 1 : 0, l.sent,
+                                          Ms(l.sender_lag.Quantile(0.99))));
   }
   return out;
 }

@@ -27,6 +27,12 @@ struct LevelResult {
   int64_t computed_tokens = 0;
   int64_t new_user_visits = 0;
   std::map<std::string, LatencyHistogram> by_cache_result;  // server-reported cache_result → latency
+  // Open loop: the calls sent in the window, and how late each left against its schedule (the
+  // sender's wake-up and any backlog of its own). Latency and the deadline count from the
+  // scheduled time, so they include this lag: a large one means the generator, not the server,
+  // fell behind.
+  int64_t sent = 0;
+  LatencyHistogram sender_lag;
   bool interrupted = false;  // a stop signal ended the level's window early
 
   double throughput_rps() const {
@@ -34,7 +40,12 @@ struct LevelResult {
                           : 0;
   }
   int64_t error_count() const;
+  // Open loop: whether the sender's lag (p99) is large enough to distort the level's latencies.
+  bool sender_fell_behind() const;
 };
+
+// A sender lag (p99) above this flags an open-loop level: a tenth of a typical GPU batch.
+inline constexpr double kSenderLagWarnSeconds = 1e-3;
 
 struct RunInfo {
   std::string target;

@@ -488,6 +488,14 @@ TEST(ProcessTest, LoadgenShortRunsReportZeroErrors) {
   ASSERT_FALSE(o.is_discarded());
   EXPECT_TRUE(o["errors"].empty()) << out2;
   EXPECT_NEAR(o["requests"].get<int64_t>(), rate, 3) << out2;
+  // Every measured call was sent (none skipped), and the sender reports its lag behind the
+  // schedule: its values, not their size, which depends on the machine's load.
+  const auto& level = o["levels"][0];
+  EXPECT_EQ(level["sent"].get<int64_t>(), o["requests"].get<int64_t>()) << out2;
+  EXPECT_NEAR(level["sent_rps"].get<double>(), static_cast<double>(rate), 0.1 * rate) << out2;
+  EXPECT_GE(level["sender_lag_ms"]["p99"].get<double>(), level["sender_lag_ms"]["p50"].get<double>());
+  EXPECT_GE(level["sender_lag_ms"]["max"].get<double>(), level["sender_lag_ms"]["p99"].get<double>());
+  EXPECT_NE(out2.find("open-loop sender"), std::string::npos) << out2;
   // The server saw them all.
   auto body = HttpGet(server.metrics_port(), "/metrics");
   ASSERT_TRUE(body.ok());
@@ -524,7 +532,7 @@ TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
                           // Before: 2.4 GB of channels and no output; std::bad_alloc (exit 134).
                           {"--connections=2000000000", "--connections=2000000000: must be in [1, 1024]"},
                           {"--candidates=2000000000", "--candidates=2000000000: must be >= 0 (0: the model's candidates per forward) and at most 1048576"},
-                          {"--initial_events=2000000000", "--initial_events=2000000000: must be >= 0 (0: half the model's maximum) and at most 4194304"},
+                          {"--initial_events=2000000000", "--initial_events=2000000000: must be >= 0 (0: half the model's maximum) and at most 1048576"},
                           // Before: "false" was dropped and the progress line printed.
                           {"--progress false", "error: unexpected argument 'false'"},
                           // The dashed spelling names the same flag.
