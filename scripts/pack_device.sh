@@ -10,7 +10,12 @@ BUILD="${HSTU_CUDA_BUILD_DIR:-build-cuda}"
 JOBS="${HSTU_JOBS:-2}"
 if [ ! -f "$BUILD/CMakeCache.txt" ]; then
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DHSTU_ENABLE_CUDA=ON \
-    -DHSTU_BUILD_SERVER=OFF -DHSTU_CUDA_PTXAS_VERBOSE=ON
+    -DHSTU_BUILD_SERVER=OFF -DHSTU_CUDA_PTXAS_VERBOSE=ON \
+    -DHSTU_REQUIRE_CUTLASS=ON
+else
+  # An existing build dir (its other options kept): the pack needs the fused GEMM, and the check
+  # runs again at this configure, so headers fetched since the last one are found.
+  cmake -S . -B "$BUILD" -DHSTU_REQUIRE_CUTLASS=ON > /dev/null
 fi
 BINS=(tests/gpu/hstu_gpu_tests client/hstu_bench)
 cmake --build "$BUILD" -j "$JOBS" --target hstu_gpu_tests hstu_bench

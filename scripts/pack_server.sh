@@ -9,7 +9,12 @@ BUILD="${HSTU_SERVER_BUILD_DIR:-build-server-cuda}"
 JOBS="${HSTU_JOBS:-2}"
 if [ ! -f "$BUILD/CMakeCache.txt" ]; then
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DHSTU_ENABLE_CUDA=ON \
-    -DHSTU_BUILD_SERVER=ON -DHSTU_BUILD_TESTS=OFF
+    -DHSTU_BUILD_SERVER=ON -DHSTU_BUILD_TESTS=OFF \
+    -DHSTU_REQUIRE_CUTLASS=ON
+else
+  # An existing build dir (its other options kept): the pack needs the fused GEMM, and the check
+  # runs again at this configure, so headers fetched since the last one are found.
+  cmake -S . -B "$BUILD" -DHSTU_REQUIRE_CUTLASS=ON > /dev/null
 fi
 BINS=(server/hstu_server client/hstu_loadgen client/hstu_rank client/hstu_model)
 cmake --build "$BUILD" -j "$JOBS" --target hstu_server hstu_loadgen hstu_rank hstu_model
