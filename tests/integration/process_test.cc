@@ -489,10 +489,13 @@ TEST(ProcessTest, LoadgenShortRunsReportZeroErrors) {
   EXPECT_TRUE(o["errors"].empty()) << out2;
   EXPECT_NEAR(o["requests"].get<int64_t>(), rate, 3) << out2;
   // Every measured call was sent (none skipped), and the sender reports its lag behind the
-  // schedule: its values, not their size, which depends on the machine's load.
+  // schedule: its values, not their size, which depends on the machine's load (a sender that
+  // starts late and catches up sends faster than the rate, over a shorter window).
   const auto& level = o["levels"][0];
   EXPECT_EQ(level["sent"].get<int64_t>(), o["requests"].get<int64_t>()) << out2;
-  EXPECT_NEAR(level["sent_rps"].get<double>(), static_cast<double>(rate), 0.1 * rate) << out2;
+  EXPECT_NEAR(level["sent_rps"].get<double>(),
+              level["sent"].get<double>() / level["duration_s"].get<double>(), 1e-6)
+      << out2;
   EXPECT_GE(level["sender_lag_ms"]["p99"].get<double>(), level["sender_lag_ms"]["p50"].get<double>());
   EXPECT_GE(level["sender_lag_ms"]["max"].get<double>(), level["sender_lag_ms"]["p99"].get<double>());
   EXPECT_NE(out2.find("open-loop sender"), std::string::npos) << out2;
