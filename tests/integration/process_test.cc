@@ -587,19 +587,30 @@ TEST(ProcessTest, LoadgenReportsWhatItMeasuredWhenStoppedAndFailsWhenTheServerDi
     for (int i = 0; i < 3000 && !done(); ++i) std::this_thread::sleep_for(20ms);
     return done();
   };
+  const auto ok_answers = [&]() -> double {
+    const auto body = HttpGet(server.metrics_port(), "/metrics");
+    if (!body.ok()) return -1;
+    const auto expo = ParseExposition(*body);
+    return expo.ok() ? expo->Sum("hstu_requests_total", {{"code", "OK"}}) : -1;
+  };
   // A stop signal in the middle of a sweep: the levels measured so far are printed and written,
   // the one cut short marked (before: exit 143, no table, no file). The report is rewritten after
-  // each level, so the signal goes ~0.6 s after the first level's report appeared: inside the
-  // second level's window (0.2 s of warm-up, then 3 s).
+  // each level, before the next starts; without a warm-up every call of the second level is
+  // measured. The signal goes once the server has answered three more calls after the first
+  // report appeared: with two callers, one of them then had its first answer back and sent
+  // again, so the second level has measured an answer (before: a fixed 0.6 s, which a loaded
+  // machine's 1 s calls outlasted).
   {
     const std::string json = dir + "/stopped.json";
     Subprocess loadgen({HSTU_LOADGEN_BIN, absl::StrCat("--target=", server.target()),
-                        "--concurrency=1,2,4", "--duration=3", "--warmup=0.2", "--seed=1",
+                        "--concurrency=1,2,4", "--duration=3", "--warmup=0", "--seed=1",
                         "--timeout_ms=30000", "--progress=false",
                         absl::StrCat("--json=", json)},
                        dir + "/loadgen_stopped.log");
     ASSERT_TRUE(wait_for([&] { return !ReadFile(json).empty(); })) << loadgen.Log();
-    std::this_thread::sleep_for(600ms);
+    const double first_level_done = ok_answers();
+    ASSERT_GE(first_level_done, 1);
+    ASSERT_TRUE(wait_for([&] { return ok_answers() >= first_level_done + 3; })) << loadgen.Log();
     loadgen.Signal(SIGTERM);
     EXPECT_EQ(loadgen.Wait(30s), 1) << loadgen.Log();
     EXPECT_NE(loadgen.Log().find("stopped by a signal after 2 of 3 levels"), std::string::npos)
@@ -617,12 +628,6 @@ TEST(ProcessTest, LoadgenReportsWhatItMeasuredWhenStoppedAndFailsWhenTheServerDi
   // The server dies mid-level: the callers back off instead of spinning through failed calls
   // (before: ~48,000 UNAVAILABLE a second), and the exit status says the run failed (before: 0,
   // with 99 % of the calls failed). It is killed once it has answered some of the level's calls.
-  const auto ok_answers = [&]() -> double {
-    const auto body = HttpGet(server.metrics_port(), "/metrics");
-    if (!body.ok()) return -1;
-    const auto expo = ParseExposition(*body);
-    return expo.ok() ? expo->Sum("hstu_requests_total", {{"code", "OK"}}) : -1;
-  };
   const double before = ok_answers();
   ASSERT_GT(before, 0);  // the first part's
   const auto answered = [&] { return ok_answers() > before + 10; };
