@@ -155,7 +155,14 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
   SubmitRejection rejection;
   if (absl::Status s = a->scheduler->Submit(std::move(pending), &rejection); !s.ok()) {
     metrics->CountQueueRejection(SubmitRejectionName(rejection));
-    finish(s);
+    // A full queue is an answer (RESOURCE_EXHAUSTED, counted with the others); a drain that
+    // began after the admission check above is a refusal like the check's own, counted only as
+    // shutting_down (before: also an UNAVAILABLE in hstu_requests_total, the error ratio's).
+    if (rejection == SubmitRejection::kShuttingDown) {
+      answer(s);
+    } else {
+      finish(s);
+    }
   }
   return reactor;
 }

@@ -941,6 +941,42 @@ TEST(RankServiceTest, CallsWhileTheModelLoadsAreRefusedAndCountedAsSuch) {
   server->Shutdown();
 }
 
+TEST(RankServiceTest, ACallTheDrainingSchedulerRefusesIsCountedAsShuttingDownOnly) {
+  // The race of a drain: the call passed the service's admission check, and the scheduler began
+  // draining before the call reached it. Before, the refusal was also counted in
+  // hstu_requests_total{code="UNAVAILABLE"}, which the error-ratio alert reads as a failure.
+  ServerMetrics metrics("test");
+  RankService service(&metrics);
+  auto engine = Engine::Create(EngineOptions{});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto scheduler = Scheduler::Create(SchedulerOptions{}, [&](absl::Span<const RankRequest> b) {
+    return (*engine)->Rank(b);
+  });
+  ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+  (*scheduler)->Drain();
+  service.Attach(engine->get(), scheduler->get());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto stub = hstu::v1::Ranker::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  hstu::v1::RankResponse resp;
+  const grpc::Status s = stub->Rank(&ctx, MakeRequest(1, 4, 2, 1), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(s.error_message(), "server is shutting down");
+  auto m = ParseExposition(metrics.Serialize());
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->Sum("hstu_queue_rejections_total", {{"reason", "shutting_down"}}), 1);
+  EXPECT_EQ(m->Sum("hstu_requests_total"), 0);
+  EXPECT_EQ(m->Sum("hstu_inflight_requests"), 0);
+  EXPECT_EQ(service.InFlight(), 0);
+  server->Shutdown();
+}
+
 // timeout(1) sends its signal to the process and to its group: the second copy arrives within
 // microseconds. Before, it cut the drain short (exit 3).
 TEST_F(DrainTest, TheSameSignalTwiceAtOnceIsOneRequestToStop) { ExpectTheHeldBatchDrained(2); }
