@@ -1,5 +1,5 @@
 // Latency histogram with bounded relative error (log-linear buckets, HdrHistogram style): values
-// from 1 µs to ~1100 s, 64 sub-buckets per power of two (< 1.6% error). Mergeable.
+// from 1 µs to 2^36 µs (~19 h), 64 sub-buckets per power of two (< 1.6% error). Mergeable.
 //
 // Thread-safety: none; callers lock or keep one per thread and Merge().
 #pragma once

@@ -65,7 +65,8 @@ ABSL_FLAG(int32_t, initial_events, 0,
 ABSL_FLAG(int32_t, initial_events_min, 1, "Smallest history (events) of a new user.");
 ABSL_FLAG(int32_t, max_events, 0,
           "A user whose history would grow past this many events starts over as a new user; 0: "
-          "twice the model's maximum, so the server's truncation is exercised.");
+          "twice the model's maximum (at most 1048576, the most the server accepts), so the "
+          "server's truncation is exercised.");
 ABSL_FLAG(int32_t, candidates, 0,
           "Candidates per request; 0: the model's candidates per forward pass, at most the "
           "server's --max_candidates.");
@@ -465,6 +466,17 @@ class Driver {
     bool measuring = false;
     Clock::time_point measure_start;
     int64_t sent_measured = 0;
+    // The call is built before its time comes: neither building it nor the sender's wake-up is
+    // timed as the server's. What lateness is left is reported as the sender's lag. A call whose
+    // slot is skipped (backlog) waits for the next slot: a visit is drawn only for a call sent,
+    // so no user's history advances past what the server saw.
+    struct Call {
+      grpc::ClientContext ctx;
+      hstu::v1::RankRequest req;
+      hstu::v1::RankResponse resp;
+      Visit visit;
+    };
+    std::unique_ptr<Call> pending;
     while (true) {
       offset_s += poisson ? gap(rng) : 1.0 / rate;
       const Clock::time_point scheduled =
@@ -485,25 +497,17 @@ class Driver {
         }
         ++sent_measured;
       }
-      // The call is built before its time comes: neither building it nor the sender's wake-up is
-      // timed as the server's. What lateness is left is reported as the sender's lag.
-      struct Call {
-        grpc::ClientContext ctx;
-        hstu::v1::RankRequest req;
-        hstu::v1::RankResponse resp;
-        Visit visit;
-      };
-      auto pending = std::make_unique<Call>();
-      pending->visit = traffic_->Next();
-      pending->req = MakeRequest(pending->visit);
+      if (pending == nullptr) {
+        pending = std::make_unique<Call>();
+        pending->visit = traffic_->Next();
+        pending->req = MakeRequest(pending->visit);
+      }
       if (!SleepUntil(scheduled)) {
-        traffic_->Done(pending->visit);
         if (measuring) level->CloseWindow();
         break;
       }
       if (outstanding.load() >= max_outstanding) {
-        traffic_->Done(pending->visit);  // not sent
-        level->Backlog();
+        level->Backlog();  // this slot is skipped; the call waits for the next one
         continue;
       }
       if (measuring) {
@@ -530,6 +534,7 @@ class Driver {
             done_cv.notify_all();
           });
     }
+    if (pending != nullptr) traffic_->Done(pending->visit);  // built, never sent
     // The answers still out; a stop signal cancels them instead of waiting out their deadlines.
     while (true) {
       {

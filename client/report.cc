@@ -200,7 +200,9 @@ std::string ToCsv(const std::vector<LevelResult>& levels) {
     const LatencyHistogram& h = l.latency;
     std::map<std::string, int64_t> by_cache;
     for (const auto& [name, hist] : l.by_cache_result) by_cache[name] = hist.count();
-    absl::StrAppend(&out, absl::StrFormat("%s,%d,%.3f,%s,%.3f,%d,%.3f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%d,%s,%d,%d,%s,%d,%d,%d,%.4f\n",
+    absl::StrAppend(&out, absl::StrFormat("%s,%d,%.3f,%s,%.3f,%d,%.3f,"
+                                          "%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,"
+                                          "%d,%s,%d,%d,%s,%d,%d,%d,%.4f\n",
                                           l.mode, l.concurrency, l.rate_rps, l.arrival,
                                           l.duration_s, l.requests, l.throughput_rps(),
                                           Ms(h.Quantile(0.5)), Ms(h.Quantile(0.9)),
