@@ -737,6 +737,17 @@ int Main() {
       return 1;
     }
   }
+  // Every connection up before the first level (the first one is, by the call above): a fresh
+  // channel's first call would also time its TCP and HTTP/2 handshake, in the measured window
+  // with --warmup=0.
+  for (size_t i = 1; i < channels.size(); ++i) {
+    if (!channels[i]->WaitForConnected(std::chrono::system_clock::now() +
+                                       std::chrono::seconds(10))) {
+      std::fprintf(stderr, "hstu_loadgen: connection %zu of %zu to %s not up within 10 s\n", i + 1,
+                   channels.size(), target.c_str());
+      return 1;
+    }
+  }
 
   // Valid requests for the served model: actions below num_actions, histories around its maximum
   // (longer ones are truncated by the server, so growth past it is exercised too).
