@@ -911,19 +911,34 @@ TEST(StartupWatchTest, AfterTheStartUpSignalsAreTheServingLoops) {
   EXPECT_EQ(acted.load(), 0);
 }
 
+// The service alone on a gRPC server on a free loopback port, and a stub to it; shut down when
+// it goes.
+struct ServiceOnly {
+  explicit ServiceOnly(RankService* service) {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service);
+    server = builder.BuildAndStart();
+    if (server == nullptr) return;
+    stub = hstu::v1::Ranker::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
+                                                         grpc::InsecureChannelCredentials()));
+  }
+  ~ServiceOnly() {
+    if (server != nullptr) server->Shutdown();
+  }
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<hstu::v1::Ranker::Stub> stub;
+};
+
 TEST(RankServiceTest, CallsWhileTheModelLoadsAreRefusedAndCountedAsSuch) {
   // The service before Attach(): what a client probing a starting replica gets. Before, these
   // refusals were counted in hstu_requests_total{code="UNAVAILABLE"} (the error ratio's numerator).
   ServerMetrics metrics("test");
   RankService service(&metrics);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_NE(server, nullptr);
-  auto stub = hstu::v1::Ranker::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  ServiceOnly served(&service);
+  ASSERT_NE(served.server, nullptr);
+  auto& stub = served.stub;
   for (int i = 0; i < 3; ++i) {
     grpc::ClientContext ctx;
     hstu::v1::RankRequest req;
@@ -938,7 +953,6 @@ TEST(RankServiceTest, CallsWhileTheModelLoadsAreRefusedAndCountedAsSuch) {
   EXPECT_EQ(m->Sum("hstu_queue_rejections_total", {{"reason", "starting"}}), 3);
   EXPECT_EQ(m->Sum("hstu_requests_total"), 0);
   EXPECT_EQ(m->Sum("hstu_inflight_requests"), 0);
-  server->Shutdown();
 }
 
 TEST(RankServiceTest, ACallTheDrainingSchedulerRefusesIsCountedAsShuttingDownOnly) {
@@ -955,14 +969,9 @@ TEST(RankServiceTest, ACallTheDrainingSchedulerRefusesIsCountedAsShuttingDownOnl
   ASSERT_TRUE(scheduler.ok()) << scheduler.status();
   (*scheduler)->Drain();
   service.Attach(engine->get(), scheduler->get());
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_NE(server, nullptr);
-  auto stub = hstu::v1::Ranker::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  ServiceOnly served(&service);
+  ASSERT_NE(served.server, nullptr);
+  auto& stub = served.stub;
   grpc::ClientContext ctx;
   hstu::v1::RankResponse resp;
   const grpc::Status s = stub->Rank(&ctx, MakeRequest(1, 4, 2, 1), &resp);
@@ -974,7 +983,6 @@ TEST(RankServiceTest, ACallTheDrainingSchedulerRefusesIsCountedAsShuttingDownOnl
   EXPECT_EQ(m->Sum("hstu_requests_total"), 0);
   EXPECT_EQ(m->Sum("hstu_inflight_requests"), 0);
   EXPECT_EQ(service.InFlight(), 0);
-  server->Shutdown();
 }
 
 // timeout(1) sends its signal to the process and to its group: the second copy arrives within
