@@ -1,5 +1,8 @@
 #include "client/report.h"
 
+#include <initializer_list>
+#include <string>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -21,6 +24,13 @@ bool LevelResult::sender_fell_behind() const {
 namespace {
 
 double Ms(double s) { return s * 1e3; }
+
+// A table's rule under its header: "|---...---|" over columns of these widths.
+std::string Rule(std::initializer_list<int> widths) {
+  std::string out = "|";
+  for (int w : widths) absl::StrAppend(&out, std::string(w, '-'), "|");
+  return out + "\n";
+}
 
 double SentRps(const LevelResult& l) {
   return l.duration_s > 0 ? static_cast<double>(l.sent) / l.duration_s : 0;
@@ -57,10 +67,7 @@ std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& lev
   absl::StrAppend(&out, absl::StrFormat("| %-18s | %9s | %8s | %8s | %8s | %8s | %8s | %8s | %8s | %7s | %s |\n",
                                         "load", "requests", "rps", "p50 ms", "p90 ms", "p95 ms",
                                         "p99 ms", "p99.9 ms", "max ms", "reuse %", "errors"));
-  absl::StrAppend(&out, "|", std::string(20, '-'), "|", std::string(11, '-'), "|",
-                  std::string(10, '-'), "|", std::string(10, '-'), "|", std::string(10, '-'), "|",
-                  std::string(10, '-'), "|", std::string(10, '-'), "|", std::string(10, '-'), "|",
-                  std::string(10, '-'), "|", std::string(9, '-'), "|", std::string(8, '-'), "|\n");
+  absl::StrAppend(&out, Rule({20, 11, 10, 10, 10, 10, 10, 10, 10, 9, 8}));
   for (const LevelResult& l : levels) {
     const LatencyHistogram& h = l.latency;
     absl::StrAppend(
@@ -79,9 +86,7 @@ std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& lev
     absl::StrAppend(&out, "\nopen-loop sender (latency counts from the scheduled send time):\n",
                     absl::StrFormat("| %-18s | %9s | %9s | %12s | %12s | %12s |\n", "load", "sent",
                                     "sent rps", "lag p50 ms", "lag p99 ms", "lag max ms"),
-                    "|", std::string(20, '-'), "|", std::string(11, '-'), "|", std::string(11, '-'),
-                    "|", std::string(14, '-'), "|", std::string(14, '-'), "|", std::string(14, '-'),
-                    "|\n");
+                    Rule({20, 11, 11, 14, 14, 14}));
     for (const LevelResult& l : levels) {
       if (l.mode != "open") continue;
       const LatencyHistogram& g = l.sender_lag;
@@ -106,9 +111,7 @@ std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& lev
   absl::StrAppend(&out, "\nby cache result (server-reported):\n",
                   absl::StrFormat("| %-18s | %-13s | %9s | %7s | %8s | %8s |\n", "load",
                                   "cache result", "requests", "share %", "p50 ms", "p99 ms"),
-                  "|", std::string(20, '-'), "|", std::string(15, '-'), "|", std::string(11, '-'),
-                  "|", std::string(9, '-'), "|", std::string(10, '-'), "|", std::string(10, '-'),
-                  "|\n");
+                  Rule({20, 15, 11, 9, 10, 10}));
   for (const LevelResult& l : levels) {
     for (const auto& [result, hist] : l.by_cache_result) {
       const double share = l.requests ? 100.0 * hist.count() / l.requests : 0;

@@ -931,6 +931,16 @@ struct ServiceOnly {
   std::unique_ptr<hstu::v1::Ranker::Stub> stub;
 };
 
+// The metrics after `n` refusals for `reason` and nothing else: counted as refusals, not as
+// answers in hstu_requests_total, and none left in flight.
+void ExpectOnlyRefused(ServerMetrics& metrics, const std::string& reason, int n) {
+  auto m = ParseExposition(metrics.Serialize());
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->Sum("hstu_queue_rejections_total", {{"reason", reason}}), n);
+  EXPECT_EQ(m->Sum("hstu_requests_total"), 0);
+  EXPECT_EQ(m->Sum("hstu_inflight_requests"), 0);
+}
+
 TEST(RankServiceTest, CallsWhileTheModelLoadsAreRefusedAndCountedAsSuch) {
   // The service before Attach(): what a client probing a starting replica gets. Before, these
   // refusals were counted in hstu_requests_total{code="UNAVAILABLE"} (the error ratio's numerator).
@@ -948,11 +958,7 @@ TEST(RankServiceTest, CallsWhileTheModelLoadsAreRefusedAndCountedAsSuch) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
     EXPECT_EQ(s.error_message(), "model is loading");
   }
-  auto m = ParseExposition(metrics.Serialize());
-  ASSERT_TRUE(m.ok()) << m.status();
-  EXPECT_EQ(m->Sum("hstu_queue_rejections_total", {{"reason", "starting"}}), 3);
-  EXPECT_EQ(m->Sum("hstu_requests_total"), 0);
-  EXPECT_EQ(m->Sum("hstu_inflight_requests"), 0);
+  ExpectOnlyRefused(metrics, "starting", 3);
 }
 
 TEST(RankServiceTest, ACallTheDrainingSchedulerRefusesIsCountedAsShuttingDownOnly) {
@@ -977,11 +983,7 @@ TEST(RankServiceTest, ACallTheDrainingSchedulerRefusesIsCountedAsShuttingDownOnl
   const grpc::Status s = stub->Rank(&ctx, MakeRequest(1, 4, 2, 1), &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(s.error_message(), "server is shutting down");
-  auto m = ParseExposition(metrics.Serialize());
-  ASSERT_TRUE(m.ok()) << m.status();
-  EXPECT_EQ(m->Sum("hstu_queue_rejections_total", {{"reason", "shutting_down"}}), 1);
-  EXPECT_EQ(m->Sum("hstu_requests_total"), 0);
-  EXPECT_EQ(m->Sum("hstu_inflight_requests"), 0);
+  ExpectOnlyRefused(metrics, "shutting_down", 1);
   EXPECT_EQ(service.InFlight(), 0);
 }
 
