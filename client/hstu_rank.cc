@@ -1,11 +1,14 @@
 // hstu_rank: offline scoring of a JSONL file of requests, in order, in one process (so returning
 // users reuse their KV cache). One JSON line out per line in.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <type_traits>
@@ -15,6 +18,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/cli_util.h"
 #include "engine/backend.h"
@@ -38,6 +42,9 @@ ABSL_FLAG(int64_t, host_cache_pages, 0,
           "1/4 of the RAM or cgroup limit and 32 GiB)");
 ABSL_FLAG(int64_t, max_candidates, 1 << 20,
           "reject requests with more candidates than this (<= 0: no limit)");
+ABSL_FLAG(double, max_score_diff, 2e-3,
+          "a line with expected_scores fails when a score differs from its expected one by more "
+          "than this (the GPU's score tolerance against the CPU reference)");
 
 namespace {
 
@@ -69,10 +76,18 @@ absl::StatusOr<T> IntegerAs(const json& v, const std::string& field) {
 }
 
 constexpr const char* kFields[] = {"user_id", "history_item_ids", "history_actions",
-                                   "candidate_item_ids"};
+                                   "candidate_item_ids", "expected_scores", "cache_result"};
 
-// Parses one request; the error names the field.
-absl::StatusOr<hstu::RankRequest> ParseRequest(const std::string& line) {
+// One input line: a request, and optionally the scores it is expected to get (as hstu_loadgen
+// --record writes them: what a server answered) and how that server's cache served it.
+struct InputLine {
+  hstu::RankRequest request;
+  std::optional<std::vector<std::vector<float>>> expected_scores;  // [candidates][tasks]
+  std::string cache_result;
+};
+
+// Parses one line; the error names the field.
+absl::StatusOr<InputLine> ParseLine(const std::string& line) {
   // A key given twice at the top level: which one was meant is unknown (the parser keeps the last).
   std::string duplicate;
   std::set<std::string> top_keys;
@@ -125,8 +140,104 @@ absl::StatusOr<hstu::RankRequest> ParseRequest(const std::string& line) {
   if (auto s = ints("history_item_ids", &r.history_item_ids, false); !s.ok()) return s;
   if (auto s = ints("history_actions", &r.history_actions, false); !s.ok()) return s;
   if (auto s = ints("candidate_item_ids", &r.candidate_item_ids, true); !s.ok()) return s;
-  return r;
+  InputLine out;
+  out.request = std::move(r);
+  if (j.contains("expected_scores")) {
+    const json& e = j["expected_scores"];
+    const std::string want = "must be an array of arrays of numbers, one per candidate";
+    if (!e.is_array()) return absl::InvalidArgumentError("field 'expected_scores' " + want);
+    std::vector<std::vector<float>> rows;
+    for (size_t c = 0; c < e.size(); ++c) {
+      if (!e[c].is_array()) {
+        return absl::InvalidArgumentError("field 'expected_scores[" + std::to_string(c) + "]' " + want);
+      }
+      std::vector<float> row;
+      for (size_t t = 0; t < e[c].size(); ++t) {
+        if (!e[c][t].is_number()) {
+          return absl::InvalidArgumentError("field 'expected_scores[" + std::to_string(c) + "][" +
+                                            std::to_string(t) + "]' is not a number");
+        }
+        // As a float, as the server sent it: a score written with 9 digits reads back as the
+        // same float, so an answer the recompute reproduces differs by exactly 0.
+        row.push_back(static_cast<float>(e[c][t].get<double>()));
+      }
+      rows.push_back(std::move(row));
+    }
+    out.expected_scores = std::move(rows);
+  }
+  if (j.contains("cache_result")) {
+    if (!j["cache_result"].is_string()) {
+      return absl::InvalidArgumentError("field 'cache_result' must be a string");
+    }
+    out.cache_result = j["cache_result"].get<std::string>();
+  }
+  return out;
 }
+
+// The largest difference of a result's scores from the expected ones, and where it is; an error
+// when the shapes differ.
+struct ScoreDiff {
+  double max = 0;
+  size_t candidate = 0, task = 0;
+  double got = 0, expected = 0;
+};
+absl::StatusOr<ScoreDiff> CompareScores(const hstu::RankResult& res,
+                                        const std::vector<std::vector<float>>& expected,
+                                        size_t num_candidates) {
+  if (expected.size() != num_candidates) {
+    return absl::InvalidArgumentError(absl::StrCat("field 'expected_scores' has ", expected.size(),
+                                                   " rows for ", num_candidates, " candidates"));
+  }
+  ScoreDiff d;
+  for (size_t c = 0; c < num_candidates; ++c) {
+    if (expected[c].size() != static_cast<size_t>(res.num_tasks)) {
+      return absl::InvalidArgumentError(absl::StrCat("field 'expected_scores[", c, "]' has ",
+                                                     expected[c].size(), " scores for the model's ",
+                                                     res.num_tasks, " tasks"));
+    }
+    for (int t = 0; t < res.num_tasks; ++t) {
+      const double got = res.scores[c * res.num_tasks + t];
+      const double diff = std::abs(got - static_cast<double>(expected[c][t]));
+      // NaN on either side is the largest difference there is.
+      if (!(diff <= d.max)) {
+        d = {std::isnan(diff) ? std::numeric_limits<double>::infinity() : diff, c,
+             static_cast<size_t>(t), got, expected[c][t]};
+      }
+    }
+  }
+  return d;
+}
+
+// What the lines with expected_scores came to, overall and by their cache_result.
+struct CheckSummary {
+  struct Group {
+    int64_t lines = 0, above = 0;
+    double max = 0;
+  };
+  Group all;
+  int max_line = 0;
+  std::map<std::string, Group> by_cache_result;
+
+  void Add(const std::string& cache_result, double diff, bool above, int line_no) {
+    if (diff > all.max || all.lines == 0) max_line = line_no;
+    for (Group* g : {&all, &by_cache_result[cache_result.empty() ? "-" : cache_result]}) {
+      ++g->lines;
+      g->above += above ? 1 : 0;
+      g->max = std::max(g->max, diff);
+    }
+  }
+  std::string Format(double tolerance) const {
+    std::string out = absl::StrFormat(
+        "hstu_rank: %d lines checked against expected_scores: largest difference %.3g (line %d); "
+        "%d above --max_score_diff=%g\n",
+        all.lines, all.max, max_line, all.above, tolerance);
+    for (const auto& [name, g] : by_cache_result) {
+      absl::StrAppendFormat(&out, "  %-16s %8d lines  largest difference %.3g  above %d\n", name,
+                            g.lines, g.max, g.above);
+    }
+    return out;
+  }
+};
 
 }  // namespace
 
@@ -140,9 +251,12 @@ int main(int argc, char** argv) {
       " a blank input line gives no output line.)\n"
       "Input line: {\"user_id\": 7, \"history_item_ids\": [...], \"history_actions\": [...],\n"
       "             \"candidate_item_ids\": [...]}\n"
+      "  optionally with \"expected_scores\": [[t0, t1, ...] per candidate] and \"cache_result\": \"...\"\n"
+      "  (hstu_loadgen --record writes such lines: each is then checked, --max-score-diff)\n"
       "Output line: {\"user_id\": 7, \"scores\": [[t0, t1, ...] per candidate], \"reused_tokens\": R,\n"
-      "              \"computed_tokens\": C}  or  {\"line\": N, \"error\": \"...\"}\n"
-      "Exit status: 0 every line scored; 1 a line was an error, the output could not be written,\n"
+      "              \"computed_tokens\": C[, \"max_score_diff\": D]}  or  {\"line\": N, \"error\": \"...\"}\n"
+      "Exit status: 0 every line scored (and within --max-score-diff of its expected_scores);\n"
+      "1 a line was an error or differed from its expected_scores, the output could not be written,\n"
       "a flag did not parse, or the model or the device could not be used; 2 a flag value out of\n"
       "its range (an unknown --device included), a missing or unreadable --input, a word that is\n"
       "no flag, or a pool too small for the model.");
@@ -180,6 +294,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "error: --page_size=%d: must be in [1, 4096]\n", page_size);
     return 2;
   }
+  const double tolerance = absl::GetFlag(FLAGS_max_score_diff);
+  if (!(tolerance >= 0) || !std::isfinite(tolerance)) {
+    std::fprintf(stderr, "error: --max_score_diff=%g: must be finite and >= 0\n", tolerance);
+    return 2;
+  }
   if (absl::Status name = hstu::CheckDeviceName(absl::GetFlag(FLAGS_device)); !name.ok()) {
     std::fprintf(stderr, "error: --device=%s: %s\n", absl::GetFlag(FLAGS_device).c_str(),
                  std::string(name.message()).c_str());
@@ -208,12 +327,20 @@ int main(int argc, char** argv) {
   }
 
   int failures = 0;
+  CheckSummary checked;
   std::string line;
   for (int line_no = 1; std::getline(*in, line); ++line_no) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    auto req = ParseRequest(line);
+    auto parsed = ParseLine(line);
+    const hstu::RankRequest* req = parsed.ok() ? &parsed->request : nullptr;
     absl::StatusOr<hstu::RankResult> res =
-        req.ok() ? std::move((*engine)->Rank({&*req, 1})[0]) : absl::StatusOr<hstu::RankResult>(req.status());
+        req != nullptr ? std::move((*engine)->Rank({req, 1})[0])
+                       : absl::StatusOr<hstu::RankResult>(parsed.status());
+    absl::StatusOr<ScoreDiff> diff = ScoreDiff{};
+    if (res.ok() && parsed->expected_scores.has_value()) {
+      diff = CompareScores(*res, *parsed->expected_scores, req->candidate_item_ids.size());
+      if (!diff.ok()) res = diff.status();
+    }
     if (!res.ok()) {
       ++failures;
       nlohmann::ordered_json err = {{"line", line_no}, {"error", std::string(res.status().message())}};
@@ -231,9 +358,24 @@ int main(int argc, char** argv) {
                 {"scores", std::move(scores)},
                 {"reused_tokens", res->reused_tokens},
                 {"computed_tokens", res->computed_tokens}};
+    if (parsed->expected_scores.has_value()) {
+      const bool above = !(diff->max <= tolerance);
+      out["max_score_diff"] = diff->max;
+      checked.Add(parsed->cache_result, diff->max, above, line_no);
+      if (above) {
+        ++failures;
+        std::fprintf(stderr,
+                     "line %d: user %llu (%s): candidate %zu task %zu scored %.9g, expected %.9g: "
+                     "a difference of %.3g, above --max_score_diff=%g\n",
+                     line_no, static_cast<unsigned long long>(req->user_id),
+                     parsed->cache_result.empty() ? "-" : parsed->cache_result.c_str(),
+                     diff->candidate, diff->task, diff->got, diff->expected, diff->max, tolerance);
+      }
+    }
     std::printf("%s\n", out.dump().c_str());
     std::fflush(stdout);
   }
+  if (checked.all.lines > 0) std::fprintf(stderr, "%s", checked.Format(tolerance).c_str());
   if (in->bad()) {
     std::fprintf(stderr, "error: reading --input '%s' failed\n", input.c_str());
     return 1;

@@ -1,5 +1,5 @@
 # hstu_loadgen (issue 4): closed/open-loop load against hstu_server over gRPC.
-add_library(hstu_loadgen_lib STATIC traffic.cc latency_histogram.cc report.cc)
+add_library(hstu_loadgen_lib STATIC traffic.cc latency_histogram.cc report.cc answer_log.cc)
 target_link_libraries(hstu_loadgen_lib PUBLIC absl::status absl::statusor absl::strings
                       absl::str_format nlohmann_json::nlohmann_json)
 

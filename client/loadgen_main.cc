@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <span>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -35,6 +36,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "client/answer_log.h"
 #include "client/cli_util.h"
 #include "client/latency_histogram.h"
 #include "client/report.h"
@@ -93,6 +95,11 @@ ABSL_FLAG(int64_t, prewarm_visits, 0,
           "Visits sent before the first level and not reported (at the first level's concurrency, "
           "or 8 callers for a rate), so that the population's first visits, all misses, do not "
           "land in the first level.");
+ABSL_FLAG(std::string, record, "",
+          "Write the OK answers to this file as JSONL: each request with the scores it got "
+          "(expected_scores) and its cache_result, warm-ups included. `hstu_rank --no_cache "
+          "--input=FILE` recomputes them and reports any score that differs.");
+ABSL_FLAG(int64_t, record_every, 1, "With --record: write every Nth OK answer only.");
 ABSL_FLAG(bool, overlapping_visits, false,
           "Let a user have several visits in flight (the later ones re-send its history). By "
           "default a visit goes to a user with none in flight while there is one.");
@@ -347,8 +354,10 @@ class Level {
 
 class Driver {
  public:
-  Driver(std::vector<std::unique_ptr<Ranker::Stub>> stubs, TrafficModel* traffic, int64_t timeout_ms)
-      : stubs_(std::move(stubs)), traffic_(traffic), timeout_ms_(timeout_ms) {}
+  // `answers`: where OK answers are recorded (--record), or null.
+  Driver(std::vector<std::unique_ptr<Ranker::Stub>> stubs, TrafficModel* traffic, int64_t timeout_ms,
+         AnswerLog* answers)
+      : stubs_(std::move(stubs)), traffic_(traffic), timeout_ms_(timeout_ms), answers_(answers) {}
 
   hstu::v1::RankRequest MakeRequest(const Visit& v) {
     hstu::v1::RankRequest req;
@@ -369,6 +378,15 @@ class Driver {
     ctx->AddMetadata("x-user-id", absl::StrCat(user_id));
   }
   Ranker::Stub* NextStub() { return stubs_[next_stub_.fetch_add(1) % stubs_.size()].get(); }
+  void Record(const hstu::v1::RankRequest& req, const grpc::Status& status,
+              const hstu::v1::RankResponse& resp) {
+    if (answers_ == nullptr || !status.ok() || !answers_->Take()) return;
+    auto span_of = [](const auto& field) { return std::span(field.data(), field.size()); };
+    answers_->Write(AnswerLine(req.user_id(), span_of(req.history_item_ids()),
+                               span_of(req.history_actions()), span_of(req.candidate_item_ids()),
+                               span_of(resp.scores()), static_cast<int>(resp.num_tasks()),
+                               resp.cache_result()));
+  }
 
   // Closed loop: `concurrency` threads, each with one synchronous call outstanding. A stop
   // signal ends the level early (the window closes then); an error only when its threads could
@@ -401,6 +419,7 @@ class Driver {
         calls.Remove(&ctx);
         traffic_->Done(v);
         if (!CancelledByUs(status)) level->Done(measured, status, latency_s, resp, v.new_user);
+        Record(req, status, resp);
         if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
             status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
           backoff = std::clamp(2 * backoff, std::chrono::milliseconds(1),
@@ -527,6 +546,7 @@ class Driver {
             traffic_->Done(call->visit);
             if (!CancelledByUs(s))
               level->Done(measured, s, latency, call->resp, call->visit.new_user);
+            Record(call->req, s, call->resp);
             calls.Remove(&call->ctx);
             delete call;
             std::lock_guard<std::mutex> lock(done_mu);
@@ -553,6 +573,7 @@ class Driver {
   std::vector<std::unique_ptr<Ranker::Stub>> stubs_;
   TrafficModel* traffic_;
   const int64_t timeout_ms_;
+  AnswerLog* const answers_;
   std::atomic<uint64_t> next_stub_{0};
   std::atomic<uint64_t> next_id_{0};
 };
@@ -618,6 +639,9 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
   }
   if (absl::GetFlag(FLAGS_prewarm_visits) < 0) {
     return bad("prewarm_visits", absl::GetFlag(FLAGS_prewarm_visits), "must be >= 0");
+  }
+  if (absl::GetFlag(FLAGS_record_every) < 1) {
+    return bad("record_every", absl::GetFlag(FLAGS_record_every), "must be >= 1");
   }
   for (const std::string& path : {absl::GetFlag(FLAGS_json), absl::GetFlag(FLAGS_csv)}) {
     if (path.empty()) continue;
@@ -709,6 +733,16 @@ int Main() {
     std::fprintf(stderr, "%s\n", std::string(levels.status().message()).c_str());
     return 2;
   }
+  // Created before connecting: a path that cannot be written fails at once.
+  std::unique_ptr<AnswerLog> answers;
+  if (const std::string path = absl::GetFlag(FLAGS_record); !path.empty()) {
+    auto log = AnswerLog::Open(path, absl::GetFlag(FLAGS_record_every));
+    if (!log.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(log.status().message()).c_str());
+      return 2;
+    }
+    answers = *std::move(log);
+  }
   const std::string target = absl::GetFlag(FLAGS_target);
   const int32_t num_connections = absl::GetFlag(FLAGS_connections);
   std::vector<std::shared_ptr<grpc::Channel>> channels;
@@ -794,7 +828,7 @@ int Main() {
 
   std::vector<std::unique_ptr<Ranker::Stub>> stubs;
   for (const auto& ch : channels) stubs.push_back(Ranker::NewStub(ch));
-  Driver driver(std::move(stubs), traffic->get(), absl::GetFlag(FLAGS_timeout_ms));
+  Driver driver(std::move(stubs), traffic->get(), absl::GetFlag(FLAGS_timeout_ms), answers.get());
   const double warmup_s = absl::GetFlag(FLAGS_warmup);
   const double duration_s = absl::GetFlag(FLAGS_duration);
   const int64_t num_requests = absl::GetFlag(FLAGS_requests);
@@ -891,6 +925,16 @@ int Main() {
   if (!write_reports(done)) rc = 1;
   std::printf("%s", FormatTable(run, done).c_str());
   std::fflush(stdout);
+  if (answers != nullptr) {
+    // Every call has ended (each level waits for its answers), so no completion writes after this.
+    if (absl::Status s = answers->Close(); !s.ok()) {
+      std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());
+      rc = 1;
+    } else {
+      std::fprintf(stderr, "hstu_loadgen: recorded %lld answers to %s\n",
+                   static_cast<long long>(answers->lines()), absl::GetFlag(FLAGS_record).c_str());
+    }
+  }
   if (run.interrupted) {
     std::fprintf(stderr, "hstu_loadgen: stopped by a signal after %zu of %zu levels\n", done.size(),
                  levels->size());

@@ -10,7 +10,8 @@
 # onload-or-recompute rule; cache_gpu: the GPU pool alone, no host tier; cache_b512: a write-behind backlog of
 # 512 MiB instead of the default 128; cache_window: the cache's load on the base shapes with a sliding window
 # of 512 tokens (a model file), whose cache holds a user's last ~700 tokens only; these three are
-# not in the default parts.)
+# not in the default parts; nor is verify: the cache run's answers at 8 callers recorded and
+# recomputed without the cache by hstu_rank on the GPU.)
 # Server against `hstu_bench e2e` with the bench's exact shape (every user starts at 128 events and
 # each visit adds exactly 128 = 256 tokens, up to 2048 events; 256 candidates), one loadgen run per
 # concurrency so the server's metrics split by level (not in the default parts):
@@ -109,6 +110,21 @@ has cache_b512 && run cache_b512 "$ZIPF" --cache_pages=2048 --host_cache_pages=8
 has cache_gpu && run cache_gpu "$ZIPF" --cache_pages=2048 --host_cache_pages=0
 has cache_always && run cache_always "$ZIPF" --cache_pages=2048 --host_cache_pages=8192 --onload_policy=always
 has nocache && run nocache "$ZIPF" --no_cache --cache_pages=2048
+# The cache's answers checked: the cache run's load at 8 callers, every 4th OK answer recorded with
+# its scores (hstu_loadgen --record), then each recomputed from its whole history without the cache
+# by hstu_rank on the GPU, which reports the largest score difference by cache result (GPU hit,
+# host hit, partial, hash mismatch, miss) and fails above VERIFY_TOL.
+if has verify; then
+  rm -f "$DIR/answers.jsonl"
+  run verify "--users=400 --zipf=1.0 --initial_events=1800 --new_events=64 --concurrency=8 --record=$DIR/answers.jsonl --record_every=4" \
+    --cache_pages=2048 --host_cache_pages=8192
+  "$H/bin/hstu_rank" --model=random:base --device=cuda:0 --no_cache --input="$DIR/answers.jsonl" \
+    --max_score_diff="${VERIFY_TOL:-2e-3}" 2> "$OUT/verify.txt" > "$DIR/verify_scores.jsonl"
+  v_status=$?
+  tail -n 12 "$OUT/verify.txt"
+  echo "hstu_rank (verify) exit code: $v_status"
+  [ "$v_status" = 0 ] || status=1
+fi
 if has cache_window; then
   "$H/bin/hstu_model" init --preset base --seed 5 --window 512 --items 100000 \
     --out "$DIR/window.safetensors" > /dev/null

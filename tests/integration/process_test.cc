@@ -134,7 +134,7 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
                            "users", "zipf", "candidates", "timeout_ms", "warmup", "seed",
                            "connections", "json", "csv", "new_user_rate", "wait_ready_s",
                            "max_outstanding", "max_error_rate", "prewarm_visits",
-                           "overlapping_visits"}) {
+                           "overlapping_visits", "record", "record_every"}) {
     EXPECT_NE(out2.find(absl::StrCat("--", flag, " (")), std::string::npos) << flag;
   }
 }
@@ -520,6 +520,8 @@ TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
                           {"--max_error_rate=2", "--max_error_rate=2: must be in [0, 1]"},
                           // Before: found only after the whole run.
                           {"--json=/nonexistent/dir/r.json", "report file /nonexistent/dir/r.json: directory /nonexistent/dir is missing or not writable"},
+                          {"--record=/nonexistent/dir/a.jsonl", "--record=/nonexistent/dir/a.jsonl: cannot create it: No such file or directory"},
+                          {"--record_every=0", "--record_every=0: must be >= 1"},
                           // The traffic model's flags too (before: checked after connecting).
                           {"--users=0", "--users=0: must be in [1, 100000000]"},
                           {"--zipf=nan", "--zipf=nan: must be finite and >= 0"},
@@ -711,6 +713,92 @@ TEST(ProcessTest, ScoresEqualHstuRankForTheSameRequests) {
   }
 }
 
+TEST(ProcessTest, LoadgenRecordsAnswersThatHstuRankRecomputesWithoutTheCache) {
+  // A pool and a host tier far smaller than the 120 users: GPU hits, host hits, hash mismatches
+  // (edited histories) and misses, each answer recorded with its scores. hstu_rank recomputes
+  // every line from its whole history: on the CPU the cache's reuse gives the same scores.
+  ServerProcess server({"--cache_pages=40", "--host_cache_pages=80"});
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  const std::string dir = TempDir();
+  const auto [rc, out] = RunCommand(absl::StrCat(
+      HSTU_LOADGEN_BIN, " --target=", server.target(),
+      " --requests=400 --concurrency=4 --warmup=0.2 --users=120 --seed=5 --timeout_ms=30000"
+      " --progress=false --record=", dir, "/answers.jsonl"));
+  ASSERT_EQ(rc, 0) << out;
+  // Every OK answer the server gave, warm-up included, and no other line.
+  auto body = HttpGet(server.metrics_port(), "/metrics");
+  ASSERT_TRUE(body.ok());
+  auto expo = ParseExposition(*body);
+  ASSERT_TRUE(expo.ok());
+  const int64_t answered = static_cast<int64_t>(expo->Sum("hstu_requests_total", {{"code", "OK"}}));
+  EXPECT_NE(out.find(absl::StrCat("recorded ", answered, " answers to ")), std::string::npos)
+      << answered << " " << out;
+  const std::string recorded = ReadFile(dir + "/answers.jsonl");
+  EXPECT_EQ(std::count(recorded.begin(), recorded.end(), '\n'), answered);
+  std::map<std::string, int> results;
+  for (absl::string_view line : absl::StrSplit(recorded, '\n', absl::SkipEmpty())) {
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << line;
+    ++results[j.value("cache_result", "")];
+  }
+  for (const char* result : {"gpu_hit", "host_hit", "miss"}) {
+    EXPECT_GT(results[result], 0) << result << " " << recorded.size();
+  }
+
+  // Its report and errors (stderr) only.
+  auto rank = [&](const std::string& input_and_flags) {
+    return RunCommand(absl::StrCat("{ ", HSTU_RANK_BIN, " --model=random:tiny --device=cpu --no_cache --input=",
+                                   dir, input_and_flags, " >/dev/null; }"));
+  };
+  const auto [rc2, out2] = rank("/answers.jsonl");
+  EXPECT_EQ(rc2, 0) << out2;
+  EXPECT_NE(out2.find(absl::StrCat(answered, " lines checked against expected_scores: largest difference 0 ")),
+            std::string::npos)
+      << out2;
+
+  // One score changed by 0.01 and one candidate's scores dropped: both lines fail, named.
+  std::vector<std::string> lines = absl::StrSplit(recorded, '\n', absl::SkipEmpty());
+  ASSERT_GE(lines.size(), 10u);
+  auto edit = [&](size_t i, const std::function<void(nlohmann::json&)>& change) {
+    nlohmann::json j = nlohmann::json::parse(lines[i]);
+    change(j);
+    lines[i] = j.dump();
+  };
+  edit(3, [](nlohmann::json& j) { j["expected_scores"][0][1] = j["expected_scores"][0][1].get<double>() + 0.01; });
+  edit(7, [](nlohmann::json& j) { j["expected_scores"].erase(j["expected_scores"].size() - 1); });
+  {
+    std::ofstream f(dir + "/edited.jsonl");
+    for (size_t i = 0; i < 10; ++i) f << lines[i] << "\n";
+  }
+  const auto [rc3, out3] = rank("/edited.jsonl");
+  EXPECT_EQ(rc3, 1) << out3;
+  EXPECT_NE(out3.find("line 4: user "), std::string::npos) << out3;
+  EXPECT_NE(out3.find("candidate 0 task 1 scored"), std::string::npos) << out3;
+  EXPECT_NE(out3.find("above --max_score_diff=0.002"), std::string::npos) << out3;
+  EXPECT_NE(out3.find("line 8: field 'expected_scores' has 63 rows for 64 candidates"),
+            std::string::npos)
+      << out3;
+  EXPECT_NE(out3.find("9 lines checked against expected_scores: largest difference 0.01 (line 4); 1 above"),
+            std::string::npos)
+      << out3;
+  // The same lines pass with a tolerance above the change.
+  const auto [rc4, out4] = rank("/edited.jsonl --max_score_diff=0.02");
+  EXPECT_EQ(rc4, 1) << out4;  // line 8's shape is still wrong
+  EXPECT_NE(out4.find("; 0 above --max_score_diff=0.02"), std::string::npos) << out4;
+
+  // Every 3rd answer only.
+  ServerProcess second;
+  ASSERT_TRUE(second.WaitServing()) << second.proc().Log();
+  const auto [rc5, out5] = RunCommand(absl::StrCat(
+      HSTU_LOADGEN_BIN, " --target=", second.target(),
+      " --requests=50 --concurrency=1 --warmup=0 --users=20 --seed=5 --timeout_ms=30000"
+      " --progress=false --record_every=3 --record=", dir, "/every3.jsonl"));
+  ASSERT_EQ(rc5, 0) << out5;
+  const std::string every3 = ReadFile(dir + "/every3.jsonl");
+  EXPECT_EQ(std::count(every3.begin(), every3.end(), '\n'), 17) << out5;  // answers 1, 4, ..., 49
+  EXPECT_NE(out5.find("recorded 17 answers"), std::string::npos) << out5;
+}
+
 TEST(ProcessTest, HstuRankRejectsIntegersOutOfTheirFieldsRange) {
   // A value that does not fit its proto field is an error naming the field, never wrapped: action
   // 2^32 + 1 must not score as action 1. The whole uint64 range of user_id is accepted.
@@ -769,7 +857,7 @@ TEST(ProcessTest, HstuRankNamesUnknownAndRepeatedFieldsAndJsonErrors) {
   ASSERT_EQ(lines.size(), 6u) << out;
   EXPECT_EQ(lines[0].value("error", ""),
             "unknown field 'history_action' (the fields: user_id, history_item_ids, "
-            "history_actions, candidate_item_ids)");
+            "history_actions, candidate_item_ids, expected_scores, cache_result)");
   EXPECT_EQ(lines[1].value("error", ""), "field 'user_id' is given twice");
   EXPECT_NE(lines[2].value("error", "").find("not valid JSON: parse error at line 1, column"),
             std::string::npos)
@@ -785,8 +873,37 @@ TEST(ProcessTest, HstuRankNamesUnknownAndRepeatedFieldsAndJsonErrors) {
       absl::StrCat(HSTU_RANK_BIN, " --model=random:tiny --device=cpu --input=", dir,
                    "/requests.jsonl"),
       {{"--page_size=32 --cache_pages=3", "error: --cache_pages=3: the KV pool of 3 pages must hold one user"},
-       {"--page_size=0", "error: --page_size=0: must be in [1, 4096]"}},
+       {"--page_size=0", "error: --page_size=0: must be in [1, 4096]"},
+       {"--max_score_diff=-1", "error: --max_score_diff=-1: must be finite and >= 0"},
+       {"--max_score_diff=nan", "error: --max_score_diff=nan: must be finite and >= 0"}},
       2);
+  // The checked fields, malformed: each line an error naming the field.
+  {
+    std::ofstream f(dir + "/expected.jsonl");
+    const std::string request = R"("user_id": 5, "history_item_ids": [1], "history_actions": [1], "candidate_item_ids": [3])";
+    f << "{" << request << R"(, "expected_scores": 0.5})" "\n"
+      << "{" << request << R"(, "expected_scores": [[0.5, "high", 0.5]]})" "\n"
+      << "{" << request << R"(, "expected_scores": [0.5]})" "\n"
+      << "{" << request << R"(, "expected_scores": [[0.5]]})" "\n"
+      << "{" << request << R"(, "cache_result": 7})" "\n";
+  }
+  const auto [rc2, out2] = RunCommand(absl::StrCat("{ ", HSTU_RANK_BIN,
+                                                   " --model=random:tiny --device=cpu --input=", dir,
+                                                   "/expected.jsonl 2>/dev/null; }"));
+  EXPECT_EQ(rc2, 1) << out2;
+  lines.clear();
+  for (absl::string_view l : absl::StrSplit(out2, '\n', absl::SkipEmpty())) {
+    lines.push_back(nlohmann::json::parse(l, nullptr, false));
+  }
+  ASSERT_EQ(lines.size(), 5u) << out2;
+  EXPECT_EQ(lines[0].value("error", ""),
+            "field 'expected_scores' must be an array of arrays of numbers, one per candidate");
+  EXPECT_EQ(lines[1].value("error", ""), "field 'expected_scores[0][1]' is not a number");
+  EXPECT_EQ(lines[2].value("error", ""),
+            "field 'expected_scores[0]' must be an array of arrays of numbers, one per candidate");
+  EXPECT_EQ(lines[3].value("error", ""),
+            "field 'expected_scores[0]' has 1 scores for the model's 3 tasks");
+  EXPECT_EQ(lines[4].value("error", ""), "field 'cache_result' must be a string");
 }
 
 TEST(ProcessTest, HstuRankAndHstuModelFailLoudly) {

@@ -1,15 +1,20 @@
 // hstu_loadgen's numbers (client/latency_histogram.h, client/report.h): the histogram's
-// resolution and quantiles, and the open-loop sender's lag in the table, JSON and CSV.
+// resolution and quantiles, and the open-loop sender's lag in the table, JSON and CSV; the
+// answers it records (client/answer_log.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
+#include "client/answer_log.h"
 #include "client/latency_histogram.h"
 #include "client/report.h"
 #include "nlohmann/json.hpp"
@@ -134,6 +139,70 @@ TEST(ReportTest, EveryCsvRowHasTheHeadersFields) {
       }
     }
   }
+}
+
+TEST(AnswerLogTest, ALineIsTheRequestAndItsScoresEachFloatReadBackExactly) {
+  std::mt19937_64 rng(9);
+  std::uniform_real_distribution<float> score(0, 1);
+  const std::vector<int64_t> items = {0, 7, 9223372036854775807};
+  const std::vector<int32_t> actions = {3, 0, 2147483647};
+  const std::vector<int64_t> candidates = {11, 12, 13, 14, 15};
+  std::vector<float> scores;
+  for (int i = 0; i < 15; ++i) scores.push_back(score(rng));
+  scores[4] = 1e-30f;  // a denormal-adjacent value: %g's exponent form is JSON too
+  scores[5] = std::nextafter(1.0f, 0.0f);
+  const std::string line =
+      AnswerLine(18446744073709551615ull, items, actions, candidates, scores, 3, "host_hit");
+  EXPECT_EQ(line.find('\n'), std::string::npos);
+  const auto j = nlohmann::json::parse(line);
+  EXPECT_EQ(j["user_id"].get<uint64_t>(), 18446744073709551615ull);
+  EXPECT_EQ(j["history_item_ids"].get<std::vector<int64_t>>(), items);
+  EXPECT_EQ(j["history_actions"].get<std::vector<int32_t>>(), actions);
+  EXPECT_EQ(j["candidate_item_ids"].get<std::vector<int64_t>>(), candidates);
+  EXPECT_EQ(j["cache_result"], "host_hit");
+  ASSERT_EQ(j["expected_scores"].size(), 5u);  // candidate-major, a row of 3 tasks each
+  for (size_t c = 0; c < 5; ++c) {
+    ASSERT_EQ(j["expected_scores"][c].size(), 3u);
+    for (size_t t = 0; t < 3; ++t) {
+      EXPECT_EQ(static_cast<float>(j["expected_scores"][c][t].get<double>()), scores[c * 3 + t])
+          << c << " " << t;
+    }
+  }
+  // What is not an enum name is not written into the JSON string.
+  const auto odd = nlohmann::json::parse(AnswerLine(1, {}, {}, candidates, scores, 3, "a\"b\\c\n"));
+  EXPECT_EQ(odd["cache_result"], "abc");
+  EXPECT_TRUE(odd["history_item_ids"].empty());
+}
+
+TEST(AnswerLogTest, WritesEveryNthAnswerAndSaysWhenWritingFailed) {
+  const std::string path = ::testing::TempDir() + "/answers_every.jsonl";
+  auto log = AnswerLog::Open(path, 3);
+  ASSERT_TRUE(log.ok()) << log.status();
+  for (int i = 0; i < 10; ++i) {
+    if ((*log)->Take()) (*log)->Write("{\"n\":" + std::to_string(i) + "}");
+  }
+  ASSERT_TRUE((*log)->Close().ok());
+  EXPECT_EQ((*log)->lines(), 4);
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  EXPECT_EQ(ss.str(), "{\"n\":0}\n{\"n\":3}\n{\"n\":6}\n{\"n\":9}\n");
+  EXPECT_FALSE((*log)->Take());  // closed: nothing more is offered
+
+  EXPECT_FALSE(AnswerLog::Open(path, 0).ok());
+  const auto missing = AnswerLog::Open("/nonexistent/dir/a.jsonl", 1);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("/nonexistent/dir/a.jsonl: cannot create it"),
+            std::string::npos);
+  // A full disk: the lines are buffered, so the failure shows at the flush, and is reported.
+  auto full = AnswerLog::Open("/dev/full", 1);
+  ASSERT_TRUE(full.ok()) << full.status();
+  for (int i = 0; i < 3; ++i) {
+    if ((*full)->Take()) (*full)->Write(std::string(100, 'x'));
+  }
+  const absl::Status closed = (*full)->Close();
+  EXPECT_FALSE(closed.ok());
+  EXPECT_NE(closed.message().find("--record=/dev/full: writing failed"), std::string::npos) << closed;
 }
 
 }  // namespace

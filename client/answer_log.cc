@@ -1,0 +1,103 @@
+#include "client/answer_log.h"
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace hstu::loadgen {
+namespace {
+
+template <typename T>
+void AppendArray(std::string* out, std::span<const T> values) {
+  out->push_back('[');
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i > 0) out->push_back(',');
+    absl::StrAppend(out, values[i]);
+  }
+  out->push_back(']');
+}
+
+}  // namespace
+
+std::string AnswerLine(uint64_t user_id, std::span<const int64_t> history_item_ids,
+                       std::span<const int32_t> history_actions,
+                       std::span<const int64_t> candidate_item_ids, std::span<const float> scores,
+                       int num_tasks, std::string_view cache_result) {
+  std::string out = absl::StrCat("{\"user_id\":", user_id, ",\"history_item_ids\":");
+  AppendArray(&out, history_item_ids);
+  out += ",\"history_actions\":";
+  AppendArray(&out, history_actions);
+  out += ",\"candidate_item_ids\":";
+  AppendArray(&out, candidate_item_ids);
+  out += ",\"expected_scores\":[";
+  const size_t tasks = num_tasks > 0 ? static_cast<size_t>(num_tasks) : 1;
+  for (size_t c = 0; c * tasks < scores.size(); ++c) {
+    if (c > 0) out.push_back(',');
+    out.push_back('[');
+    for (size_t t = 0; t < tasks && c * tasks + t < scores.size(); ++t) {
+      if (t > 0) out.push_back(',');
+      // %.9g: every float reads back as itself. A score is in (0, 1), never NaN or infinite
+      // (the server answers only finite scores), so this is valid JSON.
+      absl::StrAppend(&out, absl::StrFormat("%.9g", scores[c * tasks + t]));
+    }
+    out.push_back(']');
+  }
+  // The cache result is one of the server's enum names (letters and '_'), no escaping needed;
+  // anything else is dropped rather than written as broken JSON.
+  std::string result;
+  for (char ch : cache_result) {
+    if ((ch >= 'a' && ch <= 'z') || ch == '_') result.push_back(ch);
+  }
+  absl::StrAppend(&out, "],\"cache_result\":\"", result, "\"}");
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<AnswerLog>> AnswerLog::Open(const std::string& path, int64_t every) {
+  if (every < 1) return absl::InvalidArgumentError(absl::StrCat("answer log: every ", every, " < 1"));
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--record=", path, ": cannot create it: ", std::strerror(errno)));
+  }
+  return std::unique_ptr<AnswerLog>(new AnswerLog(path, f, every));
+}
+
+AnswerLog::~AnswerLog() { (void)Close(); }
+
+bool AnswerLog::Take() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return file_ != nullptr && offered_++ % every_ == 0;
+}
+
+void AnswerLog::Write(const std::string& line) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (file_ == nullptr || failed_) return;
+  if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() ||
+      std::fputc('\n', file_) == EOF) {
+    failed_ = true;  // reported by Close; later lines are not written after a gap
+    return;
+  }
+  ++lines_;
+}
+
+absl::Status AnswerLog::Close() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (file_ == nullptr) return absl::OkStatus();
+  const bool flushed = std::fflush(file_) == 0 && !std::ferror(file_);
+  const bool closed = std::fclose(file_) == 0;
+  file_ = nullptr;
+  if (failed_ || !flushed || !closed) {
+    return absl::DataLossError(absl::StrCat("--record=", path_, ": writing failed after ", lines_,
+                                            " lines (a full disk?)"));
+  }
+  return absl::OkStatus();
+}
+
+int64_t AnswerLog::lines() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return lines_;
+}
+
+}  // namespace hstu::loadgen
