@@ -778,9 +778,10 @@ TEST(ProcessTest, LoadgenRecordsAnswersThatHstuRankRecomputesWithoutTheCache) {
   EXPECT_NE(out3.find("line 8: field 'expected_scores' has 63 rows for 64 candidates"),
             std::string::npos)
       << out3;
-  EXPECT_NE(out3.find("9 lines checked against expected_scores: largest difference 0.01 (line 4); 1 above"),
+  EXPECT_NE(out3.find("9 lines checked against expected_scores: largest difference 0.01 (line 4), mean "),
             std::string::npos)
       << out3;
+  EXPECT_NE(out3.find("; 1 above --max_score_diff=0.002"), std::string::npos) << out3;
   // The same lines pass with a tolerance above the change.
   const auto [rc4, out4] = rank("/edited.jsonl --max_score_diff=0.02");
   EXPECT_EQ(rc4, 1) << out4;  // line 8's shape is still wrong
