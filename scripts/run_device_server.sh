@@ -10,8 +10,8 @@
 # onload-or-recompute rule; cache_gpu: the GPU pool alone, no host tier; cache_b512: a write-behind backlog of
 # 512 MiB instead of the default 128; cache_window: the cache's load on the base shapes with a sliding window
 # of 512 tokens (a model file), whose cache holds a user's last ~700 tokens only; these three are
-# not in the default parts; nor is verify: the cache run's answers at 8 callers recorded and
-# recomputed without the cache by hstu_rank on the GPU.)
+# not in the default parts; nor are verify and verify_window: the cache run's answers at 8 callers
+# recorded and recomputed without the cache by hstu_rank on the GPU.)
 # Server against `hstu_bench e2e` with the bench's exact shape (every user starts at 128 events and
 # each visit adds exactly 128 = 256 tokens, up to 2048 events; 256 candidates), one loadgen run per
 # concurrency so the server's metrics split by level (not in the default parts):
@@ -115,26 +115,30 @@ has nocache && run nocache "$ZIPF" --no_cache --cache_pages=2048
 # by hstu_rank on the GPU, which reports the largest score difference by cache result (GPU hit,
 # host hit, partial, hash mismatch, miss) and fails above VERIFY_TOL; then a sample of the answers
 # against the fp32 CPU engine. VERIFY_SERVER_FLAGS: more server flags (--max_batch_size=1).
-if has verify; then
-  rm -f "$DIR/answers.jsonl"
-  run verify "--users=400 --zipf=1.0 --initial_events=1800 --new_events=64 --concurrency=8 --record=$DIR/answers.jsonl --record_every=4" \
-    --cache_pages=2048 --host_cache_pages=8192 ${VERIFY_SERVER_FLAGS:-}
-  # The tolerance: a server batch of 8 and a recompute alone round differently in bf16, ~9e-3 at
+# verify_window: the same with the cache_window part's model (a 512-token window, whose cache
+# releases the pages that slid out of it) and --onload_policy=always (every host hit onloaded).
+verify() {  # name, model, server flags...
+  local name="$1" model="$2"; shift 2
+  rm -f "$DIR/answers_$name.jsonl"
+  RUN_MODEL="$model" run "$name" "--users=400 --zipf=1.0 --initial_events=1800 --new_events=64 --concurrency=8 --record=$DIR/answers_$name.jsonl --record_every=4" \
+    --cache_pages=2048 --host_cache_pages=8192 "$@" ${VERIFY_SERVER_FLAGS:-}
+  # The tolerance: a server batch of 8 and a recompute alone round differently in bf16, ~1e-2 at
   # most over 6,000 answers of the base model, whatever the cache did (docs/benchmarks.md).
-  "$H/bin/hstu_rank" --model=random:base --device=cuda:0 --no_cache --input="$DIR/answers.jsonl" \
-    --max_score_diff="${VERIFY_TOL:-2e-2}" 2> "$OUT/verify.txt" > "$DIR/verify_scores.jsonl"
-  v_status=$?
-  tail -n 12 "$OUT/verify.txt"
-  echo "hstu_rank (verify) exit code: $v_status"
+  "$H/bin/hstu_rank" --model="$model" --device=cuda:0 --no_cache --input="$DIR/answers_$name.jsonl" \
+    --max_score_diff="${VERIFY_TOL:-2e-2}" 2> "$OUT/${name}.txt" > "$DIR/${name}_scores.jsonl"
+  local v_status=$?
+  tail -n 12 "$OUT/${name}.txt"
+  echo "hstu_rank ($name) exit code: $v_status"
   [ "$v_status" = 0 ] || status=1
-  # The server's answers against the fp32 CPU engine on a sample of the lines, two of each cache
-  # result from the second half of the run: DESIGN §2.4's criterion, as close to the CPU as its
-  # bf16 emulation is (compare_rank_outputs.py --bf16). The CPU engine takes ~100 s a line at
-  # ~4,000 tokens on one core, so each line and device runs as its own process (~5 GB each).
-  # VERIFY_CPU_PER_RESULT=0 skips it.
-  if [ "${VERIFY_CPU_PER_RESULT:-2}" -gt 0 ]; then
+  # The server's answers against the fp32 CPU engine on a sample of the lines, VERIFY_CPU_PER_RESULT
+  # (default 1; 0 skips it) of each cache result from the second half of the run: DESIGN §2.4's
+  # criterion, as close to the CPU as its bf16 emulation is (compare_rank_outputs.py --bf16). The
+  # CPU engine takes ~100 s a line at ~4,000 tokens on one core, so each line and device runs as
+  # its own process (~5 GB each).
+  [ "${VERIFY_CPU_PER_RESULT:-1}" -gt 0 ] || return 0
+  local cpu_out="$OUT/${name}_cpu.txt"
   cd "$DIR"
-  python3 - answers.jsonl "${VERIFY_CPU_PER_RESULT:-2}" > sample.jsonl <<'PY'
+  python3 - "answers_$name.jsonl" "${VERIFY_CPU_PER_RESULT:-1}" > sample.jsonl <<'PY'
 import json, sys
 lines = open(sys.argv[1]).read().splitlines()
 taken = {}
@@ -144,16 +148,17 @@ for line in lines[len(lines) // 2:]:
         taken[result] = taken.get(result, 0) + 1
         print(line)
 PY
+  local n
   n=$(wc -l < sample.jsonl)
   rm -rf sample_parts && mkdir sample_parts
   split -l 1 -d -a 3 sample.jsonl sample_parts/line_
-  : > "$OUT/verify_cpu.txt"
+  : > "$cpu_out"
   ls sample_parts | grep -v '\.' | sed 's/$/ cpu/;p;s/ cpu$/ cpu-bf16/' | \
-    OPENBLAS_NUM_THREADS=1 xargs -P 16 -L 1 sh -c 'timeout 400 "$0" --model=random:base --device="$2" --no_cache --input="sample_parts/$1" --max_score_diff=1 > "sample_parts/$1.$2.jsonl" 2> "sample_parts/$1.$2.err"' "$H/bin/hstu_rank"
+    OPENBLAS_NUM_THREADS=1 xargs -P 16 -L 1 sh -c 'timeout 400 "$0" --model="$1" --device="$3" --no_cache --input="sample_parts/$2" --max_score_diff=1 > "sample_parts/$2.$3.jsonl" 2> "sample_parts/$2.$3.err"' "$H/bin/hstu_rank" "$model"
   for dev in cpu cpu-bf16; do
     cat sample_parts/line_*."$dev".jsonl > "sample_$dev.jsonl"
-    echo "hstu_rank --device=$dev against the server's answers:" >> "$OUT/verify_cpu.txt"
-    cat sample_parts/line_*."$dev".err >> "$OUT/verify_cpu.txt"
+    echo "hstu_rank --device=$dev against the server's answers:" >> "$cpu_out"
+    cat sample_parts/line_*."$dev".err >> "$cpu_out"
   done
   # The server's answers as hstu_rank output lines, with the CPU's token counts (the comparison
   # checks those; a no-cache recompute computes every token).
@@ -164,14 +169,19 @@ for rec, cpu in zip(open(sys.argv[1]), open(sys.argv[2])):
     print(json.dumps({"user_id": r["user_id"], "scores": r["expected_scores"],
                       "reused_tokens": c.get("reused_tokens"), "computed_tokens": c.get("computed_tokens")}))
 PY
-  echo "the server's answers (A: cpu, B: the server, --bf16: cpu-bf16), $n lines:" | tee -a "$OUT/verify_cpu.txt"
-  python3 "$H/compare_rank_outputs.py" sample_cpu.jsonl sample_server.jsonl --bf16 sample_cpu-bf16.jsonl 2>&1 | tee -a "$OUT/verify_cpu.txt" || status=1
+  echo "the server's answers (A: cpu, B: the server, --bf16: cpu-bf16), $n lines:" | tee -a "$cpu_out"
+  python3 "$H/compare_rank_outputs.py" sample_cpu.jsonl sample_server.jsonl --bf16 sample_cpu-bf16.jsonl 2>&1 | tee -a "$cpu_out" || status=1
   cd - > /dev/null
-  fi
+}
+has verify && verify verify random:base
+if has verify_window; then
+  [ -f "$DIR/window.safetensors" ] || "$H/bin/hstu_model" init --preset base --seed 5 --window 512 \
+    --items 100000 --out "$DIR/window.safetensors" > /dev/null
+  verify verify_window "$DIR/window.safetensors" --onload_policy=always
 fi
 if has cache_window; then
-  "$H/bin/hstu_model" init --preset base --seed 5 --window 512 --items 100000 \
-    --out "$DIR/window.safetensors" > /dev/null
+  [ -f "$DIR/window.safetensors" ] || "$H/bin/hstu_model" init --preset base --seed 5 --window 512 \
+    --items 100000 --out "$DIR/window.safetensors" > /dev/null
   RUN_MODEL="$DIR/window.safetensors" run cache_window "$ZIPF" --cache_pages=2048 \
     --host_cache_pages=8192
 fi
