@@ -80,8 +80,8 @@ grpc::ServerUnaryReactor* RankService::GetModelInfo(grpc::CallbackServerContext*
 }
 
 grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context,
-                                            const hstu::v1::RankRequest* request,
-                                            hstu::v1::RankResponse* response) {
+                                            const grpc::ByteBuffer* request_bytes,
+                                            grpc::ByteBuffer* response) {
   const Clock::time_point arrived = Clock::now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   metrics_->AddInflight(1);
@@ -129,6 +129,19 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
     answer(absl::UnavailableError("server is shutting down"));
     return reactor;
   }
+  // Parsed here, after the refusals above (which need no request), from a copy that shares the
+  // bytes' slices (the parse consumes its buffer).
+  hstu::v1::RankRequest parsed;
+  {
+    grpc::ByteBuffer bytes(*request_bytes);
+    if (!grpc::SerializationTraits<hstu::v1::RankRequest>::Deserialize(&bytes, &parsed).ok()) {
+      finish(absl::InvalidArgumentError(
+          "the request does not parse as hstu.v1.RankRequest (truncated, a field of the wrong "
+          "wire type, or a string field such as request_id that is not UTF-8)"));
+      return reactor;
+    }
+  }
+  const hstu::v1::RankRequest* request = &parsed;
   if (request->request_id().size() > kMaxRequestIdBytes) {
     finish(absl::InvalidArgumentError(absl::StrCat("request_id has ", request->request_id().size(),
                                                    " bytes, more than the limit of ",
@@ -149,8 +162,17 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
   pending.done = [finish, response, metrics, request_id = std::move(request_id)](
                      absl::StatusOr<RankResult> result, const RequestTiming& timing) {
     metrics->ObserveQueue(timing.queue_seconds);
-    if (result.ok()) ToProto(*result, request_id, response);
-    finish(result.status());
+    absl::Status status = result.status();
+    if (result.ok()) {
+      hstu::v1::RankResponse reply;
+      ToProto(*result, request_id, &reply);
+      bool own_buffer;
+      if (!grpc::SerializationTraits<hstu::v1::RankResponse>::Serialize(reply, response, &own_buffer)
+               .ok()) {
+        status = absl::InternalError("the answer could not be serialized");
+      }
+    }
+    finish(status);
   };
   SubmitRejection rejection;
   if (absl::Status s = a->scheduler->Submit(std::move(pending), &rejection); !s.ok()) {

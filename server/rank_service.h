@@ -19,16 +19,21 @@
 
 namespace hstu::server {
 
-class RankService final : public hstu::v1::Ranker::CallbackService {
+// Rank takes the request's bytes (a raw method) and parses them itself: bytes that do not parse
+// are answered INVALID_ARGUMENT and counted. (gRPC's own parse refuses them as UNIMPLEMENTED,
+// with no message, as if the method did not exist, before any metric sees them.)
+class RankService final
+    : public hstu::v1::Ranker::WithRawCallbackMethod_Rank<hstu::v1::Ranker::CallbackService> {
  public:
   explicit RankService(ServerMetrics* metrics) : metrics_(metrics) {}
 
   // `engine` and `scheduler` must outlive every RPC (the server shuts down before they go).
   void Attach(const Engine* engine, Scheduler* scheduler);
 
+  // request: a serialized hstu.v1.RankRequest; response: the serialized hstu.v1.RankResponse.
   grpc::ServerUnaryReactor* Rank(grpc::CallbackServerContext* context,
-                                 const hstu::v1::RankRequest* request,
-                                 hstu::v1::RankResponse* response) override;
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const hstu::v1::GetModelInfoRequest* request,
                                          hstu::v1::ModelInfo* response) override;

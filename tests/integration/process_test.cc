@@ -23,6 +23,7 @@
 #include "grpc/reflection/v1alpha/reflection_client.grpc.pb.h"
 #include "hstu/v1/ranking.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "tests/integration/raw_rank.h"
 #include "tests/integration/test_util.h"
 
 namespace hstu::testing {
@@ -160,6 +161,37 @@ TEST(ProcessTest, AStopSignalDuringTheStartUpEndsItAtOnce) {
   EXPECT_EQ(log.find("ready: health SERVING"), std::string::npos) << log;
 }
 #endif
+
+TEST(ProcessTest, RequestsThatDoNotParseAreAnsweredWithoutALogLine) {
+  // A request_id that is not UTF-8: protobuf logged an ERROR line for each such request, which
+  // any client could repeat to fill the log (DESIGN §8: no per-request lines by default). Now its
+  // log goes to spdlog's debug level, and the call is an INVALID_ARGUMENT like any bad request.
+  hstu::v1::RankRequest r = MakeRequest(3, 5, 2, 1);
+  r.set_request_id("ab");
+  std::string bytes = r.SerializeAsString();
+  bytes[bytes.find("ab")] = static_cast<char>(0xff);
+  for (const char* level : {"info", "debug"}) {
+    ServerProcess server({absl::StrCat("--log_level=", level)});
+    ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+    std::string reply;
+    for (int i = 0; i < 3; ++i) {
+      const grpc::Status s = hstu::testing::RankBytes(server.channel(), bytes, &reply);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    }
+    server.proc().Signal(SIGTERM);
+    EXPECT_EQ(server.proc().Wait(30s), 0);
+    const std::string log = server.proc().Log();
+    const size_t lines = static_cast<size_t>(std::count(log.begin(), log.end(), '\n'));
+    EXPECT_EQ(log.find("libprotobuf"), std::string::npos) << log;
+    const std::string protobuf_line = "protobuf: String field 'hstu.v1.RankRequest.request_id' contains invalid UTF-8";
+    if (std::string(level) == "info") {
+      EXPECT_EQ(log.find(protobuf_line), std::string::npos) << log;
+    } else {
+      EXPECT_NE(log.find(protobuf_line), std::string::npos) << log;
+    }
+    EXPECT_GT(lines, 5u) << log;  // the start-up's lines are there: the log was read
+  }
+}
 
 TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
   // getaddrinfo takes port 99999 modulo 65536: without the check the server bound port 34463.

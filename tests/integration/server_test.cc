@@ -30,6 +30,7 @@
 #include "server/ranking_server.h"
 #include "server/stop_signals.h"
 #include "server/validation.h"
+#include "tests/integration/raw_rank.h"
 #include "tests/integration/test_util.h"
 #include "tests/util/faulty_backend.h"
 
@@ -378,6 +379,47 @@ TEST_F(ServerTest, EveryValidationErrorIsInvalidArgumentNamingTheField) {
   const auto m = Scrape();
   EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "INVALID_ARGUMENT"}}), static_cast<double>(cases.size()));
   EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "OK"}}), 1);
+}
+
+TEST_F(ServerTest, BytesThatDoNotParseAreInvalidArgumentAndCounted) {
+  // Before: gRPC refused them before the service saw them, as UNIMPLEMENTED with no message (as
+  // if the method did not exist), and no metric counted them.
+  StartServer();
+  const auto good = MakeRequest(9, 10, 4, 9);
+  const std::string bytes = good.SerializeAsString();
+  std::string bad_utf8 = good.SerializeAsString();
+  {
+    auto r = good;
+    r.set_request_id("ab");
+    bad_utf8 = r.SerializeAsString();
+    const size_t at = bad_utf8.find("ab");
+    ASSERT_NE(at, std::string::npos);
+    bad_utf8[at] = static_cast<char>(0xff);  // a proto3 string must be UTF-8
+  }
+  for (const auto& [name, b] : std::vector<std::pair<std::string, std::string>>{
+           {"truncated", bytes.substr(0, bytes.size() - 3)},
+           {"request_id not UTF-8", bad_utf8},
+           {"a wrong wire type", std::string("\x08\x01\x12\x05\x01", 5)}}) {
+    std::string reply;
+    const grpc::Status s = hstu::testing::RankBytes(channel_, b, &reply);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << name << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find("does not parse as hstu.v1.RankRequest"), std::string::npos)
+        << name << ": " << s.error_message();
+  }
+  // The same bytes whole are a request like any other.
+  std::string reply;
+  ASSERT_TRUE(hstu::testing::RankBytes(channel_, bytes, &reply).ok());
+  hstu::v1::RankResponse parsed, typed;
+  ASSERT_TRUE(parsed.ParseFromString(reply));
+  EXPECT_EQ(parsed.request_id(), good.request_id());
+  EXPECT_EQ(parsed.scores_size(), 4 * static_cast<int>(parsed.num_tasks()));
+  ASSERT_TRUE(Rank(good, &typed).ok());
+  EXPECT_EQ(typed.scores_size(), parsed.scores_size());
+  for (int i = 0; i < typed.scores_size(); ++i) EXPECT_EQ(typed.scores(i), parsed.scores(i)) << i;
+  EXPECT_EQ(gate_.seen_count(), 2);  // only the two whole requests reached the engine
+  const auto m = Scrape();
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "INVALID_ARGUMENT"}}), 3);
+  EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "OK"}}), 2);
 }
 
 TEST_F(ServerTest, ExpiredDeadlineAnswersDeadlineExceededWithoutEngineWork) {
