@@ -2,8 +2,14 @@
 #pragma once
 
 #include <cstdio>
+#include <cstdlib>
+#include <iostream>
 #include <string>
 #include <vector>
+
+#include "absl/flags/internal/parse.h"
+#include "absl/flags/internal/usage.h"
+#include "absl/flags/usage.h"
 
 namespace hstu {
 
@@ -31,6 +37,24 @@ inline std::vector<char*> ArgvOf(std::vector<std::string>& args) {
   for (auto& a : args) out.push_back(a.data());
   out.push_back(nullptr);
   return out;
+}
+
+// absl::ParseCommandLine, except that a help asked for (--help, --helpfull, --helpon=...) exits
+// with status 0, as a help does elsewhere: this abseil (Debian 12's 20220623) exits 1 after it,
+// which made `hstu_server --help` look like a failure to scripts. absl's own parse, with the
+// usage flags handled here instead of inside it (its internal entry points of that version).
+inline std::vector<char*> ParseFlags(std::vector<char*>& argv) {
+  std::vector<char*> rest = absl::flags_internal::ParseCommandLineImpl(
+      static_cast<int>(argv.size()) - 1, argv.data(),
+      absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
+      absl::flags_internal::UsageFlagsAction::kIgnoreUsage,
+      absl::flags_internal::OnUndefinedFlag::kAbortIfUndefined);
+  // -1: no usage flag; 0: --version or --only_check_args; 1: a help printed.
+  if (absl::flags_internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) >= 0) {
+    std::cout.flush();
+    std::exit(0);
+  }
+  return rest;
 }
 
 // What absl::ParseCommandLine left besides the program name: for programs that take flags only,

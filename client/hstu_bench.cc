@@ -1231,8 +1231,7 @@ int main(int argc, char** argv) {
                                             "MODE: ", kModes));
   auto flag_args = hstu::NormalizeFlagDashes(argc, argv);
   auto flag_argv = hstu::ArgvOf(flag_args);
-  std::vector<char*> args =
-      absl::ParseCommandLine(static_cast<int>(flag_args.size()), flag_argv.data());
+  std::vector<char*> args = hstu::ParseFlags(flag_argv);
   if (args.size() != 2) {
     std::fprintf(stderr, "usage: hstu_bench MODE [--json FILE]; MODE: %s\n", kModes);
     return 2;

@@ -166,7 +166,7 @@ int main(int argc, char** argv) {
       "  hstu_model info FILE");
   auto args = hstu::NormalizeFlagDashes(argc, argv);
   auto argv2 = hstu::ArgvOf(args);
-  std::vector<char*> pos = absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data());
+  std::vector<char*> pos = hstu::ParseFlags(argv2);
   if (pos.size() >= 2 && std::string(pos[1]) == "init" && pos.size() == 2) return Init();
   if (pos.size() == 3 && std::string(pos[1]) == "info") return Info(pos[2]);
   if (pos.size() < 2) {

@@ -274,7 +274,7 @@ int main(int argc, char** argv) {
       "no flag, or a pool too small for the model.");
   auto args = hstu::NormalizeFlagDashes(argc, argv);
   auto argv2 = hstu::ArgvOf(args);
-  const std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data());
+  const std::vector<char*> rest = hstu::ParseFlags(argv2);
   if (!hstu::OnlyFlagsGiven(rest)) return 2;
   // Logs go to stderr: stdout carries only the JSON lines.
   spdlog::set_default_logger(spdlog::stderr_color_mt("hstu_rank"));

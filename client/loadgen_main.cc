@@ -988,7 +988,7 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage);
   auto args = hstu::NormalizeFlagDashes(argc, argv);
   auto argv2 = hstu::ArgvOf(args);
-  if (!hstu::OnlyFlagsGiven(absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data()))) {
+  if (!hstu::OnlyFlagsGiven(hstu::ParseFlags(argv2))) {
     return 2;
   }
   return hstu::loadgen::Main();

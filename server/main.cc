@@ -47,20 +47,22 @@ int main(int argc, char** argv) {
       "              [--metrics_listen=0.0.0.0:9464] [batching, cache and limit flags]\n"
       "Serves hstu.v1.Ranker (proto/hstu/v1/ranking.proto), grpc.health.v1 and reflection;\n"
       "Prometheus metrics on http://METRICS_LISTEN/metrics. See docs/server.md.\n"
-      "Exit status: 0 stopped by SIGTERM/SIGINT and drained; 1 unknown flag or one that does not\n"
-      "parse, start-up failure, or the GPU lost (after a drain); 2 a flag value out of its range,\n"
-      "a word that is no flag, or a batch past --engine_stall_timeout_s; 3 a second signal during\n"
-      "the drain.");
+      "Exit status: 0 stopped by SIGTERM/SIGINT and drained, or --help or --version printed;\n"
+      "1 unknown flag or one that does not parse, start-up failure, or the GPU lost (after a\n"
+      "drain); 2 a flag value out of its range, a word that is no flag, or a batch past\n"
+      "--engine_stall_timeout_s; 3 a second signal during the drain.");
   absl::FlagsUsageConfig usage;
   // --help lists the server's flags (absl's default matches files named after the binary).
   usage.contains_help_flags = [](absl::string_view path) {
     return absl::StrContains(path, "server/flags.cc");
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
+  // --version: absl's default printed "Debug build (NDEBUG not #defined)", of its own build.
+  usage.version_string = [] { return std::string("hstu_server ") + hstu::server::ServerVersion() + "\n"; };
   absl::SetFlagsUsageConfig(usage);
   auto args = hstu::NormalizeFlagDashes(argc, argv);
   auto argv2 = hstu::ArgvOf(args);
-  if (!hstu::OnlyFlagsGiven(absl::ParseCommandLine(static_cast<int>(args.size()), argv2.data()))) {
+  if (!hstu::OnlyFlagsGiven(hstu::ParseFlags(argv2))) {
     return 2;
   }
 

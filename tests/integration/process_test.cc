@@ -122,6 +122,19 @@ void ExpectEachFlagRejected(const std::string& program,
 }
 
 TEST(ProcessTest, HelpDocumentsEveryFlag) {
+  // A help asked for is a success (before: absl's exit status 1).
+  for (const char* program : {HSTU_SERVER_BIN, HSTU_LOADGEN_BIN, HSTU_RANK_BIN, HSTU_MODEL_BIN}) {
+    for (const char* flag : {"--help", "--helpfull"}) {
+      const auto [rc, out] = RunCommand(absl::StrCat(program, " ", flag, " > /dev/null"));
+      EXPECT_EQ(rc, 0) << program << " " << flag << ": " << out;
+    }
+  }
+  const auto [version_rc, version] = RunCommand(absl::StrCat(HSTU_SERVER_BIN, " --version"));
+  EXPECT_EQ(version_rc, 0);
+  EXPECT_EQ(version.rfind("hstu_server ", 0), 0u) << version;
+  EXPECT_EQ(version.find("Debug build"), std::string::npos) << version;
+  // An unknown flag is still an error.
+  EXPECT_EQ(RunCommand(absl::StrCat(HSTU_SERVER_BIN, " --no_such_flag")).first, 1);
   const auto [rc, out] = RunCommand(absl::StrCat(HSTU_SERVER_BIN, " --help"));
   for (const char* flag :
        {"listen", "metrics_listen", "model", "seed", "device", "max_batch_size", "max_batch_tokens",
