@@ -131,13 +131,23 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
   }
   // Parsed here, after the refusals above (which need no request), from a copy that shares the
   // bytes' slices (the parse consumes its buffer).
+  // No bytes at all (not even an empty message): the client cancelled or timed out before its
+  // message came, and gRPC calls the method anyway. Counted as the client ended it, not as a
+  // request that does not parse.
+  if (!request_bytes->Valid()) {
+    finish(AsSeenByTheClient(absl::CancelledError(
+                                 "no request message came (the client cancelled, timed out or "
+                                 "sent none)"),
+                             client_deadline, std::chrono::system_clock::now()));
+    return reactor;
+  }
   hstu::v1::RankRequest parsed;
   {
     grpc::ByteBuffer bytes(*request_bytes);
     if (!grpc::SerializationTraits<hstu::v1::RankRequest>::Deserialize(&bytes, &parsed).ok()) {
       finish(absl::InvalidArgumentError(
-          "the request does not parse as hstu.v1.RankRequest (truncated, a field of the wrong "
-          "wire type, or a string field such as request_id that is not UTF-8)"));
+          "the request does not parse as hstu.v1.RankRequest (truncated or invalid wire data, or "
+          "a string field such as request_id that is not UTF-8)"));
       return reactor;
     }
   }

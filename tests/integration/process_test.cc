@@ -182,7 +182,9 @@ TEST(ProcessTest, RequestsThatDoNotParseAreAnsweredWithoutALogLine) {
   hstu::v1::RankRequest r = MakeRequest(3, 5, 2, 1);
   r.set_request_id("ab");
   std::string bytes = r.SerializeAsString();
-  bytes[bytes.find("ab")] = static_cast<char>(0xff);
+  const size_t at = bytes.find("ab");
+  ASSERT_NE(at, std::string::npos);
+  bytes[at] = static_cast<char>(0xff);
   for (const char* level : {"info", "debug"}) {
     ServerProcess server({absl::StrCat("--log_level=", level)});
     ASSERT_TRUE(server.WaitServing()) << server.proc().Log();

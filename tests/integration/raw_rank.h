@@ -9,6 +9,7 @@
 #include <future>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace hstu::testing {
@@ -30,6 +31,34 @@ inline grpc::Status RankBytes(const std::shared_ptr<grpc::Channel>& channel, con
     for (const auto& sl : slices) reply->append(reinterpret_cast<const char*>(sl.begin()), sl.size());
   }
   return s;
+}
+
+// Starts a Rank call and never sends its message: the call's headers only, then `end` (a cancel,
+// or its deadline `timeout` passing). Returns once the client has seen the call end.
+enum class CallEnd { kCancel, kDeadline };
+inline void RankWithoutAMessage(const std::shared_ptr<grpc::Channel>& channel, CallEnd end,
+                                std::chrono::milliseconds timeout) {
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+      stub.PrepareCall(&ctx, "/hstu.v1.Ranker/Rank", &cq);
+  void* tag;
+  bool ok;
+  call->StartCall(reinterpret_cast<void*>(1));
+  cq.Next(&tag, &ok);  // the headers went out
+  if (end == CallEnd::kCancel) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the server has the call
+    ctx.TryCancel();
+  }
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(2));
+  while (cq.Next(&tag, &ok) && tag != reinterpret_cast<void*>(2)) {
+  }
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
 }
 
 }  // namespace hstu::testing
