@@ -8,8 +8,10 @@
 #include <vector>
 
 #include "absl/flags/internal/parse.h"
+#include "absl/flags/internal/program_name.h"
 #include "absl/flags/internal/usage.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 
 namespace hstu {
 
@@ -43,7 +45,14 @@ inline std::vector<char*> ArgvOf(std::vector<std::string>& args) {
 // with status 0, as a help does elsewhere: this abseil (Debian 12's 20220623) exits 1 after it,
 // which made `hstu_server --help` look like a failure to scripts. absl's own parse, with the
 // usage flags handled here instead of inside it (its internal entry points of that version).
+// --version prints "PROGRAM VERSION" (absl's default printed "Debug build (NDEBUG not #defined)",
+// of its own build).
 inline std::vector<char*> ParseFlags(std::vector<char*>& argv) {
+  absl::FlagsUsageConfig usage = absl::flags_internal::GetUsageConfig();  // the program's, if set
+  usage.version_string = [] {
+    return absl::flags_internal::ShortProgramInvocationName() + " " + HSTU_VERSION + "\n";
+  };
+  absl::SetFlagsUsageConfig(usage);
   std::vector<char*> rest = absl::flags_internal::ParseCommandLineImpl(
       static_cast<int>(argv.size()) - 1, argv.data(),
       absl::flags_internal::ArgvListAction::kRemoveParsedArgs,

@@ -57,8 +57,6 @@ int main(int argc, char** argv) {
     return absl::StrContains(path, "server/flags.cc");
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
-  // --version: absl's default printed "Debug build (NDEBUG not #defined)", of its own build.
-  usage.version_string = [] { return std::string("hstu_server ") + hstu::server::ServerVersion() + "\n"; };
   absl::SetFlagsUsageConfig(usage);
   auto args = hstu::NormalizeFlagDashes(argc, argv);
   auto argv2 = hstu::ArgvOf(args);

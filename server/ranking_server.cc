@@ -16,7 +16,7 @@
 
 namespace hstu::server {
 
-const char* ServerVersion() { return "0.1.0"; }
+const char* ServerVersion() { return HSTU_VERSION; }
 
 namespace {
 
