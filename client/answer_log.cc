@@ -1,6 +1,7 @@
 #include "client/answer_log.h"
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -38,9 +39,10 @@ std::string AnswerLine(uint64_t user_id, std::span<const int64_t> history_item_i
     out.push_back('[');
     for (size_t t = 0; t < tasks && c * tasks + t < scores.size(); ++t) {
       if (t > 0) out.push_back(',');
-      // %.9g: every float reads back as itself. A score is in (0, 1), never NaN or infinite
-      // (the server answers only finite scores), so this is valid JSON.
-      absl::StrAppend(&out, absl::StrFormat("%.9g", scores[c * tasks + t]));
+      // %.9g: every float reads back as itself. A score that is not finite (which our server
+      // never answers) is null: JSON has no NaN, and hstu_rank reports a null as not a number.
+      const float score = scores[c * tasks + t];
+      absl::StrAppend(&out, std::isfinite(score) ? absl::StrFormat("%.9g", score) : "null");
     }
     out.push_back(']');
   }
@@ -89,8 +91,8 @@ absl::Status AnswerLog::Close() {
   const bool closed = std::fclose(file_) == 0;
   file_ = nullptr;
   if (failed_ || !flushed || !closed) {
-    return absl::DataLossError(absl::StrCat("--record=", path_, ": writing failed after ", lines_,
-                                            " lines (a full disk?)"));
+    return absl::DataLossError(absl::StrCat("--record=", path_,
+                                            ": writing failed, the file is incomplete (a full disk?)"));
   }
   return absl::OkStatus();
 }

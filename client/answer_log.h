@@ -21,7 +21,7 @@ namespace hstu::loadgen {
 //   {"user_id":7,"history_item_ids":[...],"history_actions":[...],"candidate_item_ids":[...],
 //    "expected_scores":[[t0,...],...],"cache_result":"gpu_hit"}
 // scores: [candidates, num_tasks], candidate-major, as RankResponse.scores. Scores are written
-// with 9 significant digits, which read back as the same float.
+// with 9 significant digits, which read back as the same float; one that is not finite as null.
 std::string AnswerLine(uint64_t user_id, std::span<const int64_t> history_item_ids,
                        std::span<const int32_t> history_actions,
                        std::span<const int64_t> candidate_item_ids, std::span<const float> scores,
@@ -42,7 +42,8 @@ class AnswerLog {
   // only for those.
   bool Take();
   void Write(const std::string& line);
-  // Flushes and closes; an error (a full disk) names the path. Lines written: lines().
+  // Flushes and closes; an error (a full disk) names the path. Lines written (handed to the
+  // file; all of them are in it when Close succeeded): lines().
   absl::Status Close();
   int64_t lines() const;
 

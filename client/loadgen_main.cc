@@ -14,6 +14,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -98,7 +99,8 @@ ABSL_FLAG(int64_t, prewarm_visits, 0,
 ABSL_FLAG(std::string, record, "",
           "Write the OK answers to this file as JSONL: each request with the scores it got "
           "(expected_scores) and its cache_result, warm-ups included. `hstu_rank --no_cache "
-          "--input=FILE` recomputes them and reports any score that differs.");
+          "--input=FILE` recomputes them and reports each line whose scores differ by more than "
+          "its --max_score_diff. The file is created once the server answered GetModelInfo.");
 ABSL_FLAG(int64_t, record_every, 1, "With --record: write every Nth OK answer only.");
 ABSL_FLAG(bool, overlapping_visits, false,
           "Let a user have several visits in flight (the later ones re-send its history). By "
@@ -643,15 +645,27 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
   if (absl::GetFlag(FLAGS_record_every) < 1) {
     return bad("record_every", absl::GetFlag(FLAGS_record_every), "must be >= 1");
   }
-  for (const std::string& path : {absl::GetFlag(FLAGS_json), absl::GetFlag(FLAGS_csv)}) {
+  if (absl::GetFlag(FLAGS_record_every) != 1 && absl::GetFlag(FLAGS_record).empty()) {
+    return bad("record_every", absl::GetFlag(FLAGS_record_every), "needs --record=FILE");
+  }
+  // Output files, checked now, not after a run of minutes (the reports are written after each
+  // level, the recording once the server answered): a writable directory, and not one themselves.
+  for (const auto& [flag, path] : {std::pair<const char*, std::string>{"json", absl::GetFlag(FLAGS_json)},
+                                   {"csv", absl::GetFlag(FLAGS_csv)},
+                                   {"record", absl::GetFlag(FLAGS_record)}}) {
     if (path.empty()) continue;
-    // Checked now, not after a run of minutes: the report is written after each level.
+    const std::string what =
+        std::string(flag) == "record" ? absl::StrCat("--record=", path) : absl::StrCat("report file ", path);
     const size_t slash = path.rfind('/');
     const std::string dir =
         slash == std::string::npos ? "." : path.substr(0, std::max<size_t>(slash, 1));
     if (access(dir.c_str(), W_OK | X_OK) != 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("report file ", path, ": directory ", dir, " is missing or not writable"));
+          absl::StrCat(what, ": directory ", dir, " is missing or not writable"));
+    }
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": is a directory"));
     }
   }
   const std::string events_bound = absl::StrCat(" and at most ", kMaxEvents);
@@ -733,16 +747,6 @@ int Main() {
     std::fprintf(stderr, "%s\n", std::string(levels.status().message()).c_str());
     return 2;
   }
-  // Created before connecting: a path that cannot be written fails at once.
-  std::unique_ptr<AnswerLog> answers;
-  if (const std::string path = absl::GetFlag(FLAGS_record); !path.empty()) {
-    auto log = AnswerLog::Open(path, absl::GetFlag(FLAGS_record_every));
-    if (!log.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(log.status().message()).c_str());
-      return 2;
-    }
-    answers = *std::move(log);
-  }
   const std::string target = absl::GetFlag(FLAGS_target);
   const int32_t num_connections = absl::GetFlag(FLAGS_connections);
   std::vector<std::shared_ptr<grpc::Channel>> channels;
@@ -770,6 +774,17 @@ int Main() {
                    CodeName(s.error_code()), s.error_message().c_str());
       return 1;
     }
+  }
+  // Created once the server answered (its directory was checked before connecting): a run that
+  // cannot reach the server leaves an earlier recording as it was.
+  std::unique_ptr<AnswerLog> answers;
+  if (const std::string path = absl::GetFlag(FLAGS_record); !path.empty()) {
+    auto log = AnswerLog::Open(path, absl::GetFlag(FLAGS_record_every));
+    if (!log.ok()) {
+      std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(log.status().message()).c_str());
+      return 1;
+    }
+    answers = *std::move(log);
   }
   // Every connection up before the first level (the first one is, by the call above): a fresh
   // channel's first call would also time its TCP and HTTP/2 handshake, in the measured window

@@ -154,12 +154,23 @@ PY
   split -l 1 -d -a 3 sample.jsonl sample_parts/line_
   : > "$cpu_out"
   ls sample_parts | grep -v '\.' | sed 's/$/ cpu/;p;s/ cpu$/ cpu-bf16/' | \
-    OPENBLAS_NUM_THREADS=1 xargs -P 16 -L 1 sh -c 'timeout 400 "$0" --model="$1" --device="$3" --no_cache --input="sample_parts/$2" --max_score_diff=1 > "sample_parts/$2.$3.jsonl" 2> "sample_parts/$2.$3.err"' "$H/bin/hstu_rank" "$model"
+    OPENBLAS_NUM_THREADS=1 xargs -r -P 16 -L 1 sh -c 'timeout 400 "$0" --model="$1" --device="$3" --no_cache --input="sample_parts/$2" --max_score_diff=1 > "sample_parts/$2.$3.jsonl" 2> "sample_parts/$2.$3.err"' "$H/bin/hstu_rank" "$model"
+  local scored=1
   for dev in cpu cpu-bf16; do
-    cat sample_parts/line_*."$dev".jsonl > "sample_$dev.jsonl"
+    cat sample_parts/line_*."$dev".jsonl > "sample_$dev.jsonl" 2>/dev/null
     echo "hstu_rank --device=$dev against the server's answers:" >> "$cpu_out"
-    cat sample_parts/line_*."$dev".err >> "$cpu_out"
+    cat sample_parts/line_*."$dev".err >> "$cpu_out" 2>/dev/null
+    # One scored line per sampled line, or the pairing below would compare the wrong lines.
+    if [ "$(grep -c '"scores"' "sample_$dev.jsonl")" != "$n" ]; then
+      echo "$name: hstu_rank --device=$dev scored $(grep -c '"scores"' "sample_$dev.jsonl") of $n sampled lines (a timeout?)" | tee -a "$cpu_out"
+      scored=0
+    fi
   done
+  if [ "$n" = 0 ] || [ "$scored" = 0 ]; then
+    status=1
+    cd - > /dev/null
+    return 0
+  fi
   # The server's answers as hstu_rank output lines, with the CPU's token counts (the comparison
   # checks those; a no-cache recompute computes every token).
   python3 - sample.jsonl sample_cpu.jsonl > sample_server.jsonl <<'PY'

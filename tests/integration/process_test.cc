@@ -571,8 +571,10 @@ TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
                           {"--max_error_rate=2", "--max_error_rate=2: must be in [0, 1]"},
                           // Before: found only after the whole run.
                           {"--json=/nonexistent/dir/r.json", "report file /nonexistent/dir/r.json: directory /nonexistent/dir is missing or not writable"},
-                          {"--record=/nonexistent/dir/a.jsonl", "--record=/nonexistent/dir/a.jsonl: cannot create it: No such file or directory"},
-                          {"--record_every=0", "--record_every=0: must be >= 1"},
+                          {"--record=/nonexistent/dir/a.jsonl", "--record=/nonexistent/dir/a.jsonl: directory /nonexistent/dir is missing or not writable"},
+                          {"--record=/tmp", "--record=/tmp: is a directory"},
+                          {"--record_every=0 --record=/tmp/a.jsonl", "--record_every=0: must be >= 1"},
+                          {"--record_every=3", "--record_every=3: needs --record=FILE"},
                           // The traffic model's flags too (before: checked after connecting).
                           {"--users=0", "--users=0: must be in [1, 100000000]"},
                           {"--zipf=nan", "--zipf=nan: must be finite and >= 0"},
@@ -849,6 +851,11 @@ TEST(ProcessTest, LoadgenRecordsAnswersThatHstuRankRecomputesWithoutTheCache) {
   const std::string every3 = ReadFile(dir + "/every3.jsonl");
   EXPECT_EQ(std::count(every3.begin(), every3.end(), '\n'), 17) << out5;  // answers 1, 4, ..., 49
   EXPECT_NE(out5.find("recorded 17 answers"), std::string::npos) << out5;
+  // A run that cannot reach its server leaves an earlier recording as it was.
+  const auto [rc6, out6] = RunCommand(absl::StrCat(HSTU_LOADGEN_BIN, " --target=127.0.0.1:1 --requests=5",
+                                                   " --progress=false --record=", dir, "/every3.jsonl"));
+  EXPECT_EQ(rc6, 1) << out6;
+  EXPECT_EQ(ReadFile(dir + "/every3.jsonl"), every3);
 }
 
 TEST(ProcessTest, HstuRankRejectsIntegersOutOfTheirFieldsRange) {
@@ -926,8 +933,8 @@ TEST(ProcessTest, HstuRankNamesUnknownAndRepeatedFieldsAndJsonErrors) {
                    "/requests.jsonl"),
       {{"--page_size=32 --cache_pages=3", "error: --cache_pages=3: the KV pool of 3 pages must hold one user"},
        {"--page_size=0", "error: --page_size=0: must be in [1, 4096]"},
-       {"--max_score_diff=-1", "error: --max_score_diff=-1: must be finite and >= 0"},
-       {"--max_score_diff=nan", "error: --max_score_diff=nan: must be finite and >= 0"}},
+       {"--max_score_diff=-1", "error: --max_score_diff=-1: must be >= 0 (inf: report only)"},
+       {"--max_score_diff=nan", "error: --max_score_diff=nan: must be >= 0 (inf: report only)"}},
       2);
   // The checked fields, malformed: each line an error naming the field.
   {
@@ -937,7 +944,9 @@ TEST(ProcessTest, HstuRankNamesUnknownAndRepeatedFieldsAndJsonErrors) {
       << "{" << request << R"(, "expected_scores": [[0.5, "high", 0.5]]})" "\n"
       << "{" << request << R"(, "expected_scores": [0.5]})" "\n"
       << "{" << request << R"(, "expected_scores": [[0.5]]})" "\n"
-      << "{" << request << R"(, "cache_result": 7})" "\n";
+      << "{" << request << R"(, "cache_result": 7})" "\n"
+      << "{" << request << R"(, "expected_scores": [[0.5, 1e39, 0.5]]})" "\n"
+      << "{" << request << R"(, "expected_scores": [[0.5, null, 0.5]]})" "\n";
   }
   const auto [rc2, out2] = RunCommand(absl::StrCat("{ ", HSTU_RANK_BIN,
                                                    " --model=random:tiny --device=cpu --input=", dir,
@@ -947,7 +956,7 @@ TEST(ProcessTest, HstuRankNamesUnknownAndRepeatedFieldsAndJsonErrors) {
   for (absl::string_view l : absl::StrSplit(out2, '\n', absl::SkipEmpty())) {
     lines.push_back(nlohmann::json::parse(l, nullptr, false));
   }
-  ASSERT_EQ(lines.size(), 5u) << out2;
+  ASSERT_EQ(lines.size(), 7u) << out2;
   EXPECT_EQ(lines[0].value("error", ""),
             "field 'expected_scores' must be an array of arrays of numbers, one per candidate");
   EXPECT_EQ(lines[1].value("error", ""), "field 'expected_scores[0][1]' is not a number");
@@ -956,6 +965,8 @@ TEST(ProcessTest, HstuRankNamesUnknownAndRepeatedFieldsAndJsonErrors) {
   EXPECT_EQ(lines[3].value("error", ""),
             "field 'expected_scores[0]' has 1 scores for the model's 3 tasks");
   EXPECT_EQ(lines[4].value("error", ""), "field 'cache_result' must be a string");
+  EXPECT_EQ(lines[5].value("error", ""), "field 'expected_scores[0][1]' = 1e+39 is out of the range of a float");
+  EXPECT_EQ(lines[6].value("error", ""), "field 'expected_scores[0][1]' is not a number");
 }
 
 TEST(ProcessTest, HstuRankAndHstuModelFailLoudly) {

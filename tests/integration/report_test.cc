@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <string>
@@ -168,6 +169,14 @@ TEST(AnswerLogTest, ALineIsTheRequestAndItsScoresEachFloatReadBackExactly) {
           << c << " " << t;
     }
   }
+  // A score that is not finite (never from our server) is null, so the line is still JSON.
+  std::vector<float> odd_scores = scores;
+  odd_scores[1] = std::numeric_limits<float>::quiet_NaN();
+  odd_scores[2] = std::numeric_limits<float>::infinity();
+  const auto with_null = nlohmann::json::parse(AnswerLine(1, items, actions, candidates, odd_scores, 3, "miss"));
+  EXPECT_TRUE(with_null["expected_scores"][0][1].is_null());
+  EXPECT_TRUE(with_null["expected_scores"][0][2].is_null());
+  EXPECT_EQ(static_cast<float>(with_null["expected_scores"][0][0].get<double>()), scores[0]);
   // What is not an enum name is not written into the JSON string.
   const auto odd = nlohmann::json::parse(AnswerLine(1, {}, {}, candidates, scores, 3, "a\"b\\c\n"));
   EXPECT_EQ(odd["cache_result"], "abc");
