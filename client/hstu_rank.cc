@@ -148,22 +148,18 @@ absl::StatusOr<InputLine> ParseLine(const std::string& line) {
     if (!e.is_array()) return absl::InvalidArgumentError("field 'expected_scores' " + want);
     std::vector<std::vector<float>> rows;
     for (size_t c = 0; c < e.size(); ++c) {
-      if (!e[c].is_array()) {
-        return absl::InvalidArgumentError("field 'expected_scores[" + std::to_string(c) + "]' " + want);
-      }
+      const std::string row_name = absl::StrCat("field 'expected_scores[", c, "]");
+      if (!e[c].is_array()) return absl::InvalidArgumentError(row_name + "' " + want);
       std::vector<float> row;
       for (size_t t = 0; t < e[c].size(); ++t) {
-        if (!e[c][t].is_number()) {
-          return absl::InvalidArgumentError("field 'expected_scores[" + std::to_string(c) + "][" +
-                                            std::to_string(t) + "]' is not a number");
-        }
+        const std::string name = absl::StrCat(row_name, "[", t, "]'");
+        if (!e[c][t].is_number()) return absl::InvalidArgumentError(name + " is not a number");
         // As a float, as the server sent it: a score written with 9 digits reads back as the
         // same float, so an answer the recompute reproduces differs by exactly 0. (Past a
         // float's range the cast is undefined: such a value is no score.)
         const double v = e[c][t].get<double>();
         if (!(std::abs(v) <= std::numeric_limits<float>::max())) {
-          return absl::InvalidArgumentError("field 'expected_scores[" + std::to_string(c) + "][" +
-                                            std::to_string(t) + "]' = " + e[c][t].dump() +
+          return absl::InvalidArgumentError(name + " = " + e[c][t].dump() +
                                             " is out of the range of a float");
         }
         row.push_back(static_cast<float>(v));

@@ -185,15 +185,16 @@ PY
   cd - > /dev/null
 }
 has verify && verify verify random:base
-if has verify_window; then
+# The base shapes with a 512-token window (a model file, written once; hstu_model writes it whole
+# or not at all), for cache_window and verify_window.
+window_model() {
   [ -f "$DIR/window.safetensors" ] || "$H/bin/hstu_model" init --preset base --seed 5 --window 512 \
     --items 100000 --out "$DIR/window.safetensors" > /dev/null
-  verify verify_window "$DIR/window.safetensors" --onload_policy=always
-fi
+  echo "$DIR/window.safetensors"
+}
+has verify_window && verify verify_window "$(window_model)" --onload_policy=always
 if has cache_window; then
-  [ -f "$DIR/window.safetensors" ] || "$H/bin/hstu_model" init --preset base --seed 5 --window 512 \
-    --items 100000 --out "$DIR/window.safetensors" > /dev/null
-  RUN_MODEL="$DIR/window.safetensors" run cache_window "$ZIPF" --cache_pages=2048 \
+  RUN_MODEL="$(window_model)" run cache_window "$ZIPF" --cache_pages=2048 \
     --host_cache_pages=8192
 fi
 # The server under compute-sanitizer memcheck, leak check on: a GPU pool of ~13 users and a host

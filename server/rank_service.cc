@@ -129,8 +129,6 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
     answer(absl::UnavailableError("server is shutting down"));
     return reactor;
   }
-  // Parsed here, after the refusals above (which need no request), from a copy that shares the
-  // bytes' slices (the parse consumes its buffer).
   // No bytes at all (not even an empty message): the client cancelled or timed out before its
   // message came, and gRPC calls the method anyway. Counted as the client ended it, not as a
   // request that does not parse.
@@ -141,24 +139,25 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
                              client_deadline, std::chrono::system_clock::now()));
     return reactor;
   }
-  hstu::v1::RankRequest parsed;
+  // Parsed here, after the refusals above (which need no request), from a copy that shares the
+  // bytes' slices (the parse consumes its buffer).
+  hstu::v1::RankRequest request;
   {
     grpc::ByteBuffer bytes(*request_bytes);
-    if (!grpc::SerializationTraits<hstu::v1::RankRequest>::Deserialize(&bytes, &parsed).ok()) {
+    if (!grpc::SerializationTraits<hstu::v1::RankRequest>::Deserialize(&bytes, &request).ok()) {
       finish(absl::InvalidArgumentError(
           "the request does not parse as hstu.v1.RankRequest (truncated or invalid wire data, or "
           "a string field such as request_id that is not UTF-8)"));
       return reactor;
     }
   }
-  const hstu::v1::RankRequest* request = &parsed;
-  if (request->request_id().size() > kMaxRequestIdBytes) {
-    finish(absl::InvalidArgumentError(absl::StrCat("request_id has ", request->request_id().size(),
+  if (request.request_id().size() > kMaxRequestIdBytes) {
+    finish(absl::InvalidArgumentError(absl::StrCat("request_id has ", request.request_id().size(),
                                                    " bytes, more than the limit of ",
                                                    kMaxRequestIdBytes)));
     return reactor;
   }
-  RankRequest rank_request = FromProto(*request);
+  RankRequest rank_request = FromProto(request);
   if (absl::Status s = ValidateForEngine(rank_request, *a->engine); !s.ok()) {
     finish(s);
     return reactor;
@@ -168,7 +167,7 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
   pending.request = std::move(rank_request);
   if (left) pending.deadline = arrived + std::chrono::duration_cast<Clock::duration>(*left);
   pending.is_cancelled = [context] { return context->IsCancelled(); };
-  std::string request_id = request->request_id();
+  std::string request_id = request.request_id();
   pending.done = [finish, response, metrics, request_id = std::move(request_id)](
                      absl::StatusOr<RankResult> result, const RequestTiming& timing) {
     metrics->ObserveQueue(timing.queue_seconds);

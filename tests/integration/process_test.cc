@@ -183,12 +183,7 @@ TEST(ProcessTest, RequestsThatDoNotParseAreAnsweredWithoutALogLine) {
   // A request_id that is not UTF-8: protobuf logged an ERROR line for each such request, which
   // any client could repeat to fill the log (DESIGN §8: no per-request lines by default). Now its
   // log goes to spdlog's debug level, and the call is an INVALID_ARGUMENT like any bad request.
-  hstu::v1::RankRequest r = MakeRequest(3, 5, 2, 1);
-  r.set_request_id("ab");
-  std::string bytes = r.SerializeAsString();
-  const size_t at = bytes.find("ab");
-  ASSERT_NE(at, std::string::npos);
-  bytes[at] = static_cast<char>(0xff);
+  const std::string bytes = hstu::testing::WithNonUtf8RequestId(MakeRequest(3, 5, 2, 1));
   for (const char* level : {"info", "debug"}) {
     ServerProcess server({absl::StrCat("--log_level=", level)});
     ASSERT_TRUE(server.WaitServing()) << server.proc().Log();

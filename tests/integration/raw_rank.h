@@ -12,7 +12,16 @@
 #include <thread>
 #include <vector>
 
+#include "hstu/v1/ranking.pb.h"
+
 namespace hstu::testing {
+
+// `r`'s bytes with a request_id of one byte, 0xff: not UTF-8, which a proto3 string must be.
+// (Fields may come in any order: field 5, length-delimited, is appended.)
+inline std::string WithNonUtf8RequestId(hstu::v1::RankRequest r) {
+  r.clear_request_id();
+  return r.SerializeAsString() + std::string("\x2a\x01\xff", 3);
+}
 
 inline grpc::Status RankBytes(const std::shared_ptr<grpc::Channel>& channel, const std::string& bytes,
                               std::string* reply) {

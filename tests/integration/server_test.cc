@@ -387,15 +387,7 @@ TEST_F(ServerTest, BytesThatDoNotParseAreInvalidArgumentAndCounted) {
   StartServer();
   const auto good = MakeRequest(9, 10, 4, 9);
   const std::string bytes = good.SerializeAsString();
-  std::string bad_utf8 = good.SerializeAsString();
-  {
-    auto r = good;
-    r.set_request_id("ab");
-    bad_utf8 = r.SerializeAsString();
-    const size_t at = bad_utf8.find("ab");
-    ASSERT_NE(at, std::string::npos);
-    bad_utf8[at] = static_cast<char>(0xff);  // a proto3 string must be UTF-8
-  }
+  const std::string bad_utf8 = hstu::testing::WithNonUtf8RequestId(good);
   for (const auto& [name, b] : std::vector<std::pair<std::string, std::string>>{
            {"truncated", bytes.substr(0, bytes.size() - 3)},
            {"request_id not UTF-8", bad_utf8},
