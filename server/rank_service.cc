@@ -48,6 +48,15 @@ absl::Status AsSeenByTheClient(absl::Status status, std::chrono::system_clock::t
   return absl::CancelledError("call was cancelled before the answer");
 }
 
+absl::Status AsCounted(absl::Status status, bool cancelled,
+                       std::chrono::system_clock::time_point deadline,
+                       std::chrono::system_clock::time_point now) {
+  if (cancelled || (status.ok() && now >= deadline)) {
+    return AsSeenByTheClient(std::move(status), deadline, now);
+  }
+  return status;
+}
+
 std::optional<std::chrono::nanoseconds> TimeLeft(gpr_timespec deadline, gpr_timespec now) {
   if (gpr_time_cmp(deadline, gpr_inf_future(deadline.clock_type)) == 0) return std::nullopt;
   const gpr_timespec left = gpr_time_sub(deadline, now);
@@ -106,10 +115,8 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
   auto finish = [answer, metrics, arrived, context, client_deadline](absl::Status status) {
     // A call the client gave up on got no answer, whatever the batch computed: it is counted as
     // the client saw it.
-    if (context->IsCancelled()) {
-      status = AsSeenByTheClient(std::move(status), client_deadline,
-                                 std::chrono::system_clock::now());
-    }
+    status = AsCounted(std::move(status), context->IsCancelled(), client_deadline,
+                       std::chrono::system_clock::now());
     metrics->ObserveRequest(GrpcCodeName(status.code()),
                             std::chrono::duration<double>(Clock::now() - arrived).count());
     answer(status);

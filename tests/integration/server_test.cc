@@ -552,6 +552,32 @@ TEST(AsSeenByTheClient, KeepsServerFailuresAndTellsDeadlinesFromCancels) {
             absl::StatusCode::kInternal);
 }
 
+TEST(AsCounted, AnOkReadyOnlyAfterTheDeadlineIsCountedAsTheClientSawIt) {
+  using SysClock = std::chrono::system_clock;
+  const auto now = SysClock::now();
+  // Before: a call whose deadline timer had not yet marked it cancelled was counted OK, though
+  // gRPC dropped the answer (the client saw 107 OK, the server counted 141, under a 4 ms deadline).
+  EXPECT_EQ(AsCounted(absl::OkStatus(), false, now - 1ms, now).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(AsCounted(absl::OkStatus(), false, now, now).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  // Answered in time and not cancelled: counted as answered, whatever it was.
+  EXPECT_EQ(AsCounted(absl::OkStatus(), false, now + 1ms, now).code(), absl::StatusCode::kOk);
+  EXPECT_EQ(AsCounted(absl::OkStatus(), false, SysClock::time_point::max(), now).code(),
+            absl::StatusCode::kOk);
+  EXPECT_EQ(AsCounted(absl::InvalidArgumentError("x"), false, now + 1s, now).code(),
+            absl::StatusCode::kInvalidArgument);
+  // The server's own failure stays what it was, past the deadline too.
+  EXPECT_EQ(AsCounted(absl::InternalError("x"), false, now - 1ms, now).code(),
+            absl::StatusCode::kInternal);
+  EXPECT_EQ(AsCounted(absl::InternalError("x"), true, now - 1ms, now).code(),
+            absl::StatusCode::kInternal);
+  // Cancelled: as the client saw it.
+  EXPECT_EQ(AsCounted(absl::OkStatus(), true, now + 1s, now).code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(AsCounted(absl::OkStatus(), true, now + kDeadlineSlack / 2, now).code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
 TEST_F(ServerTest, FullQueueAnswersResourceExhausted) {
   ServerOptions o;
   o.scheduler.max_queue = 3;
