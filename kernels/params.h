@@ -5,6 +5,7 @@
 // num_new[b] rows are new history tokens (oldest first), the rest are its candidates.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "kernels/paged_kv_view.h"
@@ -84,6 +85,17 @@ HSTU_HOST_DEVICE bool NewKvFromRows(bool enabled, bool returning, int32_t num_to
                                     int32_t num_new) {
   const int32_t cached = num_tokens - num_new;
   return enabled && (cached == 0 || (returning && cached % kKvFromRowsAlign == 0));
+}
+
+// A candidate's score from its head's logit: the sigmoid, kept inside (0, 1) as the wire contract
+// has it. In fp32 the sigmoid rounds to 1 from a logit of ~16.6 up, is subnormal below ~-87.3 and
+// 0 below ~-103; such scores become the closest normal floats inside (0, 1) instead (saturated
+// candidates tie). NaN stays NaN: the engine refuses non-finite scores.
+constexpr float kMinScore = 0x1p-126f;         // FLT_MIN
+constexpr float kMaxScore = 0x1.fffffep-1f;    // 1 - 2^-24
+HSTU_HOST_DEVICE float ScoreFromLogit(float logit) {
+  const float s = 1.f / (1.f + expf(-logit));
+  return s < kMinScore ? kMinScore : (s > kMaxScore ? kMaxScore : s);
 }
 
 // Column offsets of u, v, q, k inside a uvqk row, in units of H * D.

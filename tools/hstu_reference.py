@@ -37,6 +37,8 @@ import numpy as np
 
 LAYER_NORM_EPS = 1e-5
 L2_NORM_FLOOR = 1e-6
+MIN_SCORE = 2.0**-126  # scores stay inside (0, 1): kMinScore, kMaxScore in kernels/params.h
+MAX_SCORE = 1.0 - 2.0**-24
 
 
 # --------------------------------------------------------------------------------------------------
@@ -371,7 +373,8 @@ def score_request(model: Model, item_ids: list, actions: list, candidates: list,
         h = (num.head_hidden(h) @ num.head_hidden(w) if hidden else h @ w) + b
         if hidden:
             h = np.maximum(h, 0.0)
-    return 1.0 / (1.0 + np.exp(-h))
+    # As the engine's ScoreFromLogit (kernels/params.h): the sigmoid kept inside (0, 1).
+    return np.clip(1.0 / (1.0 + np.exp(-h)), MIN_SCORE, MAX_SCORE)
 
 
 # --------------------------------------------------------------------------------------------------

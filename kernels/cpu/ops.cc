@@ -171,7 +171,7 @@ void ReluInPlace(float* x, int64_t count) {
 }
 
 void SigmoidInPlace(float* x, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) x[i] = 1.f / (1.f + std::exp(-x[i]));
+  for (int64_t i = 0; i < count; ++i) x[i] = ScoreFromLogit(x[i]);
 }
 
 }  // namespace hstu::cpu

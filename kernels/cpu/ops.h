@@ -49,7 +49,7 @@ float RoundToTf32(float x);
 void RoundToBf16InPlace(float* x, int64_t count);
 void RoundToTf32InPlace(float* x, int64_t count);
 
-// x = max(x, 0) / sigmoid(x) element-wise.
+// x = max(x, 0) / ScoreFromLogit(x) (the sigmoid inside (0, 1)) element-wise.
 void ReluInPlace(float* x, int64_t count);
 void SigmoidInPlace(float* x, int64_t count);
 

@@ -17,7 +17,7 @@ __global__ void BiasActivationKernel(float* __restrict__ x, int64_t count, int64
     float v = x[i] + (bias != nullptr ? bias[i % cols] : 0.f);
     if (act == Activation::kRelu) v = fmaxf(v, 0.f);
     // Exact expf: scores are compared at 2e-3 and the head is tiny.
-    if (act == Activation::kSigmoid) v = 1.f / (1.f + expf(-v));
+    if (act == Activation::kSigmoid) v = ScoreFromLogit(v);
     x[i] = v;
   }
 }
@@ -129,7 +129,7 @@ __global__ void HeadOutputKernel(const float* __restrict__ in, int64_t rows, int
     if (lane < out_cols) {
       float v = (in_bias != nullptr ? mine : mine * scale) + (bias != nullptr ? bias[lane] : 0.f);
       if (act == Activation::kRelu) v = fmaxf(v, 0.f);
-      if (act == Activation::kSigmoid) v = 1.f / (1.f + expf(-v));  // as BiasActivationKernel
+      if (act == Activation::kSigmoid) v = ScoreFromLogit(v);  // as BiasActivationKernel
       out[r * out_cols + lane] = v;
     }
   }

@@ -328,6 +328,38 @@ TEST(CudaKernels, HeadOutputMatchesCpu) {
     ASSERT_TRUE(AllFinite(got));
     EXPECT_LT(test::MaxAbsDiff(got, want), 1e-5);
   }
+  // Saturated logits: scores stay inside (0, 1), as the CPU's (ScoreFromLogit), through both
+  // kernels that apply the sigmoid.
+  {
+    const std::vector<float> logits = {200.f, -200.f, 17.f, -104.f, 0.5f, -0.5f};
+    std::vector<float> want = logits;
+    cpu::SigmoidInPlace(want.data(), static_cast<int64_t>(want.size()));
+    EXPECT_EQ(want[0], kMaxScore);
+    EXPECT_EQ(want[1], kMinScore);
+    DeviceArray<float> d_act(logits);
+    HSTU_ASSERT_CUDA(cuda::LaunchBiasActivation(d_act.get(), 3, 2, nullptr,
+                                                cuda::Activation::kSigmoid, nullptr));
+    // The head's last layer with zero weights: the logits are its biases.
+    DeviceArray<float> d_x(std::vector<float>(4, 1.f)), d_w(std::vector<float>(2 * 6, 0.f)),
+        d_bias(logits), d_out(2 * 6);
+    d_out.Poison();
+    HSTU_ASSERT_CUDA(cuda::LaunchHeadOutput(d_x.get(), 2, 2, nullptr, nullptr, 0, d_w.get(),
+                                            d_bias.get(), 6, cuda::Activation::kSigmoid,
+                                            d_out.get(), nullptr));
+    HSTU_ASSERT_CUDA(cudaDeviceSynchronize());
+    const auto got = d_act.Download();
+    const auto head = d_out.Download();
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_NEAR(got[i], want[i], 1e-7) << "logit " << logits[i];
+      EXPECT_NEAR(head[i], want[i], 1e-7) << "logit " << logits[i];
+      EXPECT_NEAR(head[6 + i], want[i], 1e-7) << "logit " << logits[i];
+    }
+    EXPECT_EQ(got[0], kMaxScore);
+    EXPECT_EQ(got[1], kMinScore);
+    EXPECT_EQ(head[0], kMaxScore);
+    EXPECT_EQ(head[1], kMinScore);
+    EXPECT_EQ(head[3], kMinScore);  // -104: e^104 overflows a float
+  }
   // Shapes it does not take: too many outputs, weights beyond its shared memory, no rows' input,
   // rows to normalise without a width.
   DeviceArray<float> d_buf(64);

@@ -11,6 +11,7 @@
 #include "engine/gpu_telemetry.h"
 #include "engine/model_file.h"
 #include "gtest/gtest.h"
+#include "kernels/params.h"
 #include "tests/util/faulty_backend.h"
 #include "tests/util/tolerance.h"
 
@@ -153,6 +154,32 @@ TEST(Engine, AModelThatOverflowsFailsTheRequestAndCachesNothing) {
   const CacheStats stats = (*e)->Stats().cache;
   EXPECT_EQ(stats.entries, 0);
   EXPECT_EQ(stats.pages_free, stats.pages_total);
+}
+
+TEST(Engine, SaturatedLogitsStillGiveScoresInsideZeroOne) {
+  // Before: a logit past ~16.6 gave a score of exactly 1 and one below ~-103 exactly 0, outside
+  // the (0, 1) the wire contract promises (log(1 - p) of a calibration became -inf).
+  const ModelConfig c = TestConfig(false, 0);
+  ModelWeights w = RandomModel(c, 3);
+  HeadLayerWeights& last = w.head.back();
+  ASSERT_GE(last.out, 2);
+  last.b[0] += 200.f;
+  last.b[1] -= 200.f;
+  EngineOptions o;
+  o.page_size = 4;
+  auto e = Engine::Create(o, std::move(w));
+  ASSERT_TRUE(e.ok()) << e.status();
+  const RankRequest r{7, {1, 2, 3, 4, 5}, {0, 1, 2, 3, 4}, {9, 8, 3}};
+  const RankResult res = RankOne(**e, r);
+  const int tasks = last.out;
+  for (size_t c = 0; c < r.candidate_item_ids.size(); ++c) {
+    EXPECT_EQ(res.scores[c * tasks + 0], kMaxScore) << "candidate " << c;
+    EXPECT_EQ(res.scores[c * tasks + 1], kMinScore) << "candidate " << c;
+  }
+  for (float s : res.scores) {
+    EXPECT_GT(s, 0.f);
+    EXPECT_LT(s, 1.f);
+  }
 }
 
 TEST(Engine, TwoRequestsOfOneUserInABatchRunInOrder) {

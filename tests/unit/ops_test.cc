@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -38,6 +39,28 @@ TEST(CpuOps, LayerNormMatchesFormula) {
 }
 
 // The GPU's roundings that CpuNumerics::kBf16 emulates: nearest, ties to even, on the bits.
+TEST(CpuOps, SigmoidKeepsScoresInsideZeroOne) {
+  std::vector<float> x = {0.f, 1.f, -2.5f, 16.f, 17.f, 40.f, -90.f, -104.f, -1e30f, INFINITY,
+                          -INFINITY, NAN};
+  const std::vector<float> logits = x;
+  cpu::SigmoidInPlace(x.data(), static_cast<int64_t>(x.size()));
+  for (size_t i = 0; i + 1 < x.size(); ++i) {
+    const float plain = 1.f / (1.f + std::exp(-logits[i]));
+    EXPECT_GT(x[i], 0.f) << logits[i];
+    EXPECT_LT(x[i], 1.f) << logits[i];
+    // Unchanged wherever the plain sigmoid is already inside (0, 1) and a normal float.
+    if (plain >= kMinScore && plain <= kMaxScore) EXPECT_EQ(x[i], plain) << logits[i];
+  }
+  EXPECT_EQ(x[4], kMaxScore);   // 1/(1+e^-17) rounds to 1 in fp32
+  EXPECT_EQ(x[9], kMaxScore);   // +inf
+  EXPECT_EQ(x[8], kMinScore);   // rounds to 0
+  EXPECT_EQ(x[10], kMinScore);  // -inf
+  EXPECT_LT(x[3], kMaxScore);   // 1/(1+e^-16) is still below 1
+  EXPECT_TRUE(std::isnan(x.back()));  // the engine refuses it; no clamp hides it
+  EXPECT_EQ(kMaxScore, std::nextafter(1.f, 0.f));
+  EXPECT_EQ(kMinScore, std::numeric_limits<float>::min());
+}
+
 TEST(CpuOps, RoundToBf16AndTf32) {
   auto bits = [](uint32_t u) {
     float f;
