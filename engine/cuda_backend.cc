@@ -895,6 +895,18 @@ absl::StatusOr<std::vector<float>> CudaBackendImpl::Time(const std::function<abs
 
 using cuda_backend_internal::CudaBackendImpl;
 
+absl::Status CudaBackendRunsModel(const ModelConfig& c) {
+  if (!cuda::HeadDimSupported(c.head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat("the CUDA backend supports head dims ",
+                                                   cuda::kSupportedHeadDimsText, ", not ", c.head_dim));
+  }
+  if (c.hidden_dim % 8 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the CUDA backend needs hidden_dim % 8 == 0, got ", c.hidden_dim));
+  }
+  return absl::OkStatus();
+}
+
 bool CudaDeviceAvailable() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
@@ -927,15 +939,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackendExt(const ModelWei
         "cuda:", device_index, " (", prop.name, ") has compute capability ", prop.major, ".",
         prop.minor, "; the CUDA backend's kernels run on 9.0 (H100, H200) only; use --device=cpu"));
   }
-  const ModelConfig& c = weights.config;
-  if (!cuda::HeadDimSupported(c.head_dim)) {
-    return absl::InvalidArgumentError(absl::StrCat("the CUDA backend supports head dims ",
-                                                   cuda::kSupportedHeadDimsText, ", not ", c.head_dim));
-  }
-  if (c.hidden_dim % 8 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the CUDA backend needs hidden_dim % 8 == 0, got ", c.hidden_dim));
-  }
+  if (absl::Status runs = CudaBackendRunsModel(weights.config); !runs.ok()) return runs;
   if (page_size <= 0) return absl::InvalidArgumentError("page_size must be > 0");
   if (num_pages <= 0) return absl::InvalidArgumentError("the KV pool needs at least one page");
   if (num_pages > cuda::kMaxKvPoolPages) {

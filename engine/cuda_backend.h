@@ -98,4 +98,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const ModelWeights& w
 // True when at least one CUDA device is usable (tests skip otherwise).
 bool CudaDeviceAvailable();
 
+// CudaRunsModel (engine/backend.h) of a CUDA build: the model shapes the kernels run.
+absl::Status CudaBackendRunsModel(const ModelConfig& config);
+
 }  // namespace hstu

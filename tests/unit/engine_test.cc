@@ -182,6 +182,26 @@ TEST(Engine, SaturatedLogitsStillGiveScoresInsideZeroOne) {
   }
 }
 
+TEST(Engine, CudaRunsModelNamesTheShapesTheKernelsDoNotRun) {
+  // No GPU is needed: the shapes alone decide (--device=auto serves other models on the CPU).
+  ModelConfig base = *PresetConfig("base");
+  ModelConfig tiny = *PresetConfig("tiny");
+  ModelConfig odd_width = base;
+  odd_width.hidden_dim = 1020;
+#if defined(HSTU_WITH_CUDA)
+  EXPECT_TRUE(CudaRunsModel(base).ok()) << CudaRunsModel(base);
+  const absl::Status t = CudaRunsModel(tiny);
+  EXPECT_EQ(t.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(t.message()).find("head dims 64, 128, 256, not 32"), std::string::npos) << t;
+  const absl::Status w = CudaRunsModel(odd_width);
+  EXPECT_EQ(w.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(w.message()).find("hidden_dim % 8"), std::string::npos) << w;
+#else
+  EXPECT_EQ(CudaRunsModel(base).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(CudaRunsModel(tiny).code(), absl::StatusCode::kUnavailable);
+#endif
+}
+
 TEST(Engine, TwoRequestsOfOneUserInABatchRunInOrder) {
   const ModelConfig c = TestConfig(false, 0);
   auto e = MakeEngine(c, true, 4);
