@@ -54,7 +54,8 @@ ABSL_FLAG(std::string, json, "", "write the results as JSON to this file");
 ABSL_FLAG(int32_t, reps, 50, "timed repetitions (median reported)");
 ABSL_FLAG(int32_t, page_size, 32, "tokens per KV page");
 ABSL_FLAG(int32_t, window, 0,
-          "sliding window (max_attn_len) of the base model in block, block_graphs and e2e; 0 = none");
+          "sliding window (max_attn_len) of the base model in block, block_graphs, timeline, e2e "
+          "and offload; 0 = none");
 ABSL_FLAG(std::string, batches, "1,8", "batch sizes (users)");
 ABSL_FLAG(int32_t, cached, 3968,
           "kernels, timeline, attention_trace: history tokens per user already in the pages, of "
@@ -666,6 +667,27 @@ json BenchBlock(int reps, int page_size, const std::vector<int>& batches,
 
 // ---- Decode step with CUDA graphs, e2e through the Engine, host-tier transfers (issue 5) ----
 
+// What a mode runs (the model, or the part of it), and whether --page_size and --window reach it:
+// stated with every run's results (DESIGN §11).
+struct ModeModel {
+  std::string model;
+  bool takes_page_size = true;
+  bool takes_window = false;
+};
+ModeModel ModelOf(const std::string& mode) {
+  if (mode == "attention_sweep") {
+    return {"one attention layer, H x D = 1024 (4 x 256, 8 x 128, 16 x 64), page size 64", false,
+            false};
+  }
+  if (mode == "layer") return {"one HSTU layer (d 1024, 4 x 256), batch 32, no cache", false, false};
+  if (mode == "gemm_algos" || mode == "gemm_search") {
+    return {"the layer GEMMs of hstu-base (d 1024, 4 x 256)", false, false};
+  }
+  const bool whole_model = mode == "block" || mode == "block_graphs" || mode == "timeline" ||
+                           mode == "e2e" || mode == "offload";
+  return {"hstu-base (8 layers, d 1024, 4 x 256, N 4352)", true, whole_model};
+}
+
 hstu::ModelWeights BaseWeights() {
   auto config = hstu::PresetConfig("base");
   if (!config.ok()) std::exit(1);
@@ -1274,12 +1296,22 @@ int main(int argc, char** argv) {
   cudaRuntimeGetVersion(&runtime);
   const bool with_graphs =
       mode == "block_graphs" || mode == "timeline" || mode == "e2e" || mode == "offload";
-  std::printf("GPU: %s | model: hstu-base (8 layers, d 1024, 4 x 256, N 4352) | bf16, %s | "
-              "page size %d | median of %d reps | CUDA runtime %d, driver %d\n",
-              GpuName().c_str(), with_graphs ? "eager and CUDA graphs (per table)" : "eager",
-              page_size, reps, runtime, driver);
-  json j = {{"gpu", GpuName()}, {"mode", mode}, {"page_size", page_size}, {"reps", reps},
+  const ModeModel what = ModelOf(mode);
+  const int window = absl::GetFlag(FLAGS_window);
+  std::string settings = what.takes_page_size ? absl::StrCat("page size ", page_size) : "";
+  if (what.takes_window) {
+    absl::StrAppend(&settings, settings.empty() ? "" : ", ",
+                    window > 0 ? absl::StrCat("window ", window) : "no window");
+  }
+  std::printf("GPU: %s | model: %s | bf16, %s | %s%smedian of %d reps | CUDA runtime %d, driver "
+              "%d\n",
+              GpuName().c_str(), what.model.c_str(),
+              with_graphs ? "eager and CUDA graphs (per table)" : "eager", settings.c_str(),
+              settings.empty() ? "" : " | ", reps, runtime, driver);
+  json j = {{"gpu", GpuName()}, {"mode", mode}, {"model", what.model}, {"reps", reps},
             {"cuda_runtime", runtime}, {"cuda_driver", driver}};
+  if (what.takes_page_size) j["page_size"] = page_size;
+  if (what.takes_window) j["window"] = window;
   // The clock and power through the whole mode (and per row where a mode reports it).
   std::string no_monitor;
   const std::unique_ptr<GpuMonitor> monitor =
