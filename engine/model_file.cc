@@ -1,6 +1,7 @@
 #include "engine/model_file.h"
 
 #include <algorithm>
+#include <limits>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -123,9 +124,10 @@ absl::Status ModelConfig::Validate() const {
            {"hstu.hidden_dim", hidden_dim, 65536},
            {"hstu.num_heads * hstu.head_dim", static_cast<int64_t>(num_heads) * head_dim, 65536},
            {"hstu.max_history_tokens", max_history_tokens, int64_t{1} << 22},
-           {"hstu.attention_norm_len", attention_norm_len, int64_t{1} << 24},
            {"hstu.max_candidates", max_candidates, int64_t{1} << 20},
-           {"hstu.num_tasks", num_tasks, 4096}}) {
+           {"hstu.num_tasks", num_tasks, 4096},
+           // last: a file without it defaults it from the two above
+           {"hstu.attention_norm_len", attention_norm_len, int64_t{1} << 24}}) {
     if (v > most) return absl::InvalidArgumentError(absl::StrCat(key, " must be at most ", most, ", got ", v));
   }
   // The embedding tables: rows x hidden_dim values must stay far from int64 (and size_t) wrap.
@@ -324,7 +326,7 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
   HSTU_RETURN_IF_ERROR(get_int("hstu.hidden_dim", &c.hidden_dim, true));
   HSTU_RETURN_IF_ERROR(get_int("hstu.num_heads", &c.num_heads, true));
   HSTU_RETURN_IF_ERROR(get_int("hstu.head_dim", &c.head_dim, true));
-  HSTU_RETURN_IF_ERROR(get_int("hstu.attention_norm_len", &c.attention_norm_len, true));
+  HSTU_RETURN_IF_ERROR(get_int("hstu.attention_norm_len", &c.attention_norm_len, false));
   HSTU_RETURN_IF_ERROR(get_int("hstu.max_history_tokens", &c.max_history_tokens, true));
   HSTU_RETURN_IF_ERROR(get_int("hstu.max_attn_len", &c.max_attn_len, true));
   HSTU_RETURN_IF_ERROR(get_int("hstu.num_tasks", &c.num_tasks, true));
@@ -332,6 +334,11 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
   HSTU_RETURN_IF_ERROR(get_int("hstu.truncation_stride", &c.truncation_stride_tokens, false));
   HSTU_RETURN_IF_ERROR(get_str("hstu.position_encoding", &pos_str, true));
   HSTU_RETURN_IF_ERROR(get_str("hstu.model_name", &c.model_name, false));
+  // DESIGN §2.2: N defaults to max history tokens + max candidates (checked after both, below).
+  if (!meta.contains("hstu.attention_norm_len")) {
+    c.attention_norm_len = static_cast<int32_t>(std::clamp<int64_t>(
+        int64_t{c.max_history_tokens} + c.max_candidates, 0, std::numeric_limits<int32_t>::max()));
+  }
   if (pos_str == "true" || pos_str == "1") {
     c.position_encoding = true;
   } else if (pos_str == "false" || pos_str == "0") {
@@ -343,9 +350,9 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
   for (auto [key, v] : std::initializer_list<std::pair<const char*, int32_t>>{
            {"hstu.num_layers", c.num_layers}, {"hstu.hidden_dim", c.hidden_dim},
            {"hstu.num_heads", c.num_heads}, {"hstu.head_dim", c.head_dim},
-           {"hstu.attention_norm_len", c.attention_norm_len},
            {"hstu.max_history_tokens", c.max_history_tokens}, {"hstu.num_tasks", c.num_tasks},
-           {"hstu.max_candidates", c.max_candidates}}) {
+           {"hstu.max_candidates", c.max_candidates},
+           {"hstu.attention_norm_len", c.attention_norm_len}}) {
     if (v <= 0) return InvalidModel(name, absl::StrCat("metadata '", key, "' must be > 0, got ", v));
   }
 

@@ -119,6 +119,22 @@ def main():
             failures.append(f"reference on a model with {what}: a traceback\n{out[-600:]}")
 
     reference = [sys.executable, os.path.join(tools, "hstu_reference.py"), "--model", model]
+    # hstu.attention_norm_len defaults to max history tokens + max candidates (DESIGN §2.2), as
+    # the C++ loader has it; tiny's is that sum, so the scores must not change without it.
+    no_norm_len = json.loads(json.dumps(header))
+    del no_norm_len["__metadata__"]["hstu.attention_norm_len"]
+    defaulted = os.path.join(args.work_dir, "no_norm_len.safetensors")
+    with open(defaulted, "wb") as f:
+        f.write(with_header(no_norm_len, data))
+    scored = {}
+    for name, path in (("given", model), ("defaulted", defaulted)):
+        out_path = os.path.join(args.work_dir, f"{name}.out.jsonl")
+        rc, out = run([sys.executable, os.path.join(tools, "hstu_reference.py"), "--model", path,
+                       "--input", requests, "--output", out_path])
+        expect(f"reference on a model with hstu.attention_norm_len {name}", rc, out, 0, "")
+        scored[name] = open(out_path).read() if rc == 0 else None
+    if scored["given"] != scored["defaulted"] or not scored["given"]:
+        failures.append(f"hstu.attention_norm_len defaulted scores differently: {scored}")
     bad = write("bad.jsonl", [{"user_id": 1, "history_item_ids": [1], "history_actions": [0]},
                               {"user_id": 2**64, "history_item_ids": [], "history_actions": [],
                                "candidate_item_ids": [3]}])

@@ -316,6 +316,34 @@ TEST(ModelFile, InconsistentMetadata) {
   }
 }
 
+TEST(ModelFile, AttentionNormLenDefaultsToHistoryPlusCandidates) {
+  // DESIGN §2.2: N defaults to max history tokens + max candidates. Before, a file without the
+  // key was rejected as missing it.
+  ModelConfig c = SmallConfig();
+  c.max_candidates = 5;
+  c.attention_norm_len = 7;
+  auto [h, data] = Split(SerializeModelFile(RandomModel(c, 1)));
+  auto given = ParseModelFile(Join(h, data), "x");
+  ASSERT_TRUE(given.ok()) << given.status();
+  EXPECT_EQ(given->config.attention_norm_len, 7);
+  h["__metadata__"].erase("hstu.attention_norm_len");
+  auto defaulted = ParseModelFile(Join(h, data), "x");
+  ASSERT_TRUE(defaulted.ok()) << defaulted.status();
+  EXPECT_EQ(defaulted->config.attention_norm_len, 16 + 5);
+  // Without hstu.max_candidates either: its own default, 256.
+  h["__metadata__"].erase("hstu.max_candidates");
+  auto both = ParseModelFile(Join(h, data), "x");
+  ASSERT_TRUE(both.ok()) << both.status();
+  EXPECT_EQ(both->config.max_candidates, 256);
+  EXPECT_EQ(both->config.attention_norm_len, 16 + 256);
+  // A bad history length is named as itself, not as the length derived from it.
+  h["__metadata__"]["hstu.max_history_tokens"] = "-4";
+  ExpectError(Join(h, data), "'hstu.max_history_tokens' must be > 0, got -4");
+  h["__metadata__"]["hstu.max_history_tokens"] = "16";
+  h["__metadata__"]["hstu.max_candidates"] = "2000000000";
+  ExpectError(Join(h, data), "hstu.max_candidates must be at most 1048576");
+}
+
 TEST(ModelFile, TruncationStrideRoundTripsAndIsChecked) {
   ModelConfig c = SmallConfig();  // M = 16: the default stride is 4
   ASSERT_EQ(c.truncation_stride(), 4);
