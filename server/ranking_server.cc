@@ -260,9 +260,12 @@ void RankingServer::Shutdown(absl::Duration grace) {
     // Only then is gRPC shut down, with no wait: its own wait would also hold for the streams
     // that never end by themselves (health Watch), the whole grace. Whatever is still running
     // then is cancelled.
+    // The queued calls run from now on without waiting out --batch_timeout_us for fuller batches:
+    // no call can join them any more.
     const absl::Time until = absl::Now() + grace;
     if (service_ != nullptr) {
       service_->StopAdmitting();
+      if (scheduler_ != nullptr) scheduler_->BeginDrain();
       while (service_->InFlight() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(2));
     }
     grpc_server_->Shutdown(std::chrono::system_clock::now());

@@ -175,12 +175,16 @@ bool Scheduler::Draining() const {
   return draining_;
 }
 
-void Scheduler::Drain() {
+void Scheduler::BeginDrain() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     draining_ = true;
   }
   cv_.notify_all();
+}
+
+void Scheduler::Drain() {
+  BeginDrain();
   std::lock_guard<std::mutex> join_lock(join_mu_);
   if (worker_.joinable()) worker_.join();
 }

@@ -126,7 +126,11 @@ class Scheduler {
   // How long the batch now on the engine has been running; zero while the worker is idle.
   // Thread-safe.
   absl::Duration BusyFor() const;
-  // Stops admitting, finishes queued and running work, joins the worker. Idempotent.
+  // Stops admitting, and from then on runs what is queued without waiting for fuller batches
+  // (nothing more can join them); returns at once. Idempotent.
+  void BeginDrain();
+  // BeginDrain(), then waits until queued and running work is finished and joins the worker.
+  // Idempotent.
   void Drain();
   // Whether Drain() has begun: Submit() refuses from then on.
   bool Draining() const;

@@ -1386,5 +1386,31 @@ TEST_F(ServerTest, ShutdownDrainsInFlightRequests) {
   EXPECT_EQ(ok.load(), 4);
 }
 
+TEST_F(ServerTest, ADrainRunsQueuedCallsWithoutWaitingForFullerBatches) {
+  // Before: the drain left queued calls waiting out the batch timeout (up to 10 s) although no
+  // call could join their batch any more, and past the grace the process outlived it by as much,
+  // its clients already cut off.
+  ServerOptions o;
+  o.scheduler.batch_timeout = std::chrono::seconds(60);
+  o.scheduler.max_batch_size = 8;
+  StartServer(o);
+  std::atomic<int> ok{0};
+  std::vector<std::thread> threads;
+  for (int u = 0; u < 2; ++u) {
+    threads.emplace_back([&, u] {
+      hstu::v1::RankResponse r;
+      if (Rank(MakeRequest(u + 1, 10, 3, 1), &r).ok()) ++ok;
+    });
+  }
+  ASSERT_EQ(AwaitQueueDepth(2), 2);  // waiting for a fuller batch
+  const auto stop = std::chrono::steady_clock::now();
+  server_->Shutdown(absl::Seconds(30));
+  const auto took = std::chrono::steady_clock::now() - stop;
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), 2);
+  EXPECT_LT(took, 20s) << "the drain waited for the batch timeout";
+  EXPECT_EQ(gate_.seen_count(), 2);
+}
+
 }  // namespace
 }  // namespace hstu::server
