@@ -268,7 +268,9 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
   if (const void* nul = std::memchr(bytes.data() + 8, '\0', header_len); nul != nullptr) {
     return InvalidModel(name, absl::StrCat("header has a NUL byte at offset ",
                                            static_cast<const char*>(nul) - (bytes.data() + 8),
-                                           " (the header is JSON padded with spaces)"));
+                                           " of its ", header_len,
+                                           " bytes (the header is JSON padded with spaces): the "
+                                           "file is corrupt, or its header length is wrong"));
   }
   // A key given twice in one object (the parser keeps the last) makes the file mean two things.
   std::vector<std::set<std::string>> keys_seen;
@@ -285,7 +287,9 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
   json header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<int64_t>(header_len),
                             note_keys, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) {
-    return InvalidModel(name, "header is not a JSON object");
+    return InvalidModel(name, absl::StrCat("header (the ", header_len,
+                                           " bytes after its length) is not a JSON object: the "
+                                           "file is corrupt, or its header length is wrong"));
   }
   if (!duplicate.empty()) return InvalidModel(name, absl::StrCat("header has the key '", duplicate, "' twice"));
   const size_t data_start = 8 + header_len;

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "server/stop_signals.h"
 #include "server/validation.h"
 #include "spdlog/spdlog.h"
@@ -36,6 +37,13 @@ RankRequest WarmupRequest() {
 // that cannot hold one user of the model's longest history (every such request would answer
 // RESOURCE_EXHAUSTED, which clients read as "back off"), or a message limit below the largest
 // reply (the engine would run the batch and gRPC then refuse to send its scores).
+// A memory size for the log: GiB from 1 GiB up, else MiB (a small pool is not "0.00 GiB").
+std::string SizeText(double bytes) {
+  constexpr double kMiB = 1 << 20, kGiB = 1 << 30;
+  return bytes >= kGiB ? absl::StrFormat("%.2f GiB", bytes / kGiB)
+                       : absl::StrFormat("%.2f MiB", bytes / kMiB);
+}
+
 absl::Status CheckServingLimits(const ServerOptions& options, const Engine& engine) {
   const ModelConfig& c = engine.config();
   if (absl::Status pool = engine.CheckPoolHoldsTheLongestHistory(); !pool.ok()) {
@@ -127,16 +135,16 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                  options.engine.host_cache_pages,
                  options.engine.host_cache_pages == -1 ? ": auto, none on this backend" : "");
   } else {
-    const double host_gib =
-        stats.cache.host_pages_total * static_cast<double>(stats.kv_page_bytes) / (1 << 30);
-    spdlog::info("engine: host KV tier of {} pages ({:.1f} GiB pinned); onload policy {}",
-                 stats.cache.host_pages_total, host_gib,
-                 OnloadPolicyName(options.engine.onload_policy));
+    spdlog::info("engine: host KV tier of {} pages ({}{}); onload policy {}",
+                 stats.cache.host_pages_total,
+                 SizeText(static_cast<double>(stats.cache.host_pages_total) *
+                          static_cast<double>(stats.kv_page_bytes)),
+                 on_cpu ? "" : " pinned", OnloadPolicyName(options.engine.onload_policy));
   }
-  spdlog::info("engine: KV pool {} pages of {} tokens ({:.2f} GiB); CUDA graphs {}",
+  spdlog::info("engine: KV pool {} pages of {} tokens ({}); CUDA graphs {}",
                stats.cache.pages_total, options.engine.page_size,
-               static_cast<double>(stats.cache.pages_total) * static_cast<double>(stats.kv_page_bytes) /
-                   static_cast<double>(1 << 30),
+               SizeText(static_cast<double>(stats.cache.pages_total) *
+                        static_cast<double>(stats.kv_page_bytes)),
                on_cpu ? "none (CPU backend)" : options.engine.use_cuda_graphs ? "on" : "off");
   spdlog::info("engine: attention: {}", s->engine_->attention_kernel());
 

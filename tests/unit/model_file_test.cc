@@ -197,7 +197,16 @@ TEST(ModelFile, HeaderNotJson) {
   uint64_t n = h.size();
   std::string out(8, '\0');
   std::memcpy(out.data(), &n, 8);
-  ExpectError(out + h, "not a JSON object");
+  ExpectError(out + h, "header (the 16 bytes after its length) is not a JSON object");
+  // A header length a few bytes too long takes tensor bytes into the JSON: the message points at
+  // the length.
+  const std::string bytes = SerializeModelFile(RandomModel(SmallConfig(), 1));
+  uint64_t len = 0;
+  std::memcpy(&len, bytes.data(), 8);
+  std::string longer = bytes;
+  const uint64_t plus = len + 5;
+  std::memcpy(longer.data(), &plus, 8);
+  ExpectError(longer, "the file is corrupt, or its header length is wrong");
 }
 
 TEST(ModelFile, MissingTensorIsNamed) {
