@@ -2,6 +2,7 @@
 if(TARGET hstu_engine_cuda)
   add_executable(hstu_bench ${CMAKE_CURRENT_LIST_DIR}/hstu_bench.cc
                  ${CMAKE_CURRENT_LIST_DIR}/bench_attention_layer.cc
+                 ${CMAKE_CURRENT_LIST_DIR}/bench_engine.cc
                  ${CMAKE_CURRENT_LIST_DIR}/bench_gemm.cc
                  ${CMAKE_CURRENT_LIST_DIR}/bench_gemm_search.cc
                  ${CMAKE_CURRENT_LIST_DIR}/kernel_timeline.cc
