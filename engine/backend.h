@@ -153,14 +153,15 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(
     CpuNumerics numerics = CpuNumerics::kFp32);
 // OK when the CUDA backend's kernels run the model's shapes (head dim 64, 128 or 256; hidden dim a
 // multiple of 8), whether or not a GPU is present; INVALID_ARGUMENT naming the shape otherwise, and
-// UNAVAILABLE in a build without CUDA.
+// UNAVAILABLE in a build without CUDA. On a GPU, --device=auto refuses such a model (it does not
+// move it to the CPU); the error says how to run it there.
 absl::Status CudaRunsModel(const ModelConfig& config);
 
 // Whether `device` names a device CreateBackend knows (not whether it is present):
 // INVALID_ARGUMENT naming the accepted forms otherwise.
 absl::Status CheckDeviceName(const std::string& device);
 // "cpu", "cpu-bf16" (the CPU backend with CpuNumerics::kBf16), "cuda:N" or "auto" (cuda:0 when a
-// GPU is present and runs the model, else cpu).
+// GPU is present, else cpu).
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device,
                                                        const ModelWeights& weights,
                                                        int32_t page_size, int64_t num_pages,

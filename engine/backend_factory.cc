@@ -10,7 +10,7 @@ namespace hstu {
 
 namespace {
 
-// The GPU a device name asks for: N for "cuda:N", 0 for "auto" (when a GPU runs the model), -1 for
+// The GPU a device name asks for: N for "cuda:N", 0 for "auto" (when a GPU is present), -1 for
 // the CPU backends; INVALID_ARGUMENT for a name that is none of these.
 absl::StatusOr<int> GpuIndex(const std::string& device) {
   if (device == "cpu" || device == "cpu-bf16") return -1;
@@ -49,12 +49,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device
   const bool is_auto = device == "auto";
 #if defined(HSTU_WITH_CUDA)
   auto cuda = CreateCudaBackend(weights, page_size, num_pages, *index, graphs);
-  // auto: the CPU only where no GPU can be used (UNAVAILABLE) or its kernels do not run the
-  // model; any other failure is reported.
-  if (cuda.ok() || !is_auto ||
-      (cuda.status().code() != absl::StatusCode::kUnavailable && CudaRunsModel(weights.config).ok())) {
-    return cuda;
-  }
+  // auto: the CPU only where no GPU can be used (UNAVAILABLE); any other failure is reported.
+  if (cuda.ok() || !is_auto || cuda.status().code() != absl::StatusCode::kUnavailable) return cuda;
 #else
   (void)graphs;  // CPU-only build: no backend with graphs
   if (!is_auto) {

@@ -149,21 +149,21 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   };
   absl::StatusOr<std::unique_ptr<Backend>> backend =
       make_backend(options.device == "auto" ? "cuda:0" : options.device);
-  // "auto" falls back to the CPU only where no GPU can be used at all (none present, none this
-  // build's kernels run on, or a model whose shapes they do not run, such as random:tiny's head
-  // dim 32): a GPU that is present and fails to start (memory held by another process, a capture
-  // that fails) is an error, not a silent switch to a far slower engine.
+  // "auto" falls back to the CPU only where no GPU can be used at all (none present, or none this
+  // build's kernels run on): a GPU that is present and fails to start (memory held by another
+  // process, a model whose shapes its kernels do not run, a capture that fails) is an error, not a
+  // silent switch to a far slower engine.
   if (!backend.ok() && options.device == "auto") {
-    const absl::Status runs = CudaRunsModel(c);
     if (backend.status().code() == absl::StatusCode::kUnavailable) {
       spdlog::warn("no usable GPU ({}); running on the CPU reference backend",
                    std::string(backend.status().message()));
       backend = make_backend("cpu");
-    } else if (!runs.ok()) {
-      spdlog::warn("the GPU does not run this model ({}); running on the CPU reference backend "
-                   "(--device=cuda:0 makes this an error)",
-                   std::string(runs.message()));
-      backend = make_backend("cpu");
+    } else if (!CudaRunsModel(c).ok()) {
+      // Say how to run it anyway: random:tiny, the default model, is such a model (head dim 32).
+      backend = absl::InvalidArgumentError(absl::StrCat(
+          backend.status().message(),
+          "; --device=auto does not move a model off a present GPU: --device=cpu runs it on the "
+          "CPU reference backend"));
     }
   }
   if (!backend.ok()) return backend.status();

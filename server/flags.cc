@@ -18,8 +18,9 @@ ABSL_FLAG(std::string, model, "random:tiny",
           "Model: a safetensors file, or random:PRESET (tiny, base) for a seeded random model.");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of random:PRESET models.");
 ABSL_FLAG(std::string, device, "auto",
-          "Device: auto (cuda:0 when a GPU is present and its kernels run the model, else cpu with "
-          "a warning), cpu, cpu-bf16 (the CPU reference rounded as the GPU rounds), or cuda:N.");
+          "Device: auto (cuda:0 when a usable GPU is present, else cpu with a warning; a model "
+          "the GPU's kernels do not run, such as random:tiny, is then an error, not moved to the "
+          "CPU), cpu, cpu-bf16 (the CPU reference rounded as the GPU rounds), or cuda:N.");
 ABSL_FLAG(int32_t, max_batch_size, 8, "Most requests (users) in one engine batch.");
 ABSL_FLAG(int64_t, max_batch_tokens, 65536,
           "Most estimated tokens (kept history tokens + candidates) in one engine batch; a larger "

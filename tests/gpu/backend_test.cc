@@ -328,6 +328,10 @@ TEST(CudaBackend, AutoReportsAGpuThatFailsToStartInsteadOfFallingBackToTheCpu) {
   auto e = Engine::Create(o, RandomModel(c, 1));
   ASSERT_FALSE(e.ok()) << "ran on " << (*e)->device_name();
   EXPECT_NE(e.status().message().find("64, 128, 256"), std::string::npos) << e.status();
+  // It says how to run the model anyway (random:tiny, the server's default, is such a model).
+  EXPECT_NE(e.status().message().find("--device=cpu runs it"), std::string::npos) << e.status();
+  EXPECT_FALSE(CudaRunsModel(c).ok());
+  EXPECT_TRUE(CudaRunsModel(GpuTestConfig(128, 0, false)).ok());
 }
 
 TEST(CudaBackend, RejectsAPoolPastWhatTheAttentionAddresses) {

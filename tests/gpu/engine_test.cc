@@ -100,33 +100,6 @@ TEST(CudaEngine, MatchesCpuEngineAndCacheMatchesNoCache) {
 // A sliding window (DESIGN §2.2): the cache releases the pages behind it after each commit, and
 // the page table's dead slots point at a live page that the kernels must not read. Returning
 // users with histories far longer than the window score as without the cache and as on the CPU.
-TEST(CudaEngine, AutoServesAModelTheKernelsDoNotRunOnTheCpu) {
-  // Before: `hstu_server` with its defaults (random:tiny, head dim 32, --device=auto) did not start
-  // on a GPU machine: the CUDA backend's refusal of the head dim was reported as a start-up error.
-  HSTU_SKIP_WITHOUT_GPU();
-  const ModelWeights tiny = RandomModel(*PresetConfig("tiny"), 5);
-  ASSERT_FALSE(CudaRunsModel(tiny.config).ok());
-  EngineOptions o;
-  o.device = "auto";
-  auto on_auto = Engine::Create(o, tiny);
-  ASSERT_TRUE(on_auto.ok()) << on_auto.status();
-  EXPECT_EQ((*on_auto)->device_name(), "cpu");
-  const RankRequest r{7, {1, 2, 3, 4, 5}, {0, 1, 2, 3, 4}, {9, 8}};
-  EXPECT_TRUE((*on_auto)->Rank({&r, 1})[0].ok());
-  // Named explicitly, the GPU's refusal is the error, naming the head dim.
-  o.device = "cuda:0";
-  auto on_gpu = Engine::Create(o, tiny);
-  ASSERT_FALSE(on_gpu.ok());
-  EXPECT_EQ(on_gpu.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(std::string(on_gpu.status().message()).find("head dims"), std::string::npos)
-      << on_gpu.status();
-  // A model the kernels run stays on the GPU under auto.
-  o.device = "auto";
-  auto small = Engine::Create(o, RandomModel(test::SmallGpuModelConfig(), 5));
-  ASSERT_TRUE(small.ok()) << small.status();
-  EXPECT_NE((*small)->device_name(), "cpu");
-}
-
 TEST(CudaEngine, PagesReleasedBehindTheWindowAreNeverRead) {
   HSTU_SKIP_WITHOUT_GPU();
   ModelConfig c = test::SmallGpuModelConfig();

@@ -183,7 +183,7 @@ TEST(Engine, SaturatedLogitsStillGiveScoresInsideZeroOne) {
 }
 
 TEST(Engine, CudaRunsModelNamesTheShapesTheKernelsDoNotRun) {
-  // No GPU is needed: the shapes alone decide (--device=auto serves other models on the CPU).
+  // No GPU is needed: the shapes alone decide.
   ModelConfig base = *PresetConfig("base");
   ModelConfig tiny = *PresetConfig("tiny");
   ModelConfig odd_width = base;
