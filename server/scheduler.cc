@@ -89,12 +89,22 @@ absl::Status Scheduler::Submit(PendingRank pending, SubmitRejection* reason) {
     }
     // Requests whose deadline passed or whose call was cancelled hold no place: they are answered
     // at the next batch boundary. (The queue's storage stays bounded at twice max_queue.)
-    if (static_cast<int64_t>(queue_.size()) >= options_.max_queue &&
-        (static_cast<int64_t>(queue_.size()) >= 2 * static_cast<int64_t>(options_.max_queue) ||
-         LiveQueuedLocked(item.enqueued) >= options_.max_queue)) {
-      return reject(SubmitRejection::kQueueFull,
-                    absl::ResourceExhaustedError(absl::StrCat(
-                        "request queue is full (", options_.max_queue, " requests)")));
+    const int64_t entries = static_cast<int64_t>(queue_.size());
+    if (entries >= options_.max_queue) {
+      const int64_t live = LiveQueuedLocked(item.enqueued);
+      if (live >= options_.max_queue) {
+        return reject(SubmitRejection::kQueueFull,
+                      absl::ResourceExhaustedError(absl::StrCat(
+                          "request queue is full (", options_.max_queue, " requests)")));
+      }
+      if (entries >= 2 * static_cast<int64_t>(options_.max_queue)) {
+        return reject(SubmitRejection::kQueueFull,
+                      absl::ResourceExhaustedError(absl::StrCat(
+                          "request queue is full: it keeps at most ", entries,
+                          " entries (twice --max_queue), and ", entries - live,
+                          " of them, expired or cancelled, are answered when the batch on the "
+                          "engine ends")));
+      }
     }
     if (TokensFullLocked(item.memory_tokens, item.enqueued)) {
       return reject(SubmitRejection::kQueueFull,

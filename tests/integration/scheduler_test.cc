@@ -359,11 +359,42 @@ TEST(SchedulerTest, DeadRequestsHoldNoPlaceInTheQueue) {
   EXPECT_TRUE(s->Submit(Pending(11, &live[0])).ok());
   EXPECT_TRUE(s->Submit(Pending(12, &live[1])).ok());
   // Two live requests: the queue is full now.
-  EXPECT_EQ(s->Submit(Pending(13, &live[2])).code(), absl::StatusCode::kResourceExhausted);
+  const absl::Status full = s->Submit(Pending(13, &live[2]));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(full.message().find("request queue is full (2 requests)"), std::string::npos) << full;
   engine.Open();
   for (auto& d : dead) EXPECT_EQ(Await(d).status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_TRUE(Await(live[0]).ok());
   EXPECT_TRUE(Await(live[1]).ok());
+}
+
+TEST(SchedulerTest, AQueueFullOfDeadEntriesSaysSo) {
+  // The queue keeps at most twice max_queue entries: dead ones wait there for the batch on the
+  // engine to end. Before, a call refused then read "request queue is full (2 requests)" while
+  // no live request was queued.
+  FakeEngine engine;
+  SchedulerOptions o;
+  o.max_queue = 2;
+  Outcome first;
+  auto s = MakeHeldScheduler(engine, o, &first);
+  std::vector<Outcome> dead(4), refused(1);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(s->Submit(Pending(1 + i, &dead[i], 1, Clock::now() + 10ms)).ok());
+  }
+  std::this_thread::sleep_for(30ms);
+  for (int i = 2; i < 4; ++i) {
+    ASSERT_TRUE(s->Submit(Pending(1 + i, &dead[i], 1, Clock::now() + 10ms)).ok());
+  }
+  std::this_thread::sleep_for(30ms);
+  const absl::Status full = s->Submit(Pending(11, &refused[0]));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(full.message().find("it keeps at most 4 entries (twice --max_queue), and 4 of them, "
+                                "expired or cancelled, are answered when the batch on the engine "
+                                "ends"),
+            std::string::npos)
+      << full;
+  engine.Open();
+  for (auto& d : dead) EXPECT_EQ(Await(d).status().code(), absl::StatusCode::kDeadlineExceeded);
 }
 
 TEST(SchedulerTest, OneUsersFloodTakesAtMostItsShareOfTheQueue) {
