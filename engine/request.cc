@@ -12,7 +12,8 @@ absl::Status ValidateRankRequest(const RankRequest& r, const ModelConfig& c, con
         "history_actions has ", r.history_actions.size(), " entries but history_item_ids has ",
         r.history_item_ids.size(), "; they must have the same length"));
   }
-  if (static_cast<int64_t>(r.history_item_ids.size()) > limits.max_history_events) {
+  if (limits.max_history_events > 0 &&
+      static_cast<int64_t>(r.history_item_ids.size()) > limits.max_history_events) {
     return absl::InvalidArgumentError(absl::StrCat("history_item_ids has ", r.history_item_ids.size(),
                                                    " events, more than the limit of ",
                                                    limits.max_history_events));

@@ -26,7 +26,8 @@ struct RankResult {
   std::vector<float> hidden;       // [num_candidates, d] final hidden rows (only with keep_hidden)
 };
 
-// Limits a caller may tighten (the server's --max_candidates); 0 = no limit beyond the model's.
+// Limits a caller may tighten (the server's --max_candidates); 0 = no limit beyond the model's
+// (each checked only when > 0).
 struct RequestLimits {
   int64_t max_candidates = 1024;
   int64_t max_history_events = 1 << 20;  // longer histories are rejected, not truncated

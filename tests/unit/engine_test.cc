@@ -524,6 +524,17 @@ TEST(Engine, ValidationNamesTheField) {
   r = deep;
   r.candidate_item_ids[299] = -3;
   EXPECT_NE(msg(r).find("candidate_item_ids[299] = -3 is negative"), std::string::npos);
+  // The limits: a tighter one binds, 0 is none (before, a history limit of 0 refused every
+  // non-empty history).
+  RequestLimits tight;
+  tight.max_history_events = 999;
+  EXPECT_NE(ValidateRankRequest(deep, c, tight).message().find(
+                "history_item_ids has 1000 events, more than the limit of 999"),
+            std::string::npos);
+  RequestLimits none;
+  none.max_history_events = 0;
+  none.max_candidates = 0;
+  EXPECT_TRUE(ValidateRankRequest(deep, c, none).ok()) << ValidateRankRequest(deep, c, none);
 }
 
 TEST(Engine, RejectsANonPositiveOffloadBacklog) {
