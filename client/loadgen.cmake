@@ -3,6 +3,6 @@ add_library(hstu_loadgen_lib STATIC traffic.cc latency_histogram.cc report.cc an
 target_link_libraries(hstu_loadgen_lib PUBLIC absl::status absl::statusor absl::strings
                       absl::str_format nlohmann_json::nlohmann_json)
 
-add_executable(hstu_loadgen loadgen_main.cc)
+add_executable(hstu_loadgen loadgen_main.cc load_driver.cc)
 target_link_libraries(hstu_loadgen PRIVATE hstu_loadgen_lib hstu_atomic_file hstu_proto absl::flags
                       absl::flags_parse absl::flags_usage Threads::Threads)

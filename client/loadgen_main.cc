@@ -4,25 +4,19 @@
 // when the previous one answers. Open loop (--rate=R[,R2...]): requests are sent on a schedule
 // (constant or Poisson gaps) whatever the server does, and latency is measured from the scheduled
 // send time, so a slow server cannot hide its queueing (no coordinated omission).
-#include <signal.h>
-#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
-#include <mutex>
 #include <random>
-#include <span>
 #include <string>
 #include <system_error>
 #include <thread>
-#include <unordered_set>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -40,6 +34,7 @@
 #include "client/answer_log.h"
 #include "client/cli_util.h"
 #include "client/latency_histogram.h"
+#include "client/load_driver.h"
 #include "client/report.h"
 #include "client/traffic.h"
 #include "engine/atomic_file.h"
@@ -109,9 +104,6 @@ ABSL_FLAG(bool, overlapping_visits, false,
 namespace hstu::loadgen {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-using hstu::v1::Ranker;
-
 // Bounds that keep every duration a finite time point and every sweep a sane size.
 constexpr double kMaxSeconds = 86400;   // --duration, --warmup, --wait_ready_s: at most a day
 constexpr int64_t kMaxTimeoutMs = 86'400'000;
@@ -124,87 +116,6 @@ constexpr int32_t kMaxConnections = 1024;
 // longer than the model's maximum are truncated).
 constexpr int32_t kMaxCandidates = 1 << 20;
 constexpr int32_t kMaxEvents = 1 << 20;
-
-double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-// SIGINT/SIGTERM: the level running stops and the report of what was measured is printed and
-// written; a second signal ends the process at once.
-std::atomic<bool> g_interrupted{false};
-
-extern "C" void OnStopSignal(int sig) {
-  if (g_interrupted.exchange(true)) {
-    signal(sig, SIG_DFL);
-    raise(sig);
-  }
-}
-
-void InstallStopSignals() {
-  struct sigaction sa = {};
-  sa.sa_handler = OnStopSignal;
-  sa.sa_flags = SA_RESTART;  // stdio writes to a pipe are not cut short by the signal
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-}
-
-// Sleeps until `t` in short slices; false when a stop signal came first.
-bool SleepUntil(Clock::time_point t) {
-  while (!g_interrupted.load()) {
-    const Clock::time_point now = Clock::now();
-    if (now >= t) return true;
-    std::this_thread::sleep_for(std::min<Clock::duration>(t - now, std::chrono::milliseconds(50)));
-  }
-  return false;
-}
-
-bool SleepFor(double s) {
-  return SleepUntil(Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                       std::chrono::duration<double>(std::max(0.0, s))));
-}
-
-// The calls of a level in flight, so that a stop signal can cancel them instead of waiting out
-// their deadlines (up to --timeout_ms).
-class InFlightCalls {
- public:
-  void Add(grpc::ClientContext* ctx) {
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    calls_.insert(ctx);
-  }
-  // Before the context is destroyed.
-  void Remove(grpc::ClientContext* ctx) {
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    calls_.erase(ctx);
-  }
-  // Holds the lock, so no context is destroyed meanwhile, except by a completion that gRPC runs
-  // inside TryCancel on this thread (hence the recursive lock, and the walk over a copy that
-  // skips what such a completion removed).
-  void CancelAll() {
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    const std::vector<grpc::ClientContext*> now(calls_.begin(), calls_.end());
-    for (grpc::ClientContext* ctx : now) {
-      if (calls_.contains(ctx)) ctx->TryCancel();
-    }
-  }
-
- private:
-  std::recursive_mutex mu_;
-  std::unordered_set<grpc::ClientContext*> calls_;
-};
-
-// A call that a stop signal cancelled: not the server's answer, so not counted.
-bool CancelledByUs(const grpc::Status& status) {
-  return status.error_code() == grpc::StatusCode::CANCELLED && g_interrupted.load();
-}
-
-const char* CodeName(grpc::StatusCode code) {
-  static const char* kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT",
-                                 "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
-                                 "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-                                 "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
-                                 "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
-  const int c = static_cast<int>(code);
-  return c >= 0 && c < 17 ? kNames[c] : "UNKNOWN";
-}
 
 absl::StatusOr<std::vector<int32_t>> ParseConcurrency(const std::string& spec) {
   std::vector<int32_t> out;
@@ -261,324 +172,6 @@ absl::StatusOr<std::vector<double>> ParseRates(const std::string& spec) {
   }
   return out;
 }
-
-// Everything one load level shares between the senders, the completions and the progress line.
-class Level {
- public:
-  explicit Level(LevelResult* result) : result_(result) {}
-
-  void StartMeasuring() {
-    std::lock_guard<std::mutex> lock(mu_);
-    measuring_ = true;
-    window_start_ = Clock::now();
-    last_done_ = window_start_;
-  }
-  // The end of a window of fixed length (--duration): throughput counts the OK answers that came
-  // back inside it, whenever they were sent, over its length. (Without it, --requests: the window
-  // ends at the last measured answer.)
-  void CloseWindow() {
-    std::lock_guard<std::mutex> lock(mu_);
-    window_closed_ = true;
-    window_end_ = Clock::now();
-  }
-  // Whether a call sent now is inside the measured window.
-  bool measuring() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return measuring_ && !window_closed_;
-  }
-  // Whether the window ever opened (a level stopped in its warm-up did not).
-  bool window_opened() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return measuring_;
-  }
-  // Open loop: a measured call left `lag_s` after its scheduled time.
-  void Sent(double lag_s) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++result_->sent;
-    result_->sender_lag.Record(lag_s);
-  }
-  // A finished call; `measured` says whether it was sent inside the measured window.
-  void Done(bool measured, const grpc::Status& status, double latency_s,
-            const hstu::v1::RankResponse& response, bool new_user) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++total_done_;
-    if (measuring_ && !window_closed_ && status.ok()) ++ok_in_window_;
-    if (!measured) return;
-    last_done_ = Clock::now();
-    if (status.ok()) {
-      ++result_->requests;
-      result_->latency.Record(latency_s);
-      result_->reused_tokens += response.reused_tokens();
-      result_->computed_tokens += response.computed_tokens();
-      result_->by_cache_result[response.cache_result().empty() ? "unknown" : response.cache_result()]
-          .Record(latency_s);
-      if (new_user) ++result_->new_user_visits;
-    } else {
-      ++result_->errors[CodeName(status.error_code())];
-    }
-  }
-  void Backlog() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (measuring_) ++result_->errors["LOADGEN_BACKLOG"];
-  }
-  void Finish() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (window_closed_) {
-      result_->duration_s = std::chrono::duration<double>(window_end_ - window_start_).count();
-      result_->ok_in_window = ok_in_window_;
-    } else {
-      result_->duration_s = std::chrono::duration<double>(last_done_ - window_start_).count();
-    }
-  }
-  // Seconds since the level started warming up, or since its window opened.
-  std::string Progress(const std::string& label) {
-    std::lock_guard<std::mutex> lock(mu_);
-    const double elapsed_s = Since(measuring_ ? window_start_ : created_);
-    const double rps = measuring_ && elapsed_s > 0 ? result_->requests / elapsed_s : 0;
-    return absl::StrCat("[", label, "] ", measuring_ ? "measuring" : "warming up", " ",
-                        static_cast<int>(elapsed_s), "s  ok ", result_->requests, "  ",
-                        static_cast<int64_t>(rps), " rps  p50 ",
-                        absl::StrFormat("%.3f", result_->latency.Quantile(0.5) * 1e3), " ms  p99 ",
-                        absl::StrFormat("%.3f", result_->latency.Quantile(0.99) * 1e3),
-                        " ms  errors ", result_->error_count());
-  }
-
- private:
-  std::mutex mu_;
-  LevelResult* result_;
-  const Clock::time_point created_ = Clock::now();
-  bool measuring_ = false;
-  bool window_closed_ = false;
-  Clock::time_point window_start_, window_end_, last_done_;
-  int64_t total_done_ = 0;
-  int64_t ok_in_window_ = 0;
-};
-
-class Driver {
- public:
-  // `answers`: where OK answers are recorded (--record), or null.
-  Driver(std::vector<std::unique_ptr<Ranker::Stub>> stubs, TrafficModel* traffic, int64_t timeout_ms,
-         AnswerLog* answers)
-      : stubs_(std::move(stubs)), traffic_(traffic), timeout_ms_(timeout_ms), answers_(answers) {}
-
-  hstu::v1::RankRequest MakeRequest(const Visit& v) {
-    hstu::v1::RankRequest req;
-    req.set_user_id(v.user_id);
-    req.mutable_history_item_ids()->Assign(v.history_item_ids.begin(), v.history_item_ids.end());
-    req.mutable_history_actions()->Assign(v.history_actions.begin(), v.history_actions.end());
-    req.mutable_candidate_item_ids()->Assign(v.candidate_item_ids.begin(),
-                                             v.candidate_item_ids.end());
-    req.set_request_id(absl::StrCat(next_id_.fetch_add(1)));
-    return req;
-  }
-  void PrepareContext(grpc::ClientContext* ctx, uint64_t user_id, Clock::time_point start) {
-    // The deadline counts from the intended send time, like the latency.
-    ctx->set_deadline(std::chrono::system_clock::now() +
-                      std::chrono::milliseconds(timeout_ms_) -
-                      std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                          Clock::now() - start));
-    ctx->AddMetadata("x-user-id", absl::StrCat(user_id));
-  }
-  Ranker::Stub* NextStub() { return stubs_[next_stub_.fetch_add(1) % stubs_.size()].get(); }
-  void Record(const hstu::v1::RankRequest& req, const grpc::Status& status,
-              const hstu::v1::RankResponse& resp) {
-    if (answers_ == nullptr || !status.ok() || !answers_->Take()) return;
-    auto span_of = [](const auto& field) { return std::span(field.data(), field.size()); };
-    answers_->Write(AnswerLine(req.user_id(), span_of(req.history_item_ids()),
-                               span_of(req.history_actions()), span_of(req.candidate_item_ids()),
-                               span_of(resp.scores()), static_cast<int>(resp.num_tasks()),
-                               resp.cache_result()));
-  }
-
-  // Closed loop: `concurrency` threads, each with one synchronous call outstanding. A stop
-  // signal ends the level early (the window closes then); an error only when its threads could
-  // not all start.
-  absl::Status RunClosed(Level* level, int32_t concurrency, double warmup_s, double duration_s,
-                         int64_t num_requests) {
-    std::atomic<bool> stop{false};
-    std::atomic<int64_t> issued{0};
-    std::atomic<int32_t> running{0};
-    InFlightCalls calls;
-    std::vector<std::thread> workers;
-    auto worker = [&] {
-      // An unreachable server answers UNAVAILABLE at once, and a full queue RESOURCE_EXHAUSTED:
-      // back off (1 ms doubling to 100 ms), as a well-behaved client does, instead of spinning
-      // through failed calls (800 refusals a second at 8 callers on a queue of 6).
-      std::chrono::milliseconds backoff{0};
-      while (!stop.load() && !g_interrupted.load()) {
-        const bool measured = level->measuring();
-        if (measured && num_requests > 0 && issued.fetch_add(1) >= num_requests) break;
-        const Visit v = traffic_->Next();
-        const hstu::v1::RankRequest req = MakeRequest(v);
-        hstu::v1::RankResponse resp;
-        grpc::ClientContext ctx;
-        const Clock::time_point start = Clock::now();
-        PrepareContext(&ctx, v.user_id, start);
-        calls.Add(&ctx);
-        const grpc::Status status = NextStub()->Rank(&ctx, req, &resp);
-        // Read at once: the bookkeeping below takes locks other callers hold.
-        const double latency_s = Since(start);
-        calls.Remove(&ctx);
-        traffic_->Done(v);
-        if (!CancelledByUs(status)) level->Done(measured, status, latency_s, resp, v.new_user);
-        Record(req, status, resp);
-        if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-            status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
-          backoff = std::clamp(2 * backoff, std::chrono::milliseconds(1),
-                               std::chrono::milliseconds(100));
-          std::this_thread::sleep_for(backoff);
-        } else {
-          backoff = std::chrono::milliseconds(0);
-        }
-      }
-    };
-    // Without a warm-up the window opens before the first call: every call sent is counted
-    // (before, the callers' first calls went out unmeasured while the window was still shut).
-    if (warmup_s <= 0) level->StartMeasuring();
-    absl::Status started;
-    try {
-      for (int32_t w = 0; w < concurrency; ++w) {
-        running.fetch_add(1);
-        workers.emplace_back([&] {
-          worker();
-          running.fetch_sub(1);
-        });
-      }
-    } catch (const std::system_error& e) {
-      running.fetch_sub(1);  // the thread that did not start
-      started = absl::ResourceExhaustedError(absl::StrCat("could not start caller thread ",
-                                                          workers.size() + 1, " of ", concurrency,
-                                                          ": ", e.what()));
-      stop.store(true);
-    }
-    if (started.ok() && SleepFor(warmup_s)) {
-      if (warmup_s > 0) level->StartMeasuring();
-      // With --requests the workers stop by themselves after the count, and the window closes at
-      // the last answer; a stop signal stops them too.
-      if (num_requests == 0) {
-        SleepFor(duration_s);
-        level->CloseWindow();
-      }
-    }
-    if (num_requests == 0 || !started.ok() || g_interrupted.load()) stop.store(true);
-    // A stop signal cancels the calls in flight instead of waiting out their deadlines.
-    while (running.load() > 0) {
-      if (g_interrupted.load()) calls.CancelAll();
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    for (auto& t : workers) t.join();
-    level->Finish();
-    return started;
-  }
-
-  // Open loop: one sender on a schedule; answers arrive on gRPC's callback threads.
-  void RunOpen(Level* level, double rate, bool poisson, double warmup_s, double duration_s,
-               int64_t num_requests, int64_t max_outstanding, uint64_t seed) {
-    // The sender's sleeps end when asked, not up to the kernel's default 50 µs slack later.
-    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
-    std::mt19937_64 rng(Mix64(seed + 99));
-    std::exponential_distribution<double> gap(rate);
-    std::atomic<int64_t> outstanding{0};
-    std::mutex done_mu;
-    std::condition_variable done_cv;
-    InFlightCalls calls;
-    const Clock::time_point t0 = Clock::now();
-    double offset_s = 0;
-    bool measuring = false;
-    Clock::time_point measure_start;
-    int64_t sent_measured = 0;
-    // The call is built before its time comes: neither building it nor the sender's wake-up is
-    // timed as the server's. What lateness is left is reported as the sender's lag. A call whose
-    // slot is skipped (backlog) waits for the next slot: a visit is drawn only for a call sent,
-    // so no user's history advances past what the server saw.
-    struct Call {
-      grpc::ClientContext ctx;
-      hstu::v1::RankRequest req;
-      hstu::v1::RankResponse resp;
-      Visit visit;
-    };
-    std::unique_ptr<Call> pending;
-    while (true) {
-      offset_s += poisson ? gap(rng) : 1.0 / rate;
-      const Clock::time_point scheduled =
-          t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(offset_s));
-      if (!measuring && offset_s >= warmup_s) {
-        if (!SleepUntil(scheduled)) break;  // a stop signal in the warm-up: nothing measured
-        level->StartMeasuring();
-        measuring = true;
-        measure_start = scheduled;
-      }
-      if (measuring) {
-        if (num_requests > 0 && sent_measured >= num_requests) break;
-        if (num_requests == 0 &&
-            scheduled - measure_start >= std::chrono::duration<double>(duration_s)) {
-          SleepUntil(scheduled);
-          level->CloseWindow();
-          break;
-        }
-        ++sent_measured;
-      }
-      if (pending == nullptr) {
-        pending = std::make_unique<Call>();
-        pending->visit = traffic_->Next();
-        pending->req = MakeRequest(pending->visit);
-      }
-      if (!SleepUntil(scheduled)) {
-        if (measuring) level->CloseWindow();
-        break;
-      }
-      if (outstanding.load() >= max_outstanding) {
-        level->Backlog();  // this slot is skipped; the call waits for the next one
-        continue;
-      }
-      if (measuring) {
-        level->Sent(std::chrono::duration<double>(Clock::now() - scheduled).count());
-      }
-      Call* call = pending.release();
-      PrepareContext(&call->ctx, call->visit.user_id, scheduled);
-      outstanding.fetch_add(1);
-      calls.Add(&call->ctx);
-      const bool measured = measuring;
-      NextStub()->async()->Rank(
-          &call->ctx, &call->req, &call->resp,
-          [this, call, level, measured, scheduled, &calls, &outstanding, &done_mu,
-           &done_cv](grpc::Status s) {
-            // Latency from the scheduled send time: queueing in a slow client or server counts.
-            const double latency = std::chrono::duration<double>(Clock::now() - scheduled).count();
-            traffic_->Done(call->visit);
-            if (!CancelledByUs(s))
-              level->Done(measured, s, latency, call->resp, call->visit.new_user);
-            Record(call->req, s, call->resp);
-            calls.Remove(&call->ctx);
-            delete call;
-            std::lock_guard<std::mutex> lock(done_mu);
-            outstanding.fetch_sub(1);
-            done_cv.notify_all();
-          });
-    }
-    if (pending != nullptr) traffic_->Done(pending->visit);  // built, never sent
-    // The answers still out; a stop signal cancels them instead of waiting out their deadlines.
-    while (true) {
-      {
-        std::unique_lock<std::mutex> lock(done_mu);
-        if (done_cv.wait_for(lock, std::chrono::milliseconds(20),
-                             [&] { return outstanding.load() == 0; })) {
-          break;
-        }
-      }
-      if (g_interrupted.load()) calls.CancelAll();  // not under done_mu, which completions take
-    }
-    level->Finish();
-  }
-
- private:
-  std::vector<std::unique_ptr<Ranker::Stub>> stubs_;
-  TrafficModel* traffic_;
-  const int64_t timeout_ms_;
-  AnswerLog* const answers_;
-  std::atomic<uint64_t> next_stub_{0};
-  std::atomic<uint64_t> next_id_{0};
-};
 
 absl::Status WaitReady(const std::string& target, double wait_s) {
   const Clock::time_point start = Clock::now();
@@ -894,7 +487,7 @@ int Main() {
   }
   std::vector<LevelResult> done;
   for (LevelResult& l : *levels) {
-    if (g_interrupted.load()) break;
+    if (Interrupted()) break;
     Level level(&l);
     const std::string label = LevelLabel(l);
     std::atomic<bool> running{true};
@@ -928,7 +521,7 @@ int Main() {
       break;
     }
     const bool measured = level.window_opened();
-    l.interrupted = g_interrupted.load();
+    l.interrupted = Interrupted();
     if (!measured) break;  // stopped in its warm-up: nothing to report
     done.push_back(std::move(l));
     if (!write_reports(done)) rc = 1;
@@ -936,7 +529,7 @@ int Main() {
 
   // The last write says whether the run was cut short (also when no level got measured: a file
   // left by an earlier run must not pass for this one's).
-  run.interrupted = g_interrupted.load();
+  run.interrupted = Interrupted();
   if (!write_reports(done)) rc = 1;
   std::printf("%s", FormatTable(run, done).c_str());
   std::fflush(stdout);
