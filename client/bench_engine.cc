@@ -111,11 +111,11 @@ hstu::ForwardBatch DecodeBatch(int B, int hist, int cached, int cand, int pages_
   return fb;
 }
 
+}  // namespace
+
 // The decode step (gather → 8 layers → head) of 3968 cached + 128 new tokens + 256 candidates,
 // eager vs replayed from a CUDA graph; GPU time between CUDA events, and the wall time of a whole
 // Forward (staging, metadata upload, step, score read-back).
-}  // namespace
-
 json BenchStepGraphs(int reps, int page_size, const std::vector<int>& batches) {
   json rows = json::array();
   const hstu::ModelWeights weights = BaseWeights();

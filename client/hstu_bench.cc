@@ -681,6 +681,16 @@ ModeModel ModelOf(const std::string& mode) {
             false};
   }
   if (mode == "layer") return {"one HSTU layer (d 1024, 4 x 256), batch 32, no cache", false, false};
+  if (mode == "attention") {
+    return {"the paged HSTU attention alone, H x D = 4 x 256, 8 x 128, 16 x 64, N 4352", true,
+            false};
+  }
+  if (mode == "attention_trace") {
+    return {"the paged HSTU attention alone, H x D = 4 x 256, N 4352", true, false};
+  }
+  if (mode == "kernels") {
+    return {"the kernels of one hstu-base layer (d 1024, 4 x 256, N 4352)", true, false};
+  }
   if (mode == "gemm_algos" || mode == "gemm_search") {
     return {"the layer GEMMs of hstu-base (d 1024, 4 x 256)", false, false};
   }

@@ -654,6 +654,21 @@ absl::Status CudaBackendImpl::Forward(const ForwardBatch& batch, bool keep_hidde
   return absl::OkStatus();
 }
 
+absl::Status CudaBackendImpl::DeviceStatus() {
+  // A sticky error comes back from every CUDA call after it, so two queries failing alike say the
+  // context is lost; an ordinary error is cleared once returned and does not repeat.
+  cudaError_t first = cudaSetDevice(device_);
+  if (first == cudaSuccess) first = cudaStreamQuery(stream_.get());
+  if (first == cudaSuccess || first == cudaErrorNotReady) return absl::OkStatus();
+  if (cudaStreamQuery(stream_.get()) != first) {
+    cudaGetLastError();
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(absl::StrCat(
+      "the GPU (", name(), ") can run no more work in this process: ", cudaGetErrorName(first),
+      " (", cudaGetErrorString(first), "); the process must restart to use it again"));
+}
+
 absl::Status CudaBackendImpl::ReadKv(const std::vector<int32_t>& page_ids, int32_t num_tokens,
                                      std::vector<float>* out) {
   HSTU_CUDA_RETURN(cudaSetDevice(device_));

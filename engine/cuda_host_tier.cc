@@ -173,21 +173,6 @@ absl::Status CudaBackendImpl::WaitCopies() {
   return first;
 }
 
-absl::Status CudaBackendImpl::DeviceStatus() {
-  // A sticky error comes back from every CUDA call after it, so two queries failing alike say the
-  // context is lost; an ordinary error is cleared once returned and does not repeat.
-  cudaError_t first = cudaSetDevice(device_);
-  if (first == cudaSuccess) first = cudaStreamQuery(stream_.get());
-  if (first == cudaSuccess || first == cudaErrorNotReady) return absl::OkStatus();
-  if (cudaStreamQuery(stream_.get()) != first) {
-    cudaGetLastError();
-    return absl::OkStatus();
-  }
-  return absl::UnavailableError(absl::StrCat(
-      "the GPU (", name(), ") can run no more work in this process: ", cudaGetErrorName(first),
-      " (", cudaGetErrorString(first), "); the process must restart to use it again"));
-}
-
 bool CudaBackendImpl::CopiesDone() {
   if (!FlushOnloads().ok() || cudaSetDevice(device_) != cudaSuccess) return false;
   // cudaErrorNotReady means still running; any other error is reported by the next WaitCopies.

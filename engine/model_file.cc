@@ -1,12 +1,12 @@
 #include "engine/model_file.h"
 
 #include <algorithm>
-#include <limits>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -338,8 +338,9 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
   HSTU_RETURN_IF_ERROR(get_int("hstu.truncation_stride", &c.truncation_stride_tokens, false));
   HSTU_RETURN_IF_ERROR(get_str("hstu.position_encoding", &pos_str, true));
   HSTU_RETURN_IF_ERROR(get_str("hstu.model_name", &c.model_name, false));
-  // DESIGN §2.2: N defaults to max history tokens + max candidates (checked after both, below).
-  if (!meta.contains("hstu.attention_norm_len")) {
+  // DESIGN §2.2: N defaults to max history tokens + max candidates (checked after both, below);
+  // an empty value or 0 spells the default too, as for hstu.truncation_stride.
+  if (c.attention_norm_len == 0) {
     c.attention_norm_len = static_cast<int32_t>(std::clamp<int64_t>(
         int64_t{c.max_history_tokens} + c.max_candidates, 0, std::numeric_limits<int32_t>::max()));
   }

@@ -89,8 +89,8 @@ HSTU_HOST_DEVICE bool NewKvFromRows(bool enabled, bool returning, int32_t num_to
 
 // A candidate's score from its head's logit: the sigmoid, kept inside (0, 1) as the wire contract
 // has it. In fp32 the sigmoid rounds to 1 from a logit of ~16.6 up, is subnormal below ~-87.3 and
-// 0 below ~-103; such scores become the closest normal floats inside (0, 1) instead (saturated
-// candidates tie). NaN stays NaN: the engine refuses non-finite scores.
+// 0 below ~-88.7 (expf overflows); such scores become the closest normal floats inside (0, 1)
+// instead (saturated candidates tie). NaN stays NaN: the engine refuses non-finite scores.
 constexpr float kMinScore = 0x1p-126f;         // FLT_MIN
 constexpr float kMaxScore = 0x1.fffffep-1f;    // 1 - 2^-24
 HSTU_HOST_DEVICE float ScoreFromLogit(float logit) {

@@ -38,19 +38,18 @@ const char* GrpcCodeName(absl::StatusCode code) {
   }
 }
 
-absl::Status AsSeenByTheClient(absl::Status status, std::chrono::system_clock::time_point deadline,
-                               std::chrono::system_clock::time_point now) {
+absl::Status AsSeenByTheClient(absl::Status status, Clock::time_point deadline,
+                               Clock::time_point now) {
   if (!status.ok() && !absl::IsCancelled(status)) return status;  // the server's own failure
-  if (deadline != std::chrono::system_clock::time_point::max() &&
+  if (deadline != Clock::time_point::max() &&
       now + kDeadlineSlack >= deadline) {
     return absl::DeadlineExceededError("deadline expired before the answer");
   }
   return absl::CancelledError("call was cancelled before the answer");
 }
 
-absl::Status AsCounted(absl::Status status, bool cancelled,
-                       std::chrono::system_clock::time_point deadline,
-                       std::chrono::system_clock::time_point now) {
+absl::Status AsCounted(absl::Status status, bool cancelled, Clock::time_point deadline,
+                       Clock::time_point now) {
   if (cancelled || (status.ok() && now >= deadline)) {
     return AsSeenByTheClient(std::move(status), deadline, now);
   }
@@ -101,10 +100,8 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
   const gpr_timespec raw_deadline = context->raw_deadline();
   const std::optional<std::chrono::nanoseconds> left =
       TimeLeft(raw_deadline, gpr_now(raw_deadline.clock_type));
-  const auto client_deadline =
-      left ? std::chrono::system_clock::now() +
-                 std::chrono::duration_cast<std::chrono::system_clock::duration>(*left)
-           : std::chrono::system_clock::time_point::max();
+  const Clock::time_point client_deadline =
+      left ? arrived + std::chrono::duration_cast<Clock::duration>(*left) : Clock::time_point::max();
   // Answers the RPC, the one way every answer ends.
   auto answer = [this, reactor, metrics](const absl::Status& status) {
     metrics->AddInflight(-1);
@@ -114,10 +111,10 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
   // Answers the RPC exactly once, from whichever thread finishes it, counted in the metrics.
   auto finish = [answer, metrics, arrived, context, client_deadline](absl::Status status) {
     // A call the client gave up on got no answer, whatever the batch computed: it is counted as
-    // the client saw it.
-    status = AsCounted(std::move(status), context->IsCancelled(), client_deadline,
-                       std::chrono::system_clock::now());
-    metrics->ObserveRequest(GrpcCodeName(status.code()),
+    // the client saw it. (What is sent stays the answer: gRPC drops it when the call has ended.)
+    const absl::Status counted =
+        AsCounted(status, context->IsCancelled(), client_deadline, Clock::now());
+    metrics->ObserveRequest(GrpcCodeName(counted.code()),
                             std::chrono::duration<double>(Clock::now() - arrived).count());
     answer(status);
   };
@@ -143,7 +140,7 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
     finish(AsSeenByTheClient(absl::CancelledError(
                                  "no request message came (the client cancelled, timed out or "
                                  "sent none)"),
-                             client_deadline, std::chrono::system_clock::now()));
+                             client_deadline, Clock::now()));
     return reactor;
   }
   // Parsed here, after the refusals above (which need no request), from a copy that shares the

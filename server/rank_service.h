@@ -75,15 +75,15 @@ std::optional<std::chrono::nanoseconds> TimeLeft(gpr_timespec deadline, gpr_time
 // answered, as the client saw it: DEADLINE_EXCEEDED within kDeadlineSlack of `deadline` (the
 // server's copy), otherwise CANCELLED. The server's own failures (other than CANCELLED) are kept:
 // they are what an operator needs to see.
-absl::Status AsSeenByTheClient(absl::Status status, std::chrono::system_clock::time_point deadline,
-                               std::chrono::system_clock::time_point now);
+absl::Status AsSeenByTheClient(absl::Status status, Clock::time_point deadline,
+                               Clock::time_point now);
 
 // The status a finished call is counted with: as the client saw it (AsSeenByTheClient) when the
 // call shows as cancelled, or when an OK answer was ready only at or after the server's copy of the
 // deadline (gRPC drops that answer, though the call may not show as cancelled yet: the deadline's
-// timer races the thread that answers); otherwise the status answered.
-absl::Status AsCounted(absl::Status status, bool cancelled,
-                       std::chrono::system_clock::time_point deadline,
-                       std::chrono::system_clock::time_point now);
+// timer races the thread that answers); otherwise the status answered. Times on the steady clock
+// (a system clock stepped by NTP would move the deadline).
+absl::Status AsCounted(absl::Status status, bool cancelled, Clock::time_point deadline,
+                       Clock::time_point now);
 
 }  // namespace hstu::server

@@ -33,10 +33,6 @@ RankRequest WarmupRequest() {
   return r;
 }
 
-// Settings that would let the server report SERVING and then fail requests it accepted: a KV pool
-// that cannot hold one user of the model's longest history (every such request would answer
-// RESOURCE_EXHAUSTED, which clients read as "back off"), or a message limit below the largest
-// reply (the engine would run the batch and gRPC then refuse to send its scores).
 // A memory size for the log: GiB from 1 GiB up, else MiB (a small pool is not "0.00 GiB").
 std::string SizeText(double bytes) {
   constexpr double kMiB = 1 << 20, kGiB = 1 << 30;
@@ -44,6 +40,10 @@ std::string SizeText(double bytes) {
                        : absl::StrFormat("%.2f MiB", bytes / kMiB);
 }
 
+// Settings that would let the server report SERVING and then fail requests it accepted: a KV pool
+// that cannot hold one user of the model's longest history (every such request would answer
+// RESOURCE_EXHAUSTED, which clients read as "back off"), or a message limit below the largest
+// reply (the engine would run the batch and gRPC then refuse to send its scores).
 absl::Status CheckServingLimits(const ServerOptions& options, const Engine& engine) {
   const ModelConfig& c = engine.config();
   if (absl::Status pool = engine.CheckPoolHoldsTheLongestHistory(); !pool.ok()) {
@@ -273,7 +273,7 @@ void RankingServer::Shutdown(absl::Duration grace) {
     const absl::Time until = absl::Now() + grace;
     if (service_ != nullptr) {
       service_->StopAdmitting();
-      if (scheduler_ != nullptr) scheduler_->BeginDrain();
+      if (scheduler_ != nullptr) scheduler_->StopWaitingForFullerBatches();
       while (service_->InFlight() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(2));
     }
     grpc_server_->Shutdown(std::chrono::system_clock::now());

@@ -185,16 +185,20 @@ bool Scheduler::Draining() const {
   return draining_;
 }
 
-void Scheduler::BeginDrain() {
+void Scheduler::StopWaitingForFullerBatches() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    draining_ = true;
+    no_batch_waits_ = true;
   }
   cv_.notify_all();
 }
 
 void Scheduler::Drain() {
-  BeginDrain();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    draining_ = true;
+  }
+  cv_.notify_all();
   std::lock_guard<std::mutex> join_lock(join_mu_);
   if (worker_.joinable()) worker_.join();
 }
@@ -232,7 +236,7 @@ bool Scheduler::TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wak
   }
   if (chosen.empty()) return false;
   if (options_.adaptive_fill && static_cast<int32_t>(chosen.size()) >= last_batch_size_) full = true;
-  if (!full && !draining_ && options_.batch_timeout.count() > 0) {
+  if (!full && !draining_ && !no_batch_waits_ && options_.batch_timeout.count() > 0) {
     const Clock::time_point ready_at = queue_[chosen.front()].enqueued + options_.batch_timeout;
     if (ready_at > now) {
       *wake_at = ready_at;

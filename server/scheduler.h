@@ -126,11 +126,11 @@ class Scheduler {
   // How long the batch now on the engine has been running; zero while the worker is idle.
   // Thread-safe.
   absl::Duration BusyFor() const;
-  // Stops admitting, and from then on runs what is queued without waiting for fuller batches
-  // (nothing more can join them); returns at once. Idempotent.
-  void BeginDrain();
-  // BeginDrain(), then waits until queued and running work is finished and joins the worker.
-  // Idempotent.
+  // From now on runs what is queued without waiting for fuller batches: the caller admits no more
+  // calls, so nothing can join them (a call already past its admission is still queued). Returns
+  // at once. Idempotent, thread-safe.
+  void StopWaitingForFullerBatches();
+  // Stops admitting, finishes queued and running work, joins the worker. Idempotent.
   void Drain();
   // Whether Drain() has begun: Submit() refuses from then on.
   bool Draining() const;
@@ -174,6 +174,7 @@ class Scheduler {
   std::deque<Item> queue_;
   int64_t queued_tokens_ = 0;  // the memory_tokens of queue_'s items, dead ones included
   bool draining_ = false;
+  bool no_batch_waits_ = false;  // StopWaitingForFullerBatches()
   std::atomic<int64_t> depth_{0};
   std::atomic<int64_t> batch_start_ns_{0};  // steady clock of the running batch's start; 0: idle
   int32_t last_batch_size_ = 0;  // requests in the batch the worker took last (guarded by mu_)

@@ -192,10 +192,11 @@ def load_model(path: str) -> Model:
         hidden_dim=meta_int("hstu.hidden_dim"),
         num_heads=meta_int("hstu.num_heads"),
         head_dim=meta_int("hstu.head_dim"),
-        # DESIGN §2.2: by default max history tokens + max candidates.
-        attention_norm_len=meta_int(
-            "hstu.attention_norm_len",
-            meta_int("hstu.max_history_tokens") + meta_int("hstu.max_candidates", 256),
+        # DESIGN §2.2: by default max history tokens + max candidates ("" or "0" spell it too).
+        attention_norm_len=(
+            int(meta["hstu.attention_norm_len"])
+            if meta.get("hstu.attention_norm_len", "") not in ("", "0")
+            else meta_int("hstu.max_history_tokens") + meta_int("hstu.max_candidates", 256)
         ),
         max_history_tokens=meta_int("hstu.max_history_tokens"),
         max_attn_len=meta_int("hstu.max_attn_len"),

@@ -536,8 +536,7 @@ TEST(StopSignals, ASignalTakenByAnotherThreadStillReachesTheWait) {
 }
 
 TEST(AsSeenByTheClient, KeepsServerFailuresAndTellsDeadlinesFromCancels) {
-  using SysClock = std::chrono::system_clock;
-  const auto now = SysClock::now();
+  const auto now = Clock::now();
   EXPECT_EQ(AsSeenByTheClient(absl::OkStatus(), now - 1ms, now).code(),
             absl::StatusCode::kDeadlineExceeded);
   // The client's deadline passes a network trip before the server's copy.
@@ -546,15 +545,14 @@ TEST(AsSeenByTheClient, KeepsServerFailuresAndTellsDeadlinesFromCancels) {
   EXPECT_EQ(AsSeenByTheClient(absl::CancelledError(), now + kDeadlineSlack / 2, now).code(),
             absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(AsSeenByTheClient(absl::OkStatus(), now + 1s, now).code(), absl::StatusCode::kCancelled);
-  EXPECT_EQ(AsSeenByTheClient(absl::OkStatus(), SysClock::time_point::max(), now).code(),
+  EXPECT_EQ(AsSeenByTheClient(absl::OkStatus(), Clock::time_point::max(), now).code(),
             absl::StatusCode::kCancelled);
   EXPECT_EQ(AsSeenByTheClient(absl::InternalError("x"), now - 1ms, now).code(),
             absl::StatusCode::kInternal);
 }
 
 TEST(AsCounted, AnOkReadyOnlyAfterTheDeadlineIsCountedAsTheClientSawIt) {
-  using SysClock = std::chrono::system_clock;
-  const auto now = SysClock::now();
+  const auto now = Clock::now();
   // Before: a call whose deadline timer had not yet marked it cancelled was counted OK, though
   // gRPC dropped the answer (the client saw 107 OK, the server counted 141, under a 4 ms deadline).
   EXPECT_EQ(AsCounted(absl::OkStatus(), false, now - 1ms, now).code(),
@@ -563,7 +561,7 @@ TEST(AsCounted, AnOkReadyOnlyAfterTheDeadlineIsCountedAsTheClientSawIt) {
             absl::StatusCode::kDeadlineExceeded);
   // Answered in time and not cancelled: counted as answered, whatever it was.
   EXPECT_EQ(AsCounted(absl::OkStatus(), false, now + 1ms, now).code(), absl::StatusCode::kOk);
-  EXPECT_EQ(AsCounted(absl::OkStatus(), false, SysClock::time_point::max(), now).code(),
+  EXPECT_EQ(AsCounted(absl::OkStatus(), false, Clock::time_point::max(), now).code(),
             absl::StatusCode::kOk);
   EXPECT_EQ(AsCounted(absl::InvalidArgumentError("x"), false, now + 1s, now).code(),
             absl::StatusCode::kInvalidArgument);

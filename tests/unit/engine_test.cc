@@ -157,7 +157,7 @@ TEST(Engine, AModelThatOverflowsFailsTheRequestAndCachesNothing) {
 }
 
 TEST(Engine, SaturatedLogitsStillGiveScoresInsideZeroOne) {
-  // Before: a logit past ~16.6 gave a score of exactly 1 and one below ~-103 exactly 0, outside
+  // Before: a logit past ~16.6 gave a score of exactly 1 and one below ~-88.7 exactly 0, outside
   // the (0, 1) the wire contract promises (log(1 - p) of a calibration became -inf).
   const ModelConfig c = TestConfig(false, 0);
   ModelWeights w = RandomModel(c, 3);

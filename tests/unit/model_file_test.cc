@@ -339,6 +339,13 @@ TEST(ModelFile, AttentionNormLenDefaultsToHistoryPlusCandidates) {
   auto defaulted = ParseModelFile(Join(h, data), "x");
   ASSERT_TRUE(defaulted.ok()) << defaulted.status();
   EXPECT_EQ(defaulted->config.attention_norm_len, 16 + 5);
+  for (const char* spelled_default : {"", "0"}) {
+    auto [h2, data2] = Split(SerializeModelFile(RandomModel(c, 1)));
+    h2["__metadata__"]["hstu.attention_norm_len"] = spelled_default;
+    auto d = ParseModelFile(Join(h2, data2), "x");
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(d->config.attention_norm_len, 16 + 5) << "'" << spelled_default << "'";
+  }
   // Without hstu.max_candidates either: its own default, 256.
   h["__metadata__"].erase("hstu.max_candidates");
   auto both = ParseModelFile(Join(h, data), "x");

@@ -38,7 +38,6 @@ TEST(CpuOps, LayerNormMatchesFormula) {
   EXPECT_LT(test::RelL2(out, ref), test::kF32RelL2);
 }
 
-// The GPU's roundings that CpuNumerics::kBf16 emulates: nearest, ties to even, on the bits.
 TEST(CpuOps, SigmoidKeepsScoresInsideZeroOne) {
   std::vector<float> x = {0.f, 1.f, -2.5f, 16.f, 17.f, 40.f, -90.f, -104.f, -1e30f, INFINITY,
                           -INFINITY, NAN};
@@ -49,7 +48,9 @@ TEST(CpuOps, SigmoidKeepsScoresInsideZeroOne) {
     EXPECT_GT(x[i], 0.f) << logits[i];
     EXPECT_LT(x[i], 1.f) << logits[i];
     // Unchanged wherever the plain sigmoid is already inside (0, 1) and a normal float.
-    if (plain >= kMinScore && plain <= kMaxScore) EXPECT_EQ(x[i], plain) << logits[i];
+    if (plain >= kMinScore && plain <= kMaxScore) {
+      EXPECT_EQ(x[i], plain) << logits[i];
+    }
   }
   EXPECT_EQ(x[4], kMaxScore);   // 1/(1+e^-17) rounds to 1 in fp32
   EXPECT_EQ(x[9], kMaxScore);   // +inf
@@ -61,6 +62,7 @@ TEST(CpuOps, SigmoidKeepsScoresInsideZeroOne) {
   EXPECT_EQ(kMinScore, std::numeric_limits<float>::min());
 }
 
+// The GPU's roundings that CpuNumerics::kBf16 emulates: nearest, ties to even, on the bits.
 TEST(CpuOps, RoundToBf16AndTf32) {
   auto bits = [](uint32_t u) {
     float f;
