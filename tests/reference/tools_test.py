@@ -6,6 +6,7 @@ Each case failed (passed, or raised a traceback) before these checks were added.
 import argparse
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -135,6 +136,28 @@ def main():
         scored[name] = open(out_path).read() if rc == 0 else None
     if scored["given"] != scored["defaulted"] or not scored["given"]:
         failures.append(f"hstu.attention_norm_len defaulted scores differently: {scored}")
+
+    # A saturated head keeps its scores inside (0, 1), as the engine's ScoreFromLogit does (before:
+    # exactly 1.0 and 0.0).
+    last = max(int(n.split(".")[1]) for n in header if n.startswith("head.") and n.endswith(".bias"))
+    info = header[f"head.{last}.bias"]
+    if info["dtype"] != "F32":
+        failures.append(f"head.{last}.bias is {info['dtype']}; this check writes F32")
+    else:
+        b0 = info["data_offsets"][0]
+        saturated = bytearray(data)
+        saturated[b0:b0 + 8] = struct.pack("<2f", 200.0, -200.0)
+        sat_path = os.path.join(args.work_dir, "saturated.safetensors")
+        with open(sat_path, "wb") as f:
+            f.write(with_header(header, bytes(saturated)))
+        out_path = os.path.join(args.work_dir, "saturated.out.jsonl")
+        rc, out = run([sys.executable, os.path.join(tools, "hstu_reference.py"), "--model",
+                       sat_path, "--input", requests, "--output", out_path])
+        expect("reference on a saturated head", rc, out, 0, "")
+        if rc == 0:
+            scores = json.loads(open(out_path).readline())["scores"][0]
+            if scores[0] != 1.0 - 2.0**-24 or scores[1] != 2.0**-126:
+                failures.append(f"saturated head scored {scores[:2]}, want [1 - 2^-24, 2^-126]")
     bad = write("bad.jsonl", [{"user_id": 1, "history_item_ids": [1], "history_actions": [0]},
                               {"user_id": 2**64, "history_item_ids": [], "history_actions": [],
                                "candidate_item_ids": [3]}])
