@@ -89,7 +89,9 @@ class Level {
           .Record(latency_s);
       if (new_user) ++result_->new_user_visits;
     } else {
-      ++result_->errors[CodeName(status.error_code())];
+      const char* code = CodeName(status.error_code());
+      ++result_->errors[code];
+      result_->error_latency[code].Record(latency_s);
     }
   }
   void Backlog() {

@@ -77,8 +77,8 @@ std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& lev
                               Ms(h.Quantile(0.999)), Ms(h.max_seconds()), ReusePercent(l),
                               Errors(l)));
   }
-  absl::StrAppend(&out, "latency: OK answers only (the rest are in errors); rps: OK answers that "
-                        "came back in the measured window, over its length\n");
+  absl::StrAppend(&out, "latency: OK answers only (the errors' own, by code, below); rps: OK "
+                        "answers that came back in the measured window, over its length\n");
   // Open loop: what the sender achieved against its schedule.
   bool open = false;
   for (const LevelResult& l : levels) open = open || l.mode == "open";
@@ -102,6 +102,23 @@ std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& lev
                     "and DEADLINE_EXCEEDED count include that lag. Lower --rate, or give "
                     "hstu_loadgen cores of its own.\n",
                     LevelLabel(l), Ms(l.sender_lag.Quantile(0.99))));
+    }
+  }
+  // How fast each kind of error came back (a refusal at once, an expiry at the deadline).
+  bool any_errors = false;
+  for (const LevelResult& l : levels) any_errors = any_errors || !l.error_latency.empty();
+  if (any_errors) {
+    absl::StrAppend(&out, "\nerrors by code (latency of the calls that ended with it):\n",
+                    absl::StrFormat("| %-18s | %-18s | %9s | %8s | %8s | %8s |\n", "load", "code",
+                                    "calls", "p50 ms", "p99 ms", "max ms"),
+                    Rule({20, 20, 11, 10, 10, 10}));
+    for (const LevelResult& l : levels) {
+      for (const auto& [code, hist] : l.error_latency) {
+        absl::StrAppend(&out, absl::StrFormat("| %-18s | %-18s | %9d | %8.3f | %8.3f | %8.3f |\n",
+                                              LevelLabel(l), code, hist.count(),
+                                              Ms(hist.Quantile(0.5)), Ms(hist.Quantile(0.99)),
+                                              Ms(hist.max_seconds())));
+      }
     }
   }
   // Latency by how the server's KV cache served the request (RankResponse.cache_result).
@@ -158,6 +175,14 @@ std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels) 
     for (const auto& [code, count] : l.errors) errors[code] = count;
     j["errors"] = errors;
     j["error_count"] = l.error_count();
+    nlohmann::json error_latency = nlohmann::json::object();
+    for (const auto& [code, hist] : l.error_latency) {
+      error_latency[code] = {{"calls", hist.count()},
+                             {"p50", Ms(hist.Quantile(0.5))},
+                             {"p99", Ms(hist.Quantile(0.99))},
+                             {"max", Ms(hist.max_seconds())}};
+    }
+    j["error_latency_ms"] = error_latency;
     j["reused_tokens"] = l.reused_tokens;
     j["computed_tokens"] = l.computed_tokens;
     j["new_user_visits"] = l.new_user_visits;

@@ -23,6 +23,9 @@ struct LevelResult {
   int64_t ok_in_window = -1;
   std::map<std::string, int64_t> errors;  // gRPC code name → count
   LatencyHistogram latency;               // OK requests only
+  // gRPC code name → latency of the measured calls that ended with it (how fast a refusal or an
+  // expiry came back); LOADGEN_BACKLOG, never sent, has none.
+  std::map<std::string, LatencyHistogram> error_latency;
   int64_t reused_tokens = 0;              // server-reported, summed over OK responses
   int64_t computed_tokens = 0;
   int64_t new_user_visits = 0;

@@ -116,6 +116,38 @@ TEST(ReportTest, ASenderBehindItsScheduleIsReportedAndFlagged) {
   EXPECT_GE(arr[2]["sender_lag_ms"]["max"].get<double>(), 5.0);
 }
 
+TEST(ReportTest, EachErrorCodesLatencyIsReported) {
+  // Before: only the OK answers' latency was reported, so how fast a refusal or an expiry came
+  // back (an overloaded server's RESOURCE_EXHAUSTED at once, DEADLINE_EXCEEDED at the deadline)
+  // was not in the report.
+  RunInfo info;
+  LevelResult l = ClosedLevel();
+  l.errors["RESOURCE_EXHAUSTED"] = 3;
+  for (int i = 0; i < 3; ++i) l.error_latency["RESOURCE_EXHAUSTED"].Record(0.0002);
+  l.errors["DEADLINE_EXCEEDED"] = 2;
+  for (int i = 0; i < 2; ++i) l.error_latency["DEADLINE_EXCEEDED"].Record(0.05);
+  const std::string table = FormatTable(info, {ClosedLevel(), l});
+  const size_t section = table.find("errors by code");
+  ASSERT_NE(section, std::string::npos) << table;
+  const std::string rows = table.substr(section);
+  EXPECT_TRUE(absl::StrContains(rows, "| c=4                | DEADLINE_EXCEEDED  |         2 |   "))
+      << table;
+  EXPECT_TRUE(absl::StrContains(rows, "| c=4                | RESOURCE_EXHAUSTED |         3 |    "
+                                      "0.200"))
+      << table;
+  // No section when no call failed.
+  EXPECT_FALSE(absl::StrContains(FormatTable(info, {ClosedLevel()}), "errors by code"));
+
+  const auto json = nlohmann::json::parse(ToJson(info, {ClosedLevel(), l}));
+  EXPECT_TRUE(json["levels"][0]["error_latency_ms"].empty());
+  const auto& by_code = json["levels"][1]["error_latency_ms"];
+  EXPECT_EQ(by_code["DEADLINE_EXCEEDED"]["calls"], 2);
+  EXPECT_GE(by_code["DEADLINE_EXCEEDED"]["p50"].get<double>(), 50.0);
+  EXPECT_LT(by_code["DEADLINE_EXCEEDED"]["p50"].get<double>(), 50.0 * (1 + 1.0 / 64));
+  EXPECT_EQ(by_code["RESOURCE_EXHAUSTED"]["calls"], 3);
+  EXPECT_LT(by_code["RESOURCE_EXHAUSTED"]["max"].get<double>(), 0.21);
+}
+
 TEST(ReportTest, EveryCsvRowHasTheHeadersFields) {
   LevelResult open = OpenLevel(0.002);
   open.errors["DEADLINE_EXCEEDED"] = 3;
