@@ -165,13 +165,13 @@ TEST(Engine, SaturatedLogitsStillGiveScoresInsideZeroOne) {
   ASSERT_GE(last.out, 2);
   last.b[0] += 200.f;
   last.b[1] -= 200.f;
+  const int tasks = last.out;  // `last` goes with the weights into the engine
   EngineOptions o;
   o.page_size = 4;
   auto e = Engine::Create(o, std::move(w));
   ASSERT_TRUE(e.ok()) << e.status();
   const RankRequest r{7, {1, 2, 3, 4, 5}, {0, 1, 2, 3, 4}, {9, 8, 3}};
   const RankResult res = RankOne(**e, r);
-  const int tasks = last.out;
   for (size_t c = 0; c < r.candidate_item_ids.size(); ++c) {
     EXPECT_EQ(res.scores[c * tasks + 0], kMaxScore) << "candidate " << c;
     EXPECT_EQ(res.scores[c * tasks + 1], kMinScore) << "candidate " << c;
