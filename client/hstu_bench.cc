@@ -673,7 +673,8 @@ json BenchBlock(int reps, int page_size, const std::vector<int>& batches,
 struct ModeModel {
   std::string model;
   bool takes_page_size = true;
-  bool takes_window = false;
+  bool takes_window = false;  // the whole model's modes
+  bool with_graphs = false;
 };
 ModeModel ModelOf(const std::string& mode) {
   if (mode == "attention_sweep") {
@@ -694,9 +695,10 @@ ModeModel ModelOf(const std::string& mode) {
   if (mode == "gemm_algos" || mode == "gemm_search") {
     return {"the layer GEMMs of hstu-base (d 1024, 4 x 256)", false, false};
   }
-  const bool whole_model = mode == "block" || mode == "block_graphs" || mode == "timeline" ||
-                           mode == "e2e" || mode == "offload";
-  return {"hstu-base (8 layers, d 1024, 4 x 256, N 4352)", true, whole_model};
+  const bool with_graphs =
+      mode == "block_graphs" || mode == "timeline" || mode == "e2e" || mode == "offload";
+  return {"hstu-base (8 layers, d 1024, 4 x 256, N 4352)", true, with_graphs || mode == "block",
+          with_graphs};
 }
 
 }  // namespace
@@ -750,8 +752,6 @@ int main(int argc, char** argv) {
   int driver = 0, runtime = 0;
   cudaDriverGetVersion(&driver);
   cudaRuntimeGetVersion(&runtime);
-  const bool with_graphs =
-      mode == "block_graphs" || mode == "timeline" || mode == "e2e" || mode == "offload";
   const ModeModel what = ModelOf(mode);
   const int window = absl::GetFlag(FLAGS_window);
   std::string settings = what.takes_page_size ? absl::StrCat("page size ", page_size) : "";
@@ -762,7 +762,7 @@ int main(int argc, char** argv) {
   std::printf("GPU: %s | model: %s | bf16, %s | %s%smedian of %d reps | CUDA runtime %d, driver "
               "%d\n",
               GpuName().c_str(), what.model.c_str(),
-              with_graphs ? "eager and CUDA graphs (per table)" : "eager", settings.c_str(),
+              what.with_graphs ? "eager and CUDA graphs (per table)" : "eager", settings.c_str(),
               settings.empty() ? "" : " | ", reps, runtime, driver);
   json j = {{"gpu", GpuName()}, {"mode", mode}, {"model", what.model}, {"reps", reps},
             {"cuda_runtime", runtime}, {"cuda_driver", driver}};

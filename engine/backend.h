@@ -153,8 +153,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(
     CpuNumerics numerics = CpuNumerics::kFp32);
 // OK when the CUDA backend's kernels run the model's shapes (head dim 64, 128 or 256; hidden dim a
 // multiple of 8), whether or not a GPU is present; INVALID_ARGUMENT naming the shape otherwise, and
-// UNAVAILABLE in a build without CUDA. On a GPU, --device=auto refuses such a model (it does not
-// move it to the CPU); the error says how to run it there.
+// UNAVAILABLE in a build without CUDA. On a GPU, --device=auto refuses such a model too (it does
+// not move it to the CPU); the error says how to run it there.
 absl::Status CudaRunsModel(const ModelConfig& config);
 
 // Whether `device` names a device CreateBackend knows (not whether it is present):

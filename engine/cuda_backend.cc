@@ -726,13 +726,16 @@ absl::StatusOr<std::vector<float>> CudaBackendImpl::Time(const std::function<abs
 using cuda_backend_internal::CudaBackendImpl;
 
 absl::Status CudaBackendRunsModel(const ModelConfig& c) {
+  // Also under --device=auto, which does not move a model off a present GPU: say how to run it.
+  constexpr const char* kOnTheCpu = "; --device=cpu runs it on the CPU reference backend";
   if (!cuda::HeadDimSupported(c.head_dim)) {
     return absl::InvalidArgumentError(absl::StrCat("the CUDA backend supports head dims ",
-                                                   cuda::kSupportedHeadDimsText, ", not ", c.head_dim));
+                                                   cuda::kSupportedHeadDimsText, ", not ",
+                                                   c.head_dim, kOnTheCpu));
   }
   if (c.hidden_dim % 8 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the CUDA backend needs hidden_dim % 8 == 0, got ", c.hidden_dim));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the CUDA backend needs hidden_dim % 8 == 0, got ", c.hidden_dim, kOnTheCpu));
   }
   return absl::OkStatus();
 }

@@ -153,18 +153,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   // build's kernels run on): a GPU that is present and fails to start (memory held by another
   // process, a model whose shapes its kernels do not run, a capture that fails) is an error, not a
   // silent switch to a far slower engine.
-  if (!backend.ok() && options.device == "auto") {
-    if (backend.status().code() == absl::StatusCode::kUnavailable) {
-      spdlog::warn("no usable GPU ({}); running on the CPU reference backend",
-                   std::string(backend.status().message()));
-      backend = make_backend("cpu");
-    } else if (!CudaRunsModel(c).ok()) {
-      // Say how to run it anyway: random:tiny, the default model, is such a model (head dim 32).
-      backend = absl::InvalidArgumentError(absl::StrCat(
-          backend.status().message(),
-          "; --device=auto does not move a model off a present GPU: --device=cpu runs it on the "
-          "CPU reference backend"));
-    }
+  if (!backend.ok() && options.device == "auto" &&
+      backend.status().code() == absl::StatusCode::kUnavailable) {
+    spdlog::warn("no usable GPU ({}); running on the CPU reference backend",
+                 std::string(backend.status().message()));
+    backend = make_backend("cpu");
   }
   if (!backend.ok()) return backend.status();
   if (options.wrap_backend) backend = options.wrap_backend(*std::move(backend));

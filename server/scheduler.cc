@@ -197,6 +197,7 @@ void Scheduler::Drain() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     draining_ = true;
+    no_batch_waits_ = true;
   }
   cv_.notify_all();
   std::lock_guard<std::mutex> join_lock(join_mu_);
@@ -236,7 +237,7 @@ bool Scheduler::TakeBatchLocked(std::vector<Item>* batch, Clock::time_point* wak
   }
   if (chosen.empty()) return false;
   if (options_.adaptive_fill && static_cast<int32_t>(chosen.size()) >= last_batch_size_) full = true;
-  if (!full && !draining_ && !no_batch_waits_ && options_.batch_timeout.count() > 0) {
+  if (!full && !no_batch_waits_ && options_.batch_timeout.count() > 0) {
     const Clock::time_point ready_at = queue_[chosen.front()].enqueued + options_.batch_timeout;
     if (ready_at > now) {
       *wake_at = ready_at;

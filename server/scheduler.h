@@ -174,7 +174,7 @@ class Scheduler {
   std::deque<Item> queue_;
   int64_t queued_tokens_ = 0;  // the memory_tokens of queue_'s items, dead ones included
   bool draining_ = false;
-  bool no_batch_waits_ = false;  // StopWaitingForFullerBatches()
+  bool no_batch_waits_ = false;  // StopWaitingForFullerBatches(), or Drain()
   std::atomic<int64_t> depth_{0};
   std::atomic<int64_t> batch_start_ns_{0};  // steady clock of the running batch's start; 0: idle
   int32_t last_batch_size_ = 0;  // requests in the batch the worker took last (guarded by mu_)

@@ -13,6 +13,8 @@
 #include <set>
 #include <thread>
 
+#include "absl/types/span.h"
+
 namespace hstu::server {
 namespace {
 
@@ -122,6 +124,15 @@ std::unique_ptr<Scheduler> MakeHeldScheduler(FakeEngine& engine, SchedulerOption
   auto s = MakeScheduler(&engine, std::move(o));
   HoldEngine(engine, *s, first);
   return s;
+}
+
+// Queues one request each for users first_user, first_user + 1, ... with a 10 ms deadline (an
+// outcome each in *outs), then waits until they have expired.
+void QueueExpired(Scheduler& s, uint64_t first_user, absl::Span<Outcome> outs) {
+  for (size_t i = 0; i < outs.size(); ++i) {
+    ASSERT_TRUE(s.Submit(Pending(first_user + i, &outs[i], 1, Clock::now() + 10ms)).ok());
+  }
+  std::this_thread::sleep_for(30ms);
 }
 
 TEST(SchedulerTest, RejectsBadOptions) {
@@ -352,10 +363,7 @@ TEST(SchedulerTest, DeadRequestsHoldNoPlaceInTheQueue) {
   Outcome first;
   auto s = MakeHeldScheduler(engine, o, &first);
   std::vector<Outcome> dead(2), live(3);
-  for (int i = 0; i < 2; ++i) {
-    ASSERT_TRUE(s->Submit(Pending(1 + i, &dead[i], 1, Clock::now() + 10ms)).ok());
-  }
-  std::this_thread::sleep_for(30ms);
+  QueueExpired(*s, 1, absl::MakeSpan(dead));
   EXPECT_TRUE(s->Submit(Pending(11, &live[0])).ok());
   EXPECT_TRUE(s->Submit(Pending(12, &live[1])).ok());
   // Two live requests: the queue is full now.
@@ -378,14 +386,9 @@ TEST(SchedulerTest, AQueueFullOfDeadEntriesSaysSo) {
   Outcome first;
   auto s = MakeHeldScheduler(engine, o, &first);
   std::vector<Outcome> dead(4), refused(1);
-  for (int i = 0; i < 2; ++i) {
-    ASSERT_TRUE(s->Submit(Pending(1 + i, &dead[i], 1, Clock::now() + 10ms)).ok());
-  }
-  std::this_thread::sleep_for(30ms);
-  for (int i = 2; i < 4; ++i) {
-    ASSERT_TRUE(s->Submit(Pending(1 + i, &dead[i], 1, Clock::now() + 10ms)).ok());
-  }
-  std::this_thread::sleep_for(30ms);
+  // Two expire first: the next two are then accepted though the queue holds max_queue entries.
+  QueueExpired(*s, 1, absl::MakeSpan(dead).subspan(0, 2));
+  QueueExpired(*s, 3, absl::MakeSpan(dead).subspan(2, 2));
   const absl::Status full = s->Submit(Pending(11, &refused[0]));
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(full.message().find("it keeps at most 4 entries (twice --max_queue), and 4 of them, "

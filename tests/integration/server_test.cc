@@ -142,6 +142,18 @@ class ServerTest : public ::testing::Test {
     }
     return server_->scheduler().QueueDepth();
   }
+  // One call each for users 1 .. users (10 events, 3 candidates), on threads of their own;
+  // *ok counts the OK answers.
+  std::vector<std::thread> RankOnThreads(int users, std::atomic<int>* ok) {
+    std::vector<std::thread> threads;
+    for (int u = 1; u <= users; ++u) {
+      threads.emplace_back([this, ok, u] {
+        hstu::v1::RankResponse r;
+        if (Rank(MakeRequest(u, 10, 3, 1), &r).ok()) ++*ok;
+      });
+    }
+    return threads;
+  }
   void TearDown() override {
     gate_.Open();
     if (server_) server_->Shutdown(absl::Seconds(5));
@@ -1361,13 +1373,7 @@ TEST_F(ServerTest, ShutdownDrainsInFlightRequests) {
   StartServer();
   gate_.Close();
   std::atomic<int> ok{0};
-  std::vector<std::thread> threads;
-  for (int u = 0; u < 4; ++u) {
-    threads.emplace_back([&, u] {
-      hstu::v1::RankResponse r;
-      if (Rank(MakeRequest(u + 1, 10, 3, 1), &r).ok()) ++ok;
-    });
-  }
+  std::vector<std::thread> threads = RankOnThreads(4, &ok);
   ASSERT_TRUE(gate_.WaitEntered(1));
   // Every call in: held at the gate (the first batch can take more than one) or queued.
   const auto end = std::chrono::steady_clock::now() + 20s;
@@ -1393,13 +1399,7 @@ TEST_F(ServerTest, ADrainRunsQueuedCallsWithoutWaitingForFullerBatches) {
   o.scheduler.max_batch_size = 8;
   StartServer(o);
   std::atomic<int> ok{0};
-  std::vector<std::thread> threads;
-  for (int u = 0; u < 2; ++u) {
-    threads.emplace_back([&, u] {
-      hstu::v1::RankResponse r;
-      if (Rank(MakeRequest(u + 1, 10, 3, 1), &r).ok()) ++ok;
-    });
-  }
+  std::vector<std::thread> threads = RankOnThreads(2, &ok);
   ASSERT_EQ(AwaitQueueDepth(2), 2);  // waiting for a fuller batch
   const auto stop = std::chrono::steady_clock::now();
   server_->Shutdown(absl::Seconds(30));

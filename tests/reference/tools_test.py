@@ -127,13 +127,16 @@ def main():
     defaulted = os.path.join(args.work_dir, "no_norm_len.safetensors")
     with open(defaulted, "wb") as f:
         f.write(with_header(no_norm_len, data))
-    scored = {}
-    for name, path in (("given", model), ("defaulted", defaulted)):
-        out_path = os.path.join(args.work_dir, f"{name}.out.jsonl")
-        rc, out = run([sys.executable, os.path.join(tools, "hstu_reference.py"), "--model", path,
-                       "--input", requests, "--output", out_path])
-        expect(f"reference on a model with hstu.attention_norm_len {name}", rc, out, 0, "")
-        scored[name] = open(out_path).read() if rc == 0 else None
+    def score(what, model_path):
+        """The reference's output lines on `requests`, or None (a failure is recorded)."""
+        out_path = os.path.join(args.work_dir, "scored.out.jsonl")
+        rc, out = run([sys.executable, os.path.join(tools, "hstu_reference.py"), "--model",
+                       model_path, "--input", requests, "--output", out_path])
+        expect(f"reference on {what}", rc, out, 0, "")
+        return open(out_path).read() if rc == 0 else None
+
+    scored = {name: score(f"a model with hstu.attention_norm_len {name}", path)
+              for name, path in (("given", model), ("defaulted", defaulted))}
     if scored["given"] != scored["defaulted"] or not scored["given"]:
         failures.append(f"hstu.attention_norm_len defaulted scores differently: {scored}")
 
@@ -150,12 +153,9 @@ def main():
         sat_path = os.path.join(args.work_dir, "saturated.safetensors")
         with open(sat_path, "wb") as f:
             f.write(with_header(header, bytes(saturated)))
-        out_path = os.path.join(args.work_dir, "saturated.out.jsonl")
-        rc, out = run([sys.executable, os.path.join(tools, "hstu_reference.py"), "--model",
-                       sat_path, "--input", requests, "--output", out_path])
-        expect("reference on a saturated head", rc, out, 0, "")
-        if rc == 0:
-            scores = json.loads(open(out_path).readline())["scores"][0]
+        lines = score("a saturated head", sat_path)
+        if lines is not None:
+            scores = json.loads(lines.splitlines()[0])["scores"][0]
             if scores[0] != 1.0 - 2.0**-24 or scores[1] != 2.0**-126:
                 failures.append(f"saturated head scored {scores[:2]}, want [1 - 2^-24, 2^-126]")
     bad = write("bad.jsonl", [{"user_id": 1, "history_item_ids": [1], "history_actions": [0]},
