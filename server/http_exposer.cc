@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace hstu::server {
 namespace {
@@ -157,13 +158,15 @@ void HttpExposer::Loop() {
 }
 
 std::string HttpExposer::Reply(const std::string& request) const {
-  const std::string line = request.substr(0, request.find_first_of("\r\n"));
-  const bool head = line.rfind("HEAD ", 0) == 0;
-  const std::string target = line.substr(0, line.rfind(' '));  // "GET /metrics"
-  const std::string path = target.substr(target.find(' ') + 1);
+  // The request line's words: method, target and (but for HTTP/0.9) version.
+  const std::vector<std::string> words = absl::StrSplit(
+      request.substr(0, request.find_first_of("\r\n")), ' ', absl::SkipEmpty());
+  const std::string method = words.empty() ? "" : words[0];
+  const std::string path = words.size() < 2 ? "" : words[1];
+  const bool head = method == "HEAD";
   std::string status = "200 OK", type = "text/plain; version=0.0.4; charset=utf-8", payload;
   std::string extra;
-  if (line.rfind("GET ", 0) != 0 && !head) {
+  if (method != "GET" && !head) {
     status = "405 Method Not Allowed";
     type = "text/plain; charset=utf-8";
     extra = "Allow: GET, HEAD\r\n";

@@ -1237,6 +1237,13 @@ TEST_F(ServerTest, MetricsEndpointAnswersOddRequestsPlainly) {
   EXPECT_EQ(lf.rfind("HTTP/1.1 200 OK", 0), 0u) << lf;
   EXPECT_NE(lf.find("hstu_requests_total"), std::string::npos);
   EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+  // A request line without a version (HTTP/0.9), or with doubled spaces, names the same target
+  // (before: the method was read as the path, 404).
+  for (const char* request : {"GET /metrics\r\n\r\n", "GET  /metrics  HTTP/1.1\r\n\r\n"}) {
+    const std::string reply = testing::RawHttp(port, request);
+    EXPECT_EQ(reply.rfind("HTTP/1.1 200 OK", 0), 0u) << request << reply;
+    EXPECT_NE(reply.find("hstu_requests_total"), std::string::npos) << request;
+  }
   // HEAD: the headers of GET, no body (before: 405).
   const std::string head = testing::RawHttp(port, "HEAD /metrics HTTP/1.1\r\n\r\n");
   EXPECT_EQ(head.rfind("HTTP/1.1 200 OK", 0), 0u) << head;
