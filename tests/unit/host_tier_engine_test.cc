@@ -338,6 +338,46 @@ TEST(HostTierEngine, CopyHiddenBehindTheWaveIsOnloadedThoughSlowerThanItsRecompu
   EXPECT_EQ(got[0]->cache_result, LookupResult::kHostRecompute);  // 72 s > 32 + (4 + 64) / 2
 }
 
+// A user restored from the host is an ordinary cached entry afterwards: an edited history reuses
+// only the pages before the edit (hash chain), whether the entry is back on the GPU or still on
+// the host, and every answer equals a full recompute.
+TEST(HostTierEngine, EditsAfterAnOnloadReuseOnlyThePagesBeforeTheEdit) {
+  EngineOptions o = RuleOptions(/*copy_seconds_per_page=*/1e-9);
+  o.onload_policy = OnloadPolicy::kAlways;
+  auto e = Engine::Create(o, RandomModel(SmallConfig(), 7));
+  ASSERT_TRUE(e.ok()) << e.status();
+  auto full = RecomputingEngine(o, 7);
+  ASSERT_TRUE(full.ok()) << full.status();
+  std::mt19937 rng(21);
+  std::vector<RankRequest> users;
+  PushUsersToTheHost(**e, rng, &users);  // users 1-5 on the host only, 16 events (8 pages) each
+  // Each step: the user, the event edited first (-1: none), the lookup and the tokens reused.
+  struct Step {
+    int user, edit_event;
+    LookupResult want;
+    uint32_t reused;
+  };
+  const Step steps[] = {
+      {1, -1, LookupResult::kHostHit, 32},  // onloaded whole
+      {1, 5, LookupResult::kPartial, 8},    // back on the GPU: event 5 is in page 2
+      {1, 0, LookupResult::kMismatch, 0},   // the first page differs
+      {2, 9, LookupResult::kHostHit, 16},   // still on the host: the 4 pages before event 9
+  };
+  for (const Step& st : steps) {
+    RankRequest& r = users[st.user];
+    if (st.edit_event >= 0) r.history_item_ids[st.edit_event] += 1;
+    Grow(rng, r, 1);
+    auto a = (*e)->Rank({&r, 1});
+    auto b = (*full)->Rank({&r, 1});
+    ASSERT_TRUE(a[0].ok()) << a[0].status();
+    ASSERT_TRUE(b[0].ok()) << b[0].status();
+    EXPECT_EQ(a[0]->cache_result, st.want) << "user " << st.user << " edit " << st.edit_event;
+    EXPECT_EQ(a[0]->reused_tokens, st.reused) << "user " << st.user << " edit " << st.edit_event;
+    EXPECT_LE(test::MaxAbsDiff(a[0]->scores, b[0]->scores), test::kF32Abs);
+    EXPECT_LE(test::RelL2(a[0]->hidden, b[0]->hidden), test::kF32RelL2);
+  }
+}
+
 TEST(HostTierEngine, CreateRejectsNegativeRates) {
   EngineOptions o;
   o.onload_bytes_per_second = -1;

@@ -123,32 +123,47 @@ TEST(HostTier, HashMismatchAfterEvictionIsDetected) {
 
 TEST(HostTier, FullHostTierDropsLeastRecentlyUsedUnpinnedCopies) {
   CacheManager m(4, 2, 4);  // GPU one user of 8; host two users of 8
-  for (int u = 1; u <= 3; ++u) {
-    auto r = m.Acquire(u, Keys(8, u));
-    m.Commit(*r, Keys(8, u));
-    m.OffloadsComplete();
-  }
-  // User 1: host only, oldest. User 2: host only. User 3: GPU, its host copy evicted user 1's.
+  AcquireCommitComplete(m, 1, Keys(8, 1));
+  AcquireCommitComplete(m, 2, Keys(8, 2));  // user 1 now on the host only
+  // User 1 comes back (onloaded from the host): its copy is now the more recently used, though
+  // user 2's was written later.
+  auto back = m.Acquire(1, Keys(8, 1));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->reused_tokens, 8);
+  m.Commit(*back, Keys(8, 1));
+  m.OffloadsComplete();
+  // User 3's host copy needs room: the least recently used copy, user 2's, is dropped.
+  AcquireCommitComplete(m, 3, Keys(8, 3));
   const CacheStats s = m.Stats();
   EXPECT_EQ(s.host_evictions, 1u);
   EXPECT_EQ(s.dropped_entries, 1u);
-  EXPECT_EQ(m.CachedTokens(1), 0);
-  EXPECT_EQ(m.CachedTokens(2), 8);
+  EXPECT_EQ(m.CachedTokens(1), 8);
+  EXPECT_EQ(m.CachedTokens(2), 0);
   EXPECT_EQ(m.CachedTokens(3), 8);
 }
 
 TEST(HostTier, PinnedEntriesKeepTheirHostCopies) {
   CacheManager m(4, 8, 2);  // host holds one user of 8
-  auto r = m.Acquire(1, Keys(8, 1));
-  m.Commit(*r, Keys(8, 1));
-  m.OffloadsComplete();
+  AcquireCommitComplete(m, 1, Keys(8, 1));
   auto pinned = m.Acquire(1, Keys(8, 1));
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
   auto r2 = m.Acquire(2, Keys(8, 2));
+  ASSERT_TRUE(r2.ok()) << r2.status();
   PageCopies c2 = m.Commit(*r2, Keys(8, 2));
   EXPECT_TRUE(c2.empty());  // no room: user 1's copy is pinned, user 2 stays GPU-only
   m.Commit(*pinned, Keys(8, 1));
   m.OffloadsComplete();
-  EXPECT_EQ(m.Stats().host_evictions, 0u);
+  const CacheStats s = m.Stats();
+  EXPECT_EQ(s.host_evictions, 0u);
+  EXPECT_EQ(s.dropped_entries, 0u);
+  EXPECT_EQ(m.CachedTokens(1), 8);
+  // The copy is whole: with user 1 pushed off the GPU, its next visit is a host hit of all 8.
+  AcquireCommitComplete(m, 3, Keys(32, 3));  // the whole GPU pool
+  auto back = m.Acquire(1, Keys(8, 1));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->result, LookupResult::kHostHit);
+  EXPECT_EQ(back->reused_tokens, 8);
+  EXPECT_FALSE(back->onload.empty());
 }
 
 TEST(HostTier, InFlightOffloadsHoldTheirPagesUntilComplete) {

@@ -310,11 +310,16 @@ TEST(CpuOps, NormMulUAndL2Normalize) {
   cpu::LayerNorm(a.data(), rows, hd, w.data(), b.data(), 1e-5f, ln.data());
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < hd; ++c) EXPECT_NEAR(y[r * hd + c], ln[r * hd + c] * u[r * stride + c], 1e-6);
+  const std::vector<float> before = y;
   cpu::L2NormalizeRows(y.data(), rows, hd);
   for (int r = 0; r < rows; ++r) {
     double n = 0;
-    for (int c = 0; c < hd; ++c) n += double(y[r * hd + c]) * y[r * hd + c];
-    EXPECT_NEAR(std::sqrt(n), 1.0, 1e-5);
+    for (int c = 0; c < hd; ++c) n += double(before[r * hd + c]) * before[r * hd + c];
+    ASSERT_GT(n, 1e-3);  // far from the floor below
+    // Each element is its row's value over the row's norm (so the row keeps its direction).
+    for (int c = 0; c < hd; ++c) {
+      EXPECT_NEAR(y[r * hd + c], before[r * hd + c] / std::sqrt(n), 1e-6) << r << "," << c;
+    }
   }
   std::vector<float> z(4, 0.f);
   cpu::L2NormalizeRows(z.data(), 1, 4);  // the 1e-6 floor keeps zeros finite
