@@ -72,17 +72,33 @@ void RankService::Attach(const Engine* engine, Scheduler* scheduler) {
 }
 
 grpc::ServerUnaryReactor* RankService::GetModelInfo(grpc::CallbackServerContext* context,
-                                                    const hstu::v1::GetModelInfoRequest* request,
-                                                    hstu::v1::ModelInfo* response) {
+                                                    const grpc::ByteBuffer* request,
+                                                    grpc::ByteBuffer* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const Attached* a = attached_.load(std::memory_order_acquire);
+  hstu::v1::GetModelInfoRequest parsed;
+  grpc::ByteBuffer bytes;
+  if (request->Valid()) bytes = *request;  // shares the slices; the parse consumes its buffer
   if (a == nullptr) {
     reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "model is loading"));
   } else if (!admitting_.load()) {  // as Rank: a draining server takes no new calls
     reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is shutting down"));
+  } else if (!request->Valid()) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED,
+                                 "no request message came (the client cancelled, timed out or "
+                                 "sent none)"));
+  } else if (!grpc::SerializationTraits<hstu::v1::GetModelInfoRequest>::Deserialize(&bytes, &parsed)
+                  .ok()) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                 "the request does not parse as hstu.v1.GetModelInfoRequest "
+                                 "(truncated or invalid wire data)"));
   } else {
-    *response = a->info;
-    reactor->Finish(grpc::Status::OK);
+    bool own_buffer;
+    reactor->Finish(
+        grpc::SerializationTraits<hstu::v1::ModelInfo>::Serialize(a->info, response, &own_buffer)
+                .ok()
+            ? grpc::Status::OK
+            : grpc::Status(grpc::StatusCode::INTERNAL, "the model info could not be serialized"));
   }
   return reactor;
 }

@@ -19,11 +19,12 @@
 
 namespace hstu::server {
 
-// Rank takes the request's bytes (a raw method) and parses them itself: bytes that do not parse
-// are answered INVALID_ARGUMENT and counted. (gRPC's own parse refuses them as UNIMPLEMENTED,
-// with no message, as if the method did not exist, before any metric sees them.)
+// Both methods take the request's bytes (raw methods) and parse them themselves: bytes that do
+// not parse are answered INVALID_ARGUMENT (Rank's also counted). (gRPC's own parse refuses them
+// as UNIMPLEMENTED, with no message, as if the method did not exist, before any metric sees them.)
 class RankService final
-    : public hstu::v1::Ranker::WithRawCallbackMethod_Rank<hstu::v1::Ranker::CallbackService> {
+    : public hstu::v1::Ranker::WithRawCallbackMethod_GetModelInfo<
+          hstu::v1::Ranker::WithRawCallbackMethod_Rank<hstu::v1::Ranker::CallbackService>> {
  public:
   explicit RankService(ServerMetrics* metrics) : metrics_(metrics) {}
 
@@ -34,9 +35,10 @@ class RankService final
   grpc::ServerUnaryReactor* Rank(grpc::CallbackServerContext* context,
                                  const grpc::ByteBuffer* request,
                                  grpc::ByteBuffer* response) override;
+  // request: a serialized hstu.v1.GetModelInfoRequest; response: the serialized hstu.v1.ModelInfo.
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
-                                         const hstu::v1::GetModelInfoRequest* request,
-                                         hstu::v1::ModelInfo* response) override;
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
 
   // From now on Rank answers UNAVAILABLE ("server is shutting down") at once (the drain).
   void StopAdmitting() { admitting_.store(false); }

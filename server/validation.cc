@@ -43,6 +43,8 @@ hstu::v1::ModelInfo MakeModelInfo(const Engine& engine) {
   info.set_device(engine.device_name());
   info.set_page_size(static_cast<uint32_t>(engine.options().page_size));
   info.set_num_actions(static_cast<uint32_t>(c.action_rows));
+  info.set_item_rows(static_cast<uint64_t>(c.item_rows));
+  info.set_truncation_stride(static_cast<uint32_t>(c.truncation_stride()));
   info.set_candidates_per_forward(static_cast<uint32_t>(c.max_candidates));
   return info;
 }

@@ -23,7 +23,9 @@ inline std::string WithNonUtf8RequestId(hstu::v1::RankRequest r) {
   return r.SerializeAsString() + std::string("\x2a\x01\xff", 3);
 }
 
-inline grpc::Status RankBytes(const std::shared_ptr<grpc::Channel>& channel, const std::string& bytes,
+// Calls `method` ("/hstu.v1.Ranker/Rank") with `bytes` as the request; *reply gets the answer's.
+inline grpc::Status CallBytes(const std::shared_ptr<grpc::Channel>& channel,
+                              const std::string& method, const std::string& bytes,
                               std::string* reply) {
   grpc::GenericStub stub(channel);
   grpc::Slice slice(bytes);
@@ -31,7 +33,7 @@ inline grpc::Status RankBytes(const std::shared_ptr<grpc::Channel>& channel, con
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   std::promise<grpc::Status> done;
-  stub.UnaryCall(&ctx, "/hstu.v1.Ranker/Rank", grpc::StubOptions(), &request, &response,
+  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response,
                  [&](grpc::Status s) { done.set_value(std::move(s)); });
   const grpc::Status s = done.get_future().get();
   std::vector<grpc::Slice> slices;
@@ -40,6 +42,11 @@ inline grpc::Status RankBytes(const std::shared_ptr<grpc::Channel>& channel, con
     for (const auto& sl : slices) reply->append(reinterpret_cast<const char*>(sl.begin()), sl.size());
   }
   return s;
+}
+
+inline grpc::Status RankBytes(const std::shared_ptr<grpc::Channel>& channel, const std::string& bytes,
+                              std::string* reply) {
+  return CallBytes(channel, "/hstu.v1.Ranker/Rank", bytes, reply);
 }
 
 // Starts a Rank call and never sends its message: the call's headers only, then `end` (a cancel,

@@ -261,6 +261,8 @@ TEST_F(ServerTest, HealthIsServingAndModelInfoDescribesTheModel) {
   EXPECT_EQ(info.max_candidates(), 1024u);
   EXPECT_EQ(info.candidates_per_forward(), 64u);
   EXPECT_EQ(info.num_actions(), 16u);
+  EXPECT_EQ(info.item_rows(), 1000u);
+  EXPECT_EQ(info.truncation_stride(), 64u);  // the default, M / 4
   EXPECT_EQ(info.page_size(), 32u);
   EXPECT_EQ(info.device(), "cpu");
 }
@@ -425,6 +427,19 @@ TEST_F(ServerTest, BytesThatDoNotParseAreInvalidArgumentAndCounted) {
   const auto m = Scrape();
   EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "INVALID_ARGUMENT"}}), 4);
   EXPECT_EQ(m.Sum("hstu_requests_total", {{"code", "OK"}}), 2);
+  // GetModelInfo alike (before: UNIMPLEMENTED, no message); its empty message, or one with
+  // fields it does not know, is answered.
+  const std::string info_method = "/hstu.v1.Ranker/GetModelInfo";
+  const grpc::Status bad = hstu::testing::CallBytes(channel_, info_method, "\xff\xff", &reply);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad.error_message();
+  EXPECT_NE(bad.error_message().find("does not parse as hstu.v1.GetModelInfoRequest"),
+            std::string::npos);
+  for (const std::string& b : {std::string(), std::string("\x08\x01", 2)}) {
+    ASSERT_TRUE(hstu::testing::CallBytes(channel_, info_method, b, &reply).ok());
+    hstu::v1::ModelInfo info;
+    ASSERT_TRUE(info.ParseFromString(reply));
+    EXPECT_GT(info.num_layers(), 0u);
+  }
 }
 
 TEST_F(ServerTest, ACallWhoseMessageNeverCameIsCountedAsTheClientEndedIt) {
