@@ -21,6 +21,7 @@ std::unique_ptr<Engine> MakeEngine(const std::string& device, bool cache, const 
   o.enable_cache = cache;
   o.page_size = 16;
   o.keep_hidden = true;
+  o.wrap_backend = test::PoisonedKv;
   auto e = Engine::Create(o, w);
   EXPECT_TRUE(e.ok()) << e.status();
   return e.ok() ? *std::move(e) : nullptr;

@@ -7,9 +7,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
+#include "engine/cuda_backend.h"
 #include "engine/model_file.h"
 #include "gtest/gtest.h"
 
@@ -89,6 +91,18 @@ inline bool AllFinite(const std::vector<float>& v) {
     if (!std::isfinite(x)) return false;
   }
   return true;
+}
+
+// For EngineOptions::wrap_backend: a CUDA backend whose KV pool starts as NaN (bytes 0xFF), so
+// that a page the engine reads before anything was written to it turns the scores non-finite (the
+// engine then answers INTERNAL) instead of reading as whatever the allocation held. Other
+// backends pass unchanged.
+inline std::unique_ptr<Backend> PoisonedKv(std::unique_ptr<Backend> b) {
+  if (auto* cuda = dynamic_cast<CudaBackend*>(b.get()); cuda != nullptr) {
+    const absl::Status s = cuda->SetDebugPoison(true);
+    EXPECT_TRUE(s.ok()) << s;
+  }
+  return b;
 }
 
 // A small model the CUDA kernels support (head dim 64), with position encoding: 3 layers, d 128,

@@ -429,6 +429,7 @@ TEST(CudaGraphs, EngineWithGraphsMatchesCpuEngine) {
   auto cpu = Engine::Create(o, w);
   o.device = "cuda:0";
   o.graph_buckets = {{4, 128}, {8, 1024}};
+  o.wrap_backend = test::PoisonedKv;
   auto gpu = Engine::Create(o, w);
   o.use_cuda_graphs = false;
   auto eager = Engine::Create(o, w);

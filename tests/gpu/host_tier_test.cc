@@ -121,6 +121,7 @@ std::unique_ptr<Engine> TierEngine(const std::string& device, const ModelWeights
   o.page_size = 16;
   o.cache_pages = gpu_pages;
   o.host_cache_pages = host_pages;
+  o.wrap_backend = test::PoisonedKv;
   auto e = Engine::Create(o, w);
   EXPECT_TRUE(e.ok()) << e.status();
   return e.ok() ? *std::move(e) : nullptr;
