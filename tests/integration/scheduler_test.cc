@@ -504,14 +504,19 @@ TEST(SchedulerTest, DeadRequestsBehindAFullBatchAreAnsweredWhenItStarts) {
 
 TEST(SchedulerTest, ARequestThatExpiresWhileItsBatchIsPreparedGetsNoEngineWork) {
   // The prefetch of the requests queued behind a batch runs between the scan and the engine call.
+  // The deadline is far enough ahead that the scan sees the request live even on a loaded,
+  // sanitized machine; the prefetch then outlasts it.
   FakeEngine engine;
   SchedulerOptions o;
-  o.prefetch = [](absl::Span<const RankRequest* const>, absl::Span<const RankRequest* const>) {
-    std::this_thread::sleep_for(300ms);
+  const Clock::time_point deadline = Clock::now() + 2s;
+  std::atomic<bool> live_at_prefetch{false};
+  o.prefetch = [&](absl::Span<const RankRequest* const>, absl::Span<const RankRequest* const>) {
+    if (Clock::now() < deadline) live_at_prefetch = true;
+    std::this_thread::sleep_until(deadline + 50ms);
   };
   Outcome first, expires, later;
   auto s = MakeHeldScheduler(engine, o, &first);
-  ASSERT_TRUE(s->Submit(Pending(1, &expires, 1, Clock::now() + 150ms)).ok());
+  ASSERT_TRUE(s->Submit(Pending(1, &expires, 1, deadline)).ok());
   ASSERT_TRUE(s->Submit(Pending(1, &later)).ok());  // one user: stays queued, so a prefetch runs
   engine.Open();
   EXPECT_EQ(Await(expires).status().code(), absl::StatusCode::kDeadlineExceeded);
@@ -519,6 +524,7 @@ TEST(SchedulerTest, ARequestThatExpiresWhileItsBatchIsPreparedGetsNoEngineWork) 
   int user1_runs = 0;
   for (const auto& b : engine.batches()) user1_runs += static_cast<int>(std::count(b.begin(), b.end(), 1));
   EXPECT_EQ(user1_runs, 1);  // the later request only
+  EXPECT_TRUE(live_at_prefetch) << "the request expired before its batch was prepared";
 }
 
 TEST(SchedulerTest, EngineFailureFailsOnlyThatRequestAndServingContinues) {
