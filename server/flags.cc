@@ -46,6 +46,12 @@ ABSL_FLAG(int64_t, max_candidates, 1024,
           "than the model scores per forward are scored in chunks with identical results.");
 ABSL_FLAG(int64_t, max_message_bytes, 16 << 20,
           "Largest gRPC message accepted or sent, in bytes (larger: RESOURCE_EXHAUSTED).");
+ABSL_FLAG(int32_t, max_concurrent_streams, 1024,
+          "Most calls (HTTP/2 streams) one client connection may have open at once; its further "
+          "calls wait in the client. 0: no limit.");
+ABSL_FLAG(int32_t, max_grpc_threads, 128,
+          "Most threads for gRPC's synchronous services (server reflection takes one per open "
+          "stream; Rank and health take none); beyond it such calls are refused. 0: no limit.");
 ABSL_FLAG(int32_t, page_size, 32, "KV cache page size in tokens (a power of two, at most 4096).");
 ABSL_FLAG(int64_t, cache_pages, 0,
           "KV cache pool size in pages; 0 = auto: 16 GiB of pages on a GPU, 1 GiB on the CPU, at "
@@ -168,6 +174,8 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.scheduler.max_queue_per_user = absl::GetFlag(FLAGS_max_queue_per_user);
   o.scheduler.max_queued_tokens = absl::GetFlag(FLAGS_max_queued_tokens);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  o.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  o.max_grpc_threads = absl::GetFlag(FLAGS_max_grpc_threads);
   o.warmup = absl::GetFlag(FLAGS_warmup);
   o.engine_stall_timeout_s = absl::GetFlag(FLAGS_engine_stall_timeout_s);
 
@@ -200,6 +208,12 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   if (o.engine.limits.max_candidates < 1) return bad("max_candidates", o.engine.limits.max_candidates, "must be >= 1");
   if (o.max_message_bytes < 1024 || o.max_message_bytes > INT32_MAX) {
     return bad("max_message_bytes", o.max_message_bytes, "must be in [1024, 2147483647]");
+  }
+  if (o.max_concurrent_streams < 0) {
+    return bad("max_concurrent_streams", o.max_concurrent_streams, "must be >= 0 (0: no limit)");
+  }
+  if (o.max_grpc_threads < 0 || (o.max_grpc_threads > 0 && o.max_grpc_threads < 4)) {
+    return bad("max_grpc_threads", o.max_grpc_threads, "must be 0 (no limit) or >= 4");
   }
   const int32_t ps = o.engine.page_size;
   if (ps < 1 || ps > 4096 || (ps & (ps - 1)) != 0) {

@@ -3,13 +3,15 @@
 // A lost GPU (a sticky CUDA error: nothing more can run in this process) drains the same way and
 // exits 1, so that the supervisor (Kubernetes, systemd) restarts the server; a hung one (a batch
 // past --engine_stall_timeout_s, before or during a drain) exits 2 at once. A second signal during
-// the drain exits 3 at once.
+// the drain exits 3 at once. SIGHUP stops it as SIGTERM does; SIGPIPE, SIGUSR1 and SIGUSR2 are
+// ignored.
 #include <pthread.h>
 
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "absl/flags/parse.h"
@@ -47,7 +49,7 @@ int main(int argc, char** argv) {
       "              [--metrics_listen=0.0.0.0:9464] [batching, cache and limit flags]\n"
       "Serves hstu.v1.Ranker (proto/hstu/v1/ranking.proto), grpc.health.v1 and reflection;\n"
       "Prometheus metrics on http://METRICS_LISTEN/metrics. See docs/server.md.\n"
-      "Exit status: 0 stopped by SIGTERM/SIGINT and drained, or --help or --version printed;\n"
+      "Exit status: 0 stopped by SIGTERM/SIGINT/SIGHUP and drained, or --help or --version printed;\n"
       "1 unknown flag or one that does not parse, start-up failure, or the GPU lost (after a\n"
       "drain); 2 a flag value out of its range, a word that is no flag, or a batch past\n"
       "--engine_stall_timeout_s; 3 a second signal during the drain.");
@@ -80,8 +82,15 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  // SIGTERM and SIGINT from here on, on whichever thread the kernel hands them to.
-  auto stop = hstu::server::StopSignals::Install({SIGTERM, SIGINT});
+  // A log reader that went away (a closed pipe on stdout) made the next log line's write kill the
+  // process by SIGPIPE, in the middle of a drain; the write fails quietly instead. SIGUSR1 and
+  // SIGUSR2 have no use here, and their default action ended the process without a drain.
+  std::signal(SIGPIPE, SIG_IGN);
+  std::signal(SIGUSR1, SIG_IGN);
+  std::signal(SIGUSR2, SIG_IGN);
+  // SIGTERM, SIGINT and SIGHUP (a closed terminal, or a "reload" habit: there is nothing to
+  // reload, so it stops gracefully) from here on, on whichever thread the kernel hands them to.
+  auto stop = hstu::server::StopSignals::Install({SIGTERM, SIGINT, SIGHUP});
   if (!stop.ok()) {
     std::fprintf(stderr, "%s\n", std::string(stop.status().message()).c_str());
     return 1;
@@ -105,6 +114,7 @@ int main(int argc, char** argv) {
   sigemptyset(&stop_set);
   sigaddset(&stop_set, SIGTERM);
   sigaddset(&stop_set, SIGINT);
+  sigaddset(&stop_set, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &stop_set, nullptr);
   int pending_signal = -1;
   options->before_serving = [&watch, &pending_signal] { pending_signal = watch.Finish(); };
@@ -127,6 +137,18 @@ int main(int argc, char** argv) {
     spdlog::shutdown();
     std::_Exit(code);
   }
+  // Everything is answered by now; the teardown (gRPC's shutdown, the engine's device and pinned
+  // memory) only tidies up, so it is bounded, and a signal during it exits at once, with the
+  // drain's status either way. (A gRPC that had once failed to start a thread, under a pids limit,
+  // never returned from its shutdown, and no signal could end the process.)
+  std::thread([s = *stop, code] {
+    constexpr int kTeardownLimitSeconds = 10;
+    if (s->Wait(absl::Seconds(kTeardownLimitSeconds)) < 0) {
+      spdlog::warn("the teardown took over {} s (gRPC or the device did not return); exiting "
+                   "without it", kTeardownLimitSeconds);
+    }
+    std::_Exit(code);
+  }).detach();
   server->reset();
   if (code != 0) return code;
   spdlog::info("stopped cleanly");

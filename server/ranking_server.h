@@ -34,6 +34,12 @@ struct ServerOptions {
   EngineOptions engine;
   SchedulerOptions scheduler;
   int64_t max_message_bytes = 16 << 20;  // gRPC receive/send limit
+  // Streams one client connection may hold open at once (HTTP/2 SETTINGS); 0: gRPC's default,
+  // none. Each open stream holds ~12 KB of server memory.
+  int32_t max_concurrent_streams = 1024;
+  // Threads gRPC may run its synchronous services on (server reflection: one a stream); past it
+  // such calls are refused. 0: no bound.
+  int32_t max_grpc_threads = 128;
   bool warmup = true;                    // one request through the engine before SERVING
   bool prefetch_onload = true;           // start queued host hits' onloads before their batch
   // A batch running longer than this means a hung GPU (ServeUntilStopped then exits). -1: 60 s

@@ -34,6 +34,7 @@ void OnSignal(int sig) {
 const char* StopSignalName(int sig) {
   if (sig == SIGTERM) return "SIGTERM";
   if (sig == SIGINT) return "SIGINT";
+  if (sig == SIGHUP) return "SIGHUP";
   static thread_local char name[24];
   std::snprintf(name, sizeof(name), "signal %d", sig);
   return name;

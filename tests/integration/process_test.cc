@@ -3,7 +3,10 @@
 // tool_process_test.cc runs hstu_loadgen and hstu_rank against it.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -91,6 +94,57 @@ TEST(ProcessTest, AStopSignalDuringTheStartUpEndsItAtOnce) {
 }
 #endif
 
+TEST(ProcessTest, SighupDrainsAndUserSignalsAreIgnored) {
+  // Before: SIGHUP, SIGUSR1 and SIGUSR2 took their default action and ended the process at once,
+  // with no drain and the calls in flight lost.
+  ServerProcess server;
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  server.proc().Signal(SIGUSR1);
+  server.proc().Signal(SIGUSR2);
+  std::this_thread::sleep_for(200ms);
+  ASSERT_EQ(server.proc().Wait(0ms), -1) << server.proc().Log();
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  server.proc().Signal(SIGHUP);
+  EXPECT_EQ(server.proc().Wait(60s), 0) << server.proc().Log();
+  const std::string log = server.proc().Log();
+  EXPECT_NE(log.find("received SIGHUP, draining"), std::string::npos) << log;
+  EXPECT_NE(log.find("stopped cleanly"), std::string::npos) << log;
+}
+
+TEST(ProcessTest, AClosedLogPipeDoesNotEndTheServer) {
+  // The server's output goes to a pipe whose reader then goes away (a log shipper that died).
+  // Before: the next log line's write raised SIGPIPE, which ended the process in the middle of
+  // whatever it did (a drain's first line: exit by signal, the calls in flight lost).
+  const std::string dir = TempDir();
+  const std::string fifo = dir + "/log";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const std::string socket = "unix:" + dir + "/grpc.sock";
+  // The child's open of the FIFO for writing waits for this reader.
+  Subprocess proc({HSTU_SERVER_BIN, "--listen=" + socket, "--metrics_listen=", "--device=cpu",
+                   "--model=random:tiny"},
+                  fifo);
+  const int reader = open(fifo.c_str(), O_RDONLY);
+  ASSERT_GE(reader, 0);
+  char first[64];
+  ASSERT_GT(read(reader, first, sizeof(first)), 0);  // the server writes to the pipe...
+  close(reader);                                      // ...and from here on to no one
+  bool serving = false;
+  for (int i = 0; i < 400 && !serving && proc.Wait(0ms) < 0; ++i) {
+    // A fresh channel each try: one whose first connect failed waits out gRPC's backoff.
+    auto health = grpc::health::v1::Health::NewStub(
+        grpc::CreateChannel(socket, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 1s);
+    grpc::health::v1::HealthCheckResponse resp;
+    serving = health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok() &&
+              resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+    if (!serving) std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_TRUE(serving) << "exit status " << proc.Wait(0ms);
+  proc.Signal(SIGTERM);
+  EXPECT_EQ(proc.Wait(60s), 0);  // 141 (SIGPIPE) before
+}
+
 TEST(ProcessTest, RequestsThatDoNotParseAreAnsweredWithoutALogLine) {
   // A request_id that is not UTF-8: protobuf logged an ERROR line for each such request, which
   // any client could repeat to fill the log (DESIGN §8: no per-request lines by default). Now its
@@ -129,6 +183,8 @@ TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
        {"--metrics_listen=127.0.0.1:65536", "--metrics_listen=127.0.0.1:65536: must be HOST:PORT"},
        {"--metrics_listen=127.0.0.1:-1", "--metrics_listen=127.0.0.1:-1: must be HOST:PORT"},
        {"--shutdown_grace_s=-4", "--shutdown_grace_s=-4: must be >= 0"},
+       {"--max_concurrent_streams=-1", "--max_concurrent_streams=-1: must be >= 0"},
+       {"--max_grpc_threads=2", "--max_grpc_threads=2: must be 0 (no limit) or >= 4"},
        // Before: accepted, then overflowing the scheduler's wake-up time (no wait at all).
        {"--batch_timeout_us=9300000000000000", "--batch_timeout_us=9300000000000000: must be in [0, 10000000]"},
        // Before: accepted here, then refused by the engine at start-up (exit 1).
@@ -183,6 +239,54 @@ TEST(ProcessTest, ReflectionListsTheRankerAndHealthServices) {
   while (stream->Read(&resp)) {
   }
   EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST(ProcessTest, ReflectionStreamsPastTheThreadLimitAreRefused) {
+  // Server reflection runs on gRPC's synchronous threads, one an open stream. Before the limit,
+  // 3,000 streams a client held open took 3,000 threads.
+  ServerProcess server({"--max_grpc_threads=4"});
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  auto stub = grpc::reflection::v1alpha::ServerReflection::NewStub(server.channel());
+  using Stream = grpc::ClientReaderWriter<grpc::reflection::v1alpha::ServerReflectionRequest,
+                                          grpc::reflection::v1alpha::ServerReflectionResponse>;
+  constexpr int kStreams = 12;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<Stream>> streams;
+  std::vector<bool> answered;
+  for (int i = 0; i < kStreams; ++i) {  // each asks once and stays open
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    contexts.back()->set_deadline(std::chrono::system_clock::now() + 60s);
+    streams.push_back(stub->ServerReflectionInfo(contexts.back().get()));
+    grpc::reflection::v1alpha::ServerReflectionRequest req;
+    req.set_list_services("*");
+    grpc::reflection::v1alpha::ServerReflectionResponse resp;
+    answered.push_back(streams.back()->Write(req) && streams.back()->Read(&resp));
+  }
+  int refused = 0;
+  for (int i = 0; i < kStreams; ++i) {
+    grpc::Status s;
+    if (answered[i]) {  // the answered ones end when this side is done
+      streams[i]->WritesDone();
+      grpc::reflection::v1alpha::ServerReflectionResponse resp;
+      while (streams[i]->Read(&resp)) {
+      }
+      s = streams[i]->Finish();
+      EXPECT_TRUE(s.ok()) << i << ": " << s.error_message();
+    } else {
+      s = streams[i]->Finish();
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << i << ": " << s.error_message();
+      ++refused;
+    }
+  }
+  EXPECT_GT(kStreams - refused, 0);
+  EXPECT_GT(refused, 0);
+  // Rank and health take no such thread: both are served.
+  ASSERT_TRUE(server.WaitServing(5s));
+  auto ranker = hstu::v1::Ranker::NewStub(server.channel());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 30s);
+  hstu::v1::RankResponse resp;
+  EXPECT_TRUE(ranker->Rank(&ctx, MakeRequest(1, 5, 2, 1), &resp).ok());
 }
 
 TEST(ProcessTest, SigtermUnderLoadDrainsAndExitsZero) {

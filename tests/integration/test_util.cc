@@ -100,10 +100,12 @@ Subprocess::Subprocess(const std::vector<std::string>& argv, const std::string& 
     const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, 1);
     dup2(fd, 2);
-    // The test binary may block signals in threads; the child starts with a clean mask.
+    // The test binary may block signals in threads; the child starts with a clean mask, and with
+    // SIGPIPE's default action (an ignored signal stays ignored across exec).
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
+    signal(SIGPIPE, SIG_DFL);
     execv(args[0], args.data());
     _exit(127);
   }
