@@ -84,9 +84,9 @@ ABSL_FLAG(bool, enable_cache, true,
 ABSL_FLAG(bool, no_cache, false, "Same as --noenable_cache.");
 ABSL_FLAG(bool, warmup, true, "Run one request through the engine before reporting SERVING.");
 ABSL_FLAG(int32_t, shutdown_grace_s, 30,
-          "On SIGTERM/SIGINT, how long in-flight requests may take before gRPC cancels them "
-          "(UNAVAILABLE). A batch already on the engine still runs to its end before the process "
-          "exits (a second signal exits at once, status 3).");
+          "On SIGTERM/SIGINT/SIGHUP, how long in-flight requests may take before gRPC cancels "
+          "them (UNAVAILABLE). A batch already on the engine still runs to its end before the "
+          "process exits (a second signal exits at once, status 3).");
 ABSL_FLAG(int32_t, engine_stall_timeout_s, -1,
           "A batch still running after this many seconds means a hung GPU: the server exits with "
           "status 2 at once (it cannot drain; also while a drain waits for that batch) for its "

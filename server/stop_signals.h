@@ -1,8 +1,8 @@
-// SIGTERM and SIGINT for main(): a handler that writes the signal's number into a pipe, and a
-// wait on that pipe. Blocking the signals in every thread and waiting with sigtimedwait() is not
-// enough: a library may start threads before main() runs (OpenBLAS starts its pool in a
-// constructor), and a signal the kernel hands to such a thread took the default action and
-// killed the process. The handler runs on whichever thread the kernel picks and only calls
+// The stop signals (SIGTERM, SIGINT, SIGHUP) for main(): a handler that writes the signal's
+// number into a pipe, and a wait on that pipe. Blocking the signals in every thread and waiting
+// with sigtimedwait() is not enough: a library may start threads before main() runs (OpenBLAS
+// starts its pool in a constructor), and a signal the kernel hands to such a thread took the
+// default action and killed the process. The handler runs on whichever thread the kernel picks and only calls
 // write(), which is async-signal-safe.
 #pragma once
 
@@ -16,7 +16,7 @@
 
 namespace hstu::server {
 
-// "SIGTERM", "SIGINT", or "signal N".
+// "SIGTERM", "SIGINT", "SIGHUP", or "signal N".
 const char* StopSignalName(int sig);
 
 class StopSignals {
