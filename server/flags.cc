@@ -51,7 +51,8 @@ ABSL_FLAG(int32_t, max_concurrent_streams, 1024,
           "calls wait in the client. 0: no limit.");
 ABSL_FLAG(int32_t, max_grpc_threads, 128,
           "Most threads for gRPC's synchronous services (server reflection takes one per open "
-          "stream; Rank and health take none); beyond it such calls are refused. 0: no limit.");
+          "stream; Rank and health take none); beyond it such calls are refused. 0: no limit, "
+          "else at least 4.");
 ABSL_FLAG(int32_t, page_size, 32, "KV cache page size in tokens (a power of two, at most 4096).");
 ABSL_FLAG(int64_t, cache_pages, 0,
           "KV cache pool size in pages; 0 = auto: 16 GiB of pages on a GPU, 1 GiB on the CPU, at "

@@ -38,6 +38,18 @@ size_t HeaderEnd(const std::string& request) {
   return std::min(crlf, lf);
 }
 
+// The request line's words: method, target and (but for HTTP/0.9) version.
+std::vector<std::string> RequestLineWords(const std::string& request) {
+  return absl::StrSplit(request.substr(0, request.find_first_of("\r\n")), ' ', absl::SkipEmpty());
+}
+
+// Whether all of the request is in: its header block ended, or an HTTP/0.9 request line (no
+// version, so no headers follow) ended.
+bool RequestComplete(const std::string& request) {
+  if (HeaderEnd(request) != std::string::npos) return true;
+  return request.find('\n') != std::string::npos && RequestLineWords(request).size() < 3;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(const std::string& listen,
@@ -124,7 +136,7 @@ void HttpExposer::Loop() {
         const ssize_t n = ::recv(c.fd, buf, sizeof(buf), MSG_DONTWAIT);
         if (n > 0) {
           c.request.append(buf, static_cast<size_t>(n));
-          if (HeaderEnd(c.request) != std::string::npos || c.request.size() >= kMaxRequestBytes) {
+          if (RequestComplete(c.request) || c.request.size() >= kMaxRequestBytes) {
             c.reply = Reply(c.request);
           }
         } else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
@@ -158,9 +170,7 @@ void HttpExposer::Loop() {
 }
 
 std::string HttpExposer::Reply(const std::string& request) const {
-  // The request line's words: method, target and (but for HTTP/0.9) version.
-  const std::vector<std::string> words = absl::StrSplit(
-      request.substr(0, request.find_first_of("\r\n")), ' ', absl::SkipEmpty());
+  const std::vector<std::string> words = RequestLineWords(request);
   const std::string method = words.empty() ? "" : words[0];
   const std::string path = words.size() < 2 ? "" : words[1];
   const bool head = method == "HEAD";

@@ -6,11 +6,14 @@
 // the drain exits 3 at once. SIGHUP stops it as SIGTERM does; SIGPIPE, SIGUSR1 and SIGUSR2 are
 // ignored.
 #include <pthread.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -49,9 +52,9 @@ int main(int argc, char** argv) {
       "              [--metrics_listen=0.0.0.0:9464] [batching, cache and limit flags]\n"
       "Serves hstu.v1.Ranker (proto/hstu/v1/ranking.proto), grpc.health.v1 and reflection;\n"
       "Prometheus metrics on http://METRICS_LISTEN/metrics. See docs/server.md.\n"
-      "Exit status: 0 stopped by SIGTERM/SIGINT/SIGHUP and drained, or --help or --version printed;\n"
-      "1 unknown flag or one that does not parse, start-up failure, or the GPU lost (after a\n"
-      "drain); 2 a flag value out of its range, a word that is no flag, or a batch past\n"
+      "Exit status: 0 stopped by SIGTERM/SIGINT/SIGHUP and drained, or --help or --version\n"
+      "printed; 1 unknown flag or one that does not parse, start-up failure, or the GPU lost\n"
+      "(after a drain); 2 a flag value out of its range, a word that is no flag, or a batch past\n"
       "--engine_stall_timeout_s; 3 a second signal during the drain.");
   absl::FlagsUsageConfig usage;
   // --help lists the server's flags (absl's default matches files named after the binary).
@@ -90,7 +93,12 @@ int main(int argc, char** argv) {
   std::signal(SIGUSR2, SIG_IGN);
   // SIGTERM, SIGINT and SIGHUP (a closed terminal, or a "reload" habit: there is nothing to
   // reload, so it stops gracefully) from here on, on whichever thread the kernel hands them to.
-  auto stop = hstu::server::StopSignals::Install({SIGTERM, SIGINT, SIGHUP});
+  // A SIGHUP ignored by whoever started the server (nohup) stays ignored.
+  struct sigaction hup = {};
+  sigaction(SIGHUP, nullptr, &hup);
+  auto stop = hup.sa_handler == SIG_IGN
+                  ? hstu::server::StopSignals::Install({SIGTERM, SIGINT})
+                  : hstu::server::StopSignals::Install({SIGTERM, SIGINT, SIGHUP});
   if (!stop.ok()) {
     std::fprintf(stderr, "%s\n", std::string(stop.status().message()).c_str());
     return 1;
@@ -138,18 +146,32 @@ int main(int argc, char** argv) {
     std::_Exit(code);
   }
   // Everything is answered by now; the teardown (gRPC's shutdown, the engine's device and pinned
-  // memory) only tidies up, so it is bounded, and a signal during it exits at once, with the
-  // drain's status either way. (A gRPC that had once failed to start a thread, under a pids limit,
-  // never returned from its shutdown, and no signal could end the process.)
-  std::thread([s = *stop, code] {
-    constexpr int kTeardownLimitSeconds = 10;
-    if (s->Wait(absl::Seconds(kTeardownLimitSeconds)) < 0) {
-      spdlog::warn("the teardown took over {} s (gRPC or the device did not return); exiting "
-                   "without it", kTeardownLimitSeconds);
-    }
+  // memory) only tidies up. So it is bounded, and a signal during it exits at once, with the
+  // drain's status either way: a gRPC that has failed to start a thread (a pids limit) does not
+  // return from its shutdown. The watchdog writes with write(2), not spdlog: it may wake while
+  // the process exits, and once the teardown is done it only returns.
+  static std::atomic<bool> teardown_done{false};
+  try {
+    std::thread([s = *stop, code] {
+      constexpr int kTeardownLimitSeconds = 10;
+      const bool signalled = s->Wait(absl::Seconds(kTeardownLimitSeconds)) >= 0;
+      if (teardown_done.load()) return;
+      if (!signalled) {
+        constexpr char kMessage[] =
+            "hstu_server: the teardown took over 10 s (gRPC or the device did not return); "
+            "exiting without it\n";
+        [[maybe_unused]] const ssize_t n = write(STDERR_FILENO, kMessage, sizeof(kMessage) - 1);
+      }
+      std::_Exit(code);
+    }).detach();
+  } catch (const std::system_error& e) {  // no thread to be had: skip the teardown
+    spdlog::warn("no thread for the teardown's watchdog ({}); exiting without the teardown",
+                 e.what());
+    spdlog::shutdown();
     std::_Exit(code);
-  }).detach();
+  }
   server->reset();
+  teardown_done = true;
   if (code != 0) return code;
   spdlog::info("stopped cleanly");
   return 0;

@@ -40,7 +40,8 @@ class RankService final
                                          const grpc::ByteBuffer* request,
                                          grpc::ByteBuffer* response) override;
 
-  // From now on Rank answers UNAVAILABLE ("server is shutting down") at once (the drain).
+  // From now on Rank and GetModelInfo answer UNAVAILABLE ("server is shutting down") at once
+  // (the drain).
   void StopAdmitting() { admitting_.store(false); }
   // Rank calls received and not yet answered.
   int64_t InFlight() const { return inflight_.load(); }

@@ -2,8 +2,8 @@
 // number into a pipe, and a wait on that pipe. Blocking the signals in every thread and waiting
 // with sigtimedwait() is not enough: a library may start threads before main() runs (OpenBLAS
 // starts its pool in a constructor), and a signal the kernel hands to such a thread took the
-// default action and killed the process. The handler runs on whichever thread the kernel picks and only calls
-// write(), which is async-signal-safe.
+// default action and killed the process. The handler runs on whichever thread the kernel picks
+// and only calls write(), which is async-signal-safe.
 #pragma once
 
 #include <functional>

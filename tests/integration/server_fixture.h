@@ -23,7 +23,7 @@
 #include "server/ranking_server.h"
 #include "tests/integration/test_util.h"
 
-namespace hstu::server {
+namespace hstu::server::fixture {
 
 // Holds batches at a gate and records which users reached the engine.
 class Gate {
@@ -116,7 +116,8 @@ class ServerTest : public ::testing::Test {
     stub_ = hstu::v1::Ranker::NewStub(channel_);
     // Connected before a test's first call: its deadline then times only the call, not the
     // connection's set-up on a loaded machine.
-    ASSERT_TRUE(channel_->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)));
+    ASSERT_TRUE(
+        channel_->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)));
   }
   // Waits (up to 20 s: calls reach the queue late on a loaded, sanitized machine) until `depth`
   // calls are queued; returns the depth then.
@@ -207,4 +208,4 @@ inline hstu::v1::RankRequest Prefix(const hstu::v1::RankRequest& full, int event
   return r;
 }
 
-}  // namespace hstu::server
+}  // namespace hstu::server::fixture

@@ -32,6 +32,10 @@ namespace hstu::server {
 namespace {
 
 using namespace std::chrono_literals;
+using fixture::Gate;
+using fixture::MakeRequest;
+using fixture::Prefix;
+using fixture::ServerTest;
 using hstu::testing::ParseExposition;
 
 TEST(StopSignals, ASignalTakenByAnotherThreadStillReachesTheWait) {

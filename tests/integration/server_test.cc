@@ -36,6 +36,10 @@ namespace hstu::server {
 namespace {
 
 using namespace std::chrono_literals;
+using fixture::Gate;
+using fixture::MakeRequest;
+using fixture::Prefix;
+using fixture::ServerTest;
 using hstu::testing::ParseExposition;
 
 // The engine's running totals are mirrored into prometheus-cpp counters at each scrape: a counter
@@ -681,9 +685,9 @@ TEST_F(ServerTest, MetricsEndpointAnswersOddRequestsPlainly) {
   EXPECT_EQ(lf.rfind("HTTP/1.1 200 OK", 0), 0u) << lf;
   EXPECT_NE(lf.find("hstu_requests_total"), std::string::npos);
   EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
-  // A request line without a version (HTTP/0.9), or with doubled spaces, names the same target
-  // (before: the method was read as the path, 404).
-  for (const char* request : {"GET /metrics\r\n\r\n", "GET  /metrics  HTTP/1.1\r\n\r\n"}) {
+  // A request line without a version (HTTP/0.9: complete at its line's end, no headers follow),
+  // or with doubled spaces, names the same target.
+  for (const char* request : {"GET /metrics\r\n", "GET  /metrics  HTTP/1.1\r\n\r\n"}) {
     const std::string reply = testing::RawHttp(port, request);
     EXPECT_EQ(reply.rfind("HTTP/1.1 200 OK", 0), 0u) << request << reply;
     EXPECT_NE(reply.find("hstu_requests_total"), std::string::npos) << request;

@@ -16,6 +16,9 @@ constexpr double kReferenceScoreAbs = 1e-4;
 // bf16 GPU vs fp32 CPU (DESIGN §2.4).
 constexpr double kBf16RelL2 = 1e-2;
 constexpr double kBf16ScoreAbs = 2e-3;
+// The base model's scores (8 layers, d 1024) against the fp32 CPU engine: the bf16 format's own
+// limit there is 6.4e-3 to 6.9e-3 (docs/kernel_rounds.md, round 31), so the bound leaves room.
+constexpr double kBf16BaseScoreAbs = 1e-2;
 // Backend parity on small random models WITHOUT position encoding: there the final hidden rows are
 // made of layer outputs only, every bf16 activation rounding shows (measured hidden rel L2 2.4e-3 to
 // 3.7e-3), and the random MLP head turns that into score differences of 2.2e-3 to 2.7e-3 (H200,
