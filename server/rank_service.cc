@@ -8,6 +8,22 @@
 #include "server/validation.h"
 
 namespace hstu::server {
+namespace {
+
+// What a raw method answers when gRPC calls it with no message: the client cancelled or timed
+// out before sending one.
+constexpr char kNoMessage[] =
+    "no request message came (the client cancelled, timed out or sent none)";
+
+// Parses a raw method's request bytes, from a copy that shares their slices (the parse consumes
+// its buffer).
+template <typename Message>
+bool ParseRequest(const grpc::ByteBuffer& bytes, Message* message) {
+  grpc::ByteBuffer copy(bytes);
+  return grpc::SerializationTraits<Message>::Deserialize(&copy, message).ok();
+}
+
+}  // namespace
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   // absl::StatusCode and grpc::StatusCode share their numbering (both follow google.rpc.Code).
@@ -77,18 +93,13 @@ grpc::ServerUnaryReactor* RankService::GetModelInfo(grpc::CallbackServerContext*
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const Attached* a = attached_.load(std::memory_order_acquire);
   hstu::v1::GetModelInfoRequest parsed;
-  grpc::ByteBuffer bytes;
-  if (request->Valid()) bytes = *request;  // shares the slices; the parse consumes its buffer
   if (a == nullptr) {
     reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "model is loading"));
   } else if (!admitting_.load()) {  // as Rank: a draining server takes no new calls
     reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is shutting down"));
   } else if (!request->Valid()) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED,
-                                 "no request message came (the client cancelled, timed out or "
-                                 "sent none)"));
-  } else if (!grpc::SerializationTraits<hstu::v1::GetModelInfoRequest>::Deserialize(&bytes, &parsed)
-                  .ok()) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED, kNoMessage));
+  } else if (!ParseRequest(*request, &parsed)) {
     reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                  "the request does not parse as hstu.v1.GetModelInfoRequest "
                                  "(truncated or invalid wire data)"));
@@ -153,23 +164,16 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
   // message came, and gRPC calls the method anyway. Counted as the client ended it, not as a
   // request that does not parse.
   if (!request_bytes->Valid()) {
-    finish(AsSeenByTheClient(absl::CancelledError(
-                                 "no request message came (the client cancelled, timed out or "
-                                 "sent none)"),
-                             client_deadline, Clock::now()));
+    finish(AsSeenByTheClient(absl::CancelledError(kNoMessage), client_deadline, Clock::now()));
     return reactor;
   }
-  // Parsed here, after the refusals above (which need no request), from a copy that shares the
-  // bytes' slices (the parse consumes its buffer).
+  // Parsed here, after the refusals above (which need no request).
   hstu::v1::RankRequest request;
-  {
-    grpc::ByteBuffer bytes(*request_bytes);
-    if (!grpc::SerializationTraits<hstu::v1::RankRequest>::Deserialize(&bytes, &request).ok()) {
-      finish(absl::InvalidArgumentError(
-          "the request does not parse as hstu.v1.RankRequest (truncated or invalid wire data, or "
-          "a string field such as request_id that is not UTF-8)"));
-      return reactor;
-    }
+  if (!ParseRequest(*request_bytes, &request)) {
+    finish(absl::InvalidArgumentError(
+        "the request does not parse as hstu.v1.RankRequest (truncated or invalid wire data, or "
+        "a string field such as request_id that is not UTF-8)"));
+    return reactor;
   }
   if (request.request_id().size() > kMaxRequestIdBytes) {
     finish(absl::InvalidArgumentError(absl::StrCat("request_id has ", request.request_id().size(),

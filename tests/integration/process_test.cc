@@ -94,24 +94,6 @@ TEST(ProcessTest, AStopSignalDuringTheStartUpEndsItAtOnce) {
 }
 #endif
 
-// Waits (up to ~20 s) until the server `proc` at `target` reports SERVING; false if it exits first.
-bool WaitServingAt(const std::string& target, Subprocess& proc) {
-  for (int i = 0; i < 400 && proc.Wait(0ms) < 0; ++i) {
-    // A fresh channel each try: one whose first connect failed waits out gRPC's backoff.
-    auto health = grpc::health::v1::Health::NewStub(
-        grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + 1s);
-    grpc::health::v1::HealthCheckResponse resp;
-    if (health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok() &&
-        resp.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
-      return true;
-    }
-    std::this_thread::sleep_for(50ms);
-  }
-  return false;
-}
-
 TEST(ProcessTest, SighupDrainsAndUserSignalsAreIgnored) {
   // Before: SIGHUP, SIGUSR1 and SIGUSR2 took their default action and ended the process at once,
   // with no drain and the calls in flight lost.

@@ -31,6 +31,29 @@ inline std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
+// Waits up to `timeout` until the server `proc` at `target` (HOST:PORT or unix:PATH) reports
+// SERVING; false if it does not, or exits first.
+inline bool WaitServingAt(const std::string& target, Subprocess& proc,
+                          std::chrono::seconds timeout = std::chrono::seconds(20)) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < end) {
+    // A fresh channel per try: a channel whose first connect was refused waits out gRPC's
+    // reconnect backoff (seconds) before trying again.
+    auto health = grpc::health::v1::Health::NewStub(
+        grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    grpc::health::v1::HealthCheckResponse resp;
+    if (health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok() &&
+        resp.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+      return true;
+    }
+    if (proc.Wait(std::chrono::milliseconds(0)) >= 0) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
 // hstu_server on loopback ports the kernel picks (port 0; the server logs the ones it got), SERVING
 // when WaitServing() returns true. Ports picked here and handed over would race: two picks in a
 // row once returned the same port, and the server then failed to bind its second listener.
@@ -61,24 +84,9 @@ class ServerProcess {
   }
   bool WaitServing(std::chrono::seconds timeout = std::chrono::seconds(20)) {
     if (port_ == 0) return false;  // it never listened (the log says why)
-    const auto end = std::chrono::steady_clock::now() + timeout;
-    while (std::chrono::steady_clock::now() < end) {
-      // A fresh channel per try: a channel whose first connect was refused waits out gRPC's
-      // reconnect backoff (seconds) before trying again.
-      auto health = grpc::health::v1::Health::NewStub(
-          grpc::CreateChannel(target(), grpc::InsecureChannelCredentials()));
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
-      grpc::health::v1::HealthCheckResponse resp;
-      if (health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok() &&
-          resp.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
-        channel_ = grpc::CreateChannel(target(), grpc::InsecureChannelCredentials());
-        return true;
-      }
-      if (proc_->Wait(std::chrono::milliseconds(0)) >= 0) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    return false;
+    if (!WaitServingAt(target(), *proc_, timeout)) return false;
+    channel_ = grpc::CreateChannel(target(), grpc::InsecureChannelCredentials());
+    return true;
   }
   std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
   int metrics_port() const { return metrics_port_; }
