@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/cuda/hstu_attention.h"
+#include "kernels/cuda/hstu_attention_plan.h"
 
 namespace hstu::cuda {
 namespace {

@@ -1,8 +1,9 @@
-// The paged attention's work plan (kernels/cuda/hstu_attention.h), on the CPU: every tile's keys are
-// covered exactly once by its chunks, the split bookkeeping is consistent, the items come longest
-// first with the split tiles' first chunks leading, and the chunk length beats a uniform split of
-// the decode-step shape; cluster plans are tile-major, `cluster` chunks a tile, and are made only
-// where the clusters run in one wave and fill the GPU.
+// The paged attention's work plan (kernels/cuda/hstu_attention_plan.h), on the CPU: every tile's
+// keys are covered exactly once by its chunks, the split bookkeeping is consistent, the items come
+// longest first with the split tiles' first chunks leading, and the chunk length beats a uniform
+// split of the decode-step shape; cluster plans are tile-major, `cluster` chunks a tile, and are
+// made only where the clusters run in one wave and fill the GPU.
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,7 +13,7 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/cuda/hstu_attention.h"
+#include "kernels/cuda/hstu_attention_plan.h"
 
 namespace hstu::cuda {
 namespace {
