@@ -20,14 +20,17 @@ mkdir -p "$OUT"
 for f in "$PACK_A" "$PACK_B"; do
   [ -f "$f" ] || { echo "ab_device.sh: no pack $f" >&2; exit 2; }
 done
-case "$ROUNDS" in '' | *[!0-9]*) echo "ab_device.sh: ROUNDS must be a number, got '$ROUNDS'" >&2; exit 2 ;; esac
+case "$ROUNDS" in '' | *[!0-9]* | 0) echo "ab_device.sh: ROUNDS must be a number >= 1, got '$ROUNDS'" >&2; exit 2 ;; esac
+[ -n "${MODES// /}" ] || { echo "ab_device.sh: no modes given" >&2; exit 2; }
 source "$(dirname "$0")/device_env.sh"
-unpack_and_setup "$PACK_A" /tmp/hstu_ab_A
+BASE_LD="${LD_LIBRARY_PATH:-}"
+unpack_and_setup "$PACK_A" /tmp/hstu_ab_A || exit 1
 HOME_A="$H"
-unpack_and_setup "$PACK_B" /tmp/hstu_ab_B
+unpack_and_setup "$PACK_B" /tmp/hstu_ab_B || exit 1
 HOME_B="$H"
-# Each side runs with its own pack's libraries first.
-BASE_LD="$CUDA_LIB:${LD_LIBRARY_PATH:-}"
+# Each side runs with its own pack's libraries only (the other pack's lib/ is not on its path,
+# so a library missing from one pack is not quietly taken from the other).
+BASE_LD="$CUDA_LIB${BASE_LD:+:$BASE_LD}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/ab_device.txt"
 echo "A: $(tr '\n' ' ' < "$HOME_A/COMMIT")${HSTU_AB_ENV_A:-}" | tee -a "$OUT/ab_device.txt"
 echo "B: $(tr '\n' ' ' < "$HOME_B/COMMIT")${HSTU_AB_ENV_B:-}" | tee -a "$OUT/ab_device.txt"

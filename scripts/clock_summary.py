@@ -35,24 +35,42 @@ def samples(path):
     return out
 
 
+def spans(path):
+    """(mode, start, end) of each "mode start end" line; blank lines skipped."""
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            cells = line.split()
+            try:
+                if len(cells) != 3:
+                    raise ValueError(f"{len(cells)} fields")
+                out.append((cells[0], float(cells[1]), float(cells[2])))
+            except ValueError as e:
+                raise ValueError(f"{path} line {n} is not 'mode start end': {e}") from None
+    return out
+
+
 def main():
     if len(sys.argv) != 3:
         sys.exit(__doc__)
-    log = samples(sys.argv[1])
+    try:
+        log, runs = samples(sys.argv[1]), spans(sys.argv[2])
+    except (OSError, ValueError) as e:
+        sys.exit(f"clock_summary.py: {e}")
     print("| run | busy samples | SM clock median / min (MHz) | power median / max (W) | power-capped |")
     print("|---|---|---|---|---|")
-    with open(sys.argv[2]) as f:
-        for line in f:
-            mode, start, end = line.split()
-            sel = [s for s in log
-                   if float(start) <= s[0] <= float(end) and s[3] >= BUSY_UTILISATION]
-            if not sel:
-                print(f"| {mode} | 0 | – | – | – |")
-                continue
-            clocks, power = [s[1] for s in sel], [s[2] for s in sel]
-            capped = sum(1 for s in sel if s[4] & SW_POWER_CAP) / len(sel)
-            print(f"| {mode} | {len(sel)} | {statistics.median(clocks):.0f} / {min(clocks):.0f} | "
-                  f"{statistics.median(power):.0f} / {max(power):.0f} | {100 * capped:.0f} % |")
+    for mode, start, end in runs:
+        sel = [s for s in log
+               if start <= s[0] <= end and s[3] >= BUSY_UTILISATION]
+        if not sel:
+            print(f"| {mode} | 0 | – | – | – |")
+            continue
+        clocks, power = [s[1] for s in sel], [s[2] for s in sel]
+        capped = sum(1 for s in sel if s[4] & SW_POWER_CAP) / len(sel)
+        print(f"| {mode} | {len(sel)} | {statistics.median(clocks):.0f} / {min(clocks):.0f} | "
+              f"{statistics.median(power):.0f} / {max(power):.0f} | {100 * capped:.0f} % |")
 
 
 if __name__ == "__main__":

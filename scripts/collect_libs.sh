@@ -5,9 +5,17 @@ set -euo pipefail
 DEST="$1"
 shift
 mkdir -p "$DEST"
-for b in "$@"; do ldd "$b"; done | awk '/=>/ {print $3}' | sort -u | while read -r lib; do
+LDD="$(for b in "$@"; do ldd "$b"; done)"
+# A library this machine lacks cannot be packed: say which (the GPU machine would lack it too).
+missing="$(grep 'not found' <<< "$LDD" | awk '{print $1}' | sort -u)"
+if [ -n "$missing" ]; then
+  echo "collect_libs.sh: libraries not found here: $missing" >&2
+  exit 1
+fi
+awk '/=>/ {print $3}' <<< "$LDD" | sort -u | while read -r lib; do
   case "$(basename "$lib")" in
-    libc.so*|libm.so*|libstdc++.so*|libgcc_s.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*|\
+    libc.so*|libm.so*|libmvec.so*|libstdc++.so*|libgcc_s.so*|libdl.so*|libpthread.so*|librt.so*|\
+    libutil.so*|libresolv.so*|libanl.so*|libnsl.so*|ld-linux*|\
     libcuda.so*|libcudart.so*|libcublas.so*|libcublasLt.so*) continue ;;
   esac
   cp -L "$lib" "$DEST/"

@@ -38,9 +38,12 @@ DEST="$ROOT/third_party/cutlass"
 if [ "${HSTU_SKIP_CUTLASS:-0}" != "1" ] && [ ! -f "$DEST/include/cute/tensor.hpp" ]; then
   echo "[install_deps] fetching nvidia-cutlass==$CUTLASS_VERSION headers"
   tmp="$(mktemp -d)"
-  if python3 -m pip download --quiet --no-deps "nvidia-cutlass==$CUTLASS_VERSION" -d "$tmp"; then
-    mkdir -p "$DEST"
-    python3 - "$tmp"/nvidia_cutlass-*.whl "$DEST" <<'PY'
+  trap 'rm -rf "$tmp"' EXIT
+  # Extracted into a folder beside DEST, then renamed into place: an interrupted run leaves no
+  # partial include/ that a later run would take for a whole one.
+  if python3 -m pip download --quiet --no-deps "nvidia-cutlass==$CUTLASS_VERSION" -d "$tmp" &&
+     rm -rf "$DEST.partial" && mkdir -p "$DEST.partial" &&
+     python3 - "$tmp"/nvidia_cutlass-*.whl "$DEST.partial" <<'PY'
 import sys, zipfile, os
 whl, dest = sys.argv[1], sys.argv[2]
 prefix = "cutlass_library/source/include/"
@@ -52,10 +55,14 @@ with zipfile.ZipFile(whl) as z:
             with open(out, "wb") as f:
                 f.write(z.read(n))
 PY
+  then
+    rm -rf "$DEST" && mv "$DEST.partial" "$DEST"
   else
+    rm -rf "$DEST.partial"
     echo "[install_deps] warning: could not fetch CUTLASS headers (CUDA kernels that need them are skipped)"
   fi
   rm -rf "$tmp"
+  trap - EXIT
 fi
 # numpy for the independent Python reference used by the tests (Debian's python3-numpy above; pip
 # where python3 is not Debian's).

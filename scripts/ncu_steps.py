@@ -8,7 +8,8 @@ the kernels' own GPU time (gpu__time_duration), with the profiler serialising ke
 gaps and no overlap between programmatically dependent kernels, so a step's total is above what
 its CUDA graph replay takes.
 
-Usage: ncu_steps.py NCU.csv [--all]   (--all: every step, not only the last of each run)
+Usage: ncu_steps.py NCU.csv [--all]   (--all, before or after the file: every step, not only the
+last of each run)
 """
 import csv
 import re
@@ -42,21 +43,40 @@ def read_kernels(path):
             d = dict(zip(header, row))
             if d.get("Metric Name") != "gpu__time_duration.sum":
                 continue
-            scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(d["Metric Unit"], 1e-3)
-            kernels.append((d["Kernel Name"], d["Grid Size"],
-                            float(d["Metric Value"].replace(",", "")) * scale))
+            missing = [k for k in ("Metric Unit", "Metric Value", "Kernel Name", "Grid Size")
+                       if k not in d]
+            if missing:
+                raise ValueError(f"{path}: no column {', '.join(missing)} (ncu --csv output?)")
+            unit = d["Metric Unit"]
+            if unit not in UNIT_US:
+                raise ValueError(f"{path}: unknown time unit '{unit}' for {d['Kernel Name'][:60]}")
+            try:
+                value = float(d["Metric Value"].replace(",", ""))
+            except ValueError:
+                raise ValueError(f"{path}: {d['Kernel Name'][:60]} has no duration "
+                                 f"('{d['Metric Value']}')") from None
+            kernels.append((d["Kernel Name"], d["Grid Size"], value * UNIT_US[unit]))
     return kernels
 
 
+UNIT_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
+           "second": 1e6, "s": 1e6}
+
+
 def main():
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    print_all = "--all" in args
+    files = [a for a in args if a != "--all"]
+    if len(files) != 1:
         sys.exit(__doc__)
-    kernels = read_kernels(sys.argv[1])
+    try:
+        kernels = read_kernels(files[0])
+    except (OSError, ValueError) as e:
+        sys.exit(f"ncu_steps.py: {e}")
     starts = [i for i, k in enumerate(kernels) if "mbedding" in k[0]]
     if not starts:
-        sys.exit(f"{sys.argv[1]}: no embedding kernel, so no forward step found")
+        sys.exit(f"{files[0]}: no embedding kernel, so no forward step found")
     steps = [kernels[a:b] for a, b in zip(starts, starts[1:] + [len(kernels)])]
-    print_all = "--all" in sys.argv[2:]
     for i, step in enumerate(steps):
         key = (step[0][1], len(step))
         nxt = steps[i + 1] if i + 1 < len(steps) else None

@@ -25,9 +25,12 @@ trap 'rm -rf "$STAGE"' EXIT
 mkdir -p "$STAGE/hstu/bin" "$STAGE/hstu/lib"
 for b in "${BINS[@]}"; do cp "$BUILD/$b" "$STAGE/hstu/bin/"; done
 bash scripts/collect_libs.sh "$STAGE/hstu/lib" "${BINS[@]/#/$BUILD/}"
-cp scripts/run_device.sh "$STAGE/hstu/"
 git rev-parse --short HEAD > "$STAGE/hstu/COMMIT" 2>/dev/null || echo unknown > "$STAGE/hstu/COMMIT"
-git status --porcelain -- kernels engine tests/gpu client | grep -q . && echo "+dirty" >> "$STAGE/hstu/COMMIT" || true
+# Captured, not piped into `grep -q`: under pipefail git's SIGPIPE would fail the test and a
+# dirty tree would be labelled clean.
+if [ -n "$(git status --porcelain -- CMakeLists.txt kernels kvcache engine tests/gpu client 2>/dev/null)" ]; then
+  echo "+dirty" >> "$STAGE/hstu/COMMIT"
+fi
 PACK_FILE="${HSTU_PACK_FILE:-pack/hstu_pack.tar.gz}"
 mkdir -p "$(dirname "$PACK_FILE")"
 tar -C "$STAGE" -czf "$PACK_FILE" hstu

@@ -24,7 +24,10 @@ mkdir -p "$STAGE/hstu_server/bin" "$STAGE/hstu_server/lib"
 for b in "${BINS[@]}"; do cp "$BUILD/$b" "$STAGE/hstu_server/bin/"; done
 bash scripts/collect_libs.sh "$STAGE/hstu_server/lib" "${BINS[@]/#/$BUILD/}"
 git rev-parse --short HEAD > "$STAGE/hstu_server/COMMIT" 2>/dev/null || echo unknown > "$STAGE/hstu_server/COMMIT"
-git status --porcelain -- kernels engine kvcache server client | grep -q . && echo "+dirty" >> "$STAGE/hstu_server/COMMIT" || true
+# Captured, not piped into `grep -q` (pipefail and git's SIGPIPE would hide a dirty tree).
+if [ -n "$(git status --porcelain -- CMakeLists.txt proto kernels kvcache engine server client 2>/dev/null)" ]; then
+  echo "+dirty" >> "$STAGE/hstu_server/COMMIT"
+fi
 cp tools/make_requests.py tools/compare_rank_outputs.py "$STAGE/hstu_server/"
 mkdir -p pack
 tar -C "$STAGE" -czf pack/hstu_server_pack.tar.gz hstu_server

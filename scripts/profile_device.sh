@@ -12,7 +12,7 @@ OUT="${OUT:-/tmp/hstu_out}"
 mkdir -p "$OUT"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 source "$HERE/device_env.sh"
-unpack_and_setup "${HSTU_PACK_FILE:-pack/hstu_pack.tar.gz}" /tmp/hstu_run
+unpack_and_setup "${HSTU_PACK_FILE:-pack/hstu_pack.tar.gz}" /tmp/hstu_run || exit 1
 NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
 if [ -z "$NCU" ]; then
   echo "profile_device.sh: Nsight Compute (ncu) not found" >&2
@@ -29,6 +29,9 @@ fi
   --print-units base "$H/bin/hstu_bench" "$@" > "$OUT/ncu.csv" 2> "$OUT/ncu_stderr.txt"
 rc=$?
 python3 "$HERE/ncu_steps.py" "$OUT/ncu.csv" >> "$OUT/ncu_steps.md"
+steps_rc=$?
 gzip -f "$OUT/ncu.csv"
-echo "ncu exit code: $rc; tables in $OUT/ncu_steps.md"
-exit $rc
+echo "ncu exit code: $rc; ncu_steps.py exit code: $steps_rc; tables in $OUT/ncu_steps.md"
+# ncu's own failure first; else a table step that found nothing or failed.
+[ $rc -ne 0 ] && exit $rc
+exit $steps_rc

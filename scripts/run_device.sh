@@ -13,10 +13,14 @@
 #     which racecheck reports hazards: docs/gpu.md).
 set -uo pipefail
 WHAT="${1:-all}"
+case "$WHAT" in
+  tests | bench | all | sanitize) ;;
+  *) echo "run_device.sh: unknown mode '$WHAT' (tests | bench | all | sanitize)" >&2; exit 2 ;;
+esac
 OUT="${OUT:-/tmp/hstu_out}"
 mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
-unpack_and_setup "${HSTU_PACK_FILE:-pack/hstu_pack.tar.gz}" /tmp/hstu_run
+unpack_and_setup "${HSTU_PACK_FILE:-pack/hstu_pack.tar.gz}" /tmp/hstu_run || exit 1
 {
   echo "commit: $(cat "$H/COMMIT" | tr '\n' ' ')"
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"

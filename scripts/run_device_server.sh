@@ -25,6 +25,15 @@ set -uo pipefail
 DUR="${1:-8}"
 PARTS="${2:-parity cache cache_always nocache e2e}"
 has() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
+# A misspelt part would otherwise run nothing and pass.
+for part in $PARTS; do
+  case "$part" in
+    parity | cache | cache_b512 | cache_gpu | cache_always | nocache | verify | verify_window | \
+    cache_window | memcheck | e2e | e2e_fixed | e2e_adapt | e2e_sat | e2e_var_adapt | e2e_var_eager) ;;
+    *) echo "run_device_server.sh: unknown part '$part'" >&2; exit 2 ;;
+  esac
+done
+[ -n "${PARTS// /}" ] || { echo "run_device_server.sh: no parts given" >&2; exit 2; }
 status=0  # the exit code: 1 when a parity comparison, a loadgen run or a server's exit failed
 OUT="${OUT:-/tmp/hstu_out}"
 mkdir -p "$OUT"
@@ -34,8 +43,10 @@ source "$(dirname "$0")/device_env.sh"
 if [ -n "${HSTU_H:-}" ]; then
   H="$HSTU_H"  # a folder with bin/ (a local dry run: HSTU_SRV_MODEL=random:tiny HSTU_SRV_DEVICE=cpu)
 else
-  unpack_and_setup "${HSTU_SERVER_PACK_FILE:-pack/hstu_server_pack.tar.gz}" "$DIR"
+  unpack_and_setup "${HSTU_SERVER_PACK_FILE:-pack/hstu_server_pack.tar.gz}" "$DIR" || exit 1
 fi
+# A server a part started and did not stop (the script ended early) would hold the ports.
+trap 'kill $(jobs -p) 2> /dev/null' EXIT
 MODEL="${HSTU_SRV_MODEL:-random:base}"
 DEVICE="${HSTU_SRV_DEVICE:-cuda:0}"
 { echo "commit: $(cat "$H/COMMIT")"; date -u +%Y-%m-%dT%H:%M:%SZ
@@ -122,6 +133,8 @@ verify() {  # name, model, server flags...
   rm -f "$DIR/answers_$name.jsonl"
   RUN_MODEL="$model" run "$name" "--users=400 --zipf=1.0 --initial_events=1800 --new_events=64 --concurrency=8 --record=$DIR/answers_$name.jsonl --record_every=4" \
     --cache_pages=2048 --host_cache_pages=8192 "$@" ${VERIFY_SERVER_FLAGS:-}
+  # hstu_rank passes an empty input: no recorded answer is a failure here, not a pass.
+  [ -s "$DIR/answers_$name.jsonl" ] || { echo "$name: the loadgen recorded no answers"; status=1; }
   # The tolerance: a server batch of 8 and a recompute alone round differently in bf16, ~1e-2 at
   # most over 6,000 answers of the base model, whatever the cache did (docs/benchmarks.md).
   "$H/bin/hstu_rank" --model="$model" --device=cuda:0 --no_cache --input="$DIR/answers_$name.jsonl" \
@@ -246,6 +259,8 @@ run_levels() {
     "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --wait_ready_s=240 $lg --candidates=256 \
       --timeout_ms=5000 --duration="$DUR" --warmup=2 --progress=false --concurrency="$c" \
       --json="$OUT/loadgen_${name}_c$c.json" > "$OUT/loadgen_${name}_c$c.txt" 2>&1
+    local lg_status=$?
+    [ "$lg_status" = 0 ] || { echo "loadgen ($name, $c callers) exit code: $lg_status"; status=1; }
     curl -sf http://127.0.0.1:9464/metrics > "$OUT/metrics_${name}_c$c.txt" 2>/dev/null || true
     python3 - "$name" "$c" "$prev" "$OUT/metrics_${name}_c$c.txt" "$OUT/loadgen_${name}_c$c.json" <<'PY' | tee -a "$OUT/levels.txt"
 import json, re, sys
@@ -269,9 +284,12 @@ cells = [name, c, "%.0f" % lvl["throughput_rps"], "%.2f" % lvl["latency_ms"]["p5
          "%.3f" % (1e3 * d("hstu_request_queue_seconds_sum") / max(reqs, 1)), "%.3f" % server_ms]
 print("| " + " | ".join(cells) + " |")
 PY
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
     prev="$OUT/metrics_${name}_c$c.txt"
   done
-  kill -TERM "$pid"; wait "$pid"; echo "server ($name) exit code: $?"
+  kill -TERM "$pid"; wait "$pid"; local srv_status=$?
+  echo "server ($name) exit code: $srv_status"
+  [ "$srv_status" = 0 ] || status=1
 }
 if has e2e_fixed || has e2e_adapt || has e2e_sat || has e2e_var_adapt || has e2e_var_eager; then
   echo "| run | callers | rps | p50 ms | p99 ms | requests/batch | ms/batch (engine) | queue ms | in server ms |" | tee -a "$OUT/levels.txt"

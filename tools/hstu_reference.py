@@ -29,6 +29,7 @@ so that a format misunderstanding in our C++ writer/reader cannot be hidden by a
 import argparse
 import json
 import math
+import os
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -431,6 +432,18 @@ def main(argv=None) -> int:
                         help="bf16: round as the CUDA engine does (see above)")
     args = parser.parse_args(argv)
 
+    # The input is read, and the output checked, before the model (which takes a while to load
+    # for `base`), so that a wrong path fails at once; an existing --output is left as it was.
+    try:
+        if args.output and os.path.exists(args.output) and os.path.samefile(args.input, args.output):
+            raise ValueError(f"--output {args.output} is the --input file")
+        with open(args.input, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        if args.output and os.path.isdir(args.output):
+            raise ValueError(f"--output {args.output} is a directory")
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         model = load_model(args.model)
     except (OSError, ValueError) as e:
@@ -439,11 +452,14 @@ def main(argv=None) -> int:
     num = FP64
     if args.numerics == "bf16":
         model, num = with_bf16_weights(model), BF16
-    failures = 0
-    with open(args.input) as f:
-        # Opened once the input is: a missing input leaves an existing output as it was.
+    try:
         out = open(args.output, "w") if args.output else sys.stdout
-        for line_no, line in enumerate(f, start=1):
+    except OSError as e:
+        print(f"error: --output: {e}", file=sys.stderr)
+        return 1
+    failures = 0
+    try:
+        for line_no, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
@@ -460,8 +476,17 @@ def main(argv=None) -> int:
                 continue
             # repr-exact floats: the comparison tolerance is the test's business, not ours.
             out.write(json.dumps({"user_id": user_id, "scores": scores.tolist()}, allow_nan=False) + "\n")
-    if out is not sys.stdout:
-        out.close()
+        out.flush()
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as a failure (not every line was written).
+        sys.stdout = None
+        return 1
+    except OSError as e:
+        print(f"error: writing {args.output or 'stdout'}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if out is not sys.stdout and out is not None:
+            out.close()
     return 1 if failures else 0  # as hstu_rank: 1 when any line was an error
 
 

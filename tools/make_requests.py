@@ -26,23 +26,39 @@ wherever it is generated.
 
 import argparse
 import json
+import os
 import random
 import struct
+import sys
 
 
 def read_model_shape(path: str) -> dict:
-    """The few model facts a workload needs, from the safetensors header alone."""
+    """The few model facts a workload needs, from the safetensors header alone. ValueError (naming
+    the file) when it is not an HSTU model file."""
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len).decode("utf-8"))
-    meta = header["__metadata__"]
-    return {
-        "item_rows": header["embeddings.item.weight"]["shape"][0],
-        "action_rows": header["embeddings.action.weight"]["shape"][0],
-        "max_history_tokens": int(meta["hstu.max_history_tokens"]),
-        "max_candidates": int(meta.get("hstu.max_candidates", "256")),
-        "truncation_stride": int(meta.get("hstu.truncation_stride", "0")),
-    }
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(8)
+        if len(first) < 8:
+            raise ValueError(f"{path}: {len(first)} bytes, not a safetensors file")
+        (header_len,) = struct.unpack("<Q", first)
+        if header_len == 0 or header_len > size - 8:
+            raise ValueError(f"{path}: header length {header_len} does not fit in the file of "
+                             f"{size} bytes (not a safetensors file?)")
+        try:
+            header = json.loads(f.read(header_len).decode("utf-8"))
+            meta = header["__metadata__"]
+            return {
+                "item_rows": int(header["embeddings.item.weight"]["shape"][0]),
+                "action_rows": int(header["embeddings.action.weight"]["shape"][0]),
+                "max_history_tokens": int(meta["hstu.max_history_tokens"]),
+                "max_candidates": int(meta.get("hstu.max_candidates", "256")),
+                "truncation_stride": int(meta.get("hstu.truncation_stride", "0")),
+            }
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: the header is not JSON: {e}") from None
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: not an HSTU model file (header lacks or mistypes {e})") \
+                from None
 
 
 class Workload:
@@ -183,10 +199,19 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="JSONL file to write")
     args = parser.parse_args(argv)
 
-    requests = make_workload(read_model_shape(args.model), args.users, args.visits, args.seed)
-    with open(args.out, "w") as f:
-        for r in requests:
-            f.write(json.dumps(r) + "\n")
+    try:
+        shape = read_model_shape(args.model)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    requests = make_workload(shape, args.users, args.visits, args.seed)
+    try:
+        with open(args.out, "w") as f:
+            for r in requests:
+                f.write(json.dumps(r) + "\n")
+    except OSError as e:
+        print(f"error: --out {args.out}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

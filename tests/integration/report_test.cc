@@ -2,9 +2,11 @@
 // resolution and quantiles, and the open-loop sender's lag in the table, JSON and CSV; the
 // answers it records (client/answer_log.h).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -216,7 +218,8 @@ TEST(AnswerLogTest, ALineIsTheRequestAndItsScoresEachFloatReadBackExactly) {
 }
 
 TEST(AnswerLogTest, WritesEveryNthAnswerAndSaysWhenWritingFailed) {
-  const std::string path = ::testing::TempDir() + "/answers_every.jsonl";
+  const std::string path =
+      ::testing::TempDir() + "/answers_every_" + std::to_string(getpid()) + ".jsonl";
   auto log = AnswerLog::Open(path, 3);
   ASSERT_TRUE(log.ok()) << log.status();
   for (int i = 0; i < 10; ++i) {
@@ -229,6 +232,7 @@ TEST(AnswerLogTest, WritesEveryNthAnswerAndSaysWhenWritingFailed) {
   ss << f.rdbuf();
   EXPECT_EQ(ss.str(), "{\"n\":0}\n{\"n\":3}\n{\"n\":6}\n{\"n\":9}\n");
   EXPECT_FALSE((*log)->Take());  // closed: nothing more is offered
+  std::remove(path.c_str());
 
   EXPECT_FALSE(AnswerLog::Open(path, 0).ok());
   const auto missing = AnswerLog::Open("/nonexistent/dir/a.jsonl", 1);

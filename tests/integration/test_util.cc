@@ -12,9 +12,14 @@
 #include <cstdio>
 #include <cstring>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <sstream>
+#include <string>
+#include <system_error>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -155,11 +160,39 @@ std::pair<int, std::string> RunCommand(const std::string& command) {
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
 }
 
+namespace {
+
+// The directories TempDir made, removed when the test process exits (each CTest test is its own
+// process), unless HSTU_KEEP_TEST_DIRS=1 keeps them for a look at a failure's files.
+struct TempDirRegistry {
+  std::mutex mu;
+  std::vector<std::string> dirs;
+  ~TempDirRegistry() {
+    const char* keep = std::getenv("HSTU_KEEP_TEST_DIRS");
+    if (keep != nullptr && std::string(keep) == "1") return;
+    for (const std::string& d : dirs) {
+      std::error_code ec;
+      std::filesystem::remove_all(d, ec);
+    }
+  }
+};
+
+TempDirRegistry& TempDirs() {
+  static TempDirRegistry registry;
+  return registry;
+}
+
+}  // namespace
+
 std::string TempDir() {
   const char* base = std::getenv("TMPDIR");
   std::string tmpl = absl::StrCat(base ? base : "/tmp", "/hstu_it_XXXXXX");
   char* d = mkdtemp(tmpl.data());
-  return d ? std::string(d) : std::string("/tmp");
+  if (d == nullptr) return std::string("/tmp");
+  TempDirRegistry& registry = TempDirs();
+  std::lock_guard<std::mutex> lock(registry.mu);
+  registry.dirs.emplace_back(d);
+  return registry.dirs.back();
 }
 
 namespace {

@@ -45,7 +45,9 @@ class Subprocess {
 
 // Runs a shell command to completion; returns (exit code, stdout+stderr).
 std::pair<int, std::string> RunCommand(const std::string& command);
-std::string TempDir();  // a fresh directory under $TMPDIR (or /tmp)
+// A fresh directory under $TMPDIR (or /tmp), removed with its files when the test process exits
+// (HSTU_KEEP_TEST_DIRS=1 keeps it).
+std::string TempDir();
 
 struct Sample {
   std::string name;                           // with _bucket/_sum/_count suffixes

@@ -55,6 +55,23 @@ def main():
     expect("two empty outputs", rc, out, 1, "no requests to compare")
     rc, out = run(compare + [a, write("junk.jsonl", ["{not json"])])
     expect("a line that is not JSON", rc, out, 1, "line 1 is not JSON")
+    rc, out = run(compare + [a, write("flat.jsonl", [{**base, "scores": 0.5}])])
+    expect("scores not a list of lists", rc, out, 1, "scores is not a list of lists")
+    rc, out = run(compare + [a, a, "--tol", "nan"])
+    expect("--tol nan", rc, out, 2, "--tol must be a finite number >= 0")
+    # --bf16: within --tol passes whatever the emulation's distance (before: B within 2e-3 but
+    # further from A than an emulation 1e-5 away failed); beyond --tol, B passes only when it is
+    # as close to A as the emulation is.
+    near = write("near.jsonl", [{**base, "scores": [[0.5005, 0.25, 0.125]]}])
+    emu_close = write("emu_close.jsonl", [{**base, "scores": [[0.50001, 0.25, 0.125]]}])
+    rc, out = run(compare + [a, near, "--bf16", emu_close])
+    expect("--bf16, B within --tol, the emulation closer", rc, out, 0, "worst |difference| 5.000e-04")
+    far = write("far.jsonl", [{**base, "scores": [[0.505, 0.25, 0.125]]}])
+    rc, out = run(compare + [a, far, "--bf16", emu_close])
+    expect("--bf16, B beyond --tol, the emulation closer", rc, out, 1, "as close as the bf16 emulation")
+    emu_far = write("emu_far.jsonl", [{**base, "scores": [[0.506, 0.25, 0.125]]}])
+    rc, out = run(compare + [a, far, "--bf16", emu_far])
+    expect("--bf16, B beyond --tol, as close as the emulation", rc, out, 0, "yes")
 
     model = os.path.join(args.work_dir, "tiny.safetensors")
     rc, out = run([args.hstu_model, "init", "--preset", "tiny", "--out", model])
@@ -170,6 +187,16 @@ def main():
     with open(kept) as f:
         if f.read() != "previous results\n":
             failures.append("a missing --input emptied the existing --output")
+    # --output naming the --input file (before: the input emptied, exit 0).
+    rc, out = run(reference + ["--input", requests, "--output", requests])
+    expect("--output is --input", rc, out, 1, "is the --input file")
+    with open(requests) as f:
+        if not f.read().strip():
+            failures.append("--output naming the --input emptied it")
+    rc, out = run(make + ["--model", requests])
+    expect("make_requests on a file that is not a model", rc, out, 1, "error: ")
+    if "Traceback" in out:
+        failures.append(f"make_requests on a file that is not a model: a traceback\n{out[-600:]}")
 
     for f in failures:
         print("FAIL: " + f)
