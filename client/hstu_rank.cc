@@ -329,6 +329,11 @@ int main(int argc, char** argv) {
   opts.cache_pages = absl::GetFlag(FLAGS_cache_pages);
   opts.host_cache_pages = absl::GetFlag(FLAGS_host_cache_pages);
   opts.limits.max_candidates = absl::GetFlag(FLAGS_max_candidates);
+  // A flag out of its range exits 2, as --page_size does, before the model is loaded.
+  if (absl::Status range = hstu::CheckEngineOptions(opts); !range.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(range.message()).c_str());
+    return 2;
+  }
   auto engine = hstu::Engine::Create(opts);
   if (!engine.ok()) {
     std::fprintf(stderr, "error: %s\n", std::string(engine.status().message()).c_str());

@@ -97,16 +97,7 @@ Engine::Engine(const EngineOptions& options, ModelConfig config, std::unique_ptr
 
 Engine::~Engine() = default;
 
-absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
-  auto weights = LoadModel(options.model, options.seed);
-  if (!weights.ok()) return weights.status();
-  return Create(options, *std::move(weights));
-}
-
-absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
-                                                       ModelWeights weights) {
-  const ModelConfig& c = weights.config;
-  if (auto s = c.Validate(); !s.ok()) return s;
+absl::Status CheckEngineOptions(const EngineOptions& options) {
   if (options.page_size <= 0 || options.page_size > 4096) {
     return absl::InvalidArgumentError(
         absl::StrCat("page_size must be in [1, 4096], got ", options.page_size));
@@ -130,6 +121,20 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
         "onload_bytes_per_second and recompute_seconds_per_token must be >= 0 (0 = measured), got ",
         options.onload_bytes_per_second, " and ", options.recompute_seconds_per_token));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
+  auto weights = LoadModel(options.model, options.seed);
+  if (!weights.ok()) return weights.status();
+  return Create(options, *std::move(weights));
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
+                                                       ModelWeights weights) {
+  const ModelConfig& c = weights.config;
+  if (auto s = c.Validate(); !s.ok()) return s;
+  if (auto s = CheckEngineOptions(options); !s.ok()) return s;
   const int64_t pages_per_user = PagesFor(c.max_history_tokens, options.page_size);
   // The default pool size depends on where it lives (fp32 on the CPU, bf16 on a GPU), so "auto"
   // is resolved first: a GPU when one can be used, else the CPU.

@@ -78,6 +78,10 @@ struct EngineStats {
   double recompute_seconds_per_token = 0;
 };
 
+// The range checks of the options alone (page size, pool sizes, backlog, onload estimates), which
+// Engine::Create makes first: a tool can check its flags before it loads a model.
+absl::Status CheckEngineOptions(const EngineOptions& options);
+
 class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);

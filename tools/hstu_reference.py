@@ -161,32 +161,79 @@ def load_model(path: str) -> Model:
             if default is None:
                 raise ValueError(f"{path}: metadata {key} is missing")
             return default
-        return int(meta[key])
+        try:
+            return int(meta[key])
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: metadata {key} = {meta[key]!r} is not an integer") from None
 
     if "hstu.position_encoding" not in meta:
         raise ValueError(f"{path}: metadata hstu.position_encoding is missing")
+    if meta["hstu.position_encoding"] not in ("true", "1", "false", "0"):
+        raise ValueError(f"{path}: metadata hstu.position_encoding = "
+                         f"{meta['hstu.position_encoding']!r} is not true/false")
     position_encoding = meta["hstu.position_encoding"] in ("true", "1")
+    for key in ("hstu.num_layers", "hstu.hidden_dim", "hstu.num_heads", "hstu.head_dim",
+                "hstu.max_history_tokens", "hstu.num_tasks"):
+        if meta_int(key) <= 0:
+            raise ValueError(f"{path}: metadata {key} must be > 0, got {meta_int(key)}")
+    if meta_int("hstu.max_candidates", 256) <= 0:
+        raise ValueError(f"{path}: metadata hstu.max_candidates must be > 0")
+    if meta_int("hstu.max_attn_len") < 0:
+        raise ValueError(f"{path}: metadata hstu.max_attn_len must be >= 0, got {meta_int('hstu.max_attn_len')}")
+    if meta_int("hstu.max_history_tokens") % 2:
+        raise ValueError(f"{path}: metadata hstu.max_history_tokens must be even (2 tokens an event)")
+    stride = meta_int("hstu.truncation_stride", 0)
+    if stride != 0 and not (2 <= stride <= meta_int("hstu.max_history_tokens") and stride % 2 == 0):
+        raise ValueError(f"{path}: metadata hstu.truncation_stride must be even and in "
+                         f"[2, hstu.max_history_tokens], got {stride}")
+    if meta.get("hstu.attention_norm_len", "") not in ("", "0") and meta_int("hstu.attention_norm_len") < 0:
+        raise ValueError(f"{path}: metadata hstu.attention_norm_len must be >= 0")
+
+    d = meta_int("hstu.hidden_dim")
+    hd = meta_int("hstu.num_heads") * meta_int("hstu.head_dim")
+    used = set()
+
+    def tensor(name, shape):
+        """The tensor `name`, which must have `shape` (None: any size there)."""
+        t = tensors[name]
+        if len(t.shape) != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape)):
+            want = "[" + ", ".join("rows" if w is None else str(w) for w in shape) + "]"
+            raise ValueError(f"{path}: tensor {name} has shape {list(t.shape)}, expected {want}")
+        if any(g <= 0 for g in t.shape):
+            raise ValueError(f"{path}: tensor {name} has an empty dimension: {list(t.shape)}")
+        used.add(name)
+        return t
+
     layers = []
     for i in range(meta_int("hstu.num_layers")):
         p = f"layers.{i}."
         layers.append(
             Layer(
-                input_norm_w=tensors[p + "input_norm.weight"],
-                input_norm_b=tensors[p + "input_norm.bias"],
-                uvqk_w=tensors[p + "uvqk.weight"],
-                uvqk_b=tensors[p + "uvqk.bias"],
-                output_norm_w=tensors[p + "output_norm.weight"],
-                output_norm_b=tensors[p + "output_norm.bias"],
-                output_w=tensors[p + "output.weight"],
+                input_norm_w=tensor(p + "input_norm.weight", (d,)),
+                input_norm_b=tensor(p + "input_norm.bias", (d,)),
+                uvqk_w=tensor(p + "uvqk.weight", (d, 4 * hd)),
+                uvqk_b=tensor(p + "uvqk.bias", (4 * hd,)),
+                output_norm_w=tensor(p + "output_norm.weight", (hd,)),
+                output_norm_b=tensor(p + "output_norm.bias", (hd,)),
+                output_w=tensor(p + "output.weight", (hd, d)),
             )
         )
     head = []
-    j = 0
+    j, width = 0, d
     while f"head.{j}.weight" in tensors:
-        head.append((tensors[f"head.{j}.weight"], tensors[f"head.{j}.bias"]))
+        w = tensor(f"head.{j}.weight", (width, None))
+        width = w.shape[1]
+        head.append((w, tensor(f"head.{j}.bias", (width,))))
         j += 1
     if not head:
         raise ValueError(f"{path}: no head.0.weight")
+    for name in ("embeddings.item.weight", "embeddings.action.weight") + (
+            ("embeddings.position.weight",) if position_encoding else ()):
+        tensor(name, (None, d))
+    unexpected = sorted(set(tensors) - used)
+    if unexpected:
+        raise ValueError(f"{path}: unexpected tensor {unexpected[0]}"
+                         + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
 
     model = Model(
         num_layers=meta_int("hstu.num_layers"),
@@ -212,10 +259,6 @@ def load_model(path: str) -> Model:
         layers=layers,
         head=head,
     )
-    hd = model.num_heads * model.head_dim
-    for i, layer in enumerate(layers):
-        if layer.uvqk_w.shape != (model.hidden_dim, 4 * hd):
-            raise ValueError(f"{path}: layers.{i}.uvqk.weight has shape {layer.uvqk_w.shape}")
     if head[-1][0].shape[1] != model.num_tasks:
         raise ValueError(f"{path}: last head layer does not output num_tasks={model.num_tasks}")
     return model
@@ -417,6 +460,10 @@ def parse_request(obj, model: Model):
         raise ValueError("history_item_ids contains a negative id")
     if any(c < 0 for c in candidates):
         raise ValueError("candidate_item_ids contains a negative id")
+    # The wire format's ids are int64 (proto/hstu/v1/ranking.proto), as hstu_rank reads them.
+    for key, ids in (("history_item_ids", items), ("candidate_item_ids", candidates)):
+        if any(i >= 2**63 for i in ids):
+            raise ValueError(f"{key} contains an id past the range of int64")
     action_rows = model.action_emb.shape[0]
     if any(a < 0 or a >= action_rows for a in actions):
         raise ValueError(f"history_actions contains an id outside [0, {action_rows})")
@@ -437,8 +484,10 @@ def main(argv=None) -> int:
     try:
         if args.output and os.path.exists(args.output) and os.path.samefile(args.input, args.output):
             raise ValueError(f"--output {args.output} is the --input file")
-        with open(args.input, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        # Lines end at "\n" only, as hstu_rank reads them: "\r" is JSON whitespace, and U+2028
+        # or a form feed inside a string is part of its line.
+        with open(args.input, encoding="utf-8", newline="") as f:
+            lines = f.read().split("\n")
         if args.output and os.path.isdir(args.output):
             raise ValueError(f"--output {args.output} is a directory")
     except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError

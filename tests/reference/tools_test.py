@@ -119,8 +119,18 @@ def main():
     overlap = json.loads(json.dumps(header))
     b, e = overlap["layers.0.uvqk.bias"]["data_offsets"]
     overlap["layers.0.uvqk.bias"]["data_offsets"] = [b - 4, e - 4]
+    capital_true = json.loads(json.dumps(header))
+    capital_true["__metadata__"]["hstu.position_encoding"] = "True"
+    extra = json.loads(json.dumps(header))
+    extra["zzz.extra"] = {"dtype": "F32", "shape": [2], "data_offsets": [len(data), len(data) + 8]}
+    reshaped = json.loads(json.dumps(header))
+    reshaped["layers.0.input_norm.weight"]["shape"] = [2, reshaped["layers.0.input_norm.weight"]["shape"][0] // 2]
     bad_models = {
         "NaN weight": (bytes(data), f"tensor {name0} contains NaN or Inf", bytes(nan)),
+        # Before: read as false and scored, or kept out of the model silently, or a traceback.
+        "position encoding 'True'": (capital_true, "is not true/false", data),
+        "an unexpected tensor": (extra, "unexpected tensor zzz.extra", data + b"\0" * 8),
+        "a norm of the wrong shape": (reshaped, "layers.0.input_norm.weight has shape", data),
         "trailing bytes": (None, "trailing bytes", data + b"\0" * 8),
         "missing tensor": (missing, "hole", data),
         "overlapping tensors": (overlap, "overlaps", data),
@@ -181,6 +191,10 @@ def main():
     rc, out = run(reference + ["--input", bad])
     expect("no candidates", rc, out, 1, "candidate_item_ids is empty")
     expect("user_id 2^64", rc, out, 1, "user_id must be an integer in [0, 2^64)")
+    past_int64 = write("past_int64.jsonl", [{"user_id": 1, "history_item_ids": [2**63],
+                                             "history_actions": [0], "candidate_item_ids": [3]}])
+    rc, out = run(reference + ["--input", past_int64])
+    expect("an item id of 2^63", rc, out, 1, "history_item_ids contains an id past the range of int64")
     kept = write("kept.jsonl", ["previous results"])
     rc, out = run(reference + ["--input", os.path.join(args.work_dir, "missing.jsonl"),
                                "--output", kept])
