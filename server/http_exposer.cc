@@ -110,6 +110,7 @@ struct HttpExposer::Connection {
   std::string request;
   std::string reply;  // empty while the request is still being read
   size_t sent = 0;
+  bool draining = false;  // reply sent and the write side shut: reading to the client's close
 };
 
 void HttpExposer::Loop() {
@@ -122,7 +123,7 @@ void HttpExposer::Loop() {
     std::vector<pollfd> fds;
     fds.push_back({listen_fd_, POLLIN, 0});
     for (const Connection& c : conns) {
-      fds.push_back({c.fd, static_cast<short>(c.reply.empty() ? POLLIN : POLLOUT), 0});
+      fds.push_back({c.fd, static_cast<short>(c.reply.empty() || c.draining ? POLLIN : POLLOUT), 0});
     }
     if (::poll(fds.data(), fds.size(), kPollMs) < 0 && errno != EINTR) continue;
     const Clock::time_point now = Clock::now();
@@ -131,7 +132,11 @@ void HttpExposer::Loop() {
       Connection& c = conns[i];
       const short revents = fds[i + 1].revents;
       bool done = now >= c.deadline || (revents & (POLLERR | POLLNVAL)) != 0;
-      if (!done && c.reply.empty() && (revents & (POLLIN | POLLHUP)) != 0) {
+      if (!done && c.draining && (revents & (POLLIN | POLLHUP)) != 0) {
+        char buf[4096];
+        const ssize_t n = ::recv(c.fd, buf, sizeof(buf), MSG_DONTWAIT);
+        done = n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+      } else if (!done && c.reply.empty() && (revents & (POLLIN | POLLHUP)) != 0) {
         char buf[2048];
         const ssize_t n = ::recv(c.fd, buf, sizeof(buf), MSG_DONTWAIT);
         if (n > 0) {
@@ -147,7 +152,11 @@ void HttpExposer::Loop() {
                                  MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n > 0) {
           c.sent += static_cast<size_t>(n);
-          done = c.sent == c.reply.size();
+          if (c.sent == c.reply.size()) {
+            // Lingering close: the client reads the reply, then EOF, and closes.
+            c.draining = true;
+            done = ::shutdown(c.fd, SHUT_WR) != 0;
+          }
         } else if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
           done = true;
         }
@@ -176,7 +185,11 @@ std::string HttpExposer::Reply(const std::string& request) const {
   const bool head = method == "HEAD";
   std::string status = "200 OK", type = "text/plain; version=0.0.4; charset=utf-8", payload;
   std::string extra;
-  if (method != "GET" && !head) {
+  if (!RequestComplete(request)) {  // cut off at kMaxRequestBytes
+    status = "431 Request Header Fields Too Large";
+    type = "text/plain; charset=utf-8";
+    payload = absl::StrCat("the request's header block is over ", kMaxRequestBytes, " bytes\n");
+  } else if (method != "GET" && !head) {
     status = "405 Method Not Allowed";
     type = "text/plain; charset=utf-8";
     extra = "Allow: GET, HEAD\r\n";

@@ -1,6 +1,9 @@
 // A minimal HTTP/1.1 endpoint for Prometheus scrapes: `GET /metrics` (and `/`; HEAD too), on a
 // thread of its own that serves up to 64 connections side by side (poll), each given 2 s in all,
-// `Connection: close`.
+// `Connection: close`. A request whose header block passes 16 KiB gets 431. After its reply a
+// connection is half-closed and what the client still sends is read and dropped until it closes
+// (or its 2 s end): closing with unread bytes would send a reset that can destroy the reply on
+// its way (an oversize request, a second pipelined one).
 //
 // Why not prometheus-cpp's pull library: it serves through civetweb (Debian's embeddable server),
 // which starts its worker threads with a fixed ~100 KB stack, which is smaller than the static TLS
@@ -34,7 +37,8 @@ class HttpExposer {
   HttpExposer() = default;
   struct Connection;
   void Loop();
-  // The whole HTTP reply to `request` (its header block, or the first 16 KiB of it).
+  // The whole HTTP reply to `request` (its header block; 431 when it is not complete within
+  // 16 KiB).
   std::string Reply(const std::string& request) const;
 
   std::function<std::string()> body_;

@@ -705,6 +705,21 @@ TEST_F(ServerTest, MetricsEndpointAnswersOddRequestsPlainly) {
   const std::string missing = testing::RawHttp(port, "GET /nothing HTTP/1.1\r\n\r\n");
   EXPECT_EQ(missing.rfind("HTTP/1.1 404", 0), 0u) << missing;
   EXPECT_NE(missing.find("Content-Type: text/plain; charset=utf-8\r\n"), std::string::npos);
+  // A header block past 16 KiB: 431, delivered whole although the client's bytes were not all
+  // read (before: the request line was served and the close reset the connection).
+  const std::string big =
+      testing::RawHttp(port, "GET /metrics HTTP/1.1\r\nX-Pad: " + std::string(40000, 'a'));
+  EXPECT_EQ(big.rfind("HTTP/1.1 431", 0), 0u) << big.substr(0, 200);
+  EXPECT_NE(big.find("over 16384 bytes"), std::string::npos) << big.substr(0, 200);
+  // Two pipelined requests: the first is answered whole, then the connection closes.
+  const std::string two =
+      testing::RawHttp(port, "GET /metrics HTTP/1.1\r\n\r\nGET /metrics HTTP/1.1\r\n\r\n");
+  ASSERT_EQ(two.rfind("HTTP/1.1 200 OK", 0), 0u) << two.substr(0, 200);
+  const size_t length_at = two.find("Content-Length: ");
+  const size_t body_at = two.find("\r\n\r\n");
+  ASSERT_NE(length_at, std::string::npos);
+  ASSERT_NE(body_at, std::string::npos);
+  EXPECT_EQ(two.size() - (body_at + 4), std::stoul(two.substr(length_at + 16)));
 }
 
 TEST_F(ServerTest, EveryCodeTheServerAnswersHasASeriesFromTheStart) {
