@@ -7,7 +7,7 @@ shift
 mkdir -p "$DEST"
 LDD="$(for b in "$@"; do ldd "$b"; done)"
 # A library this machine lacks cannot be packed: say which (the GPU machine would lack it too).
-missing="$(grep 'not found' <<< "$LDD" | awk '{print $1}' | sort -u)"
+missing="$(grep 'not found' <<< "$LDD" | awk '{print $1}' | sort -u || true)"
 if [ -n "$missing" ]; then
   echo "collect_libs.sh: libraries not found here: $missing" >&2
   exit 1
