@@ -4,5 +4,5 @@ target_link_libraries(hstu_loadgen_lib PUBLIC absl::status absl::statusor absl::
                       absl::str_format nlohmann_json::nlohmann_json)
 
 add_executable(hstu_loadgen loadgen_main.cc load_driver.cc)
-target_link_libraries(hstu_loadgen PRIVATE hstu_loadgen_lib hstu_atomic_file hstu_proto absl::flags
+target_link_libraries(hstu_loadgen PRIVATE hstu_loadgen_lib hstu_atomic_file hstu_proto hstu_tls absl::flags
                       absl::flags_parse absl::flags_usage Threads::Threads)

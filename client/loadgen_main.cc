@@ -40,8 +40,19 @@
 #include "engine/atomic_file.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "hstu/v1/ranking.grpc.pb.h"
+#include "server/tls.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address HOST:PORT.");
+ABSL_FLAG(bool, tls, false,
+          "Connect with TLS, verifying the server against the system's CAs (or --tls_ca_file); "
+          "implied by any --tls_*_file flag.");
+ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA certificates to verify the server with (TLS).");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM client certificate chain to present (mutual TLS), with --tls_key_file.");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "The name the server's certificate must carry, when it is not --target's host (e.g. "
+          "the server is reached by an IP address its certificate does not list).");
 ABSL_FLAG(double, duration, 10, "Seconds measured per load level (after --warmup).");
 ABSL_FLAG(int64_t, requests, 0, "Requests per load level instead of --duration (0: use duration).");
 ABSL_FLAG(std::string, concurrency, "8",
@@ -173,14 +184,45 @@ absl::StatusOr<std::vector<double>> ParseRates(const std::string& spec) {
   return out;
 }
 
-absl::Status WaitReady(const std::string& target, double wait_s) {
+// The channels' credentials and arguments: TLS when any --tls flag asks for it.
+struct Connection {
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  std::string server_name;  // "": the target's host
+};
+
+absl::StatusOr<Connection> ConnectionFromFlags() {
+  const std::string ca = absl::GetFlag(FLAGS_tls_ca_file), cert = absl::GetFlag(FLAGS_tls_cert_file),
+                    key = absl::GetFlag(FLAGS_tls_key_file);
+  Connection c;
+  c.server_name = absl::GetFlag(FLAGS_tls_server_name);
+  const bool tls = absl::GetFlag(FLAGS_tls) || !ca.empty() || !cert.empty() || !key.empty();
+  if (!tls) {
+    if (!c.server_name.empty()) {
+      return absl::InvalidArgumentError("--tls_server_name needs TLS (--tls or a --tls_*_file)");
+    }
+    c.credentials = grpc::InsecureChannelCredentials();
+    return c;
+  }
+  auto creds = hstu::server::ClientTlsCredentials(ca, cert, key);
+  if (!creds.ok()) return creds.status();
+  c.credentials = *std::move(creds);
+  return c;
+}
+
+grpc::ChannelArguments BaseChannelArgs(const Connection& c) {
+  grpc::ChannelArguments args;
+  if (!c.server_name.empty()) args.SetSslTargetNameOverride(c.server_name);
+  return args;
+}
+
+absl::Status WaitReady(const std::string& target, const Connection& conn, double wait_s) {
   const Clock::time_point start = Clock::now();
   std::string last = "no answer";
   while (true) {
     // A fresh channel per try: one whose first connect was refused waits out gRPC's reconnect
     // backoff (seconds) before it tries again.
     auto health = grpc::health::v1::Health::NewStub(
-        grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+        grpc::CreateCustomChannel(target, conn.credentials, BaseChannelArgs(conn)));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
     grpc::health::v1::HealthCheckRequest req;
@@ -341,17 +383,22 @@ int Main() {
     return 2;
   }
   const std::string target = absl::GetFlag(FLAGS_target);
+  absl::StatusOr<Connection> conn = ConnectionFromFlags();
+  if (!conn.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(conn.status().message()).c_str());
+    return 2;
+  }
   const int32_t num_connections = absl::GetFlag(FLAGS_connections);
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (int32_t i = 0; i < num_connections; ++i) {
-    grpc::ChannelArguments args;
+    grpc::ChannelArguments args = BaseChannelArgs(*conn);
     // Each channel gets its own subchannel (TCP connection) instead of sharing the global pool.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     args.SetMaxReceiveMessageSize(64 << 20);
-    channels.push_back(grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+    channels.push_back(grpc::CreateCustomChannel(target, conn->credentials, args));
   }
   if (const double wait_s = absl::GetFlag(FLAGS_wait_ready_s); wait_s > 0) {
-    if (absl::Status s = WaitReady(target, wait_s); !s.ok()) {
+    if (absl::Status s = WaitReady(target, *conn, wait_s); !s.ok()) {
       std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());
       return 1;
     }

@@ -10,7 +10,7 @@ PKGS=(
   libabsl-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev
   libopenblas-dev
-  libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libssl-dev
   prometheus-cpp-dev
   prometheus
 )

@@ -14,6 +14,16 @@ ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
           "gRPC listen address HOST:PORT (port 0 picks a free port) or unix:PATH.");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
           "Prometheus exposer address HOST:PORT serving /metrics; empty disables it.");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain (leaf first) for TLS on the gRPC port; empty: plaintext. Re-read "
+          "every --tls_reload_interval_s, so a rotated certificate needs no restart. /metrics "
+          "stays plain HTTP.");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key (unencrypted) of --tls_cert_file.");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA certificates: when given, every client must present a certificate they signed "
+          "(mutual TLS); empty: no client certificate is asked for.");
+ABSL_FLAG(int32_t, tls_reload_interval_s, 60,
+          "How often the TLS files are re-read for rotation, in seconds (>= 1).");
 ABSL_FLAG(std::string, model, "random:tiny",
           "Model: a safetensors file, or random:PRESET (tiny, base) for a seeded random model.");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of random:PRESET models.");
@@ -127,6 +137,12 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   ServerOptions o;
   o.listen = absl::GetFlag(FLAGS_listen);
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  o.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  o.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
+  o.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+  o.tls.reload_interval_s = absl::GetFlag(FLAGS_tls_reload_interval_s);
+  // Before the start-up: a wrong file or pair exits 2, naming it.
+  if (auto tls = CheckTlsFiles(o.tls); !tls.ok()) return tls.status();
   o.engine.model = absl::GetFlag(FLAGS_model);
   o.engine.seed = absl::GetFlag(FLAGS_seed);
   o.engine.device = absl::GetFlag(FLAGS_device);

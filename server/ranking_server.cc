@@ -99,7 +99,11 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
     quota.SetMaxThreads(options.max_grpc_threads);
     builder.SetResourceQuota(quota);
   }
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &s->port_);
+  // TLS: the files are checked here too (OptionsFromFlags checked them for the flags; a caller
+  // building ServerOptions itself gets the same errors), then watched by gRPC for rotation.
+  auto tls = CheckTlsFiles(options.tls);
+  if (!tls.ok()) return tls.status();
+  builder.AddListeningPort(options.listen, ServerCredentialsFor(options.tls), &s->port_);
   builder.RegisterService(s->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
   builder.SetMaxSendMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
@@ -113,6 +117,19 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                "is warm",
                options.listen, unix_socket ? "" : absl::StrCat(" (port ", s->port_, ")"),
                options.max_message_bytes);
+  if (options.tls.enabled()) {
+    spdlog::info("grpc: TLS with {} (certificate {}, expires {}), {}; the files are re-read every "
+                 "{} s",
+                 options.tls.cert_file, tls->subject,
+                 absl::FormatTime("%Y-%m-%d", tls->not_after, absl::UTCTimeZone()),
+                 options.tls.client_ca_file.empty()
+                     ? std::string("no client certificate asked")
+                     : absl::StrCat("client certificates required, verified against ",
+                                    options.tls.client_ca_file, " (", tls->client_cas, " CAs)"),
+                 options.tls.reload_interval_s);
+  } else {
+    spdlog::info("grpc: plaintext (no --tls_cert_file)");
+  }
 
   spdlog::info("engine: loading model '{}' on device '{}' (page size {}, cache pages {}, cache {})",
                options.engine.model, options.engine.device, options.engine.page_size,

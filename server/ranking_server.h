@@ -20,6 +20,7 @@
 #include "server/metrics.h"
 #include "server/rank_service.h"
 #include "server/scheduler.h"
+#include "server/tls.h"
 
 namespace hstu::server {
 
@@ -31,6 +32,7 @@ inline bool IsUnixSocketAddress(const std::string& address) {
 struct ServerOptions {
   std::string listen = "0.0.0.0:50051";         // port 0 picks a free one (see port())
   std::string metrics_listen = "0.0.0.0:9464";  // "" disables the exposer
+  TlsFiles tls;                                 // the gRPC port's TLS; plaintext when not enabled
   EngineOptions engine;
   SchedulerOptions scheduler;
   int64_t max_message_bytes = 16 << 20;  // gRPC receive/send limit

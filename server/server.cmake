@@ -11,10 +11,18 @@ add_library(hstu_server_core STATIC scheduler.cc)
 target_link_libraries(hstu_server_core PUBLIC hstu_engine absl::status absl::statusor absl::span
                       absl::strings Threads::Threads)
 
+# TLS for the gRPC port (server) and for gRPC clients (hstu_loadgen, tests): OpenSSL checks the
+# PEM files at start-up, gRPC serves them.
+find_package(OpenSSL REQUIRED)
+add_library(hstu_tls STATIC tls.cc)
+target_link_libraries(hstu_tls PUBLIC hstu_proto absl::status absl::statusor absl::strings
+                      absl::time PRIVATE OpenSSL::SSL OpenSSL::Crypto)
+target_include_directories(hstu_tls PUBLIC ${CMAKE_SOURCE_DIR})
+
 add_library(hstu_server_lib STATIC metrics.cc prom_family.cc http_exposer.cc validation.cc
             rank_service.cc ranking_server.cc stop_signals.cc)
 target_link_libraries(hstu_server_lib PUBLIC hstu_server_core hstu_proto hstu_engine
-                      hstu_grpc_reflection absl::time spdlog::spdlog PkgConfig::HSTU_PROMETHEUS)
+                      hstu_grpc_reflection hstu_tls absl::time spdlog::spdlog PkgConfig::HSTU_PROMETHEUS)
 
 add_executable(hstu_server main.cc flags.cc)
 target_link_libraries(hstu_server PRIVATE hstu_server_lib absl::flags absl::flags_parse

@@ -56,7 +56,8 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
   EXPECT_EQ(RunCommand(absl::StrCat(HSTU_SERVER_BIN, " --no_such_flag")).first, 1);
   const auto [rc, out] = RunCommand(absl::StrCat(HSTU_SERVER_BIN, " --help"));
   for (const char* flag :
-       {"listen", "metrics_listen", "model", "seed", "device", "max_batch_size", "max_batch_tokens",
+       {"listen", "metrics_listen", "tls_cert_file", "tls_key_file", "tls_client_ca_file",
+        "tls_reload_interval_s", "model", "seed", "device", "max_batch_size", "max_batch_tokens",
         "batch_timeout_us", "max_queue", "max_queue_per_user", "max_queued_tokens",
         "max_candidates", "max_message_bytes", "page_size", "cache_pages", "host_cache_pages", "onload_policy", "enable_cache", "no_cache",
         "log_level"}) {
@@ -198,6 +199,12 @@ TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
        // Before: accepted here, then "Name or service not known" at start-up (exit 1).
        {"--metrics_listen=unix:/tmp/m.sock", "--metrics_listen=unix:/tmp/m.sock: must be HOST:PORT (no unix sockets here)"},
        {"--max_queued_tokens=-1", "--max_queued_tokens=-1: must be >= 0"},
+       // TLS files checked before the ports open (server/tls.h; every case in tls_test.cc).
+       {absl::StrCat("--tls_key_file=", HSTU_SOURCE_DIR, "/tests/data/tls/hstu-test-server-1.key"),
+        "--tls_key_file needs --tls_cert_file"},
+       {absl::StrCat("--tls_cert_file=", HSTU_SOURCE_DIR, "/tests/data/tls/hstu-test-server-1.crt",
+                     " --tls_key_file=", HSTU_SOURCE_DIR, "/tests/data/tls/hstu-test-server-2.key"),
+        "not the key of the certificate"},
        {"--max_queue_per_user=-1", "--max_queue_per_user=-1: must be >= 0"},
        // Before: std::bad_alloc out of the engine's start-up (the process aborted).
        {"--host_cache_pages=99999999999", "--host_cache_pages=99999999999: must be in [0, 2147483647], or -1 for auto"},

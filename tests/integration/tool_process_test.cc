@@ -117,6 +117,43 @@ TEST(ProcessTest, LoadgenShortRunsReportZeroErrors) {
   EXPECT_EQ(expo->Sum("hstu_requests_total") - expo->Sum("hstu_requests_total", {{"code", "OK"}}), 0);
 }
 
+TEST(ProcessTest, LoadgenDrivesAServerOverMutualTls) {
+  const std::string tls = absl::StrCat(HSTU_SOURCE_DIR, "/tests/data/tls/");
+  ServerProcess server({"--tls_cert_file=" + tls + "hstu-test-server-1.crt",
+                        "--tls_key_file=" + tls + "hstu-test-server-1.key",
+                        "--tls_client_ca_file=" + tls + "test-ca.crt"});
+  ASSERT_NE(server.target(), "127.0.0.1:0") << server.proc().Log();
+  const std::string dir = TempDir();
+  const std::string run = absl::StrCat(
+      HSTU_LOADGEN_BIN, " --target=", server.target(), " --wait_ready_s=30 --requests=100",
+      " --concurrency=2 --warmup=0 --users=20 --timeout_ms=30000 --progress=false",
+      " --tls_ca_file=", tls, "test-ca.crt");
+  const auto [rc, out] = RunCommand(absl::StrCat(run, " --tls_cert_file=", tls,
+                                                 "hstu-test-client.crt --tls_key_file=", tls,
+                                                 "hstu-test-client.key --json=", dir, "/tls.json"));
+  ASSERT_EQ(rc, 0) << out << server.proc().Log();
+  const auto j = nlohmann::json::parse(ReadFile(dir + "/tls.json"), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  EXPECT_EQ(j["levels"][0]["requests"].get<int64_t>(), 100) << out;
+  EXPECT_TRUE(j["levels"][0]["errors"].empty()) << out;
+  // Without a client certificate, or without TLS, the server is never reached.
+  for (const std::string& wrong : {run, absl::StrCat(HSTU_LOADGEN_BIN, " --target=", server.target(),
+                                                     " --progress=false")}) {
+    const auto [rc2, out2] = RunCommand(absl::StrCat(wrong, " --wait_ready_s=1 --requests=1"));
+    EXPECT_EQ(rc2, 1) << out2;
+    EXPECT_NE(out2.find("server not SERVING after 1 s"), std::string::npos) << out2;
+  }
+  // The TLS flags' own errors come before any connection.
+  ExpectEachFlagRejected(
+      absl::StrCat(HSTU_LOADGEN_BIN, " --target=127.0.0.1:1"),
+      {{"--tls_server_name=x", "--tls_server_name needs TLS"},
+       {absl::StrCat("--tls_cert_file=", tls, "hstu-test-client.crt"),
+        "--tls_cert_file and --tls_key_file go together"},
+       {"--tls_ca_file=/nonexistent/ca.crt", "--tls_ca_file=/nonexistent/ca.crt: cannot read it"},
+       {absl::StrCat("--tls_ca_file=", tls, "hstu-test-client.key"), "no PEM certificate in it"}},
+      2);
+}
+
 TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
   // A bad flag fails before connecting (no server at port 1), naming the flag.
   ExpectEachFlagRejected(absl::StrCat(HSTU_LOADGEN_BIN, " --target=127.0.0.1:1"),

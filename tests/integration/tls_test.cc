@@ -1,0 +1,212 @@
+// TLS on the gRPC port (server/tls.h) with the test certificates of tests/data/tls
+// (make_certs.sh): a TLS client is served and a plaintext one is not; with a client CA, only
+// clients with a certificate that CA signed are; a rotated certificate is served to new
+// connections without a restart; the start-up check names each wrong file.
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "hstu/v1/ranking.grpc.pb.h"
+#include "server/ranking_server.h"
+#include "server/tls.h"
+#include "tests/integration/server_fixture.h"
+#include "tests/integration/test_util.h"
+
+namespace hstu::server {
+namespace {
+
+std::string Data(const std::string& name) {
+  return absl::StrCat(HSTU_SOURCE_DIR, "/tests/data/tls/", name);
+}
+
+TlsFiles ServerFiles(int n = 1) {
+  TlsFiles f;
+  f.cert_file = Data(absl::StrCat("hstu-test-server-", n, ".crt"));
+  f.key_file = Data(absl::StrCat("hstu-test-server-", n, ".key"));
+  return f;
+}
+
+std::unique_ptr<RankingServer> StartTlsServer(const TlsFiles& tls) {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "";
+  o.engine.device = "cpu";
+  o.tls = tls;
+  auto s = RankingServer::Start(o);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? std::move(*s) : nullptr;
+}
+
+struct Call {
+  grpc::Status status;
+  std::string server_common_name;  // from the handshake, when it succeeded
+};
+
+// One Rank over a fresh connection to 127.0.0.1:port with `creds` (the certificates list that
+// address; a host name would go through c-ares, whose resolver allocations LeakSanitizer reports).
+Call RankOver(int port, const std::shared_ptr<grpc::ChannelCredentials>& creds) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a new connection, a new handshake
+  auto stub = hstu::v1::Ranker::NewStub(
+      grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port), creds, args));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  hstu::v1::RankResponse resp;
+  Call call;
+  call.status = stub->Rank(&ctx, fixture::MakeRequest(7, 5, 3, 1), &resp);
+  if (call.status.ok()) {
+    EXPECT_EQ(resp.scores_size(), 3 * resp.num_tasks());
+    if (auto auth = ctx.auth_context(); auth != nullptr) {
+      for (const auto& v : auth->FindPropertyValues("x509_common_name")) {
+        call.server_common_name.assign(v.data(), v.size());
+      }
+    }
+  }
+  return call;
+}
+
+std::shared_ptr<grpc::ChannelCredentials> Client(const std::string& ca, const std::string& cert = "",
+                                                 const std::string& key = "") {
+  auto creds = ClientTlsCredentials(ca.empty() ? "" : Data(ca), cert.empty() ? "" : Data(cert),
+                                    key.empty() ? "" : Data(key));
+  EXPECT_TRUE(creds.ok()) << creds.status();
+  return creds.ok() ? *creds : grpc::InsecureChannelCredentials();
+}
+
+TEST(TlsTest, ATlsClientIsServedAndAPlaintextOneIsNot) {
+  auto server = StartTlsServer(ServerFiles());
+  ASSERT_NE(server, nullptr);
+  const Call tls = RankOver(server->port(), Client("test-ca.crt"));
+  EXPECT_TRUE(tls.status.ok()) << tls.status.error_message();
+  EXPECT_EQ(tls.server_common_name, "hstu-test-server-1");
+  EXPECT_EQ(RankOver(server->port(), grpc::InsecureChannelCredentials()).status.error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  // A client that trusts another CA refuses the server.
+  EXPECT_EQ(RankOver(server->port(), Client("untrusted-ca.crt")).status.error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  server->Shutdown(absl::ZeroDuration());
+}
+
+TEST(TlsTest, WithAClientCaOnlyClientsItSignedAreServed) {
+  TlsFiles files = ServerFiles();
+  files.client_ca_file = Data("test-ca.crt");
+  auto server = StartTlsServer(files);
+  ASSERT_NE(server, nullptr);
+  EXPECT_TRUE(RankOver(server->port(), Client("test-ca.crt", "hstu-test-client.crt",
+                                              "hstu-test-client.key"))
+                  .status.ok());
+  // No certificate, or one from a CA the server does not trust: the handshake fails.
+  EXPECT_EQ(RankOver(server->port(), Client("test-ca.crt")).status.error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(RankOver(server->port(), Client("test-ca.crt", "untrusted-client.crt",
+                                            "untrusted-client.key"))
+                .status.error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  server->Shutdown(absl::ZeroDuration());
+}
+
+TEST(TlsTest, ARotatedCertificateIsServedToNewConnectionsWithoutARestart) {
+  // The server's files are copies the test replaces, as a mounted Secret is replaced.
+  const std::string dir = testing::TempDir();
+  TlsFiles files;
+  files.cert_file = dir + "/tls.crt";
+  files.key_file = dir + "/tls.key";
+  files.reload_interval_s = 1;
+  auto install = [&](int n) {
+    const TlsFiles from = ServerFiles(n);
+    // Written beside, then renamed over: a reader never sees a half-written file.
+    for (auto [src, dst] : {std::pair{from.cert_file, files.cert_file},
+                            std::pair{from.key_file, files.key_file}}) {
+      std::filesystem::copy_file(src, dst + ".new", std::filesystem::copy_options::overwrite_existing);
+      std::filesystem::rename(dst + ".new", dst);
+    }
+  };
+  install(1);
+  auto server = StartTlsServer(files);
+  ASSERT_NE(server, nullptr);
+  EXPECT_EQ(RankOver(server->port(), Client("test-ca.crt")).server_common_name,
+            "hstu-test-server-1");
+  install(2);
+  std::string seen;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+  while (seen != "hstu-test-server-2" && std::chrono::steady_clock::now() < end) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    const Call c = RankOver(server->port(), Client("test-ca.crt"));
+    ASSERT_TRUE(c.status.ok()) << c.status.error_message();  // never a failed handshake
+    seen = c.server_common_name;
+  }
+  EXPECT_EQ(seen, "hstu-test-server-2");
+  server->Shutdown(absl::ZeroDuration());
+}
+
+TEST(TlsTest, TheStartUpCheckNamesEachWrongFile) {
+  const TlsFiles good = ServerFiles();
+  auto check = [](TlsFiles f) { return CheckTlsFiles(f).status(); };
+  EXPECT_TRUE(check(good).ok());
+  EXPECT_TRUE(check(TlsFiles{}).ok());  // plaintext
+  struct Case {
+    TlsFiles files;
+    std::string want;
+  };
+  TlsFiles no_key = good;
+  no_key.key_file = "";
+  TlsFiles key_only;
+  key_only.key_file = good.key_file;
+  TlsFiles ca_only;
+  ca_only.client_ca_file = Data("test-ca.crt");
+  TlsFiles other_key = good;
+  other_key.key_file = Data("hstu-test-server-2.key");
+  TlsFiles missing = good;
+  missing.cert_file = Data("no-such.crt");
+  TlsFiles key_as_cert = good;
+  key_as_cert.cert_file = good.key_file;
+  TlsFiles cert_as_key = good;
+  cert_as_key.key_file = good.cert_file;
+  TlsFiles expired;
+  expired.cert_file = Data("expired-server.crt");
+  expired.key_file = Data("expired-server.key");
+  TlsFiles bad_ca = good;
+  bad_ca.client_ca_file = good.key_file;
+  TlsFiles directory = good;
+  directory.key_file = Data("");
+  TlsFiles zero_interval = good;
+  zero_interval.reload_interval_s = 0;
+  const Case cases[] = {
+      {no_key, "--tls_cert_file needs --tls_key_file"},
+      {key_only, "--tls_key_file needs --tls_cert_file"},
+      {ca_only, "--tls_client_ca_file needs --tls_cert_file"},
+      {other_key, "not the key of the certificate in --tls_cert_file="},
+      {missing, "no-such.crt: cannot read it"},
+      {key_as_cert, "hstu-test-server-1.key: no PEM certificate in it"},
+      {cert_as_key, "hstu-test-server-1.crt: not an unencrypted PEM private key"},
+      {expired, "expired at 2020-01-02"},
+      {bad_ca, "--tls_client_ca_file=" + good.key_file + ": no PEM certificate in it"},
+      {zero_interval, "--tls_reload_interval_s=0: must be >= 1"},
+      {directory, "tests/data/tls/: is a directory"},
+  };
+  for (const Case& c : cases) {
+    const absl::Status s = check(c.files);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.want;
+    EXPECT_NE(s.message().find(c.want), std::string::npos) << s << "\n  want: " << c.want;
+  }
+  // RankingServer::Start makes the same check (a caller that builds ServerOptions itself).
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "";
+  o.engine.device = "cpu";
+  o.tls = other_key;
+  auto s = RankingServer::Start(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("not the key of the certificate"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace hstu::server
