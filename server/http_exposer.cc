@@ -53,7 +53,8 @@ bool RequestComplete(const std::string& request) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(const std::string& listen,
-                                                                 std::function<std::string()> body) {
+                                                                 std::function<std::string()> body,
+                                                                 std::function<bool()> serving) {
   const size_t colon = listen.rfind(':');
   if (colon == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("metrics address '", listen, "' is not HOST:PORT"));
@@ -94,6 +95,7 @@ absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(const std::strin
   self->port_ = addr.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
                                            : ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
   self->body_ = std::move(body);
+  self->serving_ = std::move(serving);
   self->thread_ = std::thread([p = self.get()] { p->Loop(); });
   return self;
 }
@@ -196,6 +198,11 @@ std::string HttpExposer::Reply(const std::string& request) const {
     payload = "only GET and HEAD are served\n";
   } else if (path == "/metrics" || path.rfind("/metrics?", 0) == 0) {
     payload = body_();
+  } else if ((path == "/healthz" || path.rfind("/healthz?", 0) == 0) && serving_) {
+    type = "text/plain; charset=utf-8";
+    const bool serving = serving_();
+    if (!serving) status = "503 Service Unavailable";
+    payload = serving ? "SERVING\n" : "NOT_SERVING\n";
   } else if (path == "/") {
     type = "text/html; charset=utf-8";
     payload = "<html><body><a href=\"/metrics\">/metrics</a></body></html>\n";

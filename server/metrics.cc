@@ -144,6 +144,15 @@ ServerMetrics::ServerMetrics(const std::string& version)
           "1 while the engine can run work; 0 once its device is lost (a sticky CUDA error): "
           "requests are then answered UNAVAILABLE, health is NOT_SERVING, and the process exits "
           "to be restarted.")),
+      tls_expiry_(RegisterGauge(
+          registry_, "hstu_tls_certificate_expiry_timestamp_seconds",
+          "When the gRPC port's certificate in service expires (Unix time; no series without "
+          "TLS). A rotation that fails its checks leaves the old one, and this, in place.")),
+      tls_reloads_(RegisterCounter(
+          registry_, "hstu_tls_reloads_total",
+          "Changed TLS files found at a reload check: put in service (result=ok), or failing "
+          "the start-up checks and kept out (result=error, counted at every check until fixed).",
+          {"result"})),
       build_info_(RegisterGauge(registry_, "hstu_build_info",
                                 "Always 1; labels say the version, device and model.",
                                 {"version", "device", "model"})) {
@@ -205,6 +214,11 @@ void ServerMetrics::SetEngineStatsSource(std::function<EngineStats()> stats,
   std::lock_guard<std::mutex> lock(mu_);
   engine_stats_ = std::move(stats);
   build_info_.WithLabels({version_, device, model}).Set(1);
+}
+
+void ServerMetrics::SetTlsSource(std::function<TlsReloader::Stats()> tls) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tls_source_ = std::move(tls);
 }
 
 void ServerMetrics::SetQueueDepthSource(std::function<int64_t()> depth) {
@@ -273,14 +287,22 @@ std::string ServerMetrics::Serialize() const {
 void ServerMetrics::Collect() const {
   std::function<EngineStats()> stats_fn;
   std::function<int64_t()> depth_fn;
+  std::function<TlsReloader::Stats()> tls_fn;
   std::shared_ptr<const GpuTelemetry> telemetry;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_fn = engine_stats_;
     depth_fn = queue_depth_source_;
+    tls_fn = tls_source_;
     telemetry = gpu_telemetry_;
   }
   if (depth_fn) queue_depth_.WithLabels({}).Set(static_cast<double>(depth_fn()));
+  if (tls_fn) {
+    const TlsReloader::Stats t = tls_fn();
+    tls_expiry_.WithLabels({}).Set(absl::ToDoubleSeconds(t.serving.not_after - absl::UnixEpoch()));
+    MirrorTotal(tls_reloads_.WithLabels({"ok"}), static_cast<double>(t.reloads));
+    MirrorTotal(tls_reloads_.WithLabels({"error"}), static_cast<double>(t.reload_errors));
+  }
   if (telemetry != nullptr) {
     // A failed read leaves the previous values: a scrape is not the place to report it.
     if (const absl::StatusOr<GpuReading> r = telemetry->Read(); r.ok()) {
@@ -340,8 +362,9 @@ void ServerMetrics::Collect() const {
 // ---- HTTP ------------------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& listen, const ServerMetrics* metrics) {
-  auto exposer = HttpExposer::Start(listen, [metrics] { return metrics->Serialize(); });
+    const std::string& listen, const ServerMetrics* metrics, std::function<bool()> serving) {
+  auto exposer =
+      HttpExposer::Start(listen, [metrics] { return metrics->Serialize(); }, std::move(serving));
   if (!exposer.ok()) return exposer.status();
   std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
   server->port_ = (*exposer)->port();

@@ -14,6 +14,7 @@
 #include "engine/engine.h"
 #include "engine/gpu_telemetry.h"
 #include "server/http_exposer.h"
+#include "server/tls.h"
 #include "prometheus/registry.h"
 #include "server/prom_family.h"
 
@@ -48,6 +49,8 @@ class ServerMetrics {
   void ObserveOnloadWait(double seconds);
   void AddInflight(int delta);
   void SetQueueDepthSource(std::function<int64_t()> depth);
+  // The gRPC port's TLS reloader, read at each scrape (the hstu_tls_* families; none without).
+  void SetTlsSource(std::function<TlsReloader::Stats()> tls);
   // The GPU's clock, power, energy and throttling, read at each scrape (the hstu_gpu_* families
   // below have no series without it: on the CPU, or without NVML).
   void SetGpuTelemetry(std::unique_ptr<GpuTelemetry> telemetry);
@@ -93,12 +96,15 @@ class ServerMetrics {
   const LabeledFamily<prometheus::Counter> engine_device_;
   const LabeledFamily<prometheus::Counter> engine_batches_;
   const LabeledFamily<prometheus::Gauge> engine_healthy_;
+  const LabeledFamily<prometheus::Gauge> tls_expiry_;
+  const LabeledFamily<prometheus::Counter> tls_reloads_;
   const LabeledFamily<prometheus::Gauge> build_info_;
 
   mutable std::mutex scrape_mu_;  // one scrape at a time: the mirrored counters step by deltas
   mutable std::mutex mu_;  // guards the sources below
   std::function<EngineStats()> engine_stats_;
   std::function<int64_t()> queue_depth_source_;
+  std::function<TlsReloader::Stats()> tls_source_;
   std::shared_ptr<const GpuTelemetry> gpu_telemetry_;
 };
 
@@ -106,8 +112,10 @@ class ServerMetrics {
 class MetricsHttpServer {
  public:
   // `listen` is HOST:PORT; port 0 picks a free one (see port()).
+  // `serving` answers GET /healthz (the gRPC health status, for probes without gRPC or TLS).
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& listen,
-                                                                  const ServerMetrics* metrics);
+                                                                  const ServerMetrics* metrics,
+                                                                  std::function<bool()> serving = {});
   ~MetricsHttpServer();
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;

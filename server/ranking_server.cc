@@ -70,7 +70,8 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
   s->metrics_ = std::make_unique<ServerMetrics>(ServerVersion());
 
   if (!options.metrics_listen.empty()) {
-    auto http = MetricsHttpServer::Start(options.metrics_listen, s->metrics_.get());
+    auto http = MetricsHttpServer::Start(options.metrics_listen, s->metrics_.get(),
+                                         [serving = s->serving_] { return serving->load(); });
     if (!http.ok()) return http.status();
     s->http_ = std::move(*http);
     spdlog::info("metrics: serving Prometheus text format on http://{}/metrics (port {})",
@@ -100,10 +101,19 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
     builder.SetResourceQuota(quota);
   }
   // TLS: the files are checked here too (OptionsFromFlags checked them for the flags; a caller
-  // building ServerOptions itself gets the same errors), then watched by gRPC for rotation.
-  auto tls = CheckTlsFiles(options.tls);
-  if (!tls.ok()) return tls.status();
-  builder.AddListeningPort(options.listen, ServerCredentialsFor(options.tls), &s->port_);
+  // building ServerOptions itself gets the same errors), then kept current by the reloader.
+  if (options.tls.enabled()) {
+    auto tls = TlsReloader::Start(options.tls);
+    if (!tls.ok()) return tls.status();
+    s->tls_ = std::move(*tls);
+    s->metrics_->SetTlsSource([tls = s->tls_.get()] { return tls->stats(); });
+  } else if (auto plain = CheckTlsFiles(options.tls); !plain.ok()) {
+    return plain.status();  // a key or client CA without a certificate
+  }
+  builder.AddListeningPort(options.listen,
+                           s->tls_ != nullptr ? s->tls_->credentials()
+                                              : grpc::InsecureServerCredentials(),
+                           &s->port_);
   builder.RegisterService(s->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
   builder.SetMaxSendMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
@@ -117,15 +127,16 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                "is warm",
                options.listen, unix_socket ? "" : absl::StrCat(" (port ", s->port_, ")"),
                options.max_message_bytes);
-  if (options.tls.enabled()) {
+  if (s->tls_ != nullptr) {
+    const TlsSummary tls = s->tls_->stats().serving;
     spdlog::info("grpc: TLS with {} (certificate {}, expires {}), {}; the files are re-read every "
                  "{} s",
-                 options.tls.cert_file, tls->subject,
-                 absl::FormatTime("%Y-%m-%d", tls->not_after, absl::UTCTimeZone()),
+                 options.tls.cert_file, tls.subject,
+                 absl::FormatTime("%Y-%m-%d", tls.not_after, absl::UTCTimeZone()),
                  options.tls.client_ca_file.empty()
                      ? std::string("no client certificate asked")
                      : absl::StrCat("client certificates required, verified against ",
-                                    options.tls.client_ca_file, " (", tls->client_cas, " CAs)"),
+                                    options.tls.client_ca_file, " (", tls.client_cas, " CAs)"),
                  options.tls.reload_interval_s);
   } else {
     spdlog::info("grpc: plaintext (no --tls_cert_file)");
@@ -273,6 +284,7 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
 }
 
 void RankingServer::SetServing(bool serving) {
+  serving_->store(serving && grpc_server_ != nullptr);
   if (grpc_server_ == nullptr) return;
   grpc::HealthCheckServiceInterface* health = grpc_server_->GetHealthCheckService();
   if (health == nullptr) return;

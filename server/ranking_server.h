@@ -7,6 +7,7 @@
 
 #include <signal.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -92,11 +93,15 @@ class RankingServer {
   ServerOptions options_;
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<MetricsHttpServer> http_;
+  std::unique_ptr<TlsReloader> tls_;  // before grpc_server_: its files outlive the server
   std::unique_ptr<RankService> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Scheduler> scheduler_;
   int port_ = 0;
+  // What health says, for /healthz on the metrics port (shared with its thread, which may
+  // outlive a member during teardown).
+  std::shared_ptr<std::atomic<bool>> serving_ = std::make_shared<std::atomic<bool>>(false);
   std::mutex shutdown_mu_;
   bool shut_down_ = false;
   absl::Duration stall_timeout_ = absl::ZeroDuration();  // zero: off

@@ -15,7 +15,7 @@ target_link_libraries(hstu_server_core PUBLIC hstu_engine absl::status absl::sta
 # PEM files at start-up, gRPC serves them.
 find_package(OpenSSL REQUIRED)
 add_library(hstu_tls STATIC tls.cc)
-target_link_libraries(hstu_tls PUBLIC hstu_proto absl::status absl::statusor absl::strings
+target_link_libraries(hstu_tls PUBLIC hstu_proto absl::status absl::statusor absl::strings spdlog::spdlog
                       absl::time PRIVATE OpenSSL::SSL OpenSSL::Crypto)
 target_include_directories(hstu_tls PUBLIC ${CMAKE_SOURCE_DIR})
 

@@ -1,10 +1,19 @@
 #include "server/tls.h"
 
+#include <fcntl.h>
 #include <openssl/bio.h>
 #include <openssl/err.h>
 #include <openssl/pem.h>
+#include <openssl/ssl.h>
 #include <openssl/x509.h>
+#include <openssl/x509v3.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -17,28 +26,31 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
+#include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
 
 namespace hstu::server {
 namespace {
 
-absl::StatusOr<std::string> ReadWholeFile(const std::string& flag, const std::string& path) {
+// gRPC re-reads the private copy this often; a published set reaches new connections within it.
+constexpr unsigned int kProviderRefreshSeconds = 1;
+
+absl::Status Invalid(absl::string_view flag, const std::string& path, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": ", what));
+}
+
+absl::StatusOr<std::string> ReadWholeFile(absl::string_view flag, const std::string& path) {
   std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": is a directory"));
-  }
+  if (std::filesystem::is_directory(path, ec)) return Invalid(flag, path, "is a directory");
   std::ifstream f(path, std::ios::binary);
-  if (!f) return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": cannot read it"));
+  if (!f) return Invalid(flag, path, absl::StrCat("cannot read it (", std::strerror(errno), ")"));
   std::stringstream ss;
   ss << f.rdbuf();
-  if (!f.good() && !f.eof()) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": reading it failed"));
-  }
   return ss.str();
 }
 
-// OpenSSL's most recent error, as text (its queue cleared).
+// The first error in OpenSSL's queue, as text; the queue is cleared.
 std::string OpenSslError() {
   const unsigned long e = ERR_get_error();  // NOLINT(runtime/int): OpenSSL's type
   ERR_clear_error();
@@ -57,30 +69,15 @@ struct X509Free {
 struct KeyFree {
   void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); }
 };
+struct CtxFree {
+  void operator()(SSL_CTX* c) const { SSL_CTX_free(c); }
+};
 using BioPtr = std::unique_ptr<BIO, BioFree>;
 using X509Ptr = std::unique_ptr<X509, X509Free>;
 using KeyPtr = std::unique_ptr<EVP_PKEY, KeyFree>;
 
-// Every certificate of a PEM text, in order.
-std::vector<X509Ptr> Certificates(const std::string& pem) {
-  std::vector<X509Ptr> out;
-  BioPtr bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
-  while (bio != nullptr) {
-    X509* x = PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr);
-    if (x == nullptr) break;
-    out.emplace_back(x);
-  }
-  ERR_clear_error();  // the end of the text reads as an error
-  return out;
-}
-
-// A passphrase callback that has none: an encrypted key fails instead of prompting on a terminal.
-int NoPassphrase(char*, int, int, void*) { return 0; }
-
-absl::Time AsTime(const ASN1_TIME* t) {
-  std::tm tm{};
-  if (ASN1_TIME_to_tm(t, &tm) != 1) return absl::InfinitePast();
-  return absl::FromTimeT(timegm(&tm));
+BioPtr MemoryBio(const std::string& text) {
+  return BioPtr(BIO_new_mem_buf(text.data(), static_cast<int>(text.size())));
 }
 
 std::string Subject(X509* x) {
@@ -89,9 +86,93 @@ std::string Subject(X509* x) {
   return buf;
 }
 
+// Every certificate of a PEM text, in order; an error when a CERTIFICATE block does not parse
+// (a truncated or corrupt file), not only when none does. Text around the blocks is allowed.
+absl::StatusOr<std::vector<X509Ptr>> Certificates(absl::string_view flag, const std::string& path,
+                                                  const std::string& pem) {
+  std::vector<X509Ptr> out;
+  ERR_clear_error();
+  BioPtr bio = MemoryBio(pem);
+  while (bio != nullptr) {
+    X509* x = PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr);
+    if (x == nullptr) break;
+    out.emplace_back(x);
+  }
+  const unsigned long e = ERR_peek_last_error();  // NOLINT(runtime/int)
+  const bool clean_end = e == 0 || (ERR_GET_LIB(e) == ERR_LIB_PEM && ERR_GET_REASON(e) == PEM_R_NO_START_LINE);
+  if (!clean_end) {
+    return Invalid(flag, path, absl::StrCat("certificate ", out.size() + 1,
+                                            " does not parse (truncated or corrupt? ",
+                                            OpenSslError(), ")"));
+  }
+  ERR_clear_error();
+  if (out.empty()) return Invalid(flag, path, "no PEM certificate in it");
+  return out;
+}
+
+// A passphrase callback that has none: an encrypted key fails instead of prompting on a terminal.
+int NoPassphrase(char*, int, int, void*) { return 0; }
+
+absl::StatusOr<KeyPtr> PrivateKey(const std::string& path, const std::string& pem) {
+  ERR_clear_error();
+  BioPtr bio = MemoryBio(pem);
+  KeyPtr key(bio == nullptr ? nullptr : PEM_read_bio_PrivateKey(bio.get(), nullptr, NoPassphrase, nullptr));
+  if (key == nullptr) {
+    return Invalid("tls_key_file", path,
+                   absl::StrCat("not an unencrypted PEM private key (", OpenSslError(), ")"));
+  }
+  return key;
+}
+
+absl::Time AsTime(const ASN1_TIME* t) {
+  std::tm tm{};
+  if (ASN1_TIME_to_tm(t, &tm) != 1) return absl::InfinitePast();
+  return absl::FromTimeT(timegm(&tm));
+}
+
+// The chain and key as an SSL_CTX takes them: OpenSSL's security level (key sizes, signature
+// digests) and the key's match are checked as the handshake's own context will check them.
+absl::Status CheckAsServerContext(const TlsFiles& files, const std::vector<X509Ptr>& chain,
+                                  EVP_PKEY* key) {
+  ERR_clear_error();
+  std::unique_ptr<SSL_CTX, CtxFree> ctx(SSL_CTX_new(TLS_server_method()));
+  if (ctx == nullptr) return absl::InternalError(absl::StrCat("SSL_CTX_new: ", OpenSslError()));
+  if (SSL_CTX_use_certificate(ctx.get(), chain.front().get()) != 1) {
+    return Invalid("tls_cert_file", files.cert_file,
+                   absl::StrCat("OpenSSL refuses the certificate (", OpenSslError(), ")"));
+  }
+  for (size_t i = 1; i < chain.size(); ++i) {
+    if (SSL_CTX_add1_chain_cert(ctx.get(), chain[i].get()) != 1) {
+      return Invalid("tls_cert_file", files.cert_file,
+                     absl::StrCat("OpenSSL refuses certificate ", i + 1, " (", Subject(chain[i].get()),
+                                  "): ", OpenSslError()));
+    }
+  }
+  if (SSL_CTX_use_PrivateKey(ctx.get(), key) != 1 || SSL_CTX_check_private_key(ctx.get()) != 1) {
+    ERR_clear_error();
+    return Invalid("tls_key_file", files.key_file,
+                   absl::StrCat("not the key of the certificate in --tls_cert_file=", files.cert_file,
+                                " (", Subject(chain.front().get()), ")"));
+  }
+  return absl::OkStatus();
+}
+
+bool WriteFile(const std::string& path, const std::string& data) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return false;
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  return ::close(fd) == 0 && done == data.size();
+}
+
 }  // namespace
 
-absl::StatusOr<TlsSummary> CheckTlsFiles(const TlsFiles& files) {
+absl::StatusOr<TlsPem> ReadTlsFiles(const TlsFiles& files) {
   if (files.cert_file.empty()) {
     if (!files.key_file.empty()) {
       return absl::InvalidArgumentError("--tls_key_file needs --tls_cert_file");
@@ -100,79 +181,206 @@ absl::StatusOr<TlsSummary> CheckTlsFiles(const TlsFiles& files) {
       return absl::InvalidArgumentError(
           "--tls_client_ca_file needs --tls_cert_file and --tls_key_file (mutual TLS is TLS)");
     }
-    return TlsSummary{};
+    return TlsPem{};
   }
   if (files.key_file.empty()) return absl::InvalidArgumentError("--tls_cert_file needs --tls_key_file");
   if (files.reload_interval_s < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--tls_reload_interval_s=", files.reload_interval_s, ": must be >= 1"));
   }
-  auto cert_pem = ReadWholeFile("tls_cert_file", files.cert_file);
-  if (!cert_pem.ok()) return cert_pem.status();
-  auto key_pem = ReadWholeFile("tls_key_file", files.key_file);
-  if (!key_pem.ok()) return key_pem.status();
+  TlsPem pem;
+  for (auto [flag, path, out] : {std::make_tuple("tls_cert_file", &files.cert_file, &pem.cert),
+                                 std::make_tuple("tls_key_file", &files.key_file, &pem.key),
+                                 std::make_tuple("tls_client_ca_file", &files.client_ca_file,
+                                                 &pem.client_ca)}) {
+    if (path->empty()) continue;
+    auto text = ReadWholeFile(flag, *path);
+    if (!text.ok()) return text.status();
+    *out = *std::move(text);
+  }
+  return pem;
+}
 
-  std::vector<X509Ptr> chain = Certificates(*cert_pem);
-  if (chain.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls_cert_file=", files.cert_file, ": no PEM certificate in it"));
+absl::StatusOr<TlsSummary> CheckTlsPem(const TlsFiles& files, const TlsPem& pem, absl::Time now) {
+  auto chain = Certificates("tls_cert_file", files.cert_file, pem.cert);
+  if (!chain.ok()) return chain.status();
+  auto key = PrivateKey(files.key_file, pem.key);
+  if (!key.ok()) return key.status();
+  // Leaf first, each certificate issued by the next (a chain in another order serves a leaf that
+  // clients cannot connect to its issuer).
+  for (size_t i = 0; i + 1 < chain->size(); ++i) {
+    if (X509_check_issued((*chain)[i + 1].get(), (*chain)[i].get()) != X509_V_OK) {
+      return Invalid("tls_cert_file", files.cert_file,
+                     absl::StrCat("certificate ", i + 2, " (", Subject((*chain)[i + 1].get()),
+                                  ") did not issue certificate ", i + 1, " (",
+                                  Subject((*chain)[i].get()), "); the chain goes leaf first"));
+    }
   }
-  BioPtr key_bio(BIO_new_mem_buf(key_pem->data(), static_cast<int>(key_pem->size())));
-  KeyPtr key(key_bio == nullptr ? nullptr
-                                : PEM_read_bio_PrivateKey(key_bio.get(), nullptr, NoPassphrase, nullptr));
-  if (key == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tls_key_file=", files.key_file,
-        ": not an unencrypted PEM private key (", OpenSslError(), ")"));
-  }
-  X509* leaf = chain.front().get();
-  if (X509_check_private_key(leaf, key.get()) != 1) {
-    ERR_clear_error();
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tls_key_file=", files.key_file, ": not the key of the certificate in --tls_cert_file=",
-        files.cert_file, " (", Subject(leaf), ")"));
-  }
+  if (absl::Status s = CheckAsServerContext(files, *chain, key->get()); !s.ok()) return s;
+  X509* leaf = chain->front().get();
   TlsSummary summary;
   summary.subject = Subject(leaf);
   summary.not_after = AsTime(X509_get0_notAfter(leaf));
   const absl::Time not_before = AsTime(X509_get0_notBefore(leaf));
-  const absl::Time now = absl::Now();
   if (summary.not_after < now) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tls_cert_file=", files.cert_file, ": the certificate (", summary.subject,
-        ") expired at ", absl::FormatTime(summary.not_after, absl::UTCTimeZone())));
+    return Invalid("tls_cert_file", files.cert_file,
+                   absl::StrCat("the certificate (", summary.subject, ") expired at ",
+                                absl::FormatTime(summary.not_after, absl::UTCTimeZone())));
   }
-  if (not_before > now) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tls_cert_file=", files.cert_file, ": the certificate (", summary.subject,
-        ") is not valid before ", absl::FormatTime(not_before, absl::UTCTimeZone())));
+  if (not_before > now + kTlsClockSkew) {
+    return Invalid("tls_cert_file", files.cert_file,
+                   absl::StrCat("the certificate (", summary.subject, ") is not valid before ",
+                                absl::FormatTime(not_before, absl::UTCTimeZone())));
   }
   if (!files.client_ca_file.empty()) {
-    auto ca_pem = ReadWholeFile("tls_client_ca_file", files.client_ca_file);
-    if (!ca_pem.ok()) return ca_pem.status();
-    summary.client_cas = static_cast<int>(Certificates(*ca_pem).size());
-    if (summary.client_cas == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--tls_client_ca_file=", files.client_ca_file, ": no PEM certificate in it"));
+    auto cas = Certificates("tls_client_ca_file", files.client_ca_file, pem.client_ca);
+    if (!cas.ok()) return cas.status();
+    for (size_t i = 0; i < cas->size(); ++i) {
+      if (X509_check_ca((*cas)[i].get()) < 1) {
+        return Invalid("tls_client_ca_file", files.client_ca_file,
+                       absl::StrCat("certificate ", i + 1, " (", Subject((*cas)[i].get()),
+                                    ") is not a CA certificate"));
+      }
     }
+    summary.client_cas = static_cast<int>(cas->size());
   }
   return summary;
 }
 
-std::shared_ptr<grpc::ServerCredentials> ServerCredentialsFor(const TlsFiles& files) {
-  if (!files.enabled()) return grpc::InsecureServerCredentials();
+absl::StatusOr<TlsSummary> CheckTlsFiles(const TlsFiles& files) {
+  auto pem = ReadTlsFiles(files);
+  if (!pem.ok()) return pem.status();
+  if (!files.enabled()) return TlsSummary{};
+  return CheckTlsPem(files, *pem, absl::Now());
+}
+
+absl::StatusOr<std::unique_ptr<TlsReloader>> TlsReloader::Start(const TlsFiles& files) {
+  auto pem = ReadTlsFiles(files);
+  if (!pem.ok()) return pem.status();
+  if (!files.enabled()) return absl::InvalidArgumentError("TlsReloader needs --tls_cert_file");
+  auto summary = CheckTlsPem(files, *pem, absl::Now());
+  if (!summary.ok()) return summary.status();
+  std::unique_ptr<TlsReloader> r(new TlsReloader());
+  r->files_ = files;
+  std::error_code ec;
+  std::string tmpl = (std::filesystem::temp_directory_path(ec) / "hstu_tls_XXXXXX").string();
+  if (ec || ::mkdtemp(tmpl.data()) == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot make a private directory for the TLS files under ",
+                     ec ? std::string("the temporary directory") : tmpl, ": ", std::strerror(errno)));
+  }
+  r->dir_ = tmpl;
+  {
+    std::lock_guard<std::mutex> lock(r->mu_);
+    if (absl::Status s = r->Publish(*pem); !s.ok()) return s;
+    r->stats_.serving = *summary;
+  }
+  r->thread_ = std::thread([p = r.get()] { p->Loop(); });
+  return r;
+}
+
+TlsReloader::~TlsReloader() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  if (!dir_.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+}
+
+absl::Status TlsReloader::Publish(const TlsPem& pem) {
+  // dir/gen-N/{tls.crt,tls.key,ca.crt}; dir/..data -> gen-N, swapped by a rename; the names gRPC
+  // reads, dir/tls.crt etc., point through ..data, so the pair changes in one step.
+  const std::string gen = absl::StrCat("gen-", ++generation_);
+  const std::string gen_dir = dir_ + "/" + gen;
+  if (::mkdir(gen_dir.c_str(), 0700) != 0 || !WriteFile(gen_dir + "/tls.crt", pem.cert) ||
+      !WriteFile(gen_dir + "/tls.key", pem.key) ||
+      !WriteFile(gen_dir + "/ca.crt", pem.client_ca)) {
+    return absl::UnavailableError(absl::StrCat("cannot write the TLS files to ", gen_dir, ": ",
+                                               std::strerror(errno)));
+  }
+  const std::string tmp_link = dir_ + "/..data_tmp";
+  ::unlink(tmp_link.c_str());
+  if (::symlink(gen.c_str(), tmp_link.c_str()) != 0 ||
+      ::rename(tmp_link.c_str(), (dir_ + "/..data").c_str()) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot publish the TLS files in ", dir_, ": ",
+                                               std::strerror(errno)));
+  }
+  if (generation_ == 1) {
+    for (const char* name : {"tls.crt", "tls.key", "ca.crt"}) {
+      if (::symlink(absl::StrCat("..data/", name).c_str(), (dir_ + "/" + name).c_str()) != 0) {
+        return absl::UnavailableError(absl::StrCat("cannot link the TLS files in ", dir_, ": ",
+                                                   std::strerror(errno)));
+      }
+    }
+  }
+  // Two generations back: gRPC, which re-reads every second, has long moved past it.
+  if (generation_ > 2) {
+    std::error_code ec;
+    std::filesystem::remove_all(absl::StrCat(dir_, "/gen-", generation_ - 2), ec);
+  }
+  published_ = pem;
+  return absl::OkStatus();
+}
+
+std::shared_ptr<grpc::ServerCredentials> TlsReloader::credentials() const {
   auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-      files.key_file, files.cert_file, files.client_ca_file,
-      static_cast<unsigned int>(files.reload_interval_s));
+      dir_ + "/tls.key", dir_ + "/tls.crt", files_.client_ca_file.empty() ? "" : dir_ + "/ca.crt",
+      kProviderRefreshSeconds);
   grpc::experimental::TlsServerCredentialsOptions options(provider);
   options.watch_identity_key_cert_pairs();
-  if (files.client_ca_file.empty()) {
+  if (files_.client_ca_file.empty()) {
     options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
   } else {
     options.watch_root_certs();
     options.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   }
   return grpc::experimental::TlsServerCredentials(options);
+}
+
+TlsReloader::Stats TlsReloader::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void TlsReloader::CheckNow() {
+  absl::StatusOr<TlsPem> pem = ReadTlsFiles(files_);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (pem.ok() && *pem == published_) return;  // unchanged (or changed back)
+  absl::StatusOr<TlsSummary> summary =
+      pem.ok() ? CheckTlsPem(files_, *pem, absl::Now()) : absl::StatusOr<TlsSummary>(pem.status());
+  absl::Status published = summary.ok() ? Publish(*pem) : summary.status();
+  if (published.ok()) {
+    ++stats_.reloads;
+    stats_.serving = *summary;
+    last_failed_ = TlsPem{};
+    spdlog::info("tls: new certificate in service: {} (expires {})", summary->subject,
+                 absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", summary->not_after, absl::UTCTimeZone()));
+    return;
+  }
+  ++stats_.reload_errors;
+  const TlsPem seen = pem.ok() ? *pem : TlsPem{"unreadable", "", ""};
+  if (!(seen == last_failed_)) {  // logged once per content, counted each time
+    last_failed_ = seen;
+    spdlog::error("tls: the files changed and fail the start-up checks, so the previous "
+                  "certificate ({}) stays in service: {}",
+                  stats_.serving.subject, std::string(published.message()));
+  }
+}
+
+void TlsReloader::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    cv_.wait_for(lock, std::chrono::seconds(files_.reload_interval_s), [this] { return stop_; });
+    if (stop_) break;
+    lock.unlock();
+    CheckNow();
+    lock.lock();
+  }
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientTlsCredentials(
@@ -189,8 +397,21 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientTlsCredentials(
     if (!pem.ok()) return pem.status();
     *out = *std::move(pem);
   }
-  if (!ca_file.empty() && Certificates(options.pem_root_certs).empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--tls_ca_file=", ca_file, ": no PEM certificate in it"));
+  if (!ca_file.empty()) {
+    if (auto cas = Certificates("tls_ca_file", ca_file, options.pem_root_certs); !cas.ok()) {
+      return cas.status();
+    }
+  }
+  if (!cert_file.empty()) {
+    auto chain = Certificates("tls_cert_file", cert_file, options.pem_cert_chain);
+    if (!chain.ok()) return chain.status();
+    auto key = PrivateKey(key_file, options.pem_private_key);
+    if (!key.ok()) return key.status();
+    if (X509_check_private_key(chain->front().get(), key->get()) != 1) {
+      ERR_clear_error();
+      return Invalid("tls_key_file", key_file,
+                     absl::StrCat("not the key of the certificate in --tls_cert_file=", cert_file));
+    }
   }
   return grpc::SslCredentials(options);
 }

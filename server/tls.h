@@ -1,15 +1,26 @@
 // TLS for the gRPC port: the server's certificate and key from PEM files, optionally a CA whose
-// client certificates are then required (mutual TLS). The files are checked once at start-up
-// (a clear error instead of failed handshakes later) and then watched: gRPC re-reads them every
-// `reload_interval_s`, so a rotated certificate (cert-manager, a mounted Secret) takes effect for
-// new connections without a restart; a rotation that leaves the files unusable keeps the old pair
-// (gRPC logs it).
+// client certificates are then required (mutual TLS).
 //
-// Thread-safety: free functions, no shared state.
+// gRPC never reads the operator's files. TlsReloader checks them (CheckTlsPem: they parse, the
+// key is the leaf's, the chain is in order, OpenSSL's security level accepts the key and
+// signatures, the leaf is valid now, the client CAs are CA certificates) and copies a checked set
+// into a private directory, which gRPC's file-watcher provider serves. Every
+// `reload_interval_s` it reads the files again: a changed set that passes the same checks is
+// published there (a symlink swap, so the certificate and key change together) and reaches new
+// connections within about a second; a set that fails them is logged (once per content), counted,
+// and the previous set stays in service. A file caught half-written (empty, truncated, a new
+// certificate beside the old key) is such a set: the next check finds it whole.
+//
+// Thread-safety: CheckTlsPem and the client functions are free functions without shared state;
+// TlsReloader is thread-safe.
 #pragma once
 
+#include <condition_variable>
+#include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -31,25 +42,78 @@ struct TlsFiles {
   bool enabled() const { return !cert_file.empty(); }
 };
 
-// What a TLS setup will serve, once checked.
-struct TlsSummary {
-  std::string subject;       // the leaf certificate's subject
-  absl::Time not_after;      // when it expires
-  int client_cas = 0;        // certificates in the client CA file
+// The files' contents, as read at one time.
+struct TlsPem {
+  std::string cert, key, client_ca;
+  bool operator==(const TlsPem& o) const {
+    return cert == o.cert && key == o.key && client_ca == o.client_ca;
+  }
 };
 
-// Checks the files as the handshake will use them: the certificate chain and the key parse, the
-// key is the leaf certificate's, the leaf is valid now, and the client CA file (when given) holds
-// at least one certificate. Errors name the file and what is wrong (InvalidArgument), or the
-// flag combination (a key without a certificate, a client CA without a certificate).
+// What a checked set serves.
+struct TlsSummary {
+  std::string subject;   // the leaf certificate's subject
+  absl::Time not_after;  // when it expires
+  int client_cas = 0;    // certificates in the client CA file
+};
+
+// A leaf not yet valid by at most this much is taken (a certificate issued on a machine whose
+// clock is a little ahead of this one's).
+inline constexpr absl::Duration kTlsClockSkew = absl::Minutes(5);
+
+// The flag combination (a key without a certificate, a client CA without a certificate, the
+// reload interval), then the files read whole. Errors name the flag and file (InvalidArgument).
+absl::StatusOr<TlsPem> ReadTlsFiles(const TlsFiles& files);
+
+// Checks a set as the handshake will use it, at time `now`; errors name the file (from `files`)
+// and what is wrong.
+absl::StatusOr<TlsSummary> CheckTlsPem(const TlsFiles& files, const TlsPem& pem, absl::Time now);
+
+// ReadTlsFiles, then CheckTlsPem now (plaintext, not enabled: an empty summary).
 absl::StatusOr<TlsSummary> CheckTlsFiles(const TlsFiles& files);
 
-// The gRPC credentials for the listening port: TLS from the watched files, or plaintext when
-// `files` is not enabled. Call CheckTlsFiles first.
-std::shared_ptr<grpc::ServerCredentials> ServerCredentialsFor(const TlsFiles& files);
+// Serves a TLS set to gRPC and keeps it current (see the top of this file).
+class TlsReloader {
+ public:
+  struct Stats {
+    TlsSummary serving;         // the set in service
+    int64_t reloads = 0;        // changed sets that passed and went into service
+    int64_t reload_errors = 0;  // checks that found the files changed and failing
+  };
+
+  // Checks the files (the errors of CheckTlsFiles), publishes them under $TMPDIR (or /tmp) in a
+  // private directory (mode 0700, removed by the destructor) and starts the watch.
+  static absl::StatusOr<std::unique_ptr<TlsReloader>> Start(const TlsFiles& files);
+  ~TlsReloader();
+  TlsReloader(const TlsReloader&) = delete;
+  TlsReloader& operator=(const TlsReloader&) = delete;
+
+  // The listening port's credentials, watching the private copy.
+  std::shared_ptr<grpc::ServerCredentials> credentials() const;
+  Stats stats() const;
+  // Reads and checks the files now, as the watch does every interval (tests).
+  void CheckNow();
+
+ private:
+  TlsReloader() = default;
+  absl::Status Publish(const TlsPem& pem);  // under mu_
+  void Loop();
+
+  TlsFiles files_;
+  std::string dir_;  // the private copy
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  TlsPem published_;    // under mu_
+  TlsPem last_failed_;  // under mu_: logged once
+  int64_t generation_ = 0;
+  Stats stats_;
+  std::thread thread_;
+};
 
 // Client side (hstu_loadgen, tests): TLS verifying the server against `ca_file` (empty: the
-// system's roots), presenting `cert_file` + `key_file` when given. Errors name the file.
+// system's roots), presenting `cert_file` + `key_file` when given (checked: they parse and the key
+// is the certificate's). Errors name the flag and file.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientTlsCredentials(
     const std::string& ca_file, const std::string& cert_file, const std::string& key_file);
 

@@ -170,6 +170,14 @@ class ServerTest : public ::testing::Test {
       ASSERT_TRUE(health->Check(&ctx, req, &resp).ok()) << service;
       EXPECT_EQ(resp.status(), want) << service;
     }
+    // The same on the metrics port, for probes without gRPC (or without TLS).
+    const bool serving = want == grpc::health::v1::HealthCheckResponse::SERVING;
+    const std::string healthz =
+        testing::RawHttp(server_->metrics_port(), "GET /healthz HTTP/1.1\r\n\r\n");
+    EXPECT_EQ(healthz.rfind(serving ? "HTTP/1.1 200 OK\r\n" : "HTTP/1.1 503 ", 0), 0u) << healthz;
+    EXPECT_NE(healthz.find(serving ? "\r\n\r\nSERVING\n" : "\r\n\r\nNOT_SERVING\n"),
+              std::string::npos)
+        << healthz;
   }
 
   // Closes the gate and sends one request from a thread of its own; returns once its batch is

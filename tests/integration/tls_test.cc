@@ -1,7 +1,9 @@
 // TLS on the gRPC port (server/tls.h) with the test certificates of tests/data/tls
 // (make_certs.sh): a TLS client is served and a plaintext one is not; with a client CA, only
 // clients with a certificate that CA signed are; a rotated certificate is served to new
-// connections without a restart; the start-up check names each wrong file.
+// connections without a restart, and a rotation to files that fail the checks (empty, a key of
+// another certificate) keeps the previous one in service; the start-up check names each wrong
+// file.
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -10,6 +12,8 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <fstream>
+#include <iterator>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +27,11 @@
 namespace hstu::server {
 namespace {
 
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
 std::string Data(const std::string& name) {
   return absl::StrCat(HSTU_SOURCE_DIR, "/tests/data/tls/", name);
 }
@@ -34,13 +43,17 @@ TlsFiles ServerFiles(int n = 1) {
   return f;
 }
 
-std::unique_ptr<RankingServer> StartTlsServer(const TlsFiles& tls) {
+absl::StatusOr<std::unique_ptr<RankingServer>> StartServer(const TlsFiles& tls) {
   ServerOptions o;
   o.listen = "127.0.0.1:0";
-  o.metrics_listen = "";
+  o.metrics_listen = "127.0.0.1:0";
   o.engine.device = "cpu";
   o.tls = tls;
-  auto s = RankingServer::Start(o);
+  return RankingServer::Start(o);
+}
+
+std::unique_ptr<RankingServer> StartTlsServer(const TlsFiles& tls) {
+  auto s = StartServer(tls);
   EXPECT_TRUE(s.ok()) << s.status();
   return s.ok() ? std::move(*s) : nullptr;
 }
@@ -87,6 +100,14 @@ TEST(TlsTest, ATlsClientIsServedAndAPlaintextOneIsNot) {
   const Call tls = RankOver(server->port(), Client("test-ca.crt"));
   EXPECT_TRUE(tls.status.ok()) << tls.status.error_message();
   EXPECT_EQ(tls.server_common_name, "hstu-test-server-1");
+  // The certificate's expiry and the reload counters, for alerts (the test certificates expire in
+  // 2126; plaintext servers have no hstu_tls_* series).
+  auto body = testing::HttpGet(server->metrics_port(), "/metrics");
+  ASSERT_TRUE(body.ok()) << body.status();
+  auto m = testing::ParseExposition(*body);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_GT(m->Sum("hstu_tls_certificate_expiry_timestamp_seconds"), 4.9e9);
+  EXPECT_EQ(m->Sum("hstu_tls_reloads_total", {{"result", "ok"}}), 0);
   EXPECT_EQ(RankOver(server->port(), grpc::InsecureChannelCredentials()).status.error_code(),
             grpc::StatusCode::UNAVAILABLE);
   // A client that trusts another CA refuses the server.
@@ -144,7 +165,60 @@ TEST(TlsTest, ARotatedCertificateIsServedToNewConnectionsWithoutARestart) {
     seen = c.server_common_name;
   }
   EXPECT_EQ(seen, "hstu-test-server-2");
+  // Files that fail the checks, for three reload intervals each: an empty certificate (a writer
+  // that truncates first; before: gRPC aborted the process), then server 1's certificate beside
+  // server 2's key (before: every handshake failed until the files were fixed). The certificate
+  // in service stays, and every connection is served.
+  for (const std::string& cert : {std::string(), ReadFile(ServerFiles(1).cert_file)}) {
+    std::ofstream(files.cert_file, std::ios::trunc) << cert;
+    for (int i = 0; i < 12; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+      const Call c = RankOver(server->port(), Client("test-ca.crt"));
+      ASSERT_TRUE(c.status.ok()) << c.status.error_message();
+      EXPECT_EQ(c.server_common_name, "hstu-test-server-2");
+    }
+  }
   server->Shutdown(absl::ZeroDuration());
+}
+
+TEST(TlsTest, AReloadPutsOnlyCheckedFilesInServiceAndCountsTheRest) {
+  const std::string dir = testing::TempDir();
+  TlsFiles files;
+  files.cert_file = dir + "/tls.crt";
+  files.key_file = dir + "/tls.key";
+  files.reload_interval_s = 3600;  // only CheckNow() reloads
+  auto write = [](const std::string& path, const std::string& text) {
+    std::ofstream(path, std::ios::trunc) << text;
+  };
+  write(files.cert_file, ReadFile(ServerFiles(1).cert_file));
+  write(files.key_file, ReadFile(ServerFiles(1).key_file));
+  auto reloader = TlsReloader::Start(files);
+  ASSERT_TRUE(reloader.ok()) << reloader.status();
+  auto& r = **reloader;
+  EXPECT_EQ(r.stats().serving.subject, "/CN=hstu-test-server-1");
+  r.CheckNow();  // unchanged: nothing
+  EXPECT_EQ(r.stats().reloads, 0);
+  EXPECT_EQ(r.stats().reload_errors, 0);
+  // Half a rotation: the new certificate beside the old key fails, and is counted at each check.
+  write(files.cert_file, ReadFile(ServerFiles(2).cert_file));
+  r.CheckNow();
+  r.CheckNow();
+  EXPECT_EQ(r.stats().reload_errors, 2);
+  EXPECT_EQ(r.stats().serving.subject, "/CN=hstu-test-server-1");
+  // The rest of it: in service.
+  write(files.key_file, ReadFile(ServerFiles(2).key_file));
+  r.CheckNow();
+  EXPECT_EQ(r.stats().reloads, 1);
+  EXPECT_EQ(r.stats().serving.subject, "/CN=hstu-test-server-2");
+  // An expired pair is refused on a reload as at start-up; a missing file too.
+  write(files.cert_file, ReadFile(Data("expired-server.crt")));
+  write(files.key_file, ReadFile(Data("expired-server.key")));
+  r.CheckNow();
+  std::filesystem::remove(files.key_file);
+  r.CheckNow();
+  EXPECT_EQ(r.stats().reload_errors, 4);
+  EXPECT_EQ(r.stats().reloads, 1);
+  EXPECT_EQ(r.stats().serving.subject, "/CN=hstu-test-server-2");
 }
 
 TEST(TlsTest, TheStartUpCheckNamesEachWrongFile) {
@@ -177,6 +251,24 @@ TEST(TlsTest, TheStartUpCheckNamesEachWrongFile) {
   bad_ca.client_ca_file = good.key_file;
   TlsFiles directory = good;
   directory.key_file = Data("");
+  // A chain of two (leaf, then its CA), cut inside the second; the same two in the wrong order.
+  const std::string dir = testing::TempDir();
+  const std::string leaf = ReadFile(good.cert_file), ca = ReadFile(Data("test-ca.crt"));
+  std::ofstream(dir + "/chain.crt") << leaf << ca;
+  std::ofstream(dir + "/cut.crt") << leaf << ca.substr(0, ca.size() / 2);
+  std::ofstream(dir + "/reversed.crt") << ca << leaf;
+  TlsFiles chain = good;
+  chain.cert_file = dir + "/chain.crt";
+  EXPECT_TRUE(check(chain).ok()) << check(chain);
+  TlsFiles cut = good;
+  cut.cert_file = dir + "/cut.crt";
+  TlsFiles reversed = good;
+  reversed.cert_file = dir + "/reversed.crt";
+  TlsFiles weak;
+  weak.cert_file = Data("weak-server.crt");
+  weak.key_file = Data("weak-server.key");
+  TlsFiles leaf_as_ca = good;
+  leaf_as_ca.client_ca_file = Data("hstu-test-client.crt");
   TlsFiles zero_interval = good;
   zero_interval.reload_interval_s = 0;
   const Case cases[] = {
@@ -184,13 +276,19 @@ TEST(TlsTest, TheStartUpCheckNamesEachWrongFile) {
       {key_only, "--tls_key_file needs --tls_cert_file"},
       {ca_only, "--tls_client_ca_file needs --tls_cert_file"},
       {other_key, "not the key of the certificate in --tls_cert_file="},
-      {missing, "no-such.crt: cannot read it"},
+      {missing, "no-such.crt: cannot read it (No such file or directory)"},
       {key_as_cert, "hstu-test-server-1.key: no PEM certificate in it"},
       {cert_as_key, "hstu-test-server-1.crt: not an unencrypted PEM private key"},
       {expired, "expired at 2020-01-02"},
       {bad_ca, "--tls_client_ca_file=" + good.key_file + ": no PEM certificate in it"},
       {zero_interval, "--tls_reload_interval_s=0: must be >= 1"},
       {directory, "tests/data/tls/: is a directory"},
+      // Before: each passed the check, and the server then served a leaf without its chain,
+      // failed every handshake, or refused every client.
+      {cut, "cut.crt: certificate 2 does not parse"},
+      {reversed, "reversed.crt: certificate 2 (/CN=hstu-test-server-1) did not issue certificate 1"},
+      {weak, "weak-server.crt: OpenSSL refuses the certificate"},
+      {leaf_as_ca, "certificate 1 (/CN=hstu-test-client) is not a CA certificate"},
   };
   for (const Case& c : cases) {
     const absl::Status s = check(c.files);
@@ -198,12 +296,7 @@ TEST(TlsTest, TheStartUpCheckNamesEachWrongFile) {
     EXPECT_NE(s.message().find(c.want), std::string::npos) << s << "\n  want: " << c.want;
   }
   // RankingServer::Start makes the same check (a caller that builds ServerOptions itself).
-  ServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.metrics_listen = "";
-  o.engine.device = "cpu";
-  o.tls = other_key;
-  auto s = RankingServer::Start(o);
+  auto s = StartServer(other_key);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.status().message().find("not the key of the certificate"), std::string::npos);
 }

@@ -150,7 +150,10 @@ TEST(ProcessTest, LoadgenDrivesAServerOverMutualTls) {
        {absl::StrCat("--tls_cert_file=", tls, "hstu-test-client.crt"),
         "--tls_cert_file and --tls_key_file go together"},
        {"--tls_ca_file=/nonexistent/ca.crt", "--tls_ca_file=/nonexistent/ca.crt: cannot read it"},
-       {absl::StrCat("--tls_ca_file=", tls, "hstu-test-client.key"), "no PEM certificate in it"}},
+       {absl::StrCat("--tls_ca_file=", tls, "hstu-test-client.key"), "no PEM certificate in it"},
+       {absl::StrCat("--tls_cert_file=", tls, "hstu-test-client.crt --tls_key_file=", tls,
+                     "hstu-test-server-1.key"),
+        "not the key of the certificate in --tls_cert_file="}},
       2);
 }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates the test certificates (tests/data/tls): a test CA, two server certificates signed by
 # it (localhost and 127.0.0.1; CN hstu-test-server-1 and -2, for the reload test), a client
-# certificate signed by it, and an untrusted CA with a client certificate of its own. Valid for
+# certificate signed by it, an untrusted CA with a client certificate of its own, a 1024-bit
+# (too weak) self-signed server certificate and an expired one. Valid for
 # 100 years; the keys are test keys, used by nothing else.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -18,6 +19,9 @@ leaf() {  # name ca ext
 }
 ca test-ca
 ca untrusted-ca
+# A 1024-bit RSA key: OpenSSL's default security level (2) refuses it, so the start-up check must.
+openssl req -x509 -newkey rsa:1024 -nodes -keyout weak-server.key -out weak-server.crt -days $days \
+  -subj "/CN=weak-server" 2>/dev/null
 for n in 1 2; do
   leaf "hstu-test-server-$n" test-ca "subjectAltName=DNS:localhost,IP:127.0.0.1
 extendedKeyUsage=serverAuth"
