@@ -21,6 +21,8 @@
 #                  at batch size B, the callers' round trips overlapping the engine's work
 #   e2e_var_adapt / e2e_var_eager  the variable-size e2e load (as `e2e`), adaptive, with CUDA
 #                  graphs (padded to their row buckets) and without
+#   e2e_tls        e2e_fixed over mutual TLS (the test certificates of tests/data/tls): what TLS
+#                  costs, beside an e2e_fixed run of the same call
 set -uo pipefail
 DUR="${1:-8}"
 PARTS="${2:-parity cache cache_always nocache e2e}"
@@ -29,7 +31,8 @@ has() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 for part in $PARTS; do
   case "$part" in
     parity | cache | cache_b512 | cache_gpu | cache_always | nocache | verify | verify_window | \
-    cache_window | memcheck | e2e | e2e_fixed | e2e_adapt | e2e_sat | e2e_var_adapt | e2e_var_eager) ;;
+    cache_window | memcheck | e2e | e2e_fixed | e2e_adapt | e2e_sat | e2e_var_adapt | e2e_var_eager | \
+    e2e_tls) ;;
     *) echo "run_device_server.sh: unknown part '$part'" >&2; exit 2 ;;
   esac
 done
@@ -291,7 +294,7 @@ PY
   echo "server ($name) exit code: $srv_status"
   [ "$srv_status" = 0 ] || status=1
 }
-if has e2e_fixed || has e2e_adapt || has e2e_sat || has e2e_var_adapt || has e2e_var_eager; then
+if has e2e_fixed || has e2e_adapt || has e2e_sat || has e2e_var_adapt || has e2e_var_eager || has e2e_tls; then
   echo "| run | callers | rps | p50 ms | p99 ms | requests/batch | ms/batch (engine) | queue ms | in server ms |" | tee -a "$OUT/levels.txt"
   echo "|---|---|---|---|---|---|---|---|---|" | tee -a "$OUT/levels.txt"
 fi
@@ -300,6 +303,10 @@ FIXED="--users=512 --zipf=0 --new_user_rate=0 --initial_events_min=128 --initial
 VAR="--users=512 --zipf=0 --new_user_rate=0 --initial_events=64 --max_events=2048 --new_events=255"
 E2E_SRV="--cache_pages=65536 --host_cache_pages=0"
 has e2e_fixed && run_levels e2e_fixed "$FIXED" "1 2 4 8" $E2E_SRV --max_batch_size=8
+TLS_DIR="$(cd "$(dirname "$0")/.." && pwd)/tests/data/tls"
+TLS_SRV="--tls_cert_file=$TLS_DIR/hstu-test-server-1.crt --tls_key_file=$TLS_DIR/hstu-test-server-1.key --tls_client_ca_file=$TLS_DIR/test-ca.crt"
+TLS_LG="--tls_ca_file=$TLS_DIR/test-ca.crt --tls_cert_file=$TLS_DIR/hstu-test-client.crt --tls_key_file=$TLS_DIR/hstu-test-client.key"
+has e2e_tls && run_levels e2e_tls "$FIXED $TLS_LG" "1 2 4 8" $E2E_SRV --max_batch_size=8 $TLS_SRV
 has e2e_adapt && run_levels e2e_adapt "$FIXED" "1 2 4 8" $E2E_SRV --max_batch_size=8 --batch_timeout_us="$ADAPT_US"
 if has e2e_sat; then
   for B in 1 2 4 8; do
