@@ -1,6 +1,7 @@
 #include "server/tls.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <openssl/bio.h>
 #include <openssl/err.h>
 #include <openssl/pem.h>
@@ -18,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string_view>
 #include <system_error>
 #include <tuple>
 #include <vector>
@@ -28,6 +30,7 @@
 #include <grpcpp/security/tls_credentials_options.h>
 #include <spdlog/spdlog.h>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace hstu::server {
@@ -40,14 +43,45 @@ absl::Status Invalid(absl::string_view flag, const std::string& path, absl::stri
   return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": ", what));
 }
 
+// The most a TLS file may hold: certificate bundles are kilobytes.
+constexpr off_t kMaxTlsFileBytes = 1 << 20;
+
+// A regular file's bytes. Opened without blocking and checked with fstat first: a FIFO or a
+// device at the path would otherwise hang the reload thread (and the shutdown behind it).
 absl::StatusOr<std::string> ReadWholeFile(absl::string_view flag, const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) return Invalid(flag, path, "is a directory");
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return Invalid(flag, path, absl::StrCat("cannot read it (", std::strerror(errno), ")"));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return Invalid(flag, path, absl::StrCat("cannot read it (", std::strerror(errno), ")"));
+  struct stat st {};
+  std::string out;
+  absl::Status status;
+  if (::fstat(fd, &st) != 0) {
+    status = Invalid(flag, path, absl::StrCat("cannot read it (", std::strerror(errno), ")"));
+  } else if (S_ISDIR(st.st_mode)) {
+    status = Invalid(flag, path, "is a directory");
+  } else if (!S_ISREG(st.st_mode)) {
+    status = Invalid(flag, path, "is not a regular file");
+  } else if (st.st_size > kMaxTlsFileBytes) {
+    status = Invalid(flag, path, absl::StrCat("is ", st.st_size, " bytes, more than a TLS file's ",
+                                              kMaxTlsFileBytes));
+  } else {
+    out.resize(static_cast<size_t>(st.st_size));
+    size_t done = 0;
+    while (done < out.size()) {
+      const ssize_t n = ::read(fd, out.data() + done, out.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        status = Invalid(flag, path, absl::StrCat("cannot read it (", std::strerror(errno), ")"));
+        break;
+      }
+      if (n == 0) break;  // shrank while read: what was there
+      done += static_cast<size_t>(n);
+    }
+    out.resize(done);
+    if (status.ok() && out.empty()) status = Invalid(flag, path, "is empty");
+  }
+  ::close(fd);
+  if (!status.ok()) return status;
+  return out;
 }
 
 // The first error in OpenSSL's queue, as text; the queue is cleared.
@@ -170,6 +204,44 @@ bool WriteFile(const std::string& path, const std::string& data) {
   return ::close(fd) == 0 && done == data.size();
 }
 
+// Where the private copies live: $TMPDIR when set, else /dev/shm (memory: the key copy never
+// reaches a disk), else /tmp.
+std::string PrivateBase() {
+  if (const char* t = std::getenv("TMPDIR"); t != nullptr && *t != '\0') return t;
+  struct stat st {};
+  if (::stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) && ::access("/dev/shm", W_OK) == 0) {
+    return "/dev/shm";
+  }
+  return "/tmp";
+}
+
+// Removes the private copies of processes of this user that are gone (killed, or ended without
+// their destructors): hstu_tls_<pid>_XXXXXX with no such process left.
+void SweepStaleCopies(const std::string& base) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(base, ec)) {
+    const std::string name = entry.path().filename().string();
+    constexpr std::string_view kPrefix = "hstu_tls_";
+    if (name.rfind(kPrefix, 0) != 0) continue;
+    const size_t end = name.find('_', kPrefix.size());
+    int pid = 0;
+    if (end == std::string::npos ||
+        !absl::SimpleAtoi(absl::string_view(name).substr(kPrefix.size(), end - kPrefix.size()), &pid) ||
+        pid <= 0) {
+      continue;
+    }
+    struct stat st {};
+    if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) {
+      continue;
+    }
+    if (pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) {
+      std::error_code rm;
+      std::filesystem::remove_all(entry.path(), rm);
+      if (!rm) spdlog::info("tls: removed {}, the private copy of a process that is gone", entry.path().string());
+    }
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<TlsPem> ReadTlsFiles(const TlsFiles& files) {
@@ -262,12 +334,13 @@ absl::StatusOr<std::unique_ptr<TlsReloader>> TlsReloader::Start(const TlsFiles& 
   if (!summary.ok()) return summary.status();
   std::unique_ptr<TlsReloader> r(new TlsReloader());
   r->files_ = files;
-  std::error_code ec;
-  std::string tmpl = (std::filesystem::temp_directory_path(ec) / "hstu_tls_XXXXXX").string();
-  if (ec || ::mkdtemp(tmpl.data()) == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot make a private directory for the TLS files under ",
-                     ec ? std::string("the temporary directory") : tmpl, ": ", std::strerror(errno)));
+  const std::string base = PrivateBase();
+  SweepStaleCopies(base);
+  std::string tmpl = absl::StrCat(base, "/hstu_tls_", ::getpid(), "_XXXXXX");
+  if (::mkdtemp(tmpl.data()) == nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "TLS: cannot make a private directory for the checked certificate files in ", base,
+        " ($TMPDIR, else /dev/shm or /tmp): ", std::strerror(errno)));
   }
   r->dir_ = tmpl;
   {
@@ -295,21 +368,28 @@ TlsReloader::~TlsReloader() {
 absl::Status TlsReloader::Publish(const TlsPem& pem) {
   // dir/gen-N/{tls.crt,tls.key,ca.crt}; dir/..data -> gen-N, swapped by a rename; the names gRPC
   // reads, dir/tls.crt etc., point through ..data, so the pair changes in one step.
-  const std::string gen = absl::StrCat("gen-", ++generation_);
+  const int64_t next = generation_ + 1;
+  const std::string gen = absl::StrCat("gen-", next);
   const std::string gen_dir = dir_ + "/" + gen;
+  std::error_code ec;
+  std::filesystem::remove_all(gen_dir, ec);  // a half-written one from a failed attempt
   if (::mkdir(gen_dir.c_str(), 0700) != 0 || !WriteFile(gen_dir + "/tls.crt", pem.cert) ||
       !WriteFile(gen_dir + "/tls.key", pem.key) ||
       !WriteFile(gen_dir + "/ca.crt", pem.client_ca)) {
-    return absl::UnavailableError(absl::StrCat("cannot write the TLS files to ", gen_dir, ": ",
-                                               std::strerror(errno)));
+    const std::string why = std::strerror(errno);
+    std::filesystem::remove_all(gen_dir, ec);
+    return absl::UnavailableError(absl::StrCat("cannot write the checked TLS files to ", gen_dir,
+                                               ": ", why));
   }
   const std::string tmp_link = dir_ + "/..data_tmp";
   ::unlink(tmp_link.c_str());
   if (::symlink(gen.c_str(), tmp_link.c_str()) != 0 ||
       ::rename(tmp_link.c_str(), (dir_ + "/..data").c_str()) != 0) {
-    return absl::UnavailableError(absl::StrCat("cannot publish the TLS files in ", dir_, ": ",
-                                               std::strerror(errno)));
+    const std::string why = std::strerror(errno);
+    std::filesystem::remove_all(gen_dir, ec);
+    return absl::UnavailableError(absl::StrCat("cannot publish the TLS files in ", dir_, ": ", why));
   }
+  generation_ = next;
   if (generation_ == 1) {
     for (const char* name : {"tls.crt", "tls.key", "ca.crt"}) {
       if (::symlink(absl::StrCat("..data/", name).c_str(), (dir_ + "/" + name).c_str()) != 0) {
@@ -318,10 +398,13 @@ absl::Status TlsReloader::Publish(const TlsPem& pem) {
       }
     }
   }
-  // Two generations back: gRPC, which re-reads every second, has long moved past it.
-  if (generation_ > 2) {
-    std::error_code ec;
-    std::filesystem::remove_all(absl::StrCat(dir_, "/gen-", generation_ - 2), ec);
+  // Only this generation and the one before (gRPC, re-reading every second, may still be on it).
+  for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("gen-", 0) == 0 && name != gen && name != absl::StrCat("gen-", generation_ - 1)) {
+      std::error_code rm;
+      std::filesystem::remove_all(entry.path(), rm);
+    }
   }
   published_ = pem;
   return absl::OkStatus();
@@ -350,25 +433,32 @@ TlsReloader::Stats TlsReloader::stats() const {
 void TlsReloader::CheckNow() {
   absl::StatusOr<TlsPem> pem = ReadTlsFiles(files_);
   std::lock_guard<std::mutex> lock(mu_);
-  if (pem.ok() && *pem == published_) return;  // unchanged (or changed back)
+  if (pem.ok() && *pem == published_) {  // unchanged, or changed back
+    last_error_.clear();
+    return;
+  }
   absl::StatusOr<TlsSummary> summary =
       pem.ok() ? CheckTlsPem(files_, *pem, absl::Now()) : absl::StatusOr<TlsSummary>(pem.status());
   absl::Status published = summary.ok() ? Publish(*pem) : summary.status();
   if (published.ok()) {
     ++stats_.reloads;
     stats_.serving = *summary;
-    last_failed_ = TlsPem{};
-    spdlog::info("tls: new certificate in service: {} (expires {})", summary->subject,
-                 absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", summary->not_after, absl::UTCTimeZone()));
+    last_error_.clear();
+    spdlog::info("tls: new TLS files in service: certificate {} (expires {}){}", summary->subject,
+                 absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", summary->not_after, absl::UTCTimeZone()),
+                 files_.client_ca_file.empty() ? std::string()
+                                               : absl::StrCat(", ", summary->client_cas, " client CAs"));
     return;
   }
   ++stats_.reload_errors;
-  const TlsPem seen = pem.ok() ? *pem : TlsPem{"unreadable", "", ""};
-  if (!(seen == last_failed_)) {  // logged once per content, counted each time
-    last_failed_ = seen;
-    spdlog::error("tls: the files changed and fail the start-up checks, so the previous "
-                  "certificate ({}) stays in service: {}",
-                  stats_.serving.subject, std::string(published.message()));
+  // Logged once for each error, counted at each check.
+  const std::string error = std::string(published.message());
+  if (error != last_error_) {
+    last_error_ = error;
+    spdlog::error("tls: the TLS files changed but {}, so the previous certificate ({}) stays in "
+                  "service: {}",
+                  summary.ok() ? "cannot be put in service" : "fail the start-up checks",
+                  stats_.serving.subject, error);
   }
 }
 

@@ -81,8 +81,10 @@ class TlsReloader {
     int64_t reload_errors = 0;  // checks that found the files changed and failing
   };
 
-  // Checks the files (the errors of CheckTlsFiles), publishes them under $TMPDIR (or /tmp) in a
-  // private directory (mode 0700, removed by the destructor) and starts the watch.
+  // Checks the files (the errors of CheckTlsFiles), publishes them in a private directory
+  // hstu_tls_<pid>_XXXXXX (mode 0700, removed by the destructor) under $TMPDIR, else /dev/shm,
+  // else /tmp, and starts the watch. Such directories of this user's processes that are gone (a
+  // killed server's) are removed first.
   static absl::StatusOr<std::unique_ptr<TlsReloader>> Start(const TlsFiles& files);
   ~TlsReloader();
   TlsReloader(const TlsReloader&) = delete;
@@ -105,7 +107,7 @@ class TlsReloader {
   std::condition_variable cv_;
   bool stop_ = false;
   TlsPem published_;    // under mu_
-  TlsPem last_failed_;  // under mu_: logged once
+  std::string last_error_;  // under mu_: the failed reload last logged
   int64_t generation_ = 0;
   Stats stats_;
   std::thread thread_;

@@ -7,8 +7,12 @@
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -192,8 +196,35 @@ TEST(TlsTest, AReloadPutsOnlyCheckedFilesInServiceAndCountsTheRest) {
   };
   write(files.cert_file, ReadFile(ServerFiles(1).cert_file));
   write(files.key_file, ReadFile(ServerFiles(1).key_file));
+  // The private copy goes under $TMPDIR; a copy left by a process that is gone (a killed
+  // server: here a child that exited) is removed, another live process's is not.
+  const std::string tmp = testing::TempDir();
+  const pid_t gone = fork();
+  if (gone == 0) _exit(0);
+  ASSERT_GT(gone, 0);
+  waitpid(gone, nullptr, 0);
+  const std::string stale = absl::StrCat(tmp, "/hstu_tls_", gone, "_abcdef");
+  const std::string live = absl::StrCat(tmp, "/hstu_tls_", getppid(), "_abcdef");
+  for (const std::string& d : {stale, live}) std::filesystem::create_directories(d + "/gen-1");
+  const char* old_tmpdir = std::getenv("TMPDIR");
+  const std::string saved = old_tmpdir != nullptr ? old_tmpdir : "";
+  setenv("TMPDIR", tmp.c_str(), 1);
   auto reloader = TlsReloader::Start(files);
+  if (old_tmpdir != nullptr) {
+    setenv("TMPDIR", saved.c_str(), 1);
+  } else {
+    unsetenv("TMPDIR");
+  }
   ASSERT_TRUE(reloader.ok()) << reloader.status();
+  EXPECT_FALSE(std::filesystem::exists(stale));
+  EXPECT_TRUE(std::filesystem::exists(live));
+  std::string mine;
+  for (const auto& e : std::filesystem::directory_iterator(tmp)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(absl::StrCat("hstu_tls_", getpid(), "_"), 0) == 0) mine = e.path().string();
+  }
+  ASSERT_FALSE(mine.empty());
+  EXPECT_EQ(std::filesystem::status(mine).permissions(), std::filesystem::perms::owner_all);
   auto& r = **reloader;
   EXPECT_EQ(r.stats().serving.subject, "/CN=hstu-test-server-1");
   r.CheckNow();  // unchanged: nothing
@@ -219,6 +250,12 @@ TEST(TlsTest, AReloadPutsOnlyCheckedFilesInServiceAndCountsTheRest) {
   EXPECT_EQ(r.stats().reload_errors, 4);
   EXPECT_EQ(r.stats().reloads, 1);
   EXPECT_EQ(r.stats().serving.subject, "/CN=hstu-test-server-2");
+  // A FIFO at the key's path (or a device) would block a read: refused without reading.
+  ASSERT_EQ(mkfifo(files.key_file.c_str(), 0600), 0);
+  r.CheckNow();
+  EXPECT_EQ(r.stats().reload_errors, 5);
+  reloader->reset();
+  EXPECT_FALSE(std::filesystem::exists(mine));  // the key's copy goes with the reloader
 }
 
 TEST(TlsTest, TheStartUpCheckNamesEachWrongFile) {
