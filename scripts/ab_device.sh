@@ -30,7 +30,7 @@ unpack_and_setup "$PACK_B" /tmp/hstu_ab_B || exit 1
 HOME_B="$H"
 # Each side runs with its own pack's libraries only (the other pack's lib/ is not on its path,
 # so a library missing from one pack is not quietly taken from the other).
-BASE_LD="$CUDA_LIB${BASE_LD:+:$BASE_LD}"
+BASE_LD="$CUDA_LIB${CUDA_LIB:+${BASE_LD:+:}}$BASE_LD"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/ab_device.txt"
 echo "A: $(tr '\n' ' ' < "$HOME_A/COMMIT")${HSTU_AB_ENV_A:-}" | tee -a "$OUT/ab_device.txt"
 echo "B: $(tr '\n' ' ' < "$HOME_B/COMMIT")${HSTU_AB_ENV_B:-}" | tee -a "$OUT/ab_device.txt"
@@ -41,7 +41,7 @@ run_side() {  # side mode round
   if [ "$side" = A ]; then home="$HOME_A" env_vars="${HSTU_AB_ENV_A:-}"; else home="$HOME_B" env_vars="${HSTU_AB_ENV_B:-}"; fi
   log="$OUT/ab_${mode}_${side}_${round}.log"
   # shellcheck disable=SC2086  # the env assignments and bench flags are word lists on purpose
-  env LD_LIBRARY_PATH="$home/lib:$BASE_LD" $env_vars "$home/bin/hstu_bench" "$mode" \
+  env LD_LIBRARY_PATH="$home/lib${BASE_LD:+:$BASE_LD}" $env_vars "$home/bin/hstu_bench" "$mode" \
     ${HSTU_BENCH_FLAGS:-} > "$log" 2>&1
   local r=$?
   echo "== $mode, $side, round $round (exit $r)"

@@ -30,7 +30,11 @@ if [ ! -f "$BUILD_DIR/build.ninja" ] && [ ! -f "$BUILD_DIR/Makefile" ]; then
   cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
 fi
 echo "[demo] building hstu_server and hstu_loadgen (if not up to date)"
-cmake --build "$BUILD_DIR" -j"$JOBS" --target hstu_server hstu_loadgen > /dev/null
+if ! build_log="$(cmake --build "$BUILD_DIR" -j"$JOBS" --target hstu_server hstu_loadgen 2>&1)"; then
+  echo "$build_log" >&2
+  echo "[demo] the build failed (above)" >&2
+  exit 1
+fi
 
 # The GPU model only where the build has the CUDA backend.
 if [ "$HAVE_GPU" = 1 ] && grep -q "HSTU_ENABLE_CUDA:BOOL=ON" "$BUILD_DIR/CMakeCache.txt" 2>/dev/null; then

@@ -153,6 +153,10 @@ ServerMetrics::ServerMetrics(const std::string& version)
           "Changed TLS files found at a reload check: put in service (result=ok), or failing "
           "the start-up checks and kept out (result=error, counted at every check until fixed).",
           {"result"})),
+      tls_reload_failing_(RegisterGauge(
+          registry_, "hstu_tls_reload_failing",
+          "1 while the TLS files on disk differ from the set in service and fail the checks "
+          "(the previous certificate serves on); 0 otherwise.")),
       build_info_(RegisterGauge(registry_, "hstu_build_info",
                                 "Always 1; labels say the version, device and model.",
                                 {"version", "device", "model"})) {
@@ -300,8 +304,9 @@ void ServerMetrics::Collect() const {
   if (tls_fn) {
     const TlsReloader::Stats t = tls_fn();
     tls_expiry_.WithLabels({}).Set(absl::ToDoubleSeconds(t.serving.not_after - absl::UnixEpoch()));
-    MirrorTotal(tls_reloads_.WithLabels({"ok"}), static_cast<double>(t.reloads));
-    MirrorTotal(tls_reloads_.WithLabels({"error"}), static_cast<double>(t.reload_errors));
+    MirrorTotal(tls_reloads_.WithLabels({"ok"}), static_cast<double>(t.num_reloads));
+    MirrorTotal(tls_reloads_.WithLabels({"error"}), static_cast<double>(t.num_reload_errors));
+    tls_reload_failing_.WithLabels({}).Set(t.failing ? 1 : 0);
   }
   if (telemetry != nullptr) {
     // A failed read leaves the previous values: a scrape is not the place to report it.

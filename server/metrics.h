@@ -98,6 +98,7 @@ class ServerMetrics {
   const LabeledFamily<prometheus::Gauge> engine_healthy_;
   const LabeledFamily<prometheus::Gauge> tls_expiry_;
   const LabeledFamily<prometheus::Counter> tls_reloads_;
+  const LabeledFamily<prometheus::Gauge> tls_reload_failing_;
   const LabeledFamily<prometheus::Gauge> build_info_;
 
   mutable std::mutex scrape_mu_;  // one scrape at a time: the mirrored counters step by deltas

@@ -136,7 +136,7 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                  options.tls.client_ca_file.empty()
                      ? std::string("no client certificate asked")
                      : absl::StrCat("client certificates required, verified against ",
-                                    options.tls.client_ca_file, " (", tls.client_cas, " CAs)"),
+                                    options.tls.client_ca_file, " (", tls.num_client_cas, " CAs)"),
                  options.tls.reload_interval_s);
   } else {
     spdlog::info("grpc: plaintext (no --tls_cert_file)");

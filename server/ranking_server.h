@@ -92,15 +92,17 @@ class RankingServer {
 
   ServerOptions options_;
   std::unique_ptr<ServerMetrics> metrics_;
+  // Before http_ and grpc_server_: it outlives the exposer thread that reads its stats and the
+  // gRPC server that reads its files.
+  std::unique_ptr<TlsReloader> tls_;
   std::unique_ptr<MetricsHttpServer> http_;
-  std::unique_ptr<TlsReloader> tls_;  // before grpc_server_: its files outlive the server
   std::unique_ptr<RankService> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Scheduler> scheduler_;
   int port_ = 0;
-  // What health says, for /healthz on the metrics port (shared with its thread, which may
-  // outlive a member during teardown).
+  // What health says, for /healthz on the metrics port (shared with the exposer's thread, which
+  // Shutdown() ends).
   std::shared_ptr<std::atomic<bool>> serving_ = std::make_shared<std::atomic<bool>>(false);
   std::mutex shutdown_mu_;
   bool shut_down_ = false;

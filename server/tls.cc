@@ -1,14 +1,20 @@
 #include "server/tls.h"
 
 #include <fcntl.h>
-#include <signal.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
 #include <openssl/bio.h>
 #include <openssl/err.h>
 #include <openssl/pem.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
+#include <signal.h>
+#include <spdlog/spdlog.h>
 #include <stdlib.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -23,12 +29,6 @@
 #include <system_error>
 #include <tuple>
 #include <vector>
-
-#include <grpcpp/security/credentials.h>
-#include <grpcpp/security/server_credentials.h>
-#include <grpcpp/security/tls_certificate_provider.h>
-#include <grpcpp/security/tls_credentials_options.h>
-#include <spdlog/spdlog.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -50,7 +50,8 @@ constexpr off_t kMaxTlsFileBytes = 1 << 20;
 // device at the path would otherwise hang the reload thread (and the shutdown behind it).
 absl::StatusOr<std::string> ReadWholeFile(absl::string_view flag, const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) return Invalid(flag, path, absl::StrCat("cannot read it (", std::strerror(errno), ")"));
+  if (fd < 0)
+    return Invalid(flag, path, absl::StrCat("cannot read it (", std::strerror(errno), ")"));
   struct stat st {};
   std::string out;
   absl::Status status;
@@ -61,8 +62,9 @@ absl::StatusOr<std::string> ReadWholeFile(absl::string_view flag, const std::str
   } else if (!S_ISREG(st.st_mode)) {
     status = Invalid(flag, path, "is not a regular file");
   } else if (st.st_size > kMaxTlsFileBytes) {
-    status = Invalid(flag, path, absl::StrCat("is ", st.st_size, " bytes, more than a TLS file's ",
-                                              kMaxTlsFileBytes));
+    status = Invalid(
+        flag, path,
+        absl::StrCat("is ", st.st_size, " bytes, more than a TLS file's ", kMaxTlsFileBytes));
   } else {
     out.resize(static_cast<size_t>(st.st_size));
     size_t done = 0;
@@ -133,11 +135,12 @@ absl::StatusOr<std::vector<X509Ptr>> Certificates(absl::string_view flag, const 
     out.emplace_back(x);
   }
   const unsigned long e = ERR_peek_last_error();  // NOLINT(runtime/int)
-  const bool clean_end = e == 0 || (ERR_GET_LIB(e) == ERR_LIB_PEM && ERR_GET_REASON(e) == PEM_R_NO_START_LINE);
+  const bool clean_end =
+      e == 0 || (ERR_GET_LIB(e) == ERR_LIB_PEM && ERR_GET_REASON(e) == PEM_R_NO_START_LINE);
   if (!clean_end) {
-    return Invalid(flag, path, absl::StrCat("certificate ", out.size() + 1,
-                                            " does not parse (truncated or corrupt? ",
-                                            OpenSslError(), ")"));
+    return Invalid(flag, path,
+                   absl::StrCat("certificate ", out.size() + 1,
+                                " does not parse (truncated or corrupt? ", OpenSslError(), ")"));
   }
   ERR_clear_error();
   if (out.empty()) return Invalid(flag, path, "no PEM certificate in it");
@@ -150,7 +153,8 @@ int NoPassphrase(char*, int, int, void*) { return 0; }
 absl::StatusOr<KeyPtr> PrivateKey(const std::string& path, const std::string& pem) {
   ERR_clear_error();
   BioPtr bio = MemoryBio(pem);
-  KeyPtr key(bio == nullptr ? nullptr : PEM_read_bio_PrivateKey(bio.get(), nullptr, NoPassphrase, nullptr));
+  KeyPtr key(bio == nullptr ? nullptr
+                            : PEM_read_bio_PrivateKey(bio.get(), nullptr, NoPassphrase, nullptr));
   if (key == nullptr) {
     return Invalid("tls_key_file", path,
                    absl::StrCat("not an unencrypted PEM private key (", OpenSslError(), ")"));
@@ -178,15 +182,27 @@ absl::Status CheckAsServerContext(const TlsFiles& files, const std::vector<X509P
   for (size_t i = 1; i < chain.size(); ++i) {
     if (SSL_CTX_add1_chain_cert(ctx.get(), chain[i].get()) != 1) {
       return Invalid("tls_cert_file", files.cert_file,
-                     absl::StrCat("OpenSSL refuses certificate ", i + 1, " (", Subject(chain[i].get()),
-                                  "): ", OpenSslError()));
+                     absl::StrCat("OpenSSL refuses certificate ", i + 1, " (",
+                                  Subject(chain[i].get()), "): ", OpenSslError()));
     }
   }
-  if (SSL_CTX_use_PrivateKey(ctx.get(), key) != 1 || SSL_CTX_check_private_key(ctx.get()) != 1) {
+  // use_PrivateKey checks the match itself (a mismatch reads as one); any other refusal is the
+  // key's own (its type, its size at the security level), said as OpenSSL says it.
+  bool mismatch = false;
+  if (SSL_CTX_use_PrivateKey(ctx.get(), key) != 1) {
+    const unsigned long e = ERR_peek_error();  // NOLINT(runtime/int)
+    mismatch = ERR_GET_LIB(e) == ERR_LIB_X509 && (ERR_GET_REASON(e) == X509_R_KEY_VALUES_MISMATCH ||
+                                                  ERR_GET_REASON(e) == X509_R_KEY_TYPE_MISMATCH);
+    if (!mismatch) {
+      return Invalid("tls_key_file", files.key_file,
+                     absl::StrCat("OpenSSL refuses the key (", OpenSslError(), ")"));
+    }
+  }
+  if (mismatch || SSL_CTX_check_private_key(ctx.get()) != 1) {
     ERR_clear_error();
     return Invalid("tls_key_file", files.key_file,
-                   absl::StrCat("not the key of the certificate in --tls_cert_file=", files.cert_file,
-                                " (", Subject(chain.front().get()), ")"));
+                   absl::StrCat("not the key of the certificate in --tls_cert_file=",
+                                files.cert_file, " (", Subject(chain.front().get()), ")"));
   }
   return absl::OkStatus();
 }
@@ -204,8 +220,8 @@ bool WriteFile(const std::string& path, const std::string& data) {
   return ::close(fd) == 0 && done == data.size();
 }
 
-// Where the private copies live: $TMPDIR when set, else /dev/shm (memory: the key copy never
-// reaches a disk), else /tmp.
+// Where the private copies live: $TMPDIR when set, else /dev/shm (memory: the key's copy is not
+// written to a file system on disk), else /tmp.
 std::string PrivateBase() {
   if (const char* t = std::getenv("TMPDIR"); t != nullptr && *t != '\0') return t;
   struct stat st {};
@@ -215,32 +231,39 @@ std::string PrivateBase() {
   return "/tmp";
 }
 
-// Removes the private copies of processes of this user that are gone (killed, or ended without
-// their destructors): hstu_tls_<pid>_XXXXXX with no such process left.
+// Each private copy holds an exclusive flock on its .lock for its owner's life, which a PID
+// cannot tell across PID namespaces (containers sharing /dev/shm or /tmp).
+constexpr char kLockName[] = ".lock";
+
+// Removes the private copies of this user that no process holds (a killed server's, or one that
+// ended without its destructors).
 void SweepStaleCopies(const std::string& base) {
   std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(base, ec)) {
-    const std::string name = entry.path().filename().string();
-    constexpr std::string_view kPrefix = "hstu_tls_";
-    if (name.rfind(kPrefix, 0) != 0) continue;
-    const size_t end = name.find('_', kPrefix.size());
-    int pid = 0;
-    if (end == std::string::npos ||
-        !absl::SimpleAtoi(absl::string_view(name).substr(kPrefix.size(), end - kPrefix.size()), &pid) ||
-        pid <= 0) {
-      continue;
-    }
+  std::filesystem::directory_iterator it(base, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    const std::filesystem::path path = it->path();
+    if (path.filename().string().rfind("hstu_tls_", 0) != 0) continue;
     struct stat st {};
-    if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) {
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) {
       continue;
     }
-    if (pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) {
+    const int fd = ::open((path / kLockName).c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) continue;  // being made, or not ours to judge
+    const bool unheld = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+    if (unheld) {
       std::error_code rm;
-      std::filesystem::remove_all(entry.path(), rm);
-      if (!rm) spdlog::info("tls: removed {}, the private copy of a process that is gone", entry.path().string());
+      std::filesystem::remove_all(path, rm);
+      if (!rm) spdlog::info("tls: removed {}, a private copy no process holds", path.string());
     }
+    ::close(fd);
   }
 }
+
+// Clears OpenSSL's error queue of this thread when the scope ends, on every path: entries a
+// check leaves behind would show up in gRPC's later error reports on the same thread.
+struct ClearOpenSslErrors {
+  ~ClearOpenSslErrors() { ERR_clear_error(); }
+};
 
 }  // namespace
 
@@ -255,16 +278,17 @@ absl::StatusOr<TlsPem> ReadTlsFiles(const TlsFiles& files) {
     }
     return TlsPem{};
   }
-  if (files.key_file.empty()) return absl::InvalidArgumentError("--tls_cert_file needs --tls_key_file");
+  if (files.key_file.empty())
+    return absl::InvalidArgumentError("--tls_cert_file needs --tls_key_file");
   if (files.reload_interval_s < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--tls_reload_interval_s=", files.reload_interval_s, ": must be >= 1"));
   }
   TlsPem pem;
-  for (auto [flag, path, out] : {std::make_tuple("tls_cert_file", &files.cert_file, &pem.cert),
-                                 std::make_tuple("tls_key_file", &files.key_file, &pem.key),
-                                 std::make_tuple("tls_client_ca_file", &files.client_ca_file,
-                                                 &pem.client_ca)}) {
+  for (auto [flag, path, out] :
+       {std::make_tuple("tls_cert_file", &files.cert_file, &pem.cert),
+        std::make_tuple("tls_key_file", &files.key_file, &pem.key),
+        std::make_tuple("tls_client_ca_file", &files.client_ca_file, &pem.client_ca)}) {
     if (path->empty()) continue;
     auto text = ReadWholeFile(flag, *path);
     if (!text.ok()) return text.status();
@@ -274,6 +298,7 @@ absl::StatusOr<TlsPem> ReadTlsFiles(const TlsFiles& files) {
 }
 
 absl::StatusOr<TlsSummary> CheckTlsPem(const TlsFiles& files, const TlsPem& pem, absl::Time now) {
+  ClearOpenSslErrors clear_at_end;
   auto chain = Certificates("tls_cert_file", files.cert_file, pem.cert);
   if (!chain.ok()) return chain.status();
   auto key = PrivateKey(files.key_file, pem.key);
@@ -314,7 +339,7 @@ absl::StatusOr<TlsSummary> CheckTlsPem(const TlsFiles& files, const TlsPem& pem,
                                     ") is not a CA certificate"));
       }
     }
-    summary.client_cas = static_cast<int>(cas->size());
+    summary.num_client_cas = static_cast<int>(cas->size());
   }
   return summary;
 }
@@ -326,7 +351,8 @@ absl::StatusOr<TlsSummary> CheckTlsFiles(const TlsFiles& files) {
   return CheckTlsPem(files, *pem, absl::Now());
 }
 
-absl::StatusOr<std::unique_ptr<TlsReloader>> TlsReloader::Start(const TlsFiles& files) {
+absl::StatusOr<std::unique_ptr<TlsReloader>> TlsReloader::Start(const TlsFiles& files,
+                                                                std::string private_base) {
   auto pem = ReadTlsFiles(files);
   if (!pem.ok()) return pem.status();
   if (!files.enabled()) return absl::InvalidArgumentError("TlsReloader needs --tls_cert_file");
@@ -334,15 +360,21 @@ absl::StatusOr<std::unique_ptr<TlsReloader>> TlsReloader::Start(const TlsFiles& 
   if (!summary.ok()) return summary.status();
   std::unique_ptr<TlsReloader> r(new TlsReloader());
   r->files_ = files;
-  const std::string base = PrivateBase();
+  const std::string base = private_base.empty() ? PrivateBase() : std::move(private_base);
   SweepStaleCopies(base);
   std::string tmpl = absl::StrCat(base, "/hstu_tls_", ::getpid(), "_XXXXXX");
   if (::mkdtemp(tmpl.data()) == nullptr) {
-    return absl::UnavailableError(absl::StrCat(
-        "TLS: cannot make a private directory for the checked certificate files in ", base,
-        " ($TMPDIR, else /dev/shm or /tmp): ", std::strerror(errno)));
+    return absl::UnavailableError(
+        absl::StrCat("TLS: cannot make a private directory for the checked certificate files in ",
+                     base, " ($TMPDIR, else /dev/shm or /tmp): ", std::strerror(errno)));
   }
   r->dir_ = tmpl;
+  r->lock_fd_ =
+      ::open((r->dir_ + "/" + kLockName).c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (r->lock_fd_ < 0 || ::flock(r->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("TLS: cannot lock ", r->dir_, "/", kLockName, ": ", std::strerror(errno)));
+  }
   {
     std::lock_guard<std::mutex> lock(r->mu_);
     if (absl::Status s = r->Publish(*pem); !s.ok()) return s;
@@ -363,6 +395,7 @@ TlsReloader::~TlsReloader() {
     std::error_code ec;
     std::filesystem::remove_all(dir_, ec);
   }
+  if (lock_fd_ >= 0) ::close(lock_fd_);
 }
 
 absl::Status TlsReloader::Publish(const TlsPem& pem) {
@@ -374,12 +407,11 @@ absl::Status TlsReloader::Publish(const TlsPem& pem) {
   std::error_code ec;
   std::filesystem::remove_all(gen_dir, ec);  // a half-written one from a failed attempt
   if (::mkdir(gen_dir.c_str(), 0700) != 0 || !WriteFile(gen_dir + "/tls.crt", pem.cert) ||
-      !WriteFile(gen_dir + "/tls.key", pem.key) ||
-      !WriteFile(gen_dir + "/ca.crt", pem.client_ca)) {
+      !WriteFile(gen_dir + "/tls.key", pem.key) || !WriteFile(gen_dir + "/ca.crt", pem.client_ca)) {
     const std::string why = std::strerror(errno);
     std::filesystem::remove_all(gen_dir, ec);
-    return absl::UnavailableError(absl::StrCat("cannot write the checked TLS files to ", gen_dir,
-                                               ": ", why));
+    return absl::UnavailableError(
+        absl::StrCat("cannot write the checked TLS files to ", gen_dir, ": ", why));
   }
   const std::string tmp_link = dir_ + "/..data_tmp";
   ::unlink(tmp_link.c_str());
@@ -387,23 +419,27 @@ absl::Status TlsReloader::Publish(const TlsPem& pem) {
       ::rename(tmp_link.c_str(), (dir_ + "/..data").c_str()) != 0) {
     const std::string why = std::strerror(errno);
     std::filesystem::remove_all(gen_dir, ec);
-    return absl::UnavailableError(absl::StrCat("cannot publish the TLS files in ", dir_, ": ", why));
+    return absl::UnavailableError(
+        absl::StrCat("cannot publish the TLS files in ", dir_, ": ", why));
   }
   generation_ = next;
-  if (generation_ == 1) {
-    for (const char* name : {"tls.crt", "tls.key", "ca.crt"}) {
-      if (::symlink(absl::StrCat("..data/", name).c_str(), (dir_ + "/" + name).c_str()) != 0) {
-        return absl::UnavailableError(absl::StrCat("cannot link the TLS files in ", dir_, ": ",
-                                                   std::strerror(errno)));
-      }
+  for (const char* name : {"tls.crt", "tls.key", "ca.crt"}) {
+    const std::string link = dir_ + "/" + name;
+    struct stat st {};
+    if (::lstat(link.c_str(), &st) == 0) continue;  // made by the first publish
+    if (::symlink(absl::StrCat("..data/", name).c_str(), link.c_str()) != 0) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot link the TLS files in ", dir_, ": ", std::strerror(errno)));
     }
   }
   // Only this generation and the one before (gRPC, re-reading every second, may still be on it).
-  for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("gen-", 0) == 0 && name != gen && name != absl::StrCat("gen-", generation_ - 1)) {
+  const std::string previous = absl::StrCat("gen-", generation_ - 1);
+  std::filesystem::directory_iterator it(dir_, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind("gen-", 0) == 0 && name != gen && name != previous) {
       std::error_code rm;
-      std::filesystem::remove_all(entry.path(), rm);
+      std::filesystem::remove_all(it->path(), rm);
     }
   }
   published_ = pem;
@@ -435,30 +471,35 @@ void TlsReloader::CheckNow() {
   std::lock_guard<std::mutex> lock(mu_);
   if (pem.ok() && *pem == published_) {  // unchanged, or changed back
     last_error_.clear();
+    stats_.failing = false;
     return;
   }
   absl::StatusOr<TlsSummary> summary =
       pem.ok() ? CheckTlsPem(files_, *pem, absl::Now()) : absl::StatusOr<TlsSummary>(pem.status());
   absl::Status published = summary.ok() ? Publish(*pem) : summary.status();
   if (published.ok()) {
-    ++stats_.reloads;
+    ++stats_.num_reloads;
     stats_.serving = *summary;
+    stats_.failing = false;
     last_error_.clear();
     spdlog::info("tls: new TLS files in service: certificate {} (expires {}){}", summary->subject,
                  absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", summary->not_after, absl::UTCTimeZone()),
-                 files_.client_ca_file.empty() ? std::string()
-                                               : absl::StrCat(", ", summary->client_cas, " client CAs"));
+                 files_.client_ca_file.empty()
+                     ? std::string()
+                     : absl::StrCat(", ", summary->num_client_cas, " client CAs"));
     return;
   }
-  ++stats_.reload_errors;
-  // Logged once for each error, counted at each check.
+  ++stats_.num_reload_errors;
+  stats_.failing = true;
+  // Logged when the error changes, counted at each check.
   const std::string error = std::string(published.message());
   if (error != last_error_) {
     last_error_ = error;
-    spdlog::error("tls: the TLS files changed but {}, so the previous certificate ({}) stays in "
-                  "service: {}",
-                  summary.ok() ? "cannot be put in service" : "fail the start-up checks",
-                  stats_.serving.subject, error);
+    spdlog::error(
+        "tls: the TLS files changed but {}, so the previous certificate ({}) stays in "
+        "service: {}",
+        summary.ok() ? "cannot be put in service" : "fail the start-up checks",
+        stats_.serving.subject, error);
   }
 }
 
@@ -475,13 +516,15 @@ void TlsReloader::Loop() {
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientTlsCredentials(
     const std::string& ca_file, const std::string& cert_file, const std::string& key_file) {
+  ClearOpenSslErrors clear_at_end;
   if (cert_file.empty() != key_file.empty()) {
     return absl::InvalidArgumentError("--tls_cert_file and --tls_key_file go together");
   }
   grpc::SslCredentialsOptions options;
-  for (auto [flag, path, out] : {std::make_tuple("tls_ca_file", &ca_file, &options.pem_root_certs),
-                                 std::make_tuple("tls_cert_file", &cert_file, &options.pem_cert_chain),
-                                 std::make_tuple("tls_key_file", &key_file, &options.pem_private_key)}) {
+  for (auto [flag, path, out] :
+       {std::make_tuple("tls_ca_file", &ca_file, &options.pem_root_certs),
+        std::make_tuple("tls_cert_file", &cert_file, &options.pem_cert_chain),
+        std::make_tuple("tls_key_file", &key_file, &options.pem_private_key)}) {
     if (path->empty()) continue;
     auto pem = ReadWholeFile(flag, *path);
     if (!pem.ok()) return pem.status();

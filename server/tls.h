@@ -7,9 +7,9 @@
 // into a private directory, which gRPC's file-watcher provider serves. Every
 // `reload_interval_s` it reads the files again: a changed set that passes the same checks is
 // published there (a symlink swap, so the certificate and key change together) and reaches new
-// connections within about a second; a set that fails them is logged (once per content), counted,
-// and the previous set stays in service. A file caught half-written (empty, truncated, a new
-// certificate beside the old key) is such a set: the next check finds it whole.
+// connections within about a second; a set that fails them is logged (when the error changes),
+// counted, and the previous set stays in service. A file caught half-written (empty, truncated, a
+// new certificate beside the old key) is such a set: the next check finds it whole.
 //
 // Thread-safety: CheckTlsPem and the client functions are free functions without shared state;
 // TlsReloader is thread-safe.
@@ -52,9 +52,9 @@ struct TlsPem {
 
 // What a checked set serves.
 struct TlsSummary {
-  std::string subject;   // the leaf certificate's subject
-  absl::Time not_after;  // when it expires
-  int client_cas = 0;    // certificates in the client CA file
+  std::string subject;     // the leaf certificate's subject
+  absl::Time not_after;    // when it expires
+  int num_client_cas = 0;  // certificates in the client CA file
 };
 
 // A leaf not yet valid by at most this much is taken (a certificate issued on a machine whose
@@ -76,16 +76,19 @@ absl::StatusOr<TlsSummary> CheckTlsFiles(const TlsFiles& files);
 class TlsReloader {
  public:
   struct Stats {
-    TlsSummary serving;         // the set in service
-    int64_t reloads = 0;        // changed sets that passed and went into service
-    int64_t reload_errors = 0;  // checks that found the files changed and failing
+    TlsSummary serving;             // the set in service
+    int64_t num_reloads = 0;        // changed sets that passed and went into service
+    int64_t num_reload_errors = 0;  // checks that found the files changed and failing
+    bool failing = false;           // the last check found them so
   };
 
   // Checks the files (the errors of CheckTlsFiles), publishes them in a private directory
   // hstu_tls_<pid>_XXXXXX (mode 0700, removed by the destructor) under $TMPDIR, else /dev/shm,
-  // else /tmp, and starts the watch. Such directories of this user's processes that are gone (a
+  // else /tmp (`private_base` instead, when given), and starts the watch. The directory's .lock
+  // is flocked for the reloader's life; such directories of this user that no process holds (a
   // killed server's) are removed first.
-  static absl::StatusOr<std::unique_ptr<TlsReloader>> Start(const TlsFiles& files);
+  static absl::StatusOr<std::unique_ptr<TlsReloader>> Start(const TlsFiles& files,
+                                                            std::string private_base = "");
   ~TlsReloader();
   TlsReloader(const TlsReloader&) = delete;
   TlsReloader& operator=(const TlsReloader&) = delete;
@@ -102,14 +105,15 @@ class TlsReloader {
   void Loop();
 
   TlsFiles files_;
-  std::string dir_;  // the private copy
+  std::string dir_;   // the private copy
+  int lock_fd_ = -1;  // its .lock, flocked
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  bool stop_ = false;
-  TlsPem published_;    // under mu_
+  bool stop_ = false;       // under mu_
+  TlsPem published_;        // under mu_
   std::string last_error_;  // under mu_: the failed reload last logged
-  int64_t generation_ = 0;
-  Stats stats_;
+  int64_t generation_ = 0;  // under mu_
+  Stats stats_;             // under mu_
   std::thread thread_;
 };
 

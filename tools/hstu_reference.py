@@ -178,6 +178,17 @@ def load_model(path: str) -> Model:
             raise ValueError(f"{path}: metadata {key} must be > 0, got {meta_int(key)}")
     if meta_int("hstu.max_candidates", 256) <= 0:
         raise ValueError(f"{path}: metadata hstu.max_candidates must be > 0")
+    # The C++ loader's upper bounds (ModelConfig::Validate), which keep every size in range.
+    for key, value, most in (
+            ("hstu.num_layers", meta_int("hstu.num_layers"), 1024),
+            ("hstu.hidden_dim", meta_int("hstu.hidden_dim"), 65536),
+            ("hstu.num_heads * hstu.head_dim",
+             meta_int("hstu.num_heads") * meta_int("hstu.head_dim"), 65536),
+            ("hstu.max_history_tokens", meta_int("hstu.max_history_tokens"), 2**22),
+            ("hstu.max_candidates", meta_int("hstu.max_candidates", 256), 2**20),
+            ("hstu.num_tasks", meta_int("hstu.num_tasks"), 4096)):
+        if value > most:
+            raise ValueError(f"{path}: metadata {key} must be at most {most}, got {value}")
     if meta_int("hstu.max_attn_len") < 0:
         raise ValueError(f"{path}: metadata hstu.max_attn_len must be >= 0, got {meta_int('hstu.max_attn_len')}")
     if meta_int("hstu.max_history_tokens") % 2:

@@ -24,13 +24,6 @@
 
 namespace hstu::testing {
 
-inline std::string ReadFile(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 // Waits up to `timeout` until the server `proc` at `target` (HOST:PORT or unix:PATH) reports
 // SERVING; false if it does not, or exits first.
 inline bool WaitServingAt(const std::string& target, Subprocess& proc,

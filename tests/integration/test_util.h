@@ -48,6 +48,8 @@ std::pair<int, std::string> RunCommand(const std::string& command);
 // A fresh directory under $TMPDIR (or /tmp), removed with its files when the test process exits
 // (HSTU_KEEP_TEST_DIRS=1 keeps it).
 std::string TempDir();
+// A file's bytes; "" when it cannot be read.
+std::string ReadFile(const std::string& path);
 
 struct Sample {
   std::string name;                           // with _bucket/_sum/_count suffixes

@@ -5,8 +5,12 @@
 // another certificate) keeps the previous one in service; the start-up check names each wrong
 // file.
 
+#include "server/tls.h"
+
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,27 +18,21 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
-#include <fstream>
-#include <iterator>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "hstu/v1/ranking.grpc.pb.h"
 #include "server/ranking_server.h"
-#include "server/tls.h"
 #include "tests/integration/server_fixture.h"
 #include "tests/integration/test_util.h"
 
 namespace hstu::server {
 namespace {
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
 
 std::string Data(const std::string& name) {
   return absl::StrCat(HSTU_SOURCE_DIR, "/tests/data/tls/", name);
@@ -90,7 +88,8 @@ Call RankOver(int port, const std::shared_ptr<grpc::ChannelCredentials>& creds) 
   return call;
 }
 
-std::shared_ptr<grpc::ChannelCredentials> Client(const std::string& ca, const std::string& cert = "",
+std::shared_ptr<grpc::ChannelCredentials> Client(const std::string& ca,
+                                                 const std::string& cert = "",
                                                  const std::string& key = "") {
   auto creds = ClientTlsCredentials(ca.empty() ? "" : Data(ca), cert.empty() ? "" : Data(cert),
                                     key.empty() ? "" : Data(key));
@@ -125,14 +124,14 @@ TEST(TlsTest, WithAClientCaOnlyClientsItSignedAreServed) {
   files.client_ca_file = Data("test-ca.crt");
   auto server = StartTlsServer(files);
   ASSERT_NE(server, nullptr);
-  EXPECT_TRUE(RankOver(server->port(), Client("test-ca.crt", "hstu-test-client.crt",
-                                              "hstu-test-client.key"))
+  EXPECT_TRUE(RankOver(server->port(),
+                       Client("test-ca.crt", "hstu-test-client.crt", "hstu-test-client.key"))
                   .status.ok());
   // No certificate, or one from a CA the server does not trust: the handshake fails.
   EXPECT_EQ(RankOver(server->port(), Client("test-ca.crt")).status.error_code(),
             grpc::StatusCode::UNAVAILABLE);
-  EXPECT_EQ(RankOver(server->port(), Client("test-ca.crt", "untrusted-client.crt",
-                                            "untrusted-client.key"))
+  EXPECT_EQ(RankOver(server->port(),
+                     Client("test-ca.crt", "untrusted-client.crt", "untrusted-client.key"))
                 .status.error_code(),
             grpc::StatusCode::UNAVAILABLE);
   server->Shutdown(absl::ZeroDuration());
@@ -148,9 +147,10 @@ TEST(TlsTest, ARotatedCertificateIsServedToNewConnectionsWithoutARestart) {
   auto install = [&](int n) {
     const TlsFiles from = ServerFiles(n);
     // Written beside, then renamed over: a reader never sees a half-written file.
-    for (auto [src, dst] : {std::pair{from.cert_file, files.cert_file},
-                            std::pair{from.key_file, files.key_file}}) {
-      std::filesystem::copy_file(src, dst + ".new", std::filesystem::copy_options::overwrite_existing);
+    for (auto [src, dst] :
+         {std::pair{from.cert_file, files.cert_file}, std::pair{from.key_file, files.key_file}}) {
+      std::filesystem::copy_file(src, dst + ".new",
+                                 std::filesystem::copy_options::overwrite_existing);
       std::filesystem::rename(dst + ".new", dst);
     }
   };
@@ -173,7 +173,7 @@ TEST(TlsTest, ARotatedCertificateIsServedToNewConnectionsWithoutARestart) {
   // that truncates first; before: gRPC aborted the process), then server 1's certificate beside
   // server 2's key (before: every handshake failed until the files were fixed). The certificate
   // in service stays, and every connection is served.
-  for (const std::string& cert : {std::string(), ReadFile(ServerFiles(1).cert_file)}) {
+  for (const std::string& cert : {std::string(), testing::ReadFile(ServerFiles(1).cert_file)}) {
     std::ofstream(files.cert_file, std::ios::trunc) << cert;
     for (int i = 0; i < 12; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(250));
@@ -194,8 +194,8 @@ TEST(TlsTest, AReloadPutsOnlyCheckedFilesInServiceAndCountsTheRest) {
   auto write = [](const std::string& path, const std::string& text) {
     std::ofstream(path, std::ios::trunc) << text;
   };
-  write(files.cert_file, ReadFile(ServerFiles(1).cert_file));
-  write(files.key_file, ReadFile(ServerFiles(1).key_file));
+  write(files.cert_file, testing::ReadFile(ServerFiles(1).cert_file));
+  write(files.key_file, testing::ReadFile(ServerFiles(1).key_file));
   // The private copy goes under $TMPDIR; a copy left by a process that is gone (a killed
   // server: here a child that exited) is removed, another live process's is not.
   const std::string tmp = testing::TempDir();
@@ -204,17 +204,18 @@ TEST(TlsTest, AReloadPutsOnlyCheckedFilesInServiceAndCountsTheRest) {
   ASSERT_GT(gone, 0);
   waitpid(gone, nullptr, 0);
   const std::string stale = absl::StrCat(tmp, "/hstu_tls_", gone, "_abcdef");
-  const std::string live = absl::StrCat(tmp, "/hstu_tls_", getppid(), "_abcdef");
-  for (const std::string& d : {stale, live}) std::filesystem::create_directories(d + "/gen-1");
-  const char* old_tmpdir = std::getenv("TMPDIR");
-  const std::string saved = old_tmpdir != nullptr ? old_tmpdir : "";
-  setenv("TMPDIR", tmp.c_str(), 1);
-  auto reloader = TlsReloader::Start(files);
-  if (old_tmpdir != nullptr) {
-    setenv("TMPDIR", saved.c_str(), 1);
-  } else {
-    unsetenv("TMPDIR");
+  const std::string live = absl::StrCat(tmp, "/hstu_tls_", gone, "_ghijkl");
+  for (const std::string& d : {stale, live}) {
+    std::filesystem::create_directories(d + "/gen-1");
+    std::ofstream(d + "/.lock");
   }
+  // The live one's lock is held (by this test, as its owner would): a PID says nothing across
+  // PID namespaces, the lock does.
+  const int held = open((live + "/.lock").c_str(), O_RDONLY);
+  ASSERT_GE(held, 0);
+  ASSERT_EQ(flock(held, LOCK_EX | LOCK_NB), 0);
+  auto reloader = TlsReloader::Start(files, tmp);
+  close(held);
   ASSERT_TRUE(reloader.ok()) << reloader.status();
   EXPECT_FALSE(std::filesystem::exists(stale));
   EXPECT_TRUE(std::filesystem::exists(live));
@@ -228,32 +229,34 @@ TEST(TlsTest, AReloadPutsOnlyCheckedFilesInServiceAndCountsTheRest) {
   auto& r = **reloader;
   EXPECT_EQ(r.stats().serving.subject, "/CN=hstu-test-server-1");
   r.CheckNow();  // unchanged: nothing
-  EXPECT_EQ(r.stats().reloads, 0);
-  EXPECT_EQ(r.stats().reload_errors, 0);
+  EXPECT_EQ(r.stats().num_reloads, 0);
+  EXPECT_EQ(r.stats().num_reload_errors, 0);
   // Half a rotation: the new certificate beside the old key fails, and is counted at each check.
-  write(files.cert_file, ReadFile(ServerFiles(2).cert_file));
+  write(files.cert_file, testing::ReadFile(ServerFiles(2).cert_file));
   r.CheckNow();
   r.CheckNow();
-  EXPECT_EQ(r.stats().reload_errors, 2);
+  EXPECT_EQ(r.stats().num_reload_errors, 2);
+  EXPECT_TRUE(r.stats().failing);
   EXPECT_EQ(r.stats().serving.subject, "/CN=hstu-test-server-1");
   // The rest of it: in service.
-  write(files.key_file, ReadFile(ServerFiles(2).key_file));
+  write(files.key_file, testing::ReadFile(ServerFiles(2).key_file));
   r.CheckNow();
-  EXPECT_EQ(r.stats().reloads, 1);
+  EXPECT_EQ(r.stats().num_reloads, 1);
+  EXPECT_FALSE(r.stats().failing);
   EXPECT_EQ(r.stats().serving.subject, "/CN=hstu-test-server-2");
   // An expired pair is refused on a reload as at start-up; a missing file too.
-  write(files.cert_file, ReadFile(Data("expired-server.crt")));
-  write(files.key_file, ReadFile(Data("expired-server.key")));
+  write(files.cert_file, testing::ReadFile(Data("expired-server.crt")));
+  write(files.key_file, testing::ReadFile(Data("expired-server.key")));
   r.CheckNow();
   std::filesystem::remove(files.key_file);
   r.CheckNow();
-  EXPECT_EQ(r.stats().reload_errors, 4);
-  EXPECT_EQ(r.stats().reloads, 1);
+  EXPECT_EQ(r.stats().num_reload_errors, 4);
+  EXPECT_EQ(r.stats().num_reloads, 1);
   EXPECT_EQ(r.stats().serving.subject, "/CN=hstu-test-server-2");
   // A FIFO at the key's path (or a device) would block a read: refused without reading.
   ASSERT_EQ(mkfifo(files.key_file.c_str(), 0600), 0);
   r.CheckNow();
-  EXPECT_EQ(r.stats().reload_errors, 5);
+  EXPECT_EQ(r.stats().num_reload_errors, 5);
   reloader->reset();
   EXPECT_FALSE(std::filesystem::exists(mine));  // the key's copy goes with the reloader
 }
@@ -290,7 +293,7 @@ TEST(TlsTest, TheStartUpCheckNamesEachWrongFile) {
   directory.key_file = Data("");
   // A chain of two (leaf, then its CA), cut inside the second; the same two in the wrong order.
   const std::string dir = testing::TempDir();
-  const std::string leaf = ReadFile(good.cert_file), ca = ReadFile(Data("test-ca.crt"));
+  const std::string leaf = testing::ReadFile(good.cert_file), ca = testing::ReadFile(Data("test-ca.crt"));
   std::ofstream(dir + "/chain.crt") << leaf << ca;
   std::ofstream(dir + "/cut.crt") << leaf << ca.substr(0, ca.size() / 2);
   std::ofstream(dir + "/reversed.crt") << ca << leaf;
@@ -301,6 +304,7 @@ TEST(TlsTest, TheStartUpCheckNamesEachWrongFile) {
   cut.cert_file = dir + "/cut.crt";
   TlsFiles reversed = good;
   reversed.cert_file = dir + "/reversed.crt";
+  // 1024-bit RSA: refused at OpenSSL's security level 2, Debian 12's and Ubuntu 24.04's default.
   TlsFiles weak;
   weak.cert_file = Data("weak-server.crt");
   weak.key_file = Data("weak-server.key");
@@ -323,7 +327,8 @@ TEST(TlsTest, TheStartUpCheckNamesEachWrongFile) {
       // Before: each passed the check, and the server then served a leaf without its chain,
       // failed every handshake, or refused every client.
       {cut, "cut.crt: certificate 2 does not parse"},
-      {reversed, "reversed.crt: certificate 2 (/CN=hstu-test-server-1) did not issue certificate 1"},
+      {reversed,
+       "reversed.crt: certificate 2 (/CN=hstu-test-server-1) did not issue certificate 1"},
       {weak, "weak-server.crt: OpenSSL refuses the certificate"},
       {leaf_as_ca, "certificate 1 (/CN=hstu-test-client) is not a CA certificate"},
   };
