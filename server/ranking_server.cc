@@ -130,14 +130,14 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
   if (s->tls_ != nullptr) {
     const TlsSummary tls = s->tls_->stats().serving;
     spdlog::info("grpc: TLS with {} (certificate {}, expires {}), {}; the files are re-read every "
-                 "{} s",
+                 "{} s, checked copies in {}",
                  options.tls.cert_file, tls.subject,
                  absl::FormatTime("%Y-%m-%d", tls.not_after, absl::UTCTimeZone()),
                  options.tls.client_ca_file.empty()
                      ? std::string("no client certificate asked")
                      : absl::StrCat("client certificates required, verified against ",
                                     options.tls.client_ca_file, " (", tls.num_client_cas, " CAs)"),
-                 options.tls.reload_interval_s);
+                 options.tls.reload_interval_s, s->tls_->dir());
   } else {
     spdlog::info("grpc: plaintext (no --tls_cert_file)");
   }

@@ -96,6 +96,8 @@ class TlsReloader {
   // The listening port's credentials, watching the private copy.
   std::shared_ptr<grpc::ServerCredentials> credentials() const;
   Stats stats() const;
+  // The private directory gRPC reads the checked copies from.
+  const std::string& dir() const { return dir_; }
   // Reads and checks the files now, as the watch does every interval (tests).
   void CheckNow();
 

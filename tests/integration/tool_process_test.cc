@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -143,6 +144,14 @@ TEST(ProcessTest, LoadgenDrivesAServerOverMutualTls) {
     EXPECT_EQ(rc2, 1) << out2;
     EXPECT_NE(out2.find("server not SERVING after 1 s"), std::string::npos) << out2;
   }
+  // SIGTERM: a clean exit removes the private copy of the key (the log names it).
+  std::smatch copy;
+  const std::string log = server.proc().Log();
+  ASSERT_TRUE(std::regex_search(log, copy, std::regex(R"(checked copies in (\S+))"))) << log;
+  ASSERT_TRUE(std::filesystem::exists(copy[1].str())) << copy[1];
+  server.proc().Signal(SIGTERM);
+  EXPECT_EQ(server.proc().Wait(std::chrono::seconds(30)), 0) << server.proc().Log();
+  EXPECT_FALSE(std::filesystem::exists(copy[1].str())) << copy[1];
   // The TLS flags' own errors come before any connection.
   ExpectEachFlagRejected(
       absl::StrCat(HSTU_LOADGEN_BIN, " --target=127.0.0.1:1"),
