@@ -463,7 +463,9 @@ std::shared_ptr<grpc::ServerCredentials> TlsReloader::credentials() const {
 
 TlsReloader::Stats TlsReloader::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
+  Stats s = stats_;
+  s.failing = !last_error_.empty();
+  return s;
 }
 
 void TlsReloader::CheckNow() {
@@ -471,7 +473,6 @@ void TlsReloader::CheckNow() {
   std::lock_guard<std::mutex> lock(mu_);
   if (pem.ok() && *pem == published_) {  // unchanged, or changed back
     last_error_.clear();
-    stats_.failing = false;
     return;
   }
   absl::StatusOr<TlsSummary> summary =
@@ -480,7 +481,6 @@ void TlsReloader::CheckNow() {
   if (published.ok()) {
     ++stats_.num_reloads;
     stats_.serving = *summary;
-    stats_.failing = false;
     last_error_.clear();
     spdlog::info("tls: new TLS files in service: certificate {} (expires {}){}", summary->subject,
                  absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", summary->not_after, absl::UTCTimeZone()),
@@ -490,7 +490,6 @@ void TlsReloader::CheckNow() {
     return;
   }
   ++stats_.num_reload_errors;
-  stats_.failing = true;
   // Logged when the error changes, counted at each check.
   const std::string error = std::string(published.message());
   if (error != last_error_) {

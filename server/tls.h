@@ -45,9 +45,7 @@ struct TlsFiles {
 // The files' contents, as read at one time.
 struct TlsPem {
   std::string cert, key, client_ca;
-  bool operator==(const TlsPem& o) const {
-    return cert == o.cert && key == o.key && client_ca == o.client_ca;
-  }
+  bool operator==(const TlsPem&) const = default;
 };
 
 // What a checked set serves.
@@ -79,7 +77,7 @@ class TlsReloader {
     TlsSummary serving;             // the set in service
     int64_t num_reloads = 0;        // changed sets that passed and went into service
     int64_t num_reload_errors = 0;  // checks that found the files changed and failing
-    bool failing = false;           // the last check found them so
+    bool failing = false;           // the last check found them so (a logged error stands)
   };
 
   // Checks the files (the errors of CheckTlsFiles), publishes them in a private directory
@@ -113,7 +111,7 @@ class TlsReloader {
   std::condition_variable cv_;
   bool stop_ = false;       // under mu_
   TlsPem published_;        // under mu_
-  std::string last_error_;  // under mu_: the failed reload last logged
+  std::string last_error_;  // under mu_: the failed reload last logged; empty once one passes
   int64_t generation_ = 0;  // under mu_
   Stats stats_;             // under mu_
   std::thread thread_;
