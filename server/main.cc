@@ -25,6 +25,7 @@
 #include "client/cli_util.h"
 #include "google/protobuf/stubs/logging.h"
 #include "server/flags.h"
+#include "server/grpc_log.h"
 #include "server/ranking_server.h"
 #include "server/stop_signals.h"
 #include "spdlog/spdlog.h"
@@ -78,6 +79,7 @@ int main(int argc, char** argv) {
   }
   spdlog::set_level(lvl);
   google::protobuf::SetLogHandler(&ProtobufLogToSpdlog);  // before any thread parses a request
+  hstu::server::GrpcLogRouter grpc_log;  // before gRPC starts; outlives the server below
 
   auto options = hstu::server::OptionsFromFlags();
   if (!options.ok()) {

@@ -19,11 +19,18 @@ target_link_libraries(hstu_tls PUBLIC hstu_proto absl::status absl::statusor abs
                       absl::time PRIVATE OpenSSL::SSL OpenSSL::Crypto)
 target_include_directories(hstu_tls PUBLIC ${CMAKE_SOURCE_DIR})
 
+# gRPC core's log lines through spdlog, rate-limited per source line (grpc_log.h): gpr_log and
+# gpr_set_log_function are libgpr's, which grpc++'s pkg-config entry links only privately.
+pkg_check_modules(HSTU_GPR REQUIRED IMPORTED_TARGET gpr)
+add_library(hstu_grpc_log STATIC grpc_log.cc)
+target_link_libraries(hstu_grpc_log PUBLIC PkgConfig::HSTU_GPR absl::time spdlog::spdlog)
+target_include_directories(hstu_grpc_log PUBLIC ${CMAKE_SOURCE_DIR})
+
 add_library(hstu_server_lib STATIC metrics.cc prom_family.cc http_exposer.cc validation.cc
             rank_service.cc ranking_server.cc stop_signals.cc)
 target_link_libraries(hstu_server_lib PUBLIC hstu_server_core hstu_proto hstu_engine
                       hstu_grpc_reflection hstu_tls absl::time spdlog::spdlog PkgConfig::HSTU_PROMETHEUS)
 
 add_executable(hstu_server main.cc flags.cc)
-target_link_libraries(hstu_server PRIVATE hstu_server_lib absl::flags absl::flags_parse
+target_link_libraries(hstu_server PRIVATE hstu_server_lib hstu_grpc_log absl::flags absl::flags_parse
                       absl::flags_usage)
