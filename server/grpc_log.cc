@@ -11,8 +11,8 @@
 
 namespace hstu::server {
 
-bool LogRateLimiter::Admit(const std::string &key, int level, absl::Time now,
-                           std::vector<Suppressed> *ended) {
+bool LogRateLimiter::Admit(const std::string& key, int level, absl::Time now,
+                           std::vector<Suppressed>* ended) {
   std::lock_guard<std::mutex> lock(mu_);
   // Windows that are over: their counts are reported, and the key's next line
   // starts a new one.
@@ -27,11 +27,10 @@ bool LogRateLimiter::Admit(const std::string &key, int level, absl::Time now,
   }
   auto it = sites_.find(key);
   if (it == sites_.end()) {
-    if (sites_.size() < kMaxSites)
-      sites_.emplace(key, Site{now, 1, 0, level});
+    if (sites_.size() < kMaxSites) sites_.emplace(key, Site{now, 1, 0, level});
     return true;
   }
-  Site &site = it->second;
+  Site& site = it->second;
   if (site.written < burst_) {
     ++site.written;
     return true;
@@ -44,9 +43,8 @@ bool LogRateLimiter::Admit(const std::string &key, int level, absl::Time now,
 std::vector<LogRateLimiter::Suppressed> LogRateLimiter::TakeAll() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<Suppressed> out;
-  for (auto &[key, site] : sites_) {
-    if (site.suppressed > 0)
-      out.push_back({key, site.suppressed, site.level});
+  for (auto& [key, site] : sites_) {
+    if (site.suppressed > 0) out.push_back({key, site.suppressed, site.level});
     site.suppressed = 0;
   }
   return out;
@@ -55,25 +53,24 @@ std::vector<LogRateLimiter::Suppressed> LogRateLimiter::TakeAll() {
 namespace {
 
 // Both live for the process: gRPC's threads may log until its very end.
-LogRateLimiter *Limiter() {
-  static auto *limiter =
-      new LogRateLimiter(GrpcLogRouter::kBurst, GrpcLogRouter::kWindow);
+LogRateLimiter* Limiter() {
+  static auto* limiter = new LogRateLimiter(GrpcLogRouter::kBurst, GrpcLogRouter::kWindow);
   return limiter;
 }
 std::atomic<bool> g_to_spdlog{false};
 
 spdlog::level::level_enum SpdlogLevel(int severity) {
   switch (severity) {
-  case GPR_LOG_SEVERITY_DEBUG:
-    return spdlog::level::debug;
-  case GPR_LOG_SEVERITY_INFO:
-    return spdlog::level::info;
-  default:
-    return spdlog::level::err;
+    case GPR_LOG_SEVERITY_DEBUG:
+      return spdlog::level::debug;
+    case GPR_LOG_SEVERITY_INFO:
+      return spdlog::level::info;
+    default:
+      return spdlog::level::err;
   }
 }
 
-void Write(spdlog::level::level_enum level, const std::string &line) {
+void Write(spdlog::level::level_enum level, const std::string& line) {
   if (g_to_spdlog.load()) {
     spdlog::log(level, "{}", line);
   } else {
@@ -81,40 +78,36 @@ void Write(spdlog::level::level_enum level, const std::string &line) {
   }
 }
 
-void WriteSuppressed(
-    const std::vector<LogRateLimiter::Suppressed> &suppressed) {
-  for (const LogRateLimiter::Suppressed &s : suppressed) {
+void WriteSuppressed(const std::vector<LogRateLimiter::Suppressed>& suppressed) {
+  for (const LogRateLimiter::Suppressed& s : suppressed) {
     Write(SpdlogLevel(s.level),
           fmt::format("grpc: {} more line{} from {} not written (at most {} a "
                       "{} s from one line "
                       "of gRPC's code)",
-                      s.lines, s.lines == 1 ? "" : "s", s.key,
-                      GrpcLogRouter::kBurst,
+                      s.lines, s.lines == 1 ? "" : "s", s.key, GrpcLogRouter::kBurst,
                       absl::ToInt64Seconds(GrpcLogRouter::kWindow)));
   }
 }
 
-void RouteGrpcLog(gpr_log_func_args *args) {
-  const char *file = args->file != nullptr ? args->file : "?";
-  if (const char *slash = std::strrchr(file, '/'); slash != nullptr)
-    file = slash + 1;
+void RouteGrpcLog(gpr_log_func_args* args) {
+  const char* file = args->file != nullptr ? args->file : "?";
+  if (const char* slash = std::strrchr(file, '/'); slash != nullptr) file = slash + 1;
   const std::string key = fmt::format("{}:{}", file, args->line);
   std::vector<LogRateLimiter::Suppressed> ended;
   const bool write = Limiter()->Admit(key, args->severity, absl::Now(), &ended);
   WriteSuppressed(ended);
   if (write) {
     Write(SpdlogLevel(args->severity),
-          fmt::format("grpc: {} ({})",
-                      args->message != nullptr ? args->message : "", key));
+          fmt::format("grpc: {} ({})", args->message != nullptr ? args->message : "", key));
   }
 }
 
-} // namespace
+}  // namespace
 
 GrpcLogRouter::GrpcLogRouter() {
   g_to_spdlog = true;
-  gpr_log_verbosity_init(); // GRPC_VERBOSITY, as grpc_init() reads it (before
-                            // it, nothing logs)
+  gpr_log_verbosity_init();  // GRPC_VERBOSITY, as grpc_init() reads it (before
+                             // it, nothing logs)
   gpr_set_log_function(&RouteGrpcLog);
 }
 
@@ -123,4 +116,4 @@ GrpcLogRouter::~GrpcLogRouter() {
   g_to_spdlog = false;
 }
 
-} // namespace hstu::server
+}  // namespace hstu::server

@@ -26,26 +26,24 @@ namespace hstu::server {
 // Per-key rate limit of log lines: `burst` lines a key in each `window`, the
 // window starting at the key's first line. Thread-safe.
 class LogRateLimiter {
-public:
+ public:
   struct Suppressed {
     std::string key;
-    uint64_t lines = 0; // lines of `key` not written in its window
-    int level = 0;      // the caller's level of the last of them
+    uint64_t lines = 0;  // lines of `key` not written in its window
+    int level = 0;       // the caller's level of the last of them
   };
 
-  LogRateLimiter(int burst, absl::Duration window)
-      : burst_(burst), window_(window) {}
+  LogRateLimiter(int burst, absl::Duration window) : burst_(burst), window_(window) {}
 
   // Whether a line of `key` at `now` is written. `ended` gets the keys whose
   // window ended by `now` with lines suppressed in it (`key`'s own included),
   // each once, to be reported first.
-  bool Admit(const std::string &key, int level, absl::Time now,
-             std::vector<Suppressed> *ended);
+  bool Admit(const std::string& key, int level, absl::Time now, std::vector<Suppressed>* ended);
   // The keys with lines suppressed in their current window, whether it ended or
   // not (at shutdown).
   std::vector<Suppressed> TakeAll();
 
-private:
+ private:
   struct Site {
     absl::Time window_start;
     int written = 0;
@@ -67,14 +65,14 @@ private:
 // gRPC threads that still log while the process exits, after spdlog's own
 // teardown.
 class GrpcLogRouter {
-public:
+ public:
   static constexpr int kBurst = 5;
   static constexpr absl::Duration kWindow = absl::Seconds(10);
 
   GrpcLogRouter();
   ~GrpcLogRouter();
-  GrpcLogRouter(const GrpcLogRouter &) = delete;
-  GrpcLogRouter &operator=(const GrpcLogRouter &) = delete;
+  GrpcLogRouter(const GrpcLogRouter&) = delete;
+  GrpcLogRouter& operator=(const GrpcLogRouter&) = delete;
 };
 
-} // namespace hstu::server
+}  // namespace hstu::server

@@ -26,8 +26,7 @@ TEST(LogRateLimiter, WritesABurstPerKeyAndReportsTheRestOnceTheWindowIsOver) {
   const absl::Time t0 = absl::FromUnixSeconds(1000);
   std::vector<LogRateLimiter::Suppressed> ended;
   int written = 0;
-  for (int i = 0; i < 8; ++i)
-    written += limiter.Admit("a.cc:1", 2, t0 + absl::Seconds(i), &ended);
+  for (int i = 0; i < 8; ++i) written += limiter.Admit("a.cc:1", 2, t0 + absl::Seconds(i), &ended);
   EXPECT_EQ(written, 3);
   EXPECT_TRUE(ended.empty());
   // Another key has a burst of its own.
@@ -61,18 +60,18 @@ TEST(LogRateLimiter, TakeAllReportsWindowsStillOpen) {
   ASSERT_EQ(all.size(), 1u);
   EXPECT_EQ(all[0].key, "a.cc:1");
   EXPECT_EQ(all[0].lines, 2u);
-  EXPECT_TRUE(limiter.TakeAll().empty()); // taken
+  EXPECT_TRUE(limiter.TakeAll().empty());  // taken
   // The window still runs: more lines are held back, and counted afresh.
   EXPECT_FALSE(limiter.Admit("a.cc:1", 2, t0 + absl::Seconds(1), &ended));
   ASSERT_EQ(limiter.TakeAll().size(), 1u);
 }
 
-std::vector<std::string> Lines(const std::ostringstream &out) {
+std::vector<std::string> Lines(const std::ostringstream& out) {
   return absl::StrSplit(out.str(), '\n', absl::SkipEmpty());
 }
 
 // spdlog's default logger writing to `out`, plain "[level] message" lines.
-void LogTo(std::ostringstream &out) {
+void LogTo(std::ostringstream& out) {
   auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
   auto logger = std::make_shared<spdlog::logger>("test", sink);
   logger->set_pattern("[%l] %v");
@@ -91,26 +90,20 @@ TEST(GrpcLogRouter, GrpcLinesGoThroughSpdlogAtMostABurstALine) {
   int line_of_log_call = 0;
   {
     GrpcLogRouter router;
-    for (int i = 0; i < 20; ++i)
-      line_of_log_call = LogErrorLine(i);
-    gpr_log(GPR_ERROR, "another line of code"); // a burst of its own
+    for (int i = 0; i < 20; ++i) line_of_log_call = LogErrorLine(i);
+    gpr_log(GPR_ERROR, "another line of code");  // a burst of its own
     const std::vector<std::string> lines = Lines(out);
     ASSERT_EQ(lines.size(), GrpcLogRouter::kBurst + 1u) << out.str();
-    const std::string site =
-        absl::StrCat("grpc_log_test.cc:", line_of_log_call);
-    EXPECT_EQ(lines[0],
-              absl::StrCat("[error] grpc: handshake 0 failed (", site, ")"));
-    EXPECT_EQ(lines[4],
-              absl::StrCat("[error] grpc: handshake 4 failed (", site, ")"));
-    EXPECT_NE(lines[5].find("grpc: another line of code (grpc_log_test.cc:"),
-              std::string::npos);
+    const std::string site = absl::StrCat("grpc_log_test.cc:", line_of_log_call);
+    EXPECT_EQ(lines[0], absl::StrCat("[error] grpc: handshake 0 failed (", site, ")"));
+    EXPECT_EQ(lines[4], absl::StrCat("[error] grpc: handshake 4 failed (", site, ")"));
+    EXPECT_NE(lines[5].find("grpc: another line of code (grpc_log_test.cc:"), std::string::npos);
     out.str("");
   }
   // At the router's end what it held back is summed up.
   const std::vector<std::string> lines = Lines(out);
   ASSERT_EQ(lines.size(), 1u) << out.str();
-  EXPECT_NE(lines[0].find("[error] grpc: 15 more lines from grpc_log_test.cc:"),
-            std::string::npos)
+  EXPECT_NE(lines[0].find("[error] grpc: 15 more lines from grpc_log_test.cc:"), std::string::npos)
       << lines[0];
   // Past it, gRPC's lines go to stderr, not through spdlog (which may be torn
   // down by then).
@@ -128,16 +121,13 @@ TEST(GrpcLogRouter, ManyThreadsLoggingFromOneLineWriteOneBurst) {
     threads.emplace_back([t] {
       // A line of code of its own: the router's limits last for the process,
       // over the tests.
-      for (int i = 0; i < 200; ++i)
-        gpr_log(GPR_ERROR, "thread %d, line %d", t, i);
+      for (int i = 0; i < 200; ++i) gpr_log(GPR_ERROR, "thread %d, line %d", t, i);
     });
   }
-  for (std::thread &t : threads)
-    t.join();
+  for (std::thread& t : threads) t.join();
   // Written within one window (this test takes far less than 10 s).
-  EXPECT_EQ(Lines(out).size(), static_cast<size_t>(GrpcLogRouter::kBurst))
-      << out.str();
+  EXPECT_EQ(Lines(out).size(), static_cast<size_t>(GrpcLogRouter::kBurst)) << out.str();
 }
 
-} // namespace
-} // namespace hstu::server
+}  // namespace
+}  // namespace hstu::server
