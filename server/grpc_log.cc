@@ -14,8 +14,7 @@ namespace hstu::server {
 bool LogRateLimiter::Admit(const std::string& key, int level, absl::Time now,
                            std::vector<Suppressed>* ended) {
   std::lock_guard<std::mutex> lock(mu_);
-  // Windows that are over: their counts are reported, and the key's next line
-  // starts a new one.
+  // Windows that are over: their counts are reported, and the key's next line starts a new one.
   for (auto it = sites_.begin(); it != sites_.end();) {
     if (now - it->second.window_start < window_) {
       ++it;

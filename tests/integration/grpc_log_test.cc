@@ -1,6 +1,5 @@
-// gRPC core's log lines through spdlog (server/grpc_log.h): the per-line rate
-// limit, the summary of what it held back, and the router as gRPC's code calls
-// it (gpr_log), from several threads.
+// gRPC core's log lines through spdlog (server/grpc_log.h): the per-line rate limit, the summary of
+// what it held back, and the router as gRPC's code calls it (gpr_log), from several threads.
 
 #include "server/grpc_log.h"
 
@@ -32,8 +31,7 @@ TEST(LogRateLimiter, WritesABurstPerKeyAndReportsTheRestOnceTheWindowIsOver) {
   // Another key has a burst of its own.
   EXPECT_TRUE(limiter.Admit("b.cc:2", 1, t0 + absl::Seconds(9), &ended));
   EXPECT_TRUE(ended.empty());
-  // a's window is over at t0 + 10 s: its 5 held-back lines are reported once,
-  // and it writes again.
+  // a's window is over at t0 + 10 s: its 5 held-back lines are reported once, and it writes again.
   EXPECT_TRUE(limiter.Admit("a.cc:1", 2, t0 + absl::Seconds(10), &ended));
   ASSERT_EQ(ended.size(), 1u);
   EXPECT_EQ(ended[0].key, "a.cc:1");
@@ -42,8 +40,7 @@ TEST(LogRateLimiter, WritesABurstPerKeyAndReportsTheRestOnceTheWindowIsOver) {
   ended.clear();
   EXPECT_TRUE(limiter.Admit("a.cc:1", 2, t0 + absl::Seconds(11), &ended));
   EXPECT_TRUE(ended.empty());
-  // A window with nothing held back reports nothing when it ends (b's, at t0 +
-  // 19 s).
+  // A window with nothing held back reports nothing when it ends (b's, at t0 + 19 s).
   EXPECT_TRUE(limiter.Admit("c.cc:3", 1, t0 + absl::Seconds(30), &ended));
   EXPECT_TRUE(ended.empty());
 }
@@ -105,8 +102,7 @@ TEST(GrpcLogRouter, GrpcLinesGoThroughSpdlogAtMostABurstALine) {
   ASSERT_EQ(lines.size(), 1u) << out.str();
   EXPECT_NE(lines[0].find("[error] grpc: 15 more lines from grpc_log_test.cc:"), std::string::npos)
       << lines[0];
-  // Past it, gRPC's lines go to stderr, not through spdlog (which may be torn
-  // down by then).
+  // Past it, gRPC's lines go to stderr, not through spdlog (which may be torn down by then).
   out.str("");
   gpr_log(GPR_ERROR, "after the router");
   EXPECT_EQ(out.str(), "");
@@ -119,8 +115,7 @@ TEST(GrpcLogRouter, ManyThreadsLoggingFromOneLineWriteOneBurst) {
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([t] {
-      // A line of code of its own: the router's limits last for the process,
-      // over the tests.
+      // A line of code of its own: the router's limits last for the process, over the tests.
       for (int i = 0; i < 200; ++i) gpr_log(GPR_ERROR, "thread %d, line %d", t, i);
     });
   }
