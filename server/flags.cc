@@ -17,13 +17,17 @@ ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
 ABSL_FLAG(std::string, tls_cert_file, "",
           "PEM certificate chain (leaf first) for TLS on the gRPC port; empty: plaintext. Re-read "
           "every --tls_reload_interval_s, so a rotated certificate needs no restart. /metrics "
-          "stays plain HTTP.");
+          "stays plain HTTP unless --metrics_tls.");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key (unencrypted) of --tls_cert_file.");
 ABSL_FLAG(std::string, tls_client_ca_file, "",
           "PEM CA certificates: when given, every client must present a certificate they signed "
           "(mutual TLS); empty: no client certificate is asked for.");
 ABSL_FLAG(int32_t, tls_reload_interval_s, 60,
           "How often the TLS files are re-read for rotation, in seconds (>= 1).");
+ABSL_FLAG(bool, metrics_tls, false,
+          "Serve /metrics and /healthz over HTTPS with the gRPC port's certificate and key "
+          "(--tls_cert_file, --tls_key_file; rotated with them). No client certificate is asked "
+          "for there.");
 ABSL_FLAG(std::string, model, "random:tiny",
           "Model: a safetensors file, or random:PRESET (tiny, base) for a seeded random model.");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of random:PRESET models.");
@@ -141,8 +145,16 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
   o.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
   o.tls.reload_interval_s = absl::GetFlag(FLAGS_tls_reload_interval_s);
+  o.metrics_tls = absl::GetFlag(FLAGS_metrics_tls);
   // Before the start-up: a wrong file or pair exits 2, naming it.
   if (auto tls = CheckTlsFiles(o.tls); !tls.ok()) return tls.status();
+  if (o.metrics_tls && !o.tls.enabled()) {
+    return absl::InvalidArgumentError(
+        "--metrics_tls needs --tls_cert_file and --tls_key_file (it serves their certificate)");
+  }
+  if (o.metrics_tls && o.metrics_listen.empty()) {
+    return absl::InvalidArgumentError("--metrics_tls needs --metrics_listen (it is empty)");
+  }
   o.engine.model = absl::GetFlag(FLAGS_model);
   o.engine.seed = absl::GetFlag(FLAGS_seed);
   o.engine.device = absl::GetFlag(FLAGS_device);

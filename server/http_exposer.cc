@@ -2,6 +2,9 @@
 
 #include <netdb.h>
 #include <netinet/in.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/ssl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -16,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "spdlog/spdlog.h"
 
 namespace hstu::server {
 namespace {
@@ -50,11 +54,81 @@ bool RequestComplete(const std::string& request) {
   return request.find('\n') != std::string::npos && RequestLineWords(request).size() < 3;
 }
 
+// The first byte of every TLS connection: a handshake record.
+constexpr unsigned char kTlsHandshakeRecord = 0x16;
+
+struct SslFree {
+  void operator()(SSL* ssl) const { SSL_free(ssl); }
+};
+
+// OpenSSL's queued errors, as one line (and the queue cleared).
+std::string OpenSslErrors() {
+  std::string out;
+  while (const unsigned long e = ERR_get_error()) {
+    char buf[256];
+    ERR_error_string_n(e, buf, sizeof(buf));
+    absl::StrAppend(&out, out.empty() ? "" : "; ", buf);
+  }
+  return out.empty() ? "no OpenSSL error given" : out;
+}
+
+// The answer to a plain HTTP request on a TLS port.
+std::string PlainRequestToTlsPort() {
+  const std::string payload = "this port speaks HTTPS (the server runs with --metrics_tls)\n";
+  return absl::StrCat("HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n",
+                      "Content-Length: ", payload.size(), "\r\nConnection: close\r\n\r\n",
+                      payload);
+}
+
+// A server context serving `pem`'s chain and key (TlsReloader checked them; a failure here means
+// OpenSSL refused what the checks passed).
+absl::StatusOr<std::shared_ptr<SSL_CTX>> MakeServerContext(const TlsPem& pem) {
+  ERR_clear_error();
+  std::shared_ptr<SSL_CTX> ctx(SSL_CTX_new(TLS_server_method()), SSL_CTX_free);
+  if (ctx == nullptr || SSL_CTX_set_min_proto_version(ctx.get(), TLS1_2_VERSION) != 1) {
+    return absl::InternalError(absl::StrCat("metrics TLS: no context: ", OpenSslErrors()));
+  }
+  // Partial writes: a reply larger than the socket's buffer goes out over several poll rounds.
+  SSL_CTX_set_mode(ctx.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  std::unique_ptr<BIO, decltype(&BIO_free)> certs(
+      BIO_new_mem_buf(pem.cert.data(), static_cast<int>(pem.cert.size())), BIO_free);
+  std::unique_ptr<BIO, decltype(&BIO_free)> key_bio(
+      BIO_new_mem_buf(pem.key.data(), static_cast<int>(pem.key.size())), BIO_free);
+  if (certs == nullptr || key_bio == nullptr) {
+    return absl::InternalError(absl::StrCat("metrics TLS: ", OpenSslErrors()));
+  }
+  X509* leaf = PEM_read_bio_X509(certs.get(), nullptr, nullptr, nullptr);
+  const bool leaf_ok = leaf != nullptr && SSL_CTX_use_certificate(ctx.get(), leaf) == 1;
+  X509_free(leaf);
+  if (!leaf_ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics TLS: the certificate is refused: ", OpenSslErrors()));
+  }
+  while (X509* issuer = PEM_read_bio_X509(certs.get(), nullptr, nullptr, nullptr)) {
+    if (SSL_CTX_add0_chain_cert(ctx.get(), issuer) != 1) {  // takes `issuer` when it succeeds
+      X509_free(issuer);
+      return absl::InvalidArgumentError(
+          absl::StrCat("metrics TLS: a chain certificate is refused: ", OpenSslErrors()));
+    }
+  }
+  ERR_clear_error();  // the end of the chain's PEM
+  EVP_PKEY* key = PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr);
+  const bool key_ok = key != nullptr && SSL_CTX_use_PrivateKey(ctx.get(), key) == 1 &&
+                      SSL_CTX_check_private_key(ctx.get()) == 1;
+  EVP_PKEY_free(key);
+  if (!key_ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics TLS: the key is refused: ", OpenSslErrors()));
+  }
+  return ctx;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(const std::string& listen,
                                                                  std::function<std::string()> body,
-                                                                 std::function<bool()> serving) {
+                                                                 std::function<bool()> serving,
+                                                                 TlsSource tls) {
   const size_t colon = listen.rfind(':');
   if (colon == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("metrics address '", listen, "' is not HOST:PORT"));
@@ -72,6 +146,14 @@ absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(const std::strin
         absl::StrCat("metrics address '", listen, "': ", ::gai_strerror(rc)));
   }
   std::unique_ptr<HttpExposer> self(new HttpExposer());
+  if (tls) {
+    self->tls_pem_ = tls();
+    if (self->tls_pem_ == nullptr) return absl::InvalidArgumentError("metrics TLS: no TLS files");
+    auto ctx = MakeServerContext(*self->tls_pem_);
+    if (!ctx.ok()) return ctx.status();
+    self->tls_ = std::move(tls);
+    self->tls_ctx_ = *std::move(ctx);
+  }
   std::string last_error = "no address";
   for (addrinfo* ai = res; ai != nullptr && self->listen_fd_ < 0; ai = ai->ai_next) {
     const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
@@ -113,7 +195,74 @@ struct HttpExposer::Connection {
   std::string reply;  // empty while the request is still being read
   size_t sent = 0;
   bool draining = false;  // reply sent and the write side shut: reading to the client's close
+  // TLS: null on a plaintext port, and once a plain HTTP request to a TLS port is seen.
+  std::unique_ptr<SSL, SslFree> ssl;
+  bool first_byte_seen = false;  // and it was a TLS record's
+  bool handshake_done = false;
+  short tls_wants = POLLIN;  // what OpenSSL waits for
 };
+
+ssl_ctx_st* HttpExposer::TlsContext() {
+  std::shared_ptr<const TlsPem> pem = tls_();
+  if (pem != nullptr && pem != tls_pem_) {
+    auto ctx = MakeServerContext(*pem);
+    if (ctx.ok()) {
+      tls_ctx_ = *std::move(ctx);
+    } else {
+      spdlog::error("{}; the previous certificate stays in service on the metrics port",
+                    std::string(ctx.status().message()));
+    }
+    tls_pem_ = std::move(pem);  // logged once
+  }
+  return tls_ctx_.get();
+}
+
+bool HttpExposer::TlsStep(Connection& c) const {
+  SSL* ssl = c.ssl.get();
+  for (;;) {
+    int r = 0;
+    if (!c.handshake_done) {
+      r = SSL_accept(ssl);
+      if (r == 1) {
+        c.handshake_done = true;
+        continue;
+      }
+    } else if (c.reply.empty()) {
+      char buf[2048];
+      r = SSL_read(ssl, buf, sizeof(buf));
+      if (r > 0) {
+        c.request.append(buf, static_cast<size_t>(r));
+        if (RequestComplete(c.request) || c.request.size() >= kMaxRequestBytes) {
+          c.reply = Reply(c.request);
+        }
+        continue;
+      }
+    } else {
+      r = SSL_write(ssl, c.reply.data() + c.sent, static_cast<int>(c.reply.size() - c.sent));
+      if (r > 0) {
+        c.sent += static_cast<size_t>(r);
+        if (c.sent < c.reply.size()) continue;
+        // close_notify, then the lingering close of the plaintext path (the client's last bytes
+        // are read raw and dropped).
+        SSL_shutdown(ssl);
+        ERR_clear_error();
+        c.draining = true;
+        return ::shutdown(c.fd, SHUT_WR) != 0;
+      }
+    }
+    const int error = SSL_get_error(ssl, r);
+    ERR_clear_error();  // the queue is this thread's; a failed handshake leaves it full
+    if (error == SSL_ERROR_WANT_READ) {
+      c.tls_wants = POLLIN;
+      return false;
+    }
+    if (error == SSL_ERROR_WANT_WRITE) {
+      c.tls_wants = POLLOUT;
+      return false;
+    }
+    return true;  // a failed handshake, the client's close or a broken connection
+  }
+}
 
 void HttpExposer::Loop() {
   std::vector<Connection> conns;
@@ -125,7 +274,9 @@ void HttpExposer::Loop() {
     std::vector<pollfd> fds;
     fds.push_back({listen_fd_, POLLIN, 0});
     for (const Connection& c : conns) {
-      fds.push_back({c.fd, static_cast<short>(c.reply.empty() || c.draining ? POLLIN : POLLOUT), 0});
+      short events = c.reply.empty() || c.draining ? POLLIN : POLLOUT;
+      if (c.ssl != nullptr && !c.draining) events = c.tls_wants;
+      fds.push_back({c.fd, events, 0});
     }
     if (::poll(fds.data(), fds.size(), kPollMs) < 0 && errno != EINTR) continue;
     const Clock::time_point now = Clock::now();
@@ -134,11 +285,27 @@ void HttpExposer::Loop() {
       Connection& c = conns[i];
       const short revents = fds[i + 1].revents;
       bool done = now >= c.deadline || (revents & (POLLERR | POLLNVAL)) != 0;
-      if (!done && c.draining && (revents & (POLLIN | POLLHUP)) != 0) {
+      if (!done && c.ssl != nullptr && !c.first_byte_seen && (revents & (POLLIN | POLLHUP)) != 0) {
+        // The client's first byte: a TLS handshake? A plain HTTP request gets a plain 400 instead.
+        unsigned char first = 0;
+        const ssize_t n = ::recv(c.fd, &first, 1, MSG_PEEK | MSG_DONTWAIT);
+        c.first_byte_seen = n == 1;
+        if (n == 1 && first != kTlsHandshakeRecord) {
+          c.ssl.reset();
+          c.reply = PlainRequestToTlsPort();
+        } else if (n == 0) {
+          done = true;
+        }
+      }
+      if (done) {
+        // past its time, or the socket failed
+      } else if (c.ssl != nullptr && !c.draining) {
+        if ((revents & (POLLIN | POLLOUT | POLLHUP)) != 0) done = TlsStep(c);
+      } else if (c.draining && (revents & (POLLIN | POLLHUP)) != 0) {
         char buf[4096];
         const ssize_t n = ::recv(c.fd, buf, sizeof(buf), MSG_DONTWAIT);
         done = n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
-      } else if (!done && c.reply.empty() && (revents & (POLLIN | POLLHUP)) != 0) {
+      } else if (c.reply.empty() && (revents & (POLLIN | POLLHUP)) != 0) {
         char buf[2048];
         const ssize_t n = ::recv(c.fd, buf, sizeof(buf), MSG_DONTWAIT);
         if (n > 0) {
@@ -149,7 +316,7 @@ void HttpExposer::Loop() {
         } else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
           done = true;
         }
-      } else if (!done && !c.reply.empty() && (revents & POLLOUT) != 0) {
+      } else if (!c.reply.empty() && (revents & POLLOUT) != 0) {
         const ssize_t n = ::send(c.fd, c.reply.data() + c.sent, c.reply.size() - c.sent,
                                  MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n > 0) {
@@ -169,7 +336,16 @@ void HttpExposer::Loop() {
       const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd >= 0) {
         if (conns.size() >= kMaxConnections) close_at(0);  // the oldest
-        conns.push_back({fd, now + kConnectionTimeout, {}, {}, 0});
+        Connection c;
+        c.fd = fd;
+        c.deadline = now + kConnectionTimeout;
+        if (tls_) c.ssl.reset(SSL_new(TlsContext()));
+        if (tls_ && (c.ssl == nullptr || SSL_set_fd(c.ssl.get(), fd) != 1)) {
+          ERR_clear_error();
+          ::close(fd);  // out of memory: refused
+        } else {
+          conns.push_back(std::move(c));
+        }
       } else if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
         // The pending connection stays, so the socket stays readable: without a pause the loop
         // would spin until a descriptor frees.

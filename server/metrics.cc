@@ -367,9 +367,10 @@ void ServerMetrics::Collect() const {
 // ---- HTTP ------------------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& listen, const ServerMetrics* metrics, std::function<bool()> serving) {
-  auto exposer =
-      HttpExposer::Start(listen, [metrics] { return metrics->Serialize(); }, std::move(serving));
+    const std::string& listen, const ServerMetrics* metrics, std::function<bool()> serving,
+    HttpExposer::TlsSource tls) {
+  auto exposer = HttpExposer::Start(listen, [metrics] { return metrics->Serialize(); },
+                                    std::move(serving), std::move(tls));
   if (!exposer.ok()) return exposer.status();
   std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
   server->port_ = (*exposer)->port();

@@ -113,10 +113,11 @@ class ServerMetrics {
 class MetricsHttpServer {
  public:
   // `listen` is HOST:PORT; port 0 picks a free one (see port()).
-  // `serving` answers GET /healthz (the gRPC health status, for probes without gRPC or TLS).
-  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& listen,
-                                                                  const ServerMetrics* metrics,
-                                                                  std::function<bool()> serving = {});
+  // `serving` answers GET /healthz (the gRPC health status, for probes without gRPC). With `tls`
+  // the port speaks HTTPS only (HttpExposer).
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
+      const std::string& listen, const ServerMetrics* metrics, std::function<bool()> serving = {},
+      HttpExposer::TlsSource tls = {});
   ~MetricsHttpServer();
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;

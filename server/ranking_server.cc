@@ -69,16 +69,37 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
   s->options_ = options;
   s->metrics_ = std::make_unique<ServerMetrics>(ServerVersion());
 
+  // TLS: the files are checked here too (OptionsFromFlags checked them for the flags; a caller
+  // building ServerOptions itself gets the same errors), then kept current by the reloader.
+  if (options.tls.enabled()) {
+    auto tls = TlsReloader::Start(options.tls);
+    if (!tls.ok()) return tls.status();
+    s->tls_ = std::move(*tls);
+    s->metrics_->SetTlsSource([tls = s->tls_.get()] { return tls->stats(); });
+  } else if (auto plain = CheckTlsFiles(options.tls); !plain.ok()) {
+    return plain.status();  // a key or client CA without a certificate
+  }
+  if (options.metrics_tls && s->tls_ == nullptr) {
+    return absl::InvalidArgumentError(
+        "--metrics_tls needs --tls_cert_file and --tls_key_file (it serves their certificate)");
+  }
+
   if (!options.metrics_listen.empty()) {
+    HttpExposer::TlsSource metrics_tls;
+    if (options.metrics_tls) metrics_tls = [tls = s->tls_.get()] { return tls->served(); };
     auto http = MetricsHttpServer::Start(options.metrics_listen, s->metrics_.get(),
-                                         [serving = s->serving_] { return serving->load(); });
+                                         [serving = s->serving_] { return serving->load(); },
+                                         std::move(metrics_tls));
     if (!http.ok()) return http.status();
     s->http_ = std::move(*http);
-    spdlog::info("metrics: serving Prometheus text format on http://{}/metrics (port {})",
-                 options.metrics_listen, s->http_->port());
+    spdlog::info("metrics: serving Prometheus text format on {}://{}/metrics (port {}){}",
+                 options.metrics_tls ? "https" : "http", options.metrics_listen, s->http_->port(),
+                 options.metrics_tls ? ", the gRPC port's certificate, no client certificate asked"
+                                     : "");
   } else {
     spdlog::warn("metrics: exposer disabled (--metrics_listen is empty)");
   }
+
 
   // The gRPC server starts before the model loads so that health checks see NOT_SERVING (rather
   // than a refused connection) while a large model loads and warms up.
@@ -99,16 +120,6 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
     grpc::ResourceQuota quota("hstu_server");
     quota.SetMaxThreads(options.max_grpc_threads);
     builder.SetResourceQuota(quota);
-  }
-  // TLS: the files are checked here too (OptionsFromFlags checked them for the flags; a caller
-  // building ServerOptions itself gets the same errors), then kept current by the reloader.
-  if (options.tls.enabled()) {
-    auto tls = TlsReloader::Start(options.tls);
-    if (!tls.ok()) return tls.status();
-    s->tls_ = std::move(*tls);
-    s->metrics_->SetTlsSource([tls = s->tls_.get()] { return tls->stats(); });
-  } else if (auto plain = CheckTlsFiles(options.tls); !plain.ok()) {
-    return plain.status();  // a key or client CA without a certificate
   }
   builder.AddListeningPort(options.listen,
                            s->tls_ != nullptr ? s->tls_->credentials()

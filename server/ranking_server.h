@@ -34,6 +34,7 @@ struct ServerOptions {
   std::string listen = "0.0.0.0:50051";         // port 0 picks a free one (see port())
   std::string metrics_listen = "0.0.0.0:9464";  // "" disables the exposer
   TlsFiles tls;                                 // the gRPC port's TLS; plaintext when not enabled
+  bool metrics_tls = false;  // the metrics port speaks HTTPS with `tls`'s certificate (needs it)
   EngineOptions engine;
   SchedulerOptions scheduler;
   int64_t max_message_bytes = 16 << 20;  // gRPC receive/send limit

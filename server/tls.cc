@@ -442,7 +442,7 @@ absl::Status TlsReloader::Publish(const TlsPem& pem) {
       std::filesystem::remove_all(it->path(), rm);
     }
   }
-  published_ = pem;
+  published_ = std::make_shared<const TlsPem>(pem);
   return absl::OkStatus();
 }
 
@@ -461,6 +461,11 @@ std::shared_ptr<grpc::ServerCredentials> TlsReloader::credentials() const {
   return grpc::experimental::TlsServerCredentials(options);
 }
 
+std::shared_ptr<const TlsPem> TlsReloader::served() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return published_;
+}
+
 TlsReloader::Stats TlsReloader::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   Stats s = stats_;
@@ -471,7 +476,7 @@ TlsReloader::Stats TlsReloader::stats() const {
 void TlsReloader::CheckNow() {
   absl::StatusOr<TlsPem> pem = ReadTlsFiles(files_);
   std::lock_guard<std::mutex> lock(mu_);
-  if (pem.ok() && *pem == published_) {  // unchanged, or changed back
+  if (pem.ok() && published_ != nullptr && *pem == *published_) {  // unchanged, or changed back
     last_error_.clear();
     return;
   }

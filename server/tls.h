@@ -94,6 +94,9 @@ class TlsReloader {
   // The listening port's credentials, watching the private copy.
   std::shared_ptr<grpc::ServerCredentials> credentials() const;
   Stats stats() const;
+  // The set in service (a new object at each reload that goes into service): the metrics port
+  // serves the same certificate (HttpExposer).
+  std::shared_ptr<const TlsPem> served() const;
   // The private directory gRPC reads the checked copies from.
   const std::string& dir() const { return dir_; }
   // Reads and checks the files now, as the watch does every interval (tests).
@@ -110,7 +113,7 @@ class TlsReloader {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;       // under mu_
-  TlsPem published_;        // under mu_
+  std::shared_ptr<const TlsPem> published_;  // under mu_; set by the first Publish
   std::string last_error_;  // under mu_: the failed reload last logged; empty once one passes
   int64_t generation_ = 0;  // under mu_
   Stats stats_;             // under mu_

@@ -57,7 +57,7 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
   const auto [rc, out] = RunCommand(absl::StrCat(HSTU_SERVER_BIN, " --help"));
   for (const char* flag :
        {"listen", "metrics_listen", "tls_cert_file", "tls_key_file", "tls_client_ca_file",
-        "tls_reload_interval_s", "model", "seed", "device", "max_batch_size", "max_batch_tokens",
+        "tls_reload_interval_s", "metrics_tls", "model", "seed", "device", "max_batch_size", "max_batch_tokens",
         "batch_timeout_us", "max_queue", "max_queue_per_user", "max_queued_tokens",
         "max_candidates", "max_message_bytes", "page_size", "cache_pages", "host_cache_pages", "onload_policy", "enable_cache", "no_cache",
         "log_level"}) {
@@ -205,6 +205,11 @@ TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
        {absl::StrCat("--tls_cert_file=", HSTU_SOURCE_DIR, "/tests/data/tls/hstu-test-server-1.crt",
                      " --tls_key_file=", HSTU_SOURCE_DIR, "/tests/data/tls/hstu-test-server-2.key"),
         "not the key of the certificate"},
+       {"--metrics_tls", "--metrics_tls needs --tls_cert_file and --tls_key_file"},
+       {absl::StrCat("--metrics_tls --metrics_listen= --tls_cert_file=", HSTU_SOURCE_DIR,
+                     "/tests/data/tls/hstu-test-server-1.crt --tls_key_file=", HSTU_SOURCE_DIR,
+                     "/tests/data/tls/hstu-test-server-1.key"),
+        "--metrics_tls needs --metrics_listen"},
        {"--max_queue_per_user=-1", "--max_queue_per_user=-1: must be >= 0"},
        // Before: std::bad_alloc out of the engine's start-up (the process aborted).
        {"--host_cache_pages=99999999999", "--host_cache_pages=99999999999: must be in [0, 2147483647], or -1 for auto"},
@@ -487,24 +492,14 @@ TEST(ProcessTest, MetricsPassPromtoolAndDeployFilesUseOnlyExportedMetrics) {
   EXPECT_FALSE(dash.is_discarded());
 }
 
-TEST(ProcessTest, RealPrometheusScrapesTheRequestCount) {
-  ServerProcess server;
-  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
-  constexpr int kRequests = 7;
-  auto stub = hstu::v1::Ranker::NewStub(server.channel());
-  for (int i = 0; i < kRequests; ++i) {
-    grpc::ClientContext ctx;
-    hstu::v1::RankResponse resp;
-    ASSERT_TRUE(stub->Rank(&ctx, MakeRequest(i, 8, 4, 2), &resp).ok());
-  }
+// Runs Prometheus scraping 127.0.0.1:metrics_port (`scrape` is more of its scrape config, indented
+// for the job) until `query` (URL-encoded) answers `want`, for at most 45 s; the last value seen.
+double PrometheusValue(int metrics_port, const std::string& scrape, const std::string& query,
+                       double want) {
   const std::string dir = TempDir();
   std::ofstream(dir + "/prometheus.yml")
-      << "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: hstu\n"
-         "    static_configs:\n      - targets: ['127.0.0.1:"
-      << server.metrics_port() << "']\n";
-  // sum(hstu_requests_total{job="hstu",code="OK"}), URL-encoded.
-  const std::string query =
-      "/api/v1/query?query=sum(hstu_requests_total%7Bjob%3D%22hstu%22%2Ccode%3D%22OK%22%7D)";
+      << "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: hstu\n" << scrape
+      << "    static_configs:\n      - targets: ['127.0.0.1:" << metrics_port << "']\n";
   std::string last;
   double value = -1;
   std::unique_ptr<Subprocess> prom;
@@ -512,7 +507,7 @@ TEST(ProcessTest, RealPrometheusScrapesTheRequestCount) {
   // Prometheus takes a port picked here: another process can take it first, and Prometheus
   // then exits at once. It is started again on another port (three tries).
   std::string logs;  // every attempt's
-  for (int attempt = 0; attempt < 3 && value != kRequests && std::chrono::steady_clock::now() < end;
+  for (int attempt = 0; attempt < 3 && value != want && std::chrono::steady_clock::now() < end;
        ++attempt) {
     if (prom) logs += prom->Log();
     const int prom_port = FreePort();
@@ -522,10 +517,11 @@ TEST(ProcessTest, RealPrometheusScrapesTheRequestCount) {
                                  absl::StrCat("--web.listen-address=127.0.0.1:", prom_port),
                                  "--log.level=warn"},
         absl::StrCat(dir, "/prometheus", attempt, ".log"));
-    ASSERT_TRUE(prom->started());
-    while (std::chrono::steady_clock::now() < end && value != kRequests && prom->Wait(0ms) < 0) {
+    EXPECT_TRUE(prom->started());
+    if (!prom->started()) return value;
+    while (std::chrono::steady_clock::now() < end && value != want && prom->Wait(0ms) < 0) {
       std::this_thread::sleep_for(300ms);
-      auto body = HttpGet(prom_port, query);
+      auto body = HttpGet(prom_port, "/api/v1/query?query=" + query);
       if (!body.ok()) {
         last = std::string(body.status().message());
         continue;
@@ -538,9 +534,41 @@ TEST(ProcessTest, RealPrometheusScrapesTheRequestCount) {
       value = std::stod(result[0]["value"][1].get<std::string>());
     }
   }
-  EXPECT_EQ(value, kRequests) << "last answer: " << last << "\n" << logs << prom->Log();
+  EXPECT_EQ(value, want) << "last answer: " << last << "\n" << logs << prom->Log();
   prom->Signal(SIGTERM);
   prom->Wait(10s);
+  return value;
+}
+
+TEST(ProcessTest, RealPrometheusScrapesTheRequestCount) {
+  ServerProcess server;
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  constexpr int kRequests = 7;
+  auto stub = hstu::v1::Ranker::NewStub(server.channel());
+  for (int i = 0; i < kRequests; ++i) {
+    grpc::ClientContext ctx;
+    hstu::v1::RankResponse resp;
+    ASSERT_TRUE(stub->Rank(&ctx, MakeRequest(i, 8, 4, 2), &resp).ok());
+  }
+  // sum(hstu_requests_total{job="hstu",code="OK"}), URL-encoded.
+  PrometheusValue(server.metrics_port(), "",
+                  "sum(hstu_requests_total%7Bjob%3D%22hstu%22%2Ccode%3D%22OK%22%7D)", kRequests);
+}
+
+TEST(ProcessTest, RealPrometheusScrapesOverHttpsWithMetricsTls) {
+  const std::string tls = absl::StrCat(HSTU_SOURCE_DIR, "/tests/data/tls/");
+  ServerProcess server({"--metrics_tls", "--tls_cert_file=" + tls + "hstu-test-server-1.crt",
+                        "--tls_key_file=" + tls + "hstu-test-server-1.key"});
+  ASSERT_GT(server.metrics_port(), 0) << server.proc().Log();
+  EXPECT_NE(server.proc().Log().find("serving Prometheus text format on https://"),
+            std::string::npos)
+      << server.proc().Log();
+  // Prometheus verifies the server against the test CA (the certificate names 127.0.0.1);
+  // count(hstu_build_info{job="hstu"}), URL-encoded: 1 once a scrape over HTTPS succeeded.
+  PrometheusValue(server.metrics_port(),
+                  absl::StrCat("    scheme: https\n    tls_config:\n      ca_file: ", tls,
+                               "test-ca.crt\n"),
+                  "count(hstu_build_info%7Bjob%3D%22hstu%22%7D)", 1);
 }
 
 }  // namespace

@@ -10,6 +10,9 @@
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -45,17 +48,19 @@ TlsFiles ServerFiles(int n = 1) {
   return f;
 }
 
-absl::StatusOr<std::unique_ptr<RankingServer>> StartServer(const TlsFiles& tls) {
+absl::StatusOr<std::unique_ptr<RankingServer>> StartServer(const TlsFiles& tls,
+                                                           bool metrics_tls = false) {
   ServerOptions o;
   o.listen = "127.0.0.1:0";
   o.metrics_listen = "127.0.0.1:0";
   o.engine.device = "cpu";
   o.tls = tls;
+  o.metrics_tls = metrics_tls;
   return RankingServer::Start(o);
 }
 
-std::unique_ptr<RankingServer> StartTlsServer(const TlsFiles& tls) {
-  auto s = StartServer(tls);
+std::unique_ptr<RankingServer> StartTlsServer(const TlsFiles& tls, bool metrics_tls = false) {
+  auto s = StartServer(tls, metrics_tls);
   EXPECT_TRUE(s.ok()) << s.status();
   return s.ok() ? std::move(*s) : nullptr;
 }
@@ -97,6 +102,52 @@ std::shared_ptr<grpc::ChannelCredentials> Client(const std::string& ca,
   return creds.ok() ? *creds : grpc::InsecureChannelCredentials();
 }
 
+struct HttpsAnswer {
+  std::string reply;               // the whole HTTP reply
+  std::string server_common_name;  // of the certificate the handshake verified
+};
+
+// GET `path` from https://127.0.0.1:port, verifying the server against `ca` (a file of
+// tests/data/tls) and the address; an error when the connection or the handshake fails.
+absl::StatusOr<HttpsAnswer> HttpsGet(int port, const std::string& path,
+                                     const std::string& ca = "test-ca.crt") {
+  std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> ctx(SSL_CTX_new(TLS_client_method()),
+                                                        SSL_CTX_free);
+  if (ctx == nullptr || SSL_CTX_load_verify_locations(ctx.get(), Data(ca).c_str(), nullptr) != 1) {
+    return absl::InternalError("client context");
+  }
+  SSL_CTX_set_verify(ctx.get(), SSL_VERIFY_PEER, nullptr);
+  const int fd = testing::ConnectLoopback(port);
+  if (fd < 0) return absl::UnavailableError("connect");
+  std::unique_ptr<SSL, decltype(&SSL_free)> ssl(SSL_new(ctx.get()), SSL_free);
+  X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(ssl.get()), "127.0.0.1");
+  SSL_set_fd(ssl.get(), fd);
+  HttpsAnswer answer;
+  absl::Status status;
+  if (SSL_connect(ssl.get()) != 1) {
+    char buf[256];
+    ERR_error_string_n(ERR_get_error(), buf, sizeof(buf));
+    status = absl::UnavailableError(absl::StrCat("handshake: ", buf));
+  } else {
+    if (X509* peer = SSL_get1_peer_certificate(ssl.get()); peer != nullptr) {
+      char cn[256] = {};
+      X509_NAME_get_text_by_NID(X509_get_subject_name(peer), NID_commonName, cn, sizeof(cn));
+      answer.server_common_name = cn;
+      X509_free(peer);
+    }
+    const std::string request = absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: x\r\n\r\n");
+    SSL_write(ssl.get(), request.data(), static_cast<int>(request.size()));
+    char buf[4096];
+    for (int n; (n = SSL_read(ssl.get(), buf, sizeof(buf))) > 0;) {
+      answer.reply.append(buf, static_cast<size_t>(n));
+    }
+  }
+  ERR_clear_error();
+  ::close(fd);
+  if (!status.ok()) return status;
+  return answer;
+}
+
 TEST(TlsTest, ATlsClientIsServedAndAPlaintextOneIsNot) {
   auto server = StartTlsServer(ServerFiles());
   ASSERT_NE(server, nullptr);
@@ -117,6 +168,50 @@ TEST(TlsTest, ATlsClientIsServedAndAPlaintextOneIsNot) {
   EXPECT_EQ(RankOver(server->port(), Client("untrusted-ca.crt")).status.error_code(),
             grpc::StatusCode::UNAVAILABLE);
   server->Shutdown(absl::ZeroDuration());
+}
+
+TEST(TlsTest, WithMetricsTlsTheMetricsPortSpeaksHttpsOnly) {
+  // Mutual TLS on the gRPC port; the metrics port asks no client certificate (probes and most
+  // scrapers present none).
+  TlsFiles files = ServerFiles();
+  files.client_ca_file = Data("test-ca.crt");
+  auto server = StartTlsServer(files, /*metrics_tls=*/true);
+  ASSERT_NE(server, nullptr);
+  const int port = server->metrics_port();
+  absl::StatusOr<HttpsAnswer> metrics = HttpsGet(port, "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_EQ(metrics->server_common_name, "hstu-test-server-1");
+  EXPECT_EQ(metrics->reply.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << metrics->reply;
+  EXPECT_NE(metrics->reply.find("\nhstu_build_info{"), std::string::npos) << metrics->reply;
+  absl::StatusOr<HttpsAnswer> health = HttpsGet(port, "/healthz");
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_NE(health->reply.find("\r\n\r\nSERVING\n"), std::string::npos) << health->reply;
+  // Plain HTTP is answered with a plain 400 that says why; a client that trusts another CA
+  // refuses the server.
+  const std::string plain = testing::RawHttp(port, "GET /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(plain.rfind("HTTP/1.1 400 Bad Request\r\n", 0), 0u) << plain;
+  EXPECT_NE(plain.find("this port speaks HTTPS"), std::string::npos) << plain;
+  EXPECT_FALSE(HttpsGet(port, "/metrics", "untrusted-ca.crt").ok());
+  // A handshake that stalls after its first byte, and one that is garbage after it, hold up no
+  // scrape (the handshake is non-blocking, in the exposer's poll loop), and the garbage one is
+  // refused.
+  const int stalled = testing::ConnectLoopback(port);
+  ASSERT_GE(stalled, 0);
+  ASSERT_EQ(::write(stalled, "\x16", 1), 1);
+  // (A whole TLS record of 5 bytes, which are no ClientHello.)
+  const std::string garbage = testing::RawHttp(port, std::string("\x16\x03\x01\x00\x05hello", 10));
+  EXPECT_EQ(garbage.find("HTTP/"), std::string::npos) << garbage;  // at most a TLS alert
+  absl::StatusOr<HttpsAnswer> again = HttpsGet(port, "/metrics");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->reply.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << again->reply;
+  ::close(stalled);
+  server->Shutdown(absl::ZeroDuration());
+  // It needs the gRPC port's certificate.
+  auto no_cert = StartServer(TlsFiles{}, /*metrics_tls=*/true);
+  ASSERT_FALSE(no_cert.ok());
+  EXPECT_NE(no_cert.status().message().find("--metrics_tls needs --tls_cert_file"),
+            std::string::npos)
+      << no_cert.status();
 }
 
 TEST(TlsTest, WithAClientCaOnlyClientsItSignedAreServed) {
@@ -155,20 +250,32 @@ TEST(TlsTest, ARotatedCertificateIsServedToNewConnectionsWithoutARestart) {
     }
   };
   install(1);
-  auto server = StartTlsServer(files);
+  // The metrics port serves the same certificate over HTTPS (--metrics_tls) and follows it.
+  auto server = StartTlsServer(files, /*metrics_tls=*/true);
   ASSERT_NE(server, nullptr);
   EXPECT_EQ(RankOver(server->port(), Client("test-ca.crt")).server_common_name,
             "hstu-test-server-1");
+  auto metrics_cn = [&server] {
+    absl::StatusOr<HttpsAnswer> got = HttpsGet(server->metrics_port(), "/healthz");
+    EXPECT_TRUE(got.ok()) << got.status();
+    if (!got.ok()) return std::string();
+    EXPECT_EQ(got->reply.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << got->reply;
+    return got->server_common_name;
+  };
+  EXPECT_EQ(metrics_cn(), "hstu-test-server-1");
   install(2);
-  std::string seen;
+  std::string seen, seen_on_metrics;
   const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(15);
-  while (seen != "hstu-test-server-2" && std::chrono::steady_clock::now() < end) {
+  while ((seen != "hstu-test-server-2" || seen_on_metrics != "hstu-test-server-2") &&
+         std::chrono::steady_clock::now() < end) {
     std::this_thread::sleep_for(std::chrono::milliseconds(250));
     const Call c = RankOver(server->port(), Client("test-ca.crt"));
     ASSERT_TRUE(c.status.ok()) << c.status.error_message();  // never a failed handshake
     seen = c.server_common_name;
+    seen_on_metrics = metrics_cn();
   }
   EXPECT_EQ(seen, "hstu-test-server-2");
+  EXPECT_EQ(seen_on_metrics, "hstu-test-server-2");
   // Files that fail the checks, for three reload intervals each: an empty certificate (a writer
   // that truncates first; before: gRPC aborted the process), then server 1's certificate beside
   // server 2's key (before: every handshake failed until the files were fixed). The certificate
@@ -180,6 +287,7 @@ TEST(TlsTest, ARotatedCertificateIsServedToNewConnectionsWithoutARestart) {
       const Call c = RankOver(server->port(), Client("test-ca.crt"));
       ASSERT_TRUE(c.status.ok()) << c.status.error_message();
       EXPECT_EQ(c.server_common_name, "hstu-test-server-2");
+      EXPECT_EQ(metrics_cn(), "hstu-test-server-2");
     }
   }
   server->Shutdown(absl::ZeroDuration());
