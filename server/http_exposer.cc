@@ -6,11 +6,13 @@
 #include <openssl/pem.h>
 #include <openssl/ssl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -112,7 +114,9 @@ absl::StatusOr<std::shared_ptr<SSL_CTX>> MakeServerContext(const TlsPem& pem) {
     }
   }
   ERR_clear_error();  // the end of the chain's PEM
-  EVP_PKEY* key = PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr);
+  // No passphrase prompt (TlsReloader refuses encrypted keys before they get here).
+  auto no_passphrase = [](char*, int, int, void*) { return 0; };
+  EVP_PKEY* key = PEM_read_bio_PrivateKey(key_bio.get(), nullptr, no_passphrase, nullptr);
   const bool key_ok = key != nullptr && SSL_CTX_use_PrivateKey(ctx.get(), key) == 1 &&
                       SSL_CTX_check_private_key(ctx.get()) == 1;
   EVP_PKEY_free(key);
@@ -237,15 +241,17 @@ bool HttpExposer::TlsStep(Connection& c) const {
         }
         continue;
       }
-    } else {
+    } else if (c.sent < c.reply.size()) {
       r = SSL_write(ssl, c.reply.data() + c.sent, static_cast<int>(c.reply.size() - c.sent));
       if (r > 0) {
         c.sent += static_cast<size_t>(r);
-        if (c.sent < c.reply.size()) continue;
-        // close_notify, then the lingering close of the plaintext path (the client's last bytes
-        // are read raw and dropped).
-        SSL_shutdown(ssl);
-        ERR_clear_error();
+        continue;
+      }
+    } else {
+      // close_notify (retried while the socket is full), then the lingering close of the
+      // plaintext path: the client's last bytes are read raw and dropped.
+      r = SSL_shutdown(ssl);
+      if (r >= 0) {
         c.draining = true;
         return ::shutdown(c.fd, SHUT_WR) != 0;
       }
@@ -265,6 +271,13 @@ bool HttpExposer::TlsStep(Connection& c) const {
 }
 
 void HttpExposer::Loop() {
+  // OpenSSL writes to the socket with write(2), which raises SIGPIPE on a connection the client
+  // reset; blocked on this thread, the signal stays pending here and the write fails with EPIPE
+  // (hstu_server ignores SIGPIPE anyway; a program embedding the exposer may not).
+  sigset_t pipe_set;
+  sigemptyset(&pipe_set);
+  sigaddset(&pipe_set, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_set, nullptr);
   std::vector<Connection> conns;
   auto close_at = [&conns](size_t i) {
     ::close(conns[i].fd);

@@ -19,7 +19,7 @@
 // the port speaks HTTPS, so that a scraper configured with the wrong scheme says why.
 //
 // Thread-safety: Start/destructor from one thread; `body`, `serving` and `tls` are called on the
-// exposer's thread.
+// exposer's thread (and `tls` once by Start, on its caller's).
 #pragma once
 
 #include <atomic>

@@ -52,7 +52,8 @@ int main(int argc, char** argv) {
       "  hstu_server [--model=random:tiny|FILE] [--device=auto|cpu|cpu-bf16|cuda:N] [--listen=0.0.0.0:50051]\n"
       "              [--metrics_listen=0.0.0.0:9464] [batching, cache and limit flags]\n"
       "Serves hstu.v1.Ranker (proto/hstu/v1/ranking.proto), grpc.health.v1 and reflection;\n"
-      "Prometheus metrics on http://METRICS_LISTEN/metrics. See docs/server.md.\n"
+      "Prometheus metrics on http://METRICS_LISTEN/metrics (https with --metrics_tls). See\n"
+      "docs/server.md.\n"
       "Exit status: 0 stopped by SIGTERM/SIGINT/SIGHUP and drained, or --help or --version\n"
       "printed; 1 unknown flag or one that does not parse, start-up failure, or the GPU lost\n"
       "(after a drain); 2 a flag value out of its range, a word that is no flag, or a batch past\n"
@@ -144,6 +145,7 @@ int main(int argc, char** argv) {
       absl::Seconds(hstu::server::ShutdownGraceSeconds()));
   if (code == hstu::server::kEngineStalled || code == hstu::server::kDrainInterrupted) {
     // The engine thread is stuck, or the drain is cut short: no destructors.
+    grpc_log.Flush();
     spdlog::shutdown();
     std::_Exit(code);
   }
@@ -169,11 +171,13 @@ int main(int argc, char** argv) {
   } catch (const std::system_error& e) {  // no thread to be had: skip the teardown
     spdlog::warn("no thread for the teardown's watchdog ({}); exiting without the teardown",
                  e.what());
+    grpc_log.Flush();
     spdlog::shutdown();
     std::_Exit(code);
   }
   server->reset();
   teardown_done = true;
+  grpc_log.Flush();
   if (code != 0) return code;
   spdlog::info("stopped cleanly");
   return 0;

@@ -100,7 +100,6 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
     spdlog::warn("metrics: exposer disabled (--metrics_listen is empty)");
   }
 
-
   // The gRPC server starts before the model loads so that health checks see NOT_SERVING (rather
   // than a refused connection) while a large model loads and warms up.
   grpc::EnableDefaultHealthCheckService(true);

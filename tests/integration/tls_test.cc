@@ -183,6 +183,9 @@ TEST(TlsTest, WithMetricsTlsTheMetricsPortSpeaksHttpsOnly) {
   EXPECT_EQ(metrics->server_common_name, "hstu-test-server-1");
   EXPECT_EQ(metrics->reply.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << metrics->reply;
   EXPECT_NE(metrics->reply.find("\nhstu_build_info{"), std::string::npos) << metrics->reply;
+  absl::StatusOr<HttpsAnswer> missing = HttpsGet(port, "/nothing-here");
+  ASSERT_TRUE(missing.ok()) << missing.status();
+  EXPECT_EQ(missing->reply.rfind("HTTP/1.1 404 Not Found\r\n", 0), 0u) << missing->reply;
   absl::StatusOr<HttpsAnswer> health = HttpsGet(port, "/healthz");
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_NE(health->reply.find("\r\n\r\nSERVING\n"), std::string::npos) << health->reply;
