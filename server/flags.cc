@@ -67,6 +67,21 @@ ABSL_FLAG(int32_t, max_grpc_threads, 128,
           "Most threads for gRPC's synchronous services (server reflection takes one per open "
           "stream; Rank and health take none); beyond it such calls are refused. 0: no limit, "
           "else at least 4.");
+ABSL_FLAG(int32_t, keepalive_time_s, 60,
+          "Ping a gRPC connection idle this long; a client that does not answer within "
+          "--keepalive_timeout_s is gone and its connection closed. 0: no pings.");
+ABSL_FLAG(int32_t, keepalive_timeout_s, 20, "How long a keepalive ping may go unanswered (>= 1).");
+ABSL_FLAG(int32_t, min_client_ping_interval_s, 10,
+          "Accept client keepalive pings this often, with or without calls in flight; more often "
+          "ends the connection (GOAWAY too_many_pings). gRPC's own default is 300 s (2 h "
+          "without calls).");
+ABSL_FLAG(int32_t, max_connection_age_s, 0,
+          "Ask connections older than this to reconnect (GOAWAY), so that clients spread over new "
+          "replicas; calls in flight get --max_connection_age_grace_s. 0: no limit.");
+ABSL_FLAG(int32_t, max_connection_age_grace_s, 30,
+          "How long calls in flight on a connection past --max_connection_age_s may still run.");
+ABSL_FLAG(int32_t, max_connection_idle_s, 0,
+          "Close connections without calls for this long (GOAWAY). 0: never.");
 ABSL_FLAG(int32_t, page_size, 32, "KV cache page size in tokens (a power of two, at most 4096).");
 ABSL_FLAG(int64_t, cache_pages, 0,
           "KV cache pool size in pages; 0 = auto: 16 GiB of pages on a GPU, 1 GiB on the CPU, at "
@@ -205,6 +220,12 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   o.max_grpc_threads = absl::GetFlag(FLAGS_max_grpc_threads);
+  o.connections.keepalive_time_s = absl::GetFlag(FLAGS_keepalive_time_s);
+  o.connections.keepalive_timeout_s = absl::GetFlag(FLAGS_keepalive_timeout_s);
+  o.connections.min_client_ping_interval_s = absl::GetFlag(FLAGS_min_client_ping_interval_s);
+  o.connections.max_connection_age_s = absl::GetFlag(FLAGS_max_connection_age_s);
+  o.connections.max_connection_age_grace_s = absl::GetFlag(FLAGS_max_connection_age_grace_s);
+  o.connections.max_connection_idle_s = absl::GetFlag(FLAGS_max_connection_idle_s);
   o.warmup = absl::GetFlag(FLAGS_warmup);
   o.engine_stall_timeout_s = absl::GetFlag(FLAGS_engine_stall_timeout_s);
 
@@ -244,6 +265,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   if (o.max_grpc_threads < 0 || (o.max_grpc_threads > 0 && o.max_grpc_threads < 4)) {
     return bad("max_grpc_threads", o.max_grpc_threads, "must be 0 (no limit) or >= 4");
   }
+  if (absl::Status s = CheckConnectionOptions(o.connections); !s.ok()) return s;
   const int32_t ps = o.engine.page_size;
   if (ps < 1 || ps > 4096 || (ps & (ps - 1)) != 0) {
     return bad("page_size", ps, "must be a power of two in [1, 4096]");

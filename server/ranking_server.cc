@@ -8,6 +8,7 @@
 #include <atomic>
 #include <memory>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -64,7 +65,26 @@ absl::Status CheckServingLimits(const ServerOptions& options, const Engine& engi
 
 }  // namespace
 
+absl::Status CheckConnectionOptions(const ConnectionOptions& c) {
+  constexpr int32_t kMaxSeconds = INT32_MAX / 1000;
+  const std::tuple<const char*, int32_t, int32_t> ranges[] = {
+      {"keepalive_time_s", c.keepalive_time_s, 0},
+      {"keepalive_timeout_s", c.keepalive_timeout_s, 1},
+      {"min_client_ping_interval_s", c.min_client_ping_interval_s, 0},
+      {"max_connection_age_s", c.max_connection_age_s, 0},
+      {"max_connection_age_grace_s", c.max_connection_age_grace_s, 0},
+      {"max_connection_idle_s", c.max_connection_idle_s, 0}};
+  for (const auto& [flag, value, min] : ranges) {
+    if (value < min || value > kMaxSeconds) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, "=", value, ": must be in [", min, ", ", kMaxSeconds, "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const ServerOptions& options) {
+  if (absl::Status s = CheckConnectionOptions(options.connections); !s.ok()) return s;
   std::unique_ptr<RankingServer> s(new RankingServer());
   s->options_ = options;
   s->metrics_ = std::make_unique<ServerMetrics>(ServerVersion());
@@ -120,6 +140,27 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
     quota.SetMaxThreads(options.max_grpc_threads);
     builder.SetResourceQuota(quota);
   }
+  // Keepalive both ways and the connections' age (ConnectionOptions says why each).
+  const ConnectionOptions& conn = options.connections;
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, conn.keepalive_time_s > 0
+                                                             ? conn.keepalive_time_s * 1000
+                                                             : INT32_MAX);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, conn.keepalive_timeout_s * 1000);
+  // Without calls too: an idle connection is where a lost peer goes unnoticed, and (on the
+  // receiving side) gRPC takes client pings on an idle connection at most every 2 hours without.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // The server's own pings need no data between them (gRPC's default stops after 2).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             conn.min_client_ping_interval_s * 1000);
+  if (conn.max_connection_age_s > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, conn.max_connection_age_s * 1000);
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                               conn.max_connection_age_grace_s * 1000);
+  }
+  if (conn.max_connection_idle_s > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, conn.max_connection_idle_s * 1000);
+  }
   builder.AddListeningPort(options.listen,
                            s->tls_ != nullptr ? s->tls_->credentials()
                                               : grpc::InsecureServerCredentials(),
@@ -137,6 +178,23 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                "is warm",
                options.listen, unix_socket ? "" : absl::StrCat(" (port ", s->port_, ")"),
                options.max_message_bytes);
+  {
+    auto seconds_or = [](int32_t s, const char* off) {
+      return s > 0 ? absl::StrCat(s, " s") : std::string(off);
+    };
+    spdlog::info(
+        "grpc: connections: keepalive {}; client pings accepted every {} s or more; age limit {}; "
+        "idle limit {}",
+        conn.keepalive_time_s > 0 ? absl::StrCat("ping after ", conn.keepalive_time_s, " s idle (",
+                                                 conn.keepalive_timeout_s, " s to answer)")
+                                  : std::string("off"),
+        conn.min_client_ping_interval_s,
+        conn.max_connection_age_s > 0
+            ? absl::StrCat(conn.max_connection_age_s, " s (", conn.max_connection_age_grace_s,
+                           " s grace)")
+            : std::string("none"),
+        seconds_or(conn.max_connection_idle_s, "none"));
+  }
   if (s->tls_ != nullptr) {
     const TlsSummary tls = s->tls_->stats().serving;
     spdlog::info("grpc: TLS with {} (certificate {}, expires {}), {}; the files are re-read every "

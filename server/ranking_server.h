@@ -30,6 +30,31 @@ inline bool IsUnixSocketAddress(const std::string& address) {
   return address.rfind("unix:", 0) == 0 || address.rfind("unix-abstract:", 0) == 0;
 }
 
+// How the gRPC port keeps its connections (gRPC's keepalive and connection-age channel
+// arguments), in seconds.
+struct ConnectionOptions {
+  // A connection idle this long is pinged; a client that does not answer within
+  // `keepalive_timeout_s` is gone (a machine lost without a FIN, a NAT that dropped the flow) and
+  // its connection is closed. 0: no pings.
+  int32_t keepalive_time_s = 60;
+  int32_t keepalive_timeout_s = 20;
+  // Client keepalive pings are accepted this often, with or without calls in flight; pings more
+  // often end the connection (GOAWAY "too_many_pings", gRPC's rule, after two). gRPC's own
+  // default is 5 minutes, and without calls 2 hours: a client with a shorter keepalive, common in
+  // production, had its idle connections closed.
+  int32_t min_client_ping_interval_s = 10;
+  // A connection older than this is asked to reconnect (GOAWAY), so that clients spread over
+  // replicas added since; calls in flight on it get `max_connection_age_grace_s`. 0: no limit.
+  int32_t max_connection_age_s = 0;
+  int32_t max_connection_age_grace_s = 30;
+  // A connection without calls for this long is closed (GOAWAY). 0: never.
+  int32_t max_connection_idle_s = 0;
+};
+
+// The ranges of each (errors name the flag): [0, 2147483] s (gRPC takes milliseconds as int32),
+// the timeout at least 1 s.
+absl::Status CheckConnectionOptions(const ConnectionOptions& c);
+
 struct ServerOptions {
   std::string listen = "0.0.0.0:50051";         // port 0 picks a free one (see port())
   std::string metrics_listen = "0.0.0.0:9464";  // "" disables the exposer
@@ -44,6 +69,7 @@ struct ServerOptions {
   // Threads gRPC may run its synchronous services on (server reflection: one a stream); past it
   // such calls are refused. 0: no bound.
   int32_t max_grpc_threads = 128;
+  ConnectionOptions connections;
   bool warmup = true;                    // one request through the engine before SERVING
   bool prefetch_onload = true;           // start queued host hits' onloads before their batch
   // A batch running longer than this means a hung GPU (ServeUntilStopped then exits). -1: 60 s

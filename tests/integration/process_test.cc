@@ -59,7 +59,9 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
        {"listen", "metrics_listen", "tls_cert_file", "tls_key_file", "tls_client_ca_file",
         "tls_reload_interval_s", "metrics_tls", "model", "seed", "device", "max_batch_size", "max_batch_tokens",
         "batch_timeout_us", "max_queue", "max_queue_per_user", "max_queued_tokens",
-        "max_candidates", "max_message_bytes", "page_size", "cache_pages", "host_cache_pages", "onload_policy", "enable_cache", "no_cache",
+        "max_candidates", "max_message_bytes", "keepalive_time_s", "keepalive_timeout_s",
+        "min_client_ping_interval_s", "max_connection_age_s", "max_connection_age_grace_s",
+        "max_connection_idle_s", "page_size", "cache_pages", "host_cache_pages", "onload_policy", "enable_cache", "no_cache",
         "log_level"}) {
     EXPECT_NE(out.find(absl::StrCat("--", flag, " (")), std::string::npos) << flag;
   }
@@ -211,6 +213,9 @@ TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
                      "/tests/data/tls/hstu-test-server-1.key"),
         "--metrics_tls needs --metrics_listen"},
        {"--max_queue_per_user=-1", "--max_queue_per_user=-1: must be >= 0"},
+       // gRPC takes these in milliseconds as int32 (ConnectionOptions).
+       {"--keepalive_timeout_s=0", "--keepalive_timeout_s=0: must be in [1, 2147483]"},
+       {"--max_connection_idle_s=9999999", "--max_connection_idle_s=9999999: must be in [0, 2147483]"},
        // Before: std::bad_alloc out of the engine's start-up (the process aborted).
        {"--host_cache_pages=99999999999", "--host_cache_pages=99999999999: must be in [0, 2147483647], or -1 for auto"},
        {"--offload_backlog_mib=99999999999999", "--offload_backlog_mib=99999999999999: must be in [1, 1048576]"},
