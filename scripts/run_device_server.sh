@@ -22,7 +22,8 @@
 #   e2e_var_adapt / e2e_var_eager  the variable-size e2e load (as `e2e`), adaptive, with CUDA
 #                  graphs (padded to their row buckets) and without
 #   e2e_tls        e2e_fixed over mutual TLS (the test certificates of tests/data/tls): what TLS
-#                  costs, beside an e2e_fixed run of the same call
+#                  costs, beside an e2e_fixed run of the same call; its metrics are scraped over
+#                  HTTPS (--metrics_tls)
 set -uo pipefail
 DUR="${1:-8}"
 PARTS="${2:-parity cache cache_always nocache e2e}"
@@ -255,6 +256,9 @@ run_levels() {
   "$H/bin/hstu_server" --model="$MODEL" --device="$DEVICE" --listen=127.0.0.1:50051 \
     --metrics_listen=127.0.0.1:9464 "$@" > "$OUT/server_$name.log" 2>&1 &
   local pid=$!
+  # A server with --metrics_tls is scraped over HTTPS, verified against the test CA.
+  local scheme=http curl_tls=()
+  case " $* " in *" --metrics_tls "*) scheme=https; curl_tls=(--cacert "$TLS_DIR/test-ca.crt") ;; esac
   local prev="$OUT/metrics_${name}_start.txt"
   : > "$prev"
   for c in $levels; do
@@ -264,7 +268,8 @@ run_levels() {
       --json="$OUT/loadgen_${name}_c$c.json" > "$OUT/loadgen_${name}_c$c.txt" 2>&1
     local lg_status=$?
     [ "$lg_status" = 0 ] || { echo "loadgen ($name, $c callers) exit code: $lg_status"; status=1; }
-    curl -sf http://127.0.0.1:9464/metrics > "$OUT/metrics_${name}_c$c.txt" 2>/dev/null || true
+    curl -sf "${curl_tls[@]}" "$scheme://127.0.0.1:9464/metrics" > "$OUT/metrics_${name}_c$c.txt" ||
+      { echo "metrics scrape ($name, $c callers, $scheme) failed"; status=1; }
     python3 - "$name" "$c" "$prev" "$OUT/metrics_${name}_c$c.txt" "$OUT/loadgen_${name}_c$c.json" <<'PY' | tee -a "$OUT/levels.txt"
 import json, re, sys
 name, c, prev, cur, lg = sys.argv[1:]
@@ -304,7 +309,7 @@ VAR="--users=512 --zipf=0 --new_user_rate=0 --initial_events=64 --max_events=204
 E2E_SRV="--cache_pages=65536 --host_cache_pages=0"
 has e2e_fixed && run_levels e2e_fixed "$FIXED" "1 2 4 8" $E2E_SRV --max_batch_size=8
 TLS_DIR="$(cd "$(dirname "$0")/.." && pwd)/tests/data/tls"
-TLS_SRV="--tls_cert_file=$TLS_DIR/hstu-test-server-1.crt --tls_key_file=$TLS_DIR/hstu-test-server-1.key --tls_client_ca_file=$TLS_DIR/test-ca.crt"
+TLS_SRV="--tls_cert_file=$TLS_DIR/hstu-test-server-1.crt --tls_key_file=$TLS_DIR/hstu-test-server-1.key --tls_client_ca_file=$TLS_DIR/test-ca.crt --metrics_tls"
 TLS_LG="--tls_ca_file=$TLS_DIR/test-ca.crt --tls_cert_file=$TLS_DIR/hstu-test-client.crt --tls_key_file=$TLS_DIR/hstu-test-client.key"
 has e2e_tls && run_levels e2e_tls "$FIXED $TLS_LG" "1 2 4 8" $E2E_SRV --max_batch_size=8 $TLS_SRV
 has e2e_adapt && run_levels e2e_adapt "$FIXED" "1 2 4 8" $E2E_SRV --max_batch_size=8 --batch_timeout_us="$ADAPT_US"
