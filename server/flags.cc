@@ -123,6 +123,9 @@ ABSL_FLAG(int32_t, engine_stall_timeout_s, -1,
           "supervisor to restart it. -1 = 60 on a GPU and off on the CPU (whose batches of large "
           "models can take minutes); 0 = off.");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level: trace, debug, info, warn, error, critical, off.");
+ABSL_FLAG(std::string, log_format, "text",
+          "Log lines as text, or as json: one object a line with time (UTC), level, thread and "
+          "message, for log pipelines.");
 
 namespace hstu::server {
 namespace {
@@ -151,6 +154,7 @@ absl::Status CheckListenAddress(const char* flag, const std::string& address,
 }  // namespace
 
 std::string LogLevelFlag() { return absl::GetFlag(FLAGS_log_level); }
+std::string LogFormatFlag() { return absl::GetFlag(FLAGS_log_format); }
 
 absl::StatusOr<ServerOptions> OptionsFromFlags() {
   ServerOptions o;

@@ -12,6 +12,7 @@ namespace hstu::server {
 // Reads the parsed flags; INVALID_ARGUMENT naming the flag when a value is out of range.
 absl::StatusOr<ServerOptions> OptionsFromFlags();
 std::string LogLevelFlag();
+std::string LogFormatFlag();
 int32_t ShutdownGraceSeconds();
 
 }  // namespace hstu::server

@@ -26,6 +26,7 @@
 #include "google/protobuf/stubs/logging.h"
 #include "server/flags.h"
 #include "server/grpc_log.h"
+#include "server/log_format.h"
 #include "server/ranking_server.h"
 #include "server/stop_signals.h"
 #include "spdlog/spdlog.h"
@@ -79,6 +80,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   spdlog::set_level(lvl);
+  if (absl::Status format = hstu::server::SetLogFormat(hstu::server::LogFormatFlag());
+      !format.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(format.message()).c_str());
+    return 2;
+  }
   google::protobuf::SetLogHandler(&ProtobufLogToSpdlog);  // before any thread parses a request
   hstu::server::GrpcLogRouter grpc_log;  // before gRPC starts; outlives the server below
 

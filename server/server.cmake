@@ -26,6 +26,11 @@ add_library(hstu_grpc_log STATIC grpc_log.cc)
 target_link_libraries(hstu_grpc_log PUBLIC PkgConfig::HSTU_GPR absl::time spdlog::spdlog)
 target_include_directories(hstu_grpc_log PUBLIC ${CMAKE_SOURCE_DIR})
 
+# The log lines as JSON (--log_format=json).
+add_library(hstu_log_format STATIC log_format.cc)
+target_link_libraries(hstu_log_format PUBLIC absl::status absl::strings spdlog::spdlog)
+target_include_directories(hstu_log_format PUBLIC ${CMAKE_SOURCE_DIR})
+
 add_library(hstu_server_lib STATIC metrics.cc prom_family.cc http_exposer.cc validation.cc
             rank_service.cc ranking_server.cc stop_signals.cc)
 target_link_libraries(hstu_server_lib PUBLIC hstu_server_core hstu_proto hstu_engine
@@ -33,5 +38,5 @@ target_link_libraries(hstu_server_lib PUBLIC hstu_server_core hstu_proto hstu_en
                       PRIVATE OpenSSL::SSL OpenSSL::Crypto)
 
 add_executable(hstu_server main.cc flags.cc)
-target_link_libraries(hstu_server PRIVATE hstu_server_lib hstu_grpc_log absl::flags absl::flags_parse
+target_link_libraries(hstu_server PRIVATE hstu_server_lib hstu_grpc_log hstu_log_format absl::flags absl::flags_parse
                       absl::flags_usage)

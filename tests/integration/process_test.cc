@@ -62,7 +62,7 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
         "max_candidates", "max_message_bytes", "keepalive_time_s", "keepalive_timeout_s",
         "min_client_ping_interval_s", "max_connection_age_s", "max_connection_age_grace_s",
         "max_connection_idle_s", "page_size", "cache_pages", "host_cache_pages", "onload_policy", "enable_cache", "no_cache",
-        "log_level"}) {
+        "log_level", "log_format"}) {
     EXPECT_NE(out.find(absl::StrCat("--", flag, " (")), std::string::npos) << flag;
   }
   const auto [rc2, out2] = RunCommand(absl::StrCat(HSTU_LOADGEN_BIN, " --help"));
@@ -152,6 +152,33 @@ TEST(ProcessTest, ASighupIgnoredByTheParentStaysIgnored) {
   EXPECT_EQ(proc.Wait(60s), 0) << proc.Log();
 }
 
+TEST(ProcessTest, WithJsonLogsEveryLineIsAJsonObject) {
+  ServerProcess server({"--log_format=json"});
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  auto stub = hstu::v1::Ranker::NewStub(server.channel());
+  grpc::ClientContext ctx;
+  hstu::v1::RankResponse resp;
+  ASSERT_TRUE(stub->Rank(&ctx, MakeRequest(1, 8, 4, 2), &resp).ok());
+  server.proc().Signal(SIGTERM);
+  ASSERT_EQ(server.proc().Wait(30s), 0) << server.proc().Log();
+  std::istringstream log(server.proc().Log());
+  std::string line;
+  std::vector<std::string> messages;
+  while (std::getline(log, line)) {
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << line;
+    EXPECT_TRUE(j["time"].is_string() && j["level"].is_string() && j["thread"].is_number()) << line;
+    messages.push_back(j["message"].get<std::string>());
+  }
+  // The start-up, the drain and the clean stop all went through it.
+  ASSERT_GT(messages.size(), 5u);
+  EXPECT_EQ(messages.front().rfind("hstu_server ", 0), 0u) << messages.front();
+  EXPECT_EQ(messages.back(), "stopped cleanly");
+  EXPECT_NE(std::find_if(messages.begin(), messages.end(),
+                         [](const std::string& m) { return m.rfind("ready: health SERVING", 0) == 0; }),
+            messages.end());
+}
+
 TEST(ProcessTest, RequestsThatDoNotParseAreAnsweredWithoutALogLine) {
   // A request_id that is not UTF-8: protobuf logged an ERROR line for each such request, which
   // any client could repeat to fill the log (DESIGN §8: no per-request lines by default). Now its
@@ -213,6 +240,7 @@ TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
                      "/tests/data/tls/hstu-test-server-1.key"),
         "--metrics_tls needs --metrics_listen"},
        {"--max_queue_per_user=-1", "--max_queue_per_user=-1: must be >= 0"},
+       {"--log_format=xml", "--log_format=xml: want text or json"},
        // gRPC takes these in milliseconds as int32 (ConnectionOptions).
        {"--keepalive_timeout_s=0", "--keepalive_timeout_s=0: must be in [1, 2147483]"},
        {"--max_connection_idle_s=9999999", "--max_connection_idle_s=9999999: must be in [0, 2147483]"},
