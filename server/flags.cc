@@ -73,15 +73,16 @@ ABSL_FLAG(int32_t, keepalive_time_s, 60,
 ABSL_FLAG(int32_t, keepalive_timeout_s, 20, "How long a keepalive ping may go unanswered (>= 1).");
 ABSL_FLAG(int32_t, min_client_ping_interval_s, 10,
           "Accept client keepalive pings this often, with or without calls in flight; more often "
-          "ends the connection (GOAWAY too_many_pings). gRPC's own default is 300 s (2 h "
-          "without calls).");
+          "ends the connection (GOAWAY too_many_pings). 0: no limit. gRPC's own default is 300 s "
+          "(2 h without calls).");
 ABSL_FLAG(int32_t, max_connection_age_s, 0,
           "Ask connections older than this to reconnect (GOAWAY), so that clients spread over new "
           "replicas; calls in flight get --max_connection_age_grace_s. 0: no limit.");
 ABSL_FLAG(int32_t, max_connection_age_grace_s, 30,
           "How long calls in flight on a connection past --max_connection_age_s may still run.");
 ABSL_FLAG(int32_t, max_connection_idle_s, 0,
-          "Close connections without calls for this long (GOAWAY). 0: never.");
+          "Close connections without calls for this long (GOAWAY; gRPC closes between 1 and 2 "
+          "times it after the last call). 0: never.");
 ABSL_FLAG(int32_t, page_size, 32, "KV cache page size in tokens (a power of two, at most 4096).");
 ABSL_FLAG(int64_t, cache_pages, 0,
           "KV cache pool size in pages; 0 = auto: 16 GiB of pages on a GPU, 1 GiB on the CPU, at "

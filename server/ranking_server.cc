@@ -183,12 +183,13 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
       return s > 0 ? absl::StrCat(s, " s") : std::string(off);
     };
     spdlog::info(
-        "grpc: connections: keepalive {}; client pings accepted every {} s or more; age limit {}; "
-        "idle limit {}",
+        "grpc: connections: keepalive {}; client pings accepted {}; age limit {}; idle limit {}",
         conn.keepalive_time_s > 0 ? absl::StrCat("ping after ", conn.keepalive_time_s, " s idle (",
                                                  conn.keepalive_timeout_s, " s to answer)")
                                   : std::string("off"),
-        conn.min_client_ping_interval_s,
+        conn.min_client_ping_interval_s > 0
+            ? absl::StrCat("every ", conn.min_client_ping_interval_s, " s or more")
+            : std::string("at any rate"),
         conn.max_connection_age_s > 0
             ? absl::StrCat(conn.max_connection_age_s, " s (", conn.max_connection_age_grace_s,
                            " s grace)")

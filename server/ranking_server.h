@@ -39,15 +39,16 @@ struct ConnectionOptions {
   int32_t keepalive_time_s = 60;
   int32_t keepalive_timeout_s = 20;
   // Client keepalive pings are accepted this often, with or without calls in flight; pings more
-  // often end the connection (GOAWAY "too_many_pings", gRPC's rule, after two). gRPC's own
-  // default is 5 minutes, and without calls 2 hours: a client with a shorter keepalive, common in
-  // production, had its idle connections closed.
+  // often end the connection (GOAWAY "too_many_pings", gRPC's rule, at the third while the
+  // server sends nothing). gRPC's own default is 5 minutes, and without calls 2 hours: a client
+  // with a shorter keepalive, common in production, had its idle connections closed. 0: no limit.
   int32_t min_client_ping_interval_s = 10;
   // A connection older than this is asked to reconnect (GOAWAY), so that clients spread over
   // replicas added since; calls in flight on it get `max_connection_age_grace_s`. 0: no limit.
   int32_t max_connection_age_s = 0;
   int32_t max_connection_age_grace_s = 30;
-  // A connection without calls for this long is closed (GOAWAY). 0: never.
+  // A connection without calls for this long is closed (GOAWAY; gRPC 1.51 closes between 1 and 2
+  // times it after the last call). 0: never.
   int32_t max_connection_idle_s = 0;
 };
 
