@@ -32,13 +32,17 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
-std::unique_ptr<RankingServer> StartServer(const ConnectionOptions& connections) {
+absl::StatusOr<std::unique_ptr<RankingServer>> TryStart(const ConnectionOptions& connections) {
   ServerOptions o;
   o.listen = "127.0.0.1:0";
   o.metrics_listen = "";
   o.engine.device = "cpu";
   o.connections = connections;
-  auto s = RankingServer::Start(o);
+  return RankingServer::Start(o);
+}
+
+std::unique_ptr<RankingServer> StartServer(const ConnectionOptions& connections) {
+  auto s = TryStart(connections);
   EXPECT_TRUE(s.ok()) << s.status();
   return s.ok() ? std::move(*s) : nullptr;
 }
@@ -219,12 +223,7 @@ TEST(ConnectionTest, OutOfRangeSettingsNameTheirFlag) {
             "--max_connection_age_s=2147484: must be in [0, 2147483]");
   c = {};
   c.min_client_ping_interval_s = -1;
-  ServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.metrics_listen = "";
-  o.engine.device = "cpu";
-  o.connections = c;
-  auto s = RankingServer::Start(o);
+  auto s = TryStart(c);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().message(), "--min_client_ping_interval_s=-1: must be in [0, 2147483]");
 }
