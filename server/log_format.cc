@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "spdlog/pattern_formatter.h"
 #include "spdlog/spdlog.h"
 
 namespace hstu::server {
@@ -95,7 +96,7 @@ void JsonLogFormatter::format(const spdlog::details::log_msg& msg, spdlog::memor
   char time_text[40];
   std::snprintf(time_text, sizeof(time_text), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ",
                 utc.tm_year + 1900, utc.tm_mon + 1, utc.tm_mday, utc.tm_hour, utc.tm_min,
-                utc.tm_sec, static_cast<int>(ms < 0 ? ms + 1000 : ms));
+                utc.tm_sec, static_cast<int>(ms));
   const spdlog::string_view_t level = spdlog::level::to_string_view(msg.level);
   std::string line = absl::StrCat("{\"time\":\"", time_text, "\",\"level\":\"",
                                   std::string(level.data(), level.size()),
@@ -112,7 +113,9 @@ std::unique_ptr<spdlog::formatter> JsonLogFormatter::clone() const {
 absl::Status SetLogFormat(const std::string& format) {
   if (format == "json") {
     spdlog::set_formatter(std::make_unique<JsonLogFormatter>());
-  } else if (format != "text") {
+  } else if (format == "text") {
+    spdlog::set_formatter(std::make_unique<spdlog::pattern_formatter>());  // spdlog's default
+  } else {
     return absl::InvalidArgumentError(absl::StrCat("--log_format=", format, ": want text or json"));
   }
   return absl::OkStatus();

@@ -150,9 +150,11 @@ int main(int argc, char** argv) {
       },
       absl::Seconds(hstu::server::ShutdownGraceSeconds()));
   if (code == hstu::server::kEngineStalled || code == hstu::server::kDrainInterrupted) {
-    // The engine thread is stuck, or the drain is cut short: no destructors.
+    // The engine thread is stuck, or the drain is cut short: no destructors. The log is flushed,
+    // not shut down: gRPC's and the engine's threads may still log, and spdlog::shutdown() drops
+    // the default logger under them (a line then crashed the process instead of its exit code).
     grpc_log.Flush();
-    spdlog::shutdown();
+    spdlog::default_logger()->flush();
     std::_Exit(code);
   }
   // Everything is answered by now; the teardown (gRPC's shutdown, the engine's device and pinned
@@ -178,7 +180,7 @@ int main(int argc, char** argv) {
     spdlog::warn("no thread for the teardown's watchdog ({}); exiting without the teardown",
                  e.what());
     grpc_log.Flush();
-    spdlog::shutdown();
+    spdlog::default_logger()->flush();  // not shut down, as above
     std::_Exit(code);
   }
   server->reset();

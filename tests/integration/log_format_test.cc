@@ -64,6 +64,25 @@ TEST(JsonLog, EachLineIsAJsonObjectWithTimeLevelThreadAndMessage) {
   EXPECT_FALSE(std::getline(lines, line));
 }
 
+TEST(JsonLog, SetLogFormatSwitchesEveryLoggerAndBack) {
+  std::ostringstream out;
+  auto logger = std::make_shared<spdlog::logger>(
+      "switched", std::make_shared<spdlog::sinks::ostream_sink_mt>(out));
+  spdlog::register_logger(logger);
+  ASSERT_TRUE(SetLogFormat("json").ok());
+  logger->info("as json");
+  ASSERT_TRUE(SetLogFormat("text").ok());
+  logger->info("as text");
+  spdlog::drop("switched");
+  std::istringstream lines(out.str());
+  std::string json_line, text_line;
+  ASSERT_TRUE(std::getline(lines, json_line));
+  ASSERT_TRUE(std::getline(lines, text_line));
+  EXPECT_EQ(nlohmann::json::parse(json_line)["message"], "as json");
+  EXPECT_EQ(text_line.front(), '[') << text_line;  // spdlog's pattern: "[2026-11-27 ...] [..."
+  EXPECT_NE(text_line.find("] as text"), std::string::npos) << text_line;
+}
+
 TEST(JsonLog, OnlyTextAndJsonAreFormats) {
   EXPECT_TRUE(SetLogFormat("text").ok());
   const absl::Status xml = SetLogFormat("xml");

@@ -153,23 +153,41 @@ TEST(ProcessTest, ASighupIgnoredByTheParentStaysIgnored) {
 }
 
 TEST(ProcessTest, WithJsonLogsEveryLineIsAJsonObject) {
-  ServerProcess server({"--log_format=json"});
+  // At debug level, with a request whose request_id is not UTF-8: protobuf's routed line (which
+  // quotes the field) goes through the formatter too.
+  ServerProcess server({"--log_format=json", "--log_level=debug"});
   ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
   auto stub = hstu::v1::Ranker::NewStub(server.channel());
   grpc::ClientContext ctx;
   hstu::v1::RankResponse resp;
   ASSERT_TRUE(stub->Rank(&ctx, MakeRequest(1, 8, 4, 2), &resp).ok());
+  std::string reply;
+  EXPECT_EQ(hstu::testing::RankBytes(server.channel(),
+                                     hstu::testing::WithNonUtf8RequestId(MakeRequest(3, 5, 2, 1)),
+                                     &reply)
+                .error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
   server.proc().Signal(SIGTERM);
   ASSERT_EQ(server.proc().Wait(30s), 0) << server.proc().Log();
   std::istringstream log(server.proc().Log());
   std::string line;
   std::vector<std::string> messages;
+  const std::set<std::string> levels = {"trace", "debug", "info", "warning", "error", "critical"};
+  const std::regex time(R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z)");
   while (std::getline(log, line)) {
     const auto j = nlohmann::json::parse(line, nullptr, false);
     ASSERT_TRUE(j.is_object()) << line;
-    EXPECT_TRUE(j["time"].is_string() && j["level"].is_string() && j["thread"].is_number()) << line;
+    ASSERT_EQ(j.size(), 4u) << line;  // time, level, thread, message: nothing else
+    ASSERT_TRUE(j["time"].is_string() && j["level"].is_string() && j["thread"].is_number() &&
+                j["message"].is_string())
+        << line;
+    EXPECT_TRUE(std::regex_match(j["time"].get<std::string>(), time)) << line;
+    EXPECT_TRUE(levels.count(j["level"].get<std::string>())) << line;
     messages.push_back(j["message"].get<std::string>());
   }
+  EXPECT_NE(std::find_if(messages.begin(), messages.end(),
+                         [](const std::string& m) { return m.rfind("protobuf: ", 0) == 0; }),
+            messages.end());
   // The start-up, the drain and the clean stop all went through it.
   ASSERT_GT(messages.size(), 5u);
   EXPECT_EQ(messages.front().rfind("hstu_server ", 0), 0u) << messages.front();
