@@ -3,7 +3,6 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <openssl/err.h>
-#include <openssl/pem.h>
 #include <openssl/ssl.h>
 #include <poll.h>
 #include <pthread.h>
@@ -21,7 +20,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "spdlog/spdlog.h"
 
 namespace hstu::server {
 namespace {
@@ -63,68 +61,12 @@ struct SslFree {
   void operator()(SSL* ssl) const { SSL_free(ssl); }
 };
 
-// OpenSSL's queued errors, as one line (and the queue cleared).
-std::string OpenSslErrors() {
-  std::string out;
-  while (const unsigned long e = ERR_get_error()) {
-    char buf[256];
-    ERR_error_string_n(e, buf, sizeof(buf));
-    absl::StrAppend(&out, out.empty() ? "" : "; ", buf);
-  }
-  return out.empty() ? "no OpenSSL error given" : out;
-}
-
 // The answer to a plain HTTP request on a TLS port.
 std::string PlainRequestToTlsPort() {
   const std::string payload = "this port speaks HTTPS (the server runs with --metrics_tls)\n";
   return absl::StrCat("HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n",
                       "Content-Length: ", payload.size(), "\r\nConnection: close\r\n\r\n",
                       payload);
-}
-
-// A server context serving `pem`'s chain and key (TlsReloader checked them; a failure here means
-// OpenSSL refused what the checks passed).
-absl::StatusOr<std::shared_ptr<SSL_CTX>> MakeServerContext(const TlsPem& pem) {
-  ERR_clear_error();
-  std::shared_ptr<SSL_CTX> ctx(SSL_CTX_new(TLS_server_method()), SSL_CTX_free);
-  if (ctx == nullptr || SSL_CTX_set_min_proto_version(ctx.get(), TLS1_2_VERSION) != 1) {
-    return absl::InternalError(absl::StrCat("metrics TLS: no context: ", OpenSslErrors()));
-  }
-  // Partial writes: a reply larger than the socket's buffer goes out over several poll rounds.
-  SSL_CTX_set_mode(ctx.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
-  std::unique_ptr<BIO, decltype(&BIO_free)> certs(
-      BIO_new_mem_buf(pem.cert.data(), static_cast<int>(pem.cert.size())), BIO_free);
-  std::unique_ptr<BIO, decltype(&BIO_free)> key_bio(
-      BIO_new_mem_buf(pem.key.data(), static_cast<int>(pem.key.size())), BIO_free);
-  if (certs == nullptr || key_bio == nullptr) {
-    return absl::InternalError(absl::StrCat("metrics TLS: ", OpenSslErrors()));
-  }
-  X509* leaf = PEM_read_bio_X509(certs.get(), nullptr, nullptr, nullptr);
-  const bool leaf_ok = leaf != nullptr && SSL_CTX_use_certificate(ctx.get(), leaf) == 1;
-  X509_free(leaf);
-  if (!leaf_ok) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics TLS: the certificate is refused: ", OpenSslErrors()));
-  }
-  while (X509* issuer = PEM_read_bio_X509(certs.get(), nullptr, nullptr, nullptr)) {
-    if (SSL_CTX_add0_chain_cert(ctx.get(), issuer) != 1) {  // takes `issuer` when it succeeds
-      X509_free(issuer);
-      return absl::InvalidArgumentError(
-          absl::StrCat("metrics TLS: a chain certificate is refused: ", OpenSslErrors()));
-    }
-  }
-  ERR_clear_error();  // the end of the chain's PEM
-  // No passphrase prompt (TlsReloader refuses encrypted keys before they get here).
-  auto no_passphrase = [](char*, int, int, void*) { return 0; };
-  EVP_PKEY* key = PEM_read_bio_PrivateKey(key_bio.get(), nullptr, no_passphrase, nullptr);
-  const bool key_ok = key != nullptr && SSL_CTX_use_PrivateKey(ctx.get(), key) == 1 &&
-                      SSL_CTX_check_private_key(ctx.get()) == 1;
-  EVP_PKEY_free(key);
-  if (!key_ok) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics TLS: the key is refused: ", OpenSslErrors()));
-  }
-  return ctx;
 }
 
 }  // namespace
@@ -149,15 +91,9 @@ absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(const std::strin
     return absl::InvalidArgumentError(
         absl::StrCat("metrics address '", listen, "': ", ::gai_strerror(rc)));
   }
+  if (tls && tls() == nullptr) return absl::InvalidArgumentError("metrics TLS: no certificate");
   std::unique_ptr<HttpExposer> self(new HttpExposer());
-  if (tls) {
-    self->tls_pem_ = tls();
-    if (self->tls_pem_ == nullptr) return absl::InvalidArgumentError("metrics TLS: no TLS files");
-    auto ctx = MakeServerContext(*self->tls_pem_);
-    if (!ctx.ok()) return ctx.status();
-    self->tls_ = std::move(tls);
-    self->tls_ctx_ = *std::move(ctx);
-  }
+  self->tls_ = std::move(tls);
   std::string last_error = "no address";
   for (addrinfo* ai = res; ai != nullptr && self->listen_fd_ < 0; ai = ai->ai_next) {
     const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
@@ -206,19 +142,13 @@ struct HttpExposer::Connection {
   short tls_wants = POLLIN;  // what OpenSSL waits for
 };
 
-ssl_ctx_st* HttpExposer::TlsContext() {
-  std::shared_ptr<const TlsPem> pem = tls_();
-  if (pem != nullptr && pem != tls_pem_) {
-    auto ctx = MakeServerContext(*pem);
-    if (ctx.ok()) {
-      tls_ctx_ = *std::move(ctx);
-    } else {
-      spdlog::error("{}; the previous certificate stays in service on the metrics port",
-                    std::string(ctx.status().message()));
-    }
-    tls_pem_ = std::move(pem);  // logged once
-  }
-  return tls_ctx_.get();
+bool HttpExposer::StartTls(Connection& c) const {
+  c.ssl.reset(SSL_new(tls_().get()));  // the set in service now; the SSL keeps its context
+  if (c.ssl == nullptr) return false;
+  SSL_set_min_proto_version(c.ssl.get(), TLS1_2_VERSION);
+  // A reply larger than the socket's buffer goes out over several poll rounds.
+  SSL_set_mode(c.ssl.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  return SSL_set_fd(c.ssl.get(), c.fd) == 1;
 }
 
 bool HttpExposer::TlsStep(Connection& c) const {
@@ -352,8 +282,7 @@ void HttpExposer::Loop() {
         Connection c;
         c.fd = fd;
         c.deadline = now + kConnectionTimeout;
-        if (tls_) c.ssl.reset(SSL_new(TlsContext()));
-        if (tls_ && (c.ssl == nullptr || SSL_set_fd(c.ssl.get(), fd) != 1)) {
+        if (tls_ && !StartTls(c)) {
           ERR_clear_error();
           ::close(fd);  // out of memory: refused
         } else {

@@ -12,9 +12,10 @@
 // of the CUDA libraries (cuBLASLt alone has ~94 KB), so it cannot start at all in a CUDA build.
 // Scrapes are rare and small; one poll loop is all this needs.
 //
-// With a TLS source (`--metrics_tls`) every connection is HTTPS, with the certificate and key
-// the source serves at its accept (the gRPC port's, reloaded with it), TLS 1.2 or later, no client
-// certificate asked. The handshake runs in the same poll loop, non-blocking, within the same 2 s.
+// With a TLS source (`--metrics_tls`) every connection is HTTPS, from the server context the
+// source gives at its accept (the gRPC port's checked set, reloaded with it), TLS 1.2 or later,
+// no client certificate asked. The handshake runs in the same poll loop, non-blocking, within the
+// same 2 s.
 // A plain HTTP request to it (its first byte is no TLS record) gets a plain-text 400 that says
 // the port speaks HTTPS, so that a scraper configured with the wrong scheme says why.
 //
@@ -29,20 +30,19 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
-#include "server/tls.h"
 
-struct ssl_ctx_st;
+struct ssl_ctx_st;  // OpenSSL's SSL_CTX
 
 namespace hstu::server {
 
 class HttpExposer {
  public:
-  // The set a TLS connection is served with (a new object for each new set).
-  using TlsSource = std::function<std::shared_ptr<const TlsPem>()>;
+  // The server context a new TLS connection is served from (TlsReloader::server_context).
+  using TlsSource = std::function<std::shared_ptr<ssl_ctx_st>()>;
 
   // `listen` is HOST:PORT (IPv4 or [IPv6]); port 0 picks a free one (see port()). `serving`
-  // answers /healthz (no function: 404 there). With `tls`, the port speaks HTTPS only; its first
-  // set must make a server context (else the error, and nothing listens).
+  // answers /healthz (no function: 404 there). With `tls`, the port speaks HTTPS only; it must
+  // have a context now (else the error, and nothing listens).
   static absl::StatusOr<std::unique_ptr<HttpExposer>> Start(const std::string& listen,
                                                             std::function<std::string()> body,
                                                             std::function<bool()> serving = {},
@@ -56,11 +56,10 @@ class HttpExposer {
   HttpExposer() = default;
   struct Connection;
   void Loop();
+  // Gives a new connection its SSL (false: out of memory).
+  bool StartTls(Connection& c) const;
   // A TLS connection moved on as far as it goes without blocking; true when it is finished.
   bool TlsStep(Connection& c) const;
-  // The context of the source's current set, rebuilt when the set changed (a set that fails to
-  // make one keeps the previous context, logged).
-  ssl_ctx_st* TlsContext();
   // The whole HTTP reply to `request` (its header block; 431 when it is not complete within
   // 16 KiB).
   std::string Reply(const std::string& request) const;
@@ -68,8 +67,6 @@ class HttpExposer {
   std::function<std::string()> body_;
   std::function<bool()> serving_;
   TlsSource tls_;
-  std::shared_ptr<const TlsPem> tls_pem_;  // the set tls_ctx_ was made from
-  std::shared_ptr<ssl_ctx_st> tls_ctx_;    // each connection's SSL holds a reference of its own
   int listen_fd_ = -1;
   int port_ = 0;
   std::atomic<bool> stop_{false};

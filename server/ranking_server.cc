@@ -106,7 +106,7 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
 
   if (!options.metrics_listen.empty()) {
     HttpExposer::TlsSource metrics_tls;
-    if (options.metrics_tls) metrics_tls = [tls = s->tls_.get()] { return tls->served(); };
+    if (options.metrics_tls) metrics_tls = [tls = s->tls_.get()] { return tls->server_context(); };
     auto http = MetricsHttpServer::Start(options.metrics_listen, s->metrics_.get(),
                                          [serving = s->serving_] { return serving->load(); },
                                          std::move(metrics_tls));
@@ -178,24 +178,20 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                "is warm",
                options.listen, unix_socket ? "" : absl::StrCat(" (port ", s->port_, ")"),
                options.max_message_bytes);
-  {
-    auto seconds_or = [](int32_t s, const char* off) {
-      return s > 0 ? absl::StrCat(s, " s") : std::string(off);
-    };
-    spdlog::info(
-        "grpc: connections: keepalive {}; client pings accepted {}; age limit {}; idle limit {}",
-        conn.keepalive_time_s > 0 ? absl::StrCat("ping after ", conn.keepalive_time_s, " s idle (",
-                                                 conn.keepalive_timeout_s, " s to answer)")
-                                  : std::string("off"),
-        conn.min_client_ping_interval_s > 0
-            ? absl::StrCat("every ", conn.min_client_ping_interval_s, " s or more")
-            : std::string("at any rate"),
-        conn.max_connection_age_s > 0
-            ? absl::StrCat(conn.max_connection_age_s, " s (", conn.max_connection_age_grace_s,
-                           " s grace)")
-            : std::string("none"),
-        seconds_or(conn.max_connection_idle_s, "none"));
-  }
+  spdlog::info(
+      "grpc: connections: keepalive {}; client pings accepted {}; age limit {}; idle limit {}",
+      conn.keepalive_time_s > 0 ? absl::StrCat("ping after ", conn.keepalive_time_s, " s idle (",
+                                               conn.keepalive_timeout_s, " s to answer)")
+                                : std::string("off"),
+      conn.min_client_ping_interval_s > 0
+          ? absl::StrCat("every ", conn.min_client_ping_interval_s, " s or more")
+          : std::string("at any rate"),
+      conn.max_connection_age_s > 0
+          ? absl::StrCat(conn.max_connection_age_s, " s (", conn.max_connection_age_grace_s,
+                         " s grace)")
+          : std::string("none"),
+      conn.max_connection_idle_s > 0 ? absl::StrCat(conn.max_connection_idle_s, " s")
+                                     : std::string("none"));
   if (s->tls_ != nullptr) {
     const TlsSummary tls = s->tls_->stats().serving;
     spdlog::info("grpc: TLS with {} (certificate {}, expires {}), {}; the files are re-read every "

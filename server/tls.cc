@@ -168,12 +168,14 @@ absl::Time AsTime(const ASN1_TIME* t) {
   return absl::FromTimeT(timegm(&tm));
 }
 
-// The chain and key as an SSL_CTX takes them: OpenSSL's security level (key sizes, signature
+using CtxPtr = std::unique_ptr<SSL_CTX, CtxFree>;
+
+// A server context with the chain and key: OpenSSL's security level (key sizes, signature
 // digests) and the key's match are checked as the handshake's own context will check them.
-absl::Status CheckAsServerContext(const TlsFiles& files, const std::vector<X509Ptr>& chain,
-                                  EVP_PKEY* key) {
+absl::StatusOr<CtxPtr> ServerContext(const TlsFiles& files, const std::vector<X509Ptr>& chain,
+                                     EVP_PKEY* key) {
   ERR_clear_error();
-  std::unique_ptr<SSL_CTX, CtxFree> ctx(SSL_CTX_new(TLS_server_method()));
+  CtxPtr ctx(SSL_CTX_new(TLS_server_method()));
   if (ctx == nullptr) return absl::InternalError(absl::StrCat("SSL_CTX_new: ", OpenSslError()));
   if (SSL_CTX_use_certificate(ctx.get(), chain.front().get()) != 1) {
     return Invalid("tls_cert_file", files.cert_file,
@@ -204,7 +206,7 @@ absl::Status CheckAsServerContext(const TlsFiles& files, const std::vector<X509P
                    absl::StrCat("not the key of the certificate in --tls_cert_file=",
                                 files.cert_file, " (", Subject(chain.front().get()), ")"));
   }
-  return absl::OkStatus();
+  return ctx;
 }
 
 bool WriteFile(const std::string& path, const std::string& data) {
@@ -313,9 +315,11 @@ absl::StatusOr<TlsSummary> CheckTlsPem(const TlsFiles& files, const TlsPem& pem,
                                   Subject((*chain)[i].get()), "); the chain goes leaf first"));
     }
   }
-  if (absl::Status s = CheckAsServerContext(files, *chain, key->get()); !s.ok()) return s;
+  auto ctx = ServerContext(files, *chain, key->get());
+  if (!ctx.ok()) return ctx.status();
   X509* leaf = chain->front().get();
   TlsSummary summary;
+  summary.server_context = std::shared_ptr<SSL_CTX>(ctx->release(), SSL_CTX_free);
   summary.subject = Subject(leaf);
   summary.not_after = AsTime(X509_get0_notAfter(leaf));
   const absl::Time not_before = AsTime(X509_get0_notBefore(leaf));
@@ -442,7 +446,7 @@ absl::Status TlsReloader::Publish(const TlsPem& pem) {
       std::filesystem::remove_all(it->path(), rm);
     }
   }
-  published_ = std::make_shared<const TlsPem>(pem);
+  published_ = pem;
   return absl::OkStatus();
 }
 
@@ -461,9 +465,9 @@ std::shared_ptr<grpc::ServerCredentials> TlsReloader::credentials() const {
   return grpc::experimental::TlsServerCredentials(options);
 }
 
-std::shared_ptr<const TlsPem> TlsReloader::served() const {
+std::shared_ptr<ssl_ctx_st> TlsReloader::server_context() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return published_;
+  return stats_.serving.server_context;
 }
 
 TlsReloader::Stats TlsReloader::stats() const {
@@ -476,7 +480,7 @@ TlsReloader::Stats TlsReloader::stats() const {
 void TlsReloader::CheckNow() {
   absl::StatusOr<TlsPem> pem = ReadTlsFiles(files_);
   std::lock_guard<std::mutex> lock(mu_);
-  if (pem.ok() && published_ != nullptr && *pem == *published_) {  // unchanged, or changed back
+  if (pem.ok() && *pem == published_) {  // unchanged, or changed back
     last_error_.clear();
     return;
   }

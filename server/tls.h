@@ -26,6 +26,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
+struct ssl_ctx_st;  // OpenSSL's SSL_CTX
+
 namespace grpc {
 class ServerCredentials;
 class ChannelCredentials;
@@ -53,6 +55,9 @@ struct TlsSummary {
   std::string subject;     // the leaf certificate's subject
   absl::Time not_after;    // when it expires
   int num_client_cas = 0;  // certificates in the client CA file
+  // The chain and key as the OpenSSL server context the check made of them (the metrics port
+  // serves its connections from it, HttpExposer).
+  std::shared_ptr<ssl_ctx_st> server_context;
 };
 
 // A leaf not yet valid by at most this much is taken (a certificate issued on a machine whose
@@ -94,9 +99,9 @@ class TlsReloader {
   // The listening port's credentials, watching the private copy.
   std::shared_ptr<grpc::ServerCredentials> credentials() const;
   Stats stats() const;
-  // The set in service (a new object at each reload that goes into service): the metrics port
-  // serves the same certificate (HttpExposer).
-  std::shared_ptr<const TlsPem> served() const;
+  // The server context of the set in service (a new one at each reload that goes into
+  // service): the metrics port serves the same certificate (HttpExposer).
+  std::shared_ptr<ssl_ctx_st> server_context() const;
   // The private directory gRPC reads the checked copies from.
   const std::string& dir() const { return dir_; }
   // Reads and checks the files now, as the watch does every interval (tests).
@@ -113,7 +118,7 @@ class TlsReloader {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;       // under mu_
-  std::shared_ptr<const TlsPem> published_;  // under mu_; set by the first Publish
+  TlsPem published_;        // under mu_
   std::string last_error_;  // under mu_: the failed reload last logged; empty once one passes
   int64_t generation_ = 0;  // under mu_
   Stats stats_;             // under mu_
