@@ -346,8 +346,13 @@ void Engine::Prefetch(absl::Span<const RankRequest* const> running,
   for (const RankRequest* queued_request : queued) {
     if (!health().ok()) return;  // a failed prefetch below lost the device
     const RankRequest& r = *queued_request;
-    // Most queued users are GPU-resident or new: skip them before building their keys.
-    if (!cache_->PrefetchCandidate(r.user_id) || !Validate(r).ok()) continue;
+    // Most queued users are GPU-resident or new: skip them before building their keys. A user
+    // of the running batch is skipped too: its running request onloads the entry at admission,
+    // and a later request's keys could cut the entry short before that.
+    if (std::find(keep.begin(), keep.end(), r.user_id) != keep.end() ||
+        !cache_->PrefetchCandidate(r.user_id) || !Validate(r).ok()) {
+      continue;
+    }
     const KeptHistory kept = KeepHistory(r, config_);
     const PageCopies copies = cache_->Prefetch(r.user_id, kept.keys, keep, onload_ok);
     if (copies.empty()) continue;

@@ -465,6 +465,37 @@ TEST(HostTierPrefetchEngine, PrefetchCountsTheBatchItOverlapsInFull) {
   EXPECT_LE(test::MaxAbsDiff(got[0]->scores, want[0]->scores), test::kF32Abs);
 }
 
+// The queue can hold a later request of a user in the running batch (DESIGN §4: never two in
+// one batch). Its history may match less of the entry (here an edit in the second page); a
+// prefetch for it would cut the entry before the running request, which matches all of it, is
+// admitted.
+TEST(HostTierPrefetchEngine, QueuedRequestOfARunningUserLeavesItsEntryWhole) {
+  EngineOptions o = RuleOptions(1e-3);
+  o.onload_policy = OnloadPolicy::kAlways;
+  auto e = Engine::Create(o, RandomModel(SmallConfig(), 7));
+  ASSERT_TRUE(e.ok()) << e.status();
+  std::mt19937 rng(13);
+  std::vector<RankRequest> users;
+  ASSERT_NO_FATAL_FAILURE(PushUsersToTheHost(**e, rng, &users));  // user 1: 8 pages on the host
+  Grow(rng, users[1], 2);
+  RankRequest edited = users[1];
+  edited.history_item_ids[3] += 1;  // token 6: the second page differs
+  const RankRequest* running = &users[1];
+  const RankRequest* queued = &edited;
+  (*e)->Prefetch({&running, 1}, {&queued, 1});
+  EXPECT_EQ((*e)->Stats().cache.pages_prefetched, 0u);
+  auto got = (*e)->Rank({&users[1], 1});
+  ASSERT_TRUE(got[0].ok()) << got[0].status();
+  EXPECT_EQ(got[0]->cache_result, LookupResult::kHostHit);
+  EXPECT_EQ(got[0]->reused_tokens, 32u);
+  auto full = RecomputingEngine(o, 7);
+  ASSERT_TRUE(full.ok());
+  auto want = (*full)->Rank({&users[1], 1});
+  ASSERT_TRUE(want[0].ok());
+  EXPECT_LE(test::MaxAbsDiff(got[0]->scores, want[0]->scores), test::kF32Abs);
+  EXPECT_EQ((*e)->Stats().cache.pages_pinned, 0);
+}
+
 TEST(HostTierPrefetchEngine, FailedPrefetchIsRecomputedNotReused) {
   EngineOptions o;
   o.page_size = 4;
