@@ -123,6 +123,12 @@ ABSL_FLAG(int32_t, engine_stall_timeout_s, -1,
           "status 2 at once (it cannot drain; also while a drain waits for that batch) for its "
           "supervisor to restart it. -1 = 60 on a GPU and off on the CPU (whose batches of large "
           "models can take minutes); 0 = off.");
+ABSL_FLAG(double, slow_request_ms, -1,
+          "Log one line (info level) for each Rank call that spent at least this many "
+          "milliseconds in the server: its request_id, user, sizes, time in the queue and on the "
+          "engine, batch size, cache result and code. < 0: off; 0: every call (an access log).");
+ABSL_FLAG(int32_t, slow_request_log_per_s, 10,
+          "Most slow-request lines a second; the rest are counted in one line. 0: no limit.");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level: trace, debug, info, warn, error, critical, off.");
 ABSL_FLAG(std::string, log_format, "text",
           "Log lines as text, or as json: one object a line with time (UTC), level, thread and "
@@ -231,6 +237,8 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.connections.max_connection_age_s = absl::GetFlag(FLAGS_max_connection_age_s);
   o.connections.max_connection_age_grace_s = absl::GetFlag(FLAGS_max_connection_age_grace_s);
   o.connections.max_connection_idle_s = absl::GetFlag(FLAGS_max_connection_idle_s);
+  o.request_log.slow_request_ms = absl::GetFlag(FLAGS_slow_request_ms);
+  o.request_log.max_lines_per_s = absl::GetFlag(FLAGS_slow_request_log_per_s);
   o.warmup = absl::GetFlag(FLAGS_warmup);
   o.engine_stall_timeout_s = absl::GetFlag(FLAGS_engine_stall_timeout_s);
 
@@ -271,6 +279,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
     return bad("max_grpc_threads", o.max_grpc_threads, "must be 0 (no limit) or >= 4");
   }
   if (absl::Status s = CheckConnectionOptions(o.connections); !s.ok()) return s;
+  if (absl::Status s = CheckRequestLogOptions(o.request_log); !s.ok()) return s;
   const int32_t ps = o.engine.page_size;
   if (ps < 1 || ps > 4096 || (ps & (ps - 1)) != 0) {
     return bad("page_size", ps, "must be a power of two in [1, 4096]");

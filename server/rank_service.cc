@@ -135,14 +135,23 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
     reactor->Finish(ToGrpcStatus(status));
     inflight_.fetch_sub(1);
   };
-  // Answers the RPC exactly once, from whichever thread finishes it, counted in the metrics.
-  auto finish = [answer, metrics, arrived, context, client_deadline](absl::Status status) {
+  // Answers the RPC exactly once, from whichever thread finishes it, counted in the metrics and,
+  // when slow, in the slow-request log (`record`: what the call got to).
+  RequestLog* log = &request_log_;
+  auto finish = [answer, metrics, log, arrived, context, client_deadline](
+                    absl::Status status, RequestRecord record = {}) {
     // A call the client gave up on got no answer, whatever the batch computed: it is counted as
     // the client saw it. (What is sent stays the answer: gRPC drops it when the call has ended.)
-    const absl::Status counted =
-        AsCounted(status, context->IsCancelled(), client_deadline, Clock::now());
-    metrics->ObserveRequest(GrpcCodeName(counted.code()),
-                            std::chrono::duration<double>(Clock::now() - arrived).count());
+    const Clock::time_point now = Clock::now();
+    const absl::Status counted = AsCounted(status, context->IsCancelled(), client_deadline, now);
+    const double total = std::chrono::duration<double>(now - arrived).count();
+    metrics->ObserveRequest(GrpcCodeName(counted.code()), total);
+    if (log->Slow(total)) {
+      record.total_seconds = total;
+      record.code = counted.code();
+      record.error = counted.message();
+      log->Write(record);
+    }
     answer(status);
   };
 
@@ -182,8 +191,15 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
     return reactor;
   }
   RankRequest rank_request = FromProto(request);
+  // The slow-request log's view of the request (its request_id is owned by the callback below).
+  RequestRecord seen;
+  seen.parsed = true;
+  seen.user_id = rank_request.user_id;
+  seen.history_events = static_cast<int64_t>(rank_request.history_item_ids.size());
+  seen.candidates = static_cast<int64_t>(rank_request.candidate_item_ids.size());
   if (absl::Status s = ValidateForEngine(rank_request, *a->engine); !s.ok()) {
-    finish(s);
+    seen.request_id = request.request_id();
+    finish(s, seen);
     return reactor;
   }
 
@@ -192,11 +208,21 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
   if (left) pending.deadline = arrived + std::chrono::duration_cast<Clock::duration>(*left);
   pending.is_cancelled = [context] { return context->IsCancelled(); };
   std::string request_id = request.request_id();
-  pending.done = [finish, response, metrics, request_id = std::move(request_id)](
+  pending.done = [finish, response, metrics, seen, request_id = std::move(request_id)](
                      absl::StatusOr<RankResult> result, const RequestTiming& timing) {
     metrics->ObserveQueue(timing.queue_seconds);
+    RequestRecord record = seen;
+    record.request_id = request_id;
+    record.queued = true;
+    record.queue_seconds = timing.queue_seconds;
+    record.batch_requests = timing.batch_requests;
+    record.compute_seconds = timing.compute_seconds;
     absl::Status status = result.status();
     if (result.ok()) {
+      record.answered = true;
+      record.reused_tokens = result->reused_tokens;
+      record.computed_tokens = result->computed_tokens;
+      record.cache_result = LookupResultName(result->cache_result);
       hstu::v1::RankResponse reply;
       ToProto(*result, request_id, &reply);
       bool own_buffer;
@@ -205,7 +231,7 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
         status = absl::InternalError("the answer could not be serialized");
       }
     }
-    finish(status);
+    finish(status, record);
   };
   SubmitRejection rejection;
   if (absl::Status s = a->scheduler->Submit(std::move(pending), &rejection); !s.ok()) {
@@ -216,7 +242,8 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
     if (rejection == SubmitRejection::kShuttingDown) {
       answer(s);
     } else {
-      finish(s);
+      seen.request_id = request.request_id();
+      finish(s, seen);
     }
   }
   return reactor;

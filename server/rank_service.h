@@ -15,6 +15,7 @@
 #include "engine/engine.h"
 #include "hstu/v1/ranking.grpc.pb.h"
 #include "server/metrics.h"
+#include "server/request_log.h"
 #include "server/scheduler.h"
 
 namespace hstu::server {
@@ -26,7 +27,8 @@ class RankService final
     : public hstu::v1::Ranker::WithRawCallbackMethod_GetModelInfo<
           hstu::v1::Ranker::WithRawCallbackMethod_Rank<hstu::v1::Ranker::CallbackService>> {
  public:
-  explicit RankService(ServerMetrics* metrics) : metrics_(metrics) {}
+  explicit RankService(ServerMetrics* metrics, const RequestLogOptions& request_log = {})
+      : metrics_(metrics), request_log_(request_log) {}
 
   // `engine` and `scheduler` must outlive every RPC (the server shuts down before they go).
   void Attach(const Engine* engine, Scheduler* scheduler);
@@ -45,6 +47,8 @@ class RankService final
   void StopAdmitting() { admitting_.store(false); }
   // Rank calls received and not yet answered.
   int64_t InFlight() const { return inflight_.load(); }
+  // Writes what the slow-request log held back (at the drain's end).
+  void FlushRequestLog() { request_log_.Flush(); }
 
  private:
   struct Attached {
@@ -53,6 +57,7 @@ class RankService final
     hstu::v1::ModelInfo info;
   };
   ServerMetrics* const metrics_;
+  RequestLog request_log_;
   std::unique_ptr<Attached> attached_holder_;
   std::atomic<const Attached*> attached_{nullptr};
   std::atomic<bool> admitting_{true};

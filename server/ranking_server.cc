@@ -85,6 +85,7 @@ absl::Status CheckConnectionOptions(const ConnectionOptions& c) {
 
 absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const ServerOptions& options) {
   if (absl::Status s = CheckConnectionOptions(options.connections); !s.ok()) return s;
+  if (absl::Status s = CheckRequestLogOptions(options.request_log); !s.ok()) return s;
   std::unique_ptr<RankingServer> s(new RankingServer());
   s->options_ = options;
   s->metrics_ = std::make_unique<ServerMetrics>(ServerVersion());
@@ -124,7 +125,7 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
   // than a refused connection) while a large model loads and warms up.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  s->service_ = std::make_unique<RankService>(s->metrics_.get());
+  s->service_ = std::make_unique<RankService>(s->metrics_.get(), options.request_log);
   grpc::ServerBuilder builder;
   // A port another process listens on is an error, not shared: with SO_REUSEPORT (gRPC's default)
   // a second server on the same port silently took half of the new connections.
@@ -315,6 +316,12 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
                sched.max_batch_size, sched.max_batch_tokens, sched.batch_timeout.count(),
                sched.batch_timeout.count() > 0 && sched.adaptive_fill ? " (adaptive fill)" : "",
                sched.max_queue, sched.max_queue_per_user);
+  if (const RequestLogOptions& rl = options.request_log; rl.slow_request_ms >= 0) {
+    spdlog::info("requests: a line for each call of at least {} ms in the server ({})",
+                 rl.slow_request_ms,
+                 rl.max_lines_per_s > 0 ? absl::StrCat("at most ", rl.max_lines_per_s, " a second")
+                                        : std::string("no rate limit"));
+  }
   Scheduler* sched_ptr = s->scheduler_.get();
   metrics->SetQueueDepthSource([sched_ptr] { return sched_ptr->QueueDepth(); });
   // Counted from here on: the graph warm-up and the warm-up request are not served traffic.
@@ -386,6 +393,7 @@ void RankingServer::Shutdown(absl::Duration grace) {
     grpc_server_->Wait();
   }
   if (scheduler_ != nullptr) scheduler_->Drain();
+  if (service_ != nullptr) service_->FlushRequestLog();
   http_.reset();
 }
 

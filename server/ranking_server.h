@@ -71,6 +71,7 @@ struct ServerOptions {
   // such calls are refused. 0: no bound.
   int32_t max_grpc_threads = 128;
   ConnectionOptions connections;
+  RequestLogOptions request_log;         // the slow-request log (server/request_log.h)
   bool warmup = true;                    // one request through the engine before SERVING
   bool prefetch_onload = true;           // start queued host hits' onloads before their batch
   // A batch running longer than this means a hung GPU (ServeUntilStopped then exits). -1: 60 s

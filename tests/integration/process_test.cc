@@ -62,7 +62,7 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
         "max_candidates", "max_message_bytes", "keepalive_time_s", "keepalive_timeout_s",
         "min_client_ping_interval_s", "max_connection_age_s", "max_connection_age_grace_s",
         "max_connection_idle_s", "page_size", "cache_pages", "host_cache_pages", "onload_policy", "enable_cache", "no_cache",
-        "log_level", "log_format"}) {
+        "slow_request_ms", "slow_request_log_per_s", "log_level", "log_format"}) {
     EXPECT_NE(out.find(absl::StrCat("--", flag, " (")), std::string::npos) << flag;
   }
   const auto [rc2, out2] = RunCommand(absl::StrCat(HSTU_LOADGEN_BIN, " --help"));
@@ -259,6 +259,8 @@ TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
         "--metrics_tls needs --metrics_listen"},
        {"--max_queue_per_user=-1", "--max_queue_per_user=-1: must be >= 0"},
        {"--log_format=xml", "--log_format=xml: want text or json"},
+       {"--slow_request_ms=nan", "--slow_request_ms=nan: must be a number of milliseconds up to a day"},
+       {"--slow_request_log_per_s=-1", "--slow_request_log_per_s=-1: must be >= 0 (0: no limit)"},
        // gRPC takes these in milliseconds as int32 (ConnectionOptions).
        {"--keepalive_timeout_s=0", "--keepalive_timeout_s=0: must be in [1, 2147483]"},
        {"--max_connection_idle_s=9999999", "--max_connection_idle_s=9999999: must be in [0, 2147483]"},

@@ -1,0 +1,87 @@
+#include "server/request_log.h"
+
+#include <cmath>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "spdlog/spdlog.h"
+
+namespace hstu::server {
+namespace {
+
+// An error message is cut to this many bytes in a line (validation errors can quote sizes, not
+// payloads, but a line stays a line).
+constexpr size_t kMaxErrorBytes = 300;
+
+}  // namespace
+
+absl::Status CheckRequestLogOptions(const RequestLogOptions& options) {
+  constexpr double kDayMs = 86400e3;
+  if (!std::isfinite(options.slow_request_ms) || options.slow_request_ms > kDayMs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--slow_request_ms=", options.slow_request_ms,
+        ": must be a number of milliseconds up to a day (86400000), or < 0 for no slow-request log"));
+  }
+  if (options.max_lines_per_s < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--slow_request_log_per_s=",
+                                                   options.max_lines_per_s,
+                                                   ": must be >= 0 (0: no limit)"));
+  }
+  return absl::OkStatus();
+}
+
+std::string FormatRequestRecord(const RequestRecord& r) {
+  std::string line = absl::StrFormat("total_ms=%.3f", r.total_seconds * 1e3);
+  if (r.queued) absl::StrAppendFormat(&line, " queue_ms=%.3f", r.queue_seconds * 1e3);
+  if (r.batch_requests > 0) {
+    absl::StrAppendFormat(&line, " compute_ms=%.3f batch=%d", r.compute_seconds * 1e3,
+                          r.batch_requests);
+  }
+  absl::StrAppend(&line, " code=", absl::StatusCodeToString(r.code));
+  if (r.parsed) {
+    absl::StrAppend(&line, " request_id=\"", absl::CEscape(r.request_id), "\" user_id=", r.user_id,
+                    " events=", r.history_events, " candidates=", r.candidates);
+  }
+  if (r.answered) {
+    absl::StrAppend(&line, " reused_tokens=", r.reused_tokens, " computed_tokens=",
+                    r.computed_tokens, " cache=", r.cache_result);
+  }
+  if (r.code != absl::StatusCode::kOk) {
+    absl::StrAppend(&line, " error=\"", absl::CEscape(r.error.substr(0, kMaxErrorBytes)),
+                    r.error.size() > kMaxErrorBytes ? "..." : "", "\"");
+  }
+  return line;
+}
+
+void RequestLog::Write(const RequestRecord& record, Clock::time_point now) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (options_.max_lines_per_s > 0) {
+    if (now - window_start_ >= std::chrono::seconds(1)) {
+      window_start_ = now;
+      written_ = 0;
+    }
+    if (written_ >= options_.max_lines_per_s) {
+      ++held_back_;
+      return;
+    }
+    ++written_;
+  }
+  WriteHeldBackLocked();
+  spdlog::info("slow request: {}", FormatRequestRecord(record));
+}
+
+void RequestLog::Flush() {
+  std::lock_guard<std::mutex> lock(mu_);
+  WriteHeldBackLocked();
+}
+
+void RequestLog::WriteHeldBackLocked() {
+  if (held_back_ == 0) return;
+  spdlog::info("slow request: {} more slow-request lines were not written (at most {} a second, "
+               "--slow_request_log_per_s)",
+               held_back_, options_.max_lines_per_s);
+  held_back_ = 0;
+}
+
+}  // namespace hstu::server

@@ -1,0 +1,93 @@
+// The slow-request log (--slow_request_ms): one line for each Rank call that spent at least the
+// threshold in the server, with what an operator needs to tell why (the queue, the batch it ran
+// in, the user's cache), so that a client's "request X was slow" can be looked up by its
+// request_id. Off by default (DESIGN §8: no per-request lines by default); a threshold of 0 logs
+// every call, an access log.
+//
+// A line, at info level (the request_id C-escaped, so a client cannot forge log lines):
+//   slow request: total_ms=12.31 queue_ms=10.02 compute_ms=2.10 batch=8 code=OK
+//   request_id="a1" user_id=42 events=200 candidates=256 reused_tokens=396 computed_tokens=4
+//   cache=gpu_hit
+// (one line; wrapped here). A call answered before it reached the engine (refused, invalid)
+// has no queue, batch or cache fields, and a failed one ends with its error message.
+//
+// At most `max_lines_per_s` lines a second; the lines held back are counted and summed up in one
+// line with the next line written, or at Flush() (the server's shutdown).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace hstu::server {
+
+struct RequestLogOptions {
+  // Calls whose time in the server (arrival to answer) is at least this many milliseconds are
+  // logged. < 0: none; 0: every call.
+  double slow_request_ms = -1;
+  // Most lines a second; 0: no limit.
+  int32_t max_lines_per_s = 10;
+};
+
+// The range of each (errors name the flag): a finite threshold, at most a day; the rate >= 0.
+absl::Status CheckRequestLogOptions(const RequestLogOptions& options);
+
+// What one call's line says. Fields of parts the call did not reach stay at their defaults and
+// are left out of the line.
+struct RequestRecord {
+  double total_seconds = 0;
+  absl::StatusCode code = absl::StatusCode::kOk;
+  absl::string_view error;  // the status message of a failed call
+  bool parsed = false;     // the request parsed: the request fields below are set
+  absl::string_view request_id;
+  uint64_t user_id = 0;
+  int64_t history_events = 0;
+  int64_t candidates = 0;
+  bool queued = false;  // it reached the scheduler: queue_seconds is set
+  double queue_seconds = 0;
+  int32_t batch_requests = 0;  // > 0 when it ran on the engine: compute_seconds is set
+  double compute_seconds = 0;
+  bool answered = false;  // the engine scored it: the token and cache fields are set
+  uint32_t reused_tokens = 0;
+  uint32_t computed_tokens = 0;
+  absl::string_view cache_result;
+};
+
+// The line for `record`, without the "slow request: " prefix (tests read it).
+std::string FormatRequestRecord(const RequestRecord& record);
+
+// Thread-safe.
+class RequestLog {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  explicit RequestLog(const RequestLogOptions& options) : options_(options) {}
+  ~RequestLog() { Flush(); }
+  RequestLog(const RequestLog&) = delete;
+  RequestLog& operator=(const RequestLog&) = delete;
+
+  // Whether a call that spent `total_seconds` in the server gets a line (the caller then fills
+  // a record and calls Write).
+  bool Slow(double total_seconds) const {
+    return options_.slow_request_ms >= 0 && total_seconds * 1e3 >= options_.slow_request_ms;
+  }
+  // Writes the line, within the rate limit.
+  void Write(const RequestRecord& record, Clock::time_point now = Clock::now());
+  // Writes the count of lines held back since the last line written, if any.
+  void Flush();
+
+ private:
+  void WriteHeldBackLocked();
+
+  const RequestLogOptions options_;
+  std::mutex mu_;
+  Clock::time_point window_start_;  // of the current second
+  int64_t written_ = 0;             // lines in the current second
+  int64_t held_back_ = 0;           // lines not written since the last summary
+};
+
+}  // namespace hstu::server

@@ -1,0 +1,219 @@
+// The slow-request log (server/request_log.h): the line's fields for each point a call can end
+// at, the escaping of what the client sent, the rate limit, the flags' ranges, and the server
+// writing it for a slow call only.
+
+#include "server/request_log.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
+#include "tests/integration/server_fixture.h"
+
+namespace hstu::server {
+namespace {
+
+// Sends spdlog's default logger's lines to a string while it lives, then restores the logger.
+class CapturedLog {
+ public:
+  CapturedLog() : previous_(spdlog::default_logger()) {
+    auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out_);
+    sink->set_pattern("%v");
+    spdlog::set_default_logger(std::make_shared<spdlog::logger>("captured", sink));
+  }
+  ~CapturedLog() { spdlog::set_default_logger(previous_); }
+  // The lines that start with "slow request: ", without it.
+  std::vector<std::string> SlowLines() {
+    std::vector<std::string> lines;
+    spdlog::default_logger()->flush();
+    for (absl::string_view line : absl::StrSplit(out_.str(), '\n')) {
+      if (absl::ConsumePrefix(&line, "slow request: ")) lines.emplace_back(line);
+    }
+    return lines;
+  }
+
+ private:
+  std::ostringstream out_;
+  std::shared_ptr<spdlog::logger> previous_;
+};
+
+TEST(RequestLog, LineHasTheFieldsOfWhatTheCallReached) {
+  RequestRecord r;
+  r.total_seconds = 0.0123456;
+  EXPECT_EQ(FormatRequestRecord(r), "total_ms=12.346 code=OK");
+
+  r.code = absl::StatusCode::kInvalidArgument;
+  r.error = "history_actions has 2 entries, history_item_ids 3";
+  r.parsed = true;
+  r.request_id = "abc";
+  r.user_id = 42;
+  r.history_events = 3;
+  r.candidates = 5;
+  EXPECT_EQ(FormatRequestRecord(r),
+            "total_ms=12.346 code=INVALID_ARGUMENT request_id=\"abc\" user_id=42 events=3 "
+            "candidates=5 error=\"history_actions has 2 entries, history_item_ids 3\"");
+
+  r.code = absl::StatusCode::kOk;
+  r.queued = true;
+  r.queue_seconds = 0.01;
+  r.batch_requests = 8;
+  r.compute_seconds = 0.0021;
+  r.answered = true;
+  r.reused_tokens = 396;
+  r.computed_tokens = 4;
+  r.cache_result = "gpu_hit";
+  EXPECT_EQ(FormatRequestRecord(r),
+            "total_ms=12.346 queue_ms=10.000 compute_ms=2.100 batch=8 code=OK request_id=\"abc\" "
+            "user_id=42 events=3 candidates=5 reused_tokens=396 computed_tokens=4 cache=gpu_hit");
+}
+
+TEST(RequestLog, WhatTheClientSentCannotBreakTheLine) {
+  RequestRecord r;
+  r.parsed = true;
+  r.request_id = "a\"b\nslow request: total_ms=0";
+  r.code = absl::StatusCode::kDeadlineExceeded;
+  const std::string long_error(1000, 'x');
+  r.error = long_error;
+  const std::string line = FormatRequestRecord(r);
+  EXPECT_EQ(line.find('\n'), std::string::npos) << line;
+  EXPECT_NE(line.find("request_id=\"a\\\"b\\nslow request: total_ms=0\""), std::string::npos) << line;
+  EXPECT_NE(line.find(std::string(300, 'x') + "...\""), std::string::npos) << line;
+  EXPECT_EQ(line.find(std::string(301, 'x')), std::string::npos);
+}
+
+TEST(RequestLog, WritesAtMostTheRateAndCountsTheRestInOneLine) {
+  CapturedLog captured;
+  RequestLog log(RequestLogOptions{.slow_request_ms = 0, .max_lines_per_s = 3});
+  const RequestLog::Clock::time_point t0 = RequestLog::Clock::time_point() + std::chrono::hours(1);
+  RequestRecord r;
+  for (int i = 0; i < 10; ++i) {
+    r.total_seconds = i * 1e-3;
+    log.Write(r, t0 + std::chrono::milliseconds(10 * i));
+  }
+  r.total_seconds = 0.5;
+  log.Write(r, t0 + std::chrono::milliseconds(1000));  // a new second
+  log.Write(r, t0 + std::chrono::milliseconds(1001));
+  log.Write(r, t0 + std::chrono::milliseconds(1002));
+  log.Write(r, t0 + std::chrono::milliseconds(1003));  // held back: reported by the Flush
+  log.Flush();
+  log.Flush();  // nothing more held back: no line
+  const std::vector<std::string> lines = captured.SlowLines();
+  ASSERT_EQ(lines.size(), 8u) << absl::StrJoin(lines, "\n");
+  EXPECT_EQ(lines[0], "total_ms=0.000 code=OK");
+  EXPECT_EQ(lines[2], "total_ms=2.000 code=OK");
+  EXPECT_EQ(lines[3],
+            "7 more slow-request lines were not written (at most 3 a second, "
+            "--slow_request_log_per_s)");
+  EXPECT_EQ(lines[4], "total_ms=500.000 code=OK");
+  EXPECT_EQ(lines[7],
+            "1 more slow-request lines were not written (at most 3 a second, "
+            "--slow_request_log_per_s)");
+}
+
+TEST(RequestLog, NoLimitAndOffAndThreshold) {
+  RequestLog off(RequestLogOptions{});
+  EXPECT_FALSE(off.Slow(1e6));
+  RequestLog every(RequestLogOptions{.slow_request_ms = 0});
+  EXPECT_TRUE(every.Slow(0));
+  RequestLog slow(RequestLogOptions{.slow_request_ms = 5});
+  EXPECT_FALSE(slow.Slow(0.0049));
+  EXPECT_TRUE(slow.Slow(0.005));
+
+  CapturedLog captured;
+  RequestLog unlimited(RequestLogOptions{.slow_request_ms = 0, .max_lines_per_s = 0});
+  const auto t0 = RequestLog::Clock::now();
+  for (int i = 0; i < 50; ++i) unlimited.Write(RequestRecord(), t0);
+  EXPECT_EQ(captured.SlowLines().size(), 50u);
+}
+
+TEST(RequestLog, OptionsOutOfRangeNameTheFlag) {
+  for (double ms : {std::nan(""), std::numeric_limits<double>::infinity(), 86400e3 + 1}) {
+    const absl::Status s = CheckRequestLogOptions(RequestLogOptions{.slow_request_ms = ms});
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << ms;
+    EXPECT_TRUE(absl::StrContains(s.message(), "--slow_request_ms")) << s;
+  }
+  EXPECT_TRUE(CheckRequestLogOptions(RequestLogOptions{.slow_request_ms = -1}).ok());
+  EXPECT_TRUE(CheckRequestLogOptions(RequestLogOptions{.slow_request_ms = 86400e3}).ok());
+  const absl::Status s = CheckRequestLogOptions(RequestLogOptions{.max_lines_per_s = -1});
+  EXPECT_TRUE(absl::StrContains(s.message(), "--slow_request_log_per_s")) << s;
+}
+
+class RequestLogServerTest : public fixture::ServerTest {};
+
+// A call held at the engine past the threshold gets a line with its queue, batch and cache
+// fields; fast calls get none.
+TEST_F(RequestLogServerTest, SlowCallIsLoggedAndFastCallsAreNot) {
+  CapturedLog captured;
+  ServerOptions o;
+  o.request_log.slow_request_ms = 300;
+  ASSERT_NO_FATAL_FAILURE(StartServer(o));
+  hstu::v1::RankResponse fast;
+  ASSERT_TRUE(Rank(fixture::MakeRequest(7, 10, 3, 1), &fast).ok());
+  grpc::Status held;
+  std::thread caller = HoldOneBatch(&held);  // user 5, request_id "req-5-1"
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  gate_.Open();
+  caller.join();
+  ASSERT_TRUE(held.ok()) << held.error_message();
+  ASSERT_TRUE(Rank(fixture::MakeRequest(7, 12, 3, 1), &fast).ok());
+  server_->Shutdown(absl::Seconds(5));
+  const std::vector<std::string> lines = captured.SlowLines();
+  ASSERT_EQ(lines.size(), 1u) << absl::StrJoin(lines, "\n");
+  const std::string& line = lines[0];
+  EXPECT_NE(line.find(" code=OK request_id=\"req-5-1\" user_id=5 events=5 candidates=3 "
+                      "reused_tokens=0 computed_tokens=10 cache=miss"),
+            std::string::npos)
+      << line;
+  EXPECT_NE(line.find(" batch=1 "), std::string::npos) << line;
+  double total_ms = 0, compute_ms = 0;
+  for (absl::string_view field : absl::StrSplit(line, ' ')) {
+    if (absl::ConsumePrefix(&field, "total_ms=")) ASSERT_TRUE(absl::SimpleAtod(field, &total_ms));
+    if (absl::ConsumePrefix(&field, "compute_ms=")) {
+      ASSERT_TRUE(absl::SimpleAtod(field, &compute_ms));
+    }
+  }
+  EXPECT_GE(compute_ms, 390) << line;  // the gate held the batch inside the engine's call
+  EXPECT_GE(total_ms, compute_ms) << line;
+}
+
+// With a threshold of 0 every call has a line, also one refused as invalid, which names its
+// error and has no queue or engine fields.
+TEST_F(RequestLogServerTest, ThresholdZeroLogsEveryCallWithItsError) {
+  CapturedLog captured;
+  ServerOptions o;
+  o.request_log.slow_request_ms = 0;
+  ASSERT_NO_FATAL_FAILURE(StartServer(o));
+  hstu::v1::RankResponse resp;
+  ASSERT_TRUE(Rank(fixture::MakeRequest(3, 4, 2, 1), &resp).ok());
+  ASSERT_TRUE(Rank(fixture::MakeRequest(3, 6, 2, 1), &resp).ok());
+  hstu::v1::RankRequest bad = fixture::MakeRequest(4, 4, 2, 1);
+  bad.add_history_actions(1);
+  EXPECT_EQ(Rank(bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  server_->Shutdown(absl::Seconds(5));
+  const std::vector<std::string> lines = captured.SlowLines();
+  ASSERT_EQ(lines.size(), 3u) << absl::StrJoin(lines, "\n");
+  EXPECT_NE(lines[0].find("cache=miss"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[1].find("reused_tokens=8 computed_tokens=4 cache=gpu_hit"), std::string::npos)
+      << lines[1];
+  EXPECT_NE(lines[2].find(" code=INVALID_ARGUMENT request_id=\"req-4-1\" user_id=4 events=4 "
+                          "candidates=2 error=\"history_"),
+            std::string::npos)
+      << lines[2];
+  EXPECT_EQ(lines[2].find("queue_ms"), std::string::npos) << lines[2];
+}
+
+}  // namespace
+}  // namespace hstu::server
