@@ -134,7 +134,7 @@ class Level {
 class Driver {
  public:
   // `answers`: where OK answers are recorded (--record), or null.
-  Driver(std::vector<std::unique_ptr<Ranker::Stub>> stubs, TrafficModel* traffic, int64_t timeout_ms,
+  Driver(std::vector<std::unique_ptr<Ranker::Stub>> stubs, VisitSource* traffic, int64_t timeout_ms,
          AnswerLog* answers)
       : stubs_(std::move(stubs)), traffic_(traffic), timeout_ms_(timeout_ms), answers_(answers) {}
 
@@ -156,7 +156,7 @@ class Driver {
               const hstu::v1::RankResponse& resp);
 
   std::vector<std::unique_ptr<Ranker::Stub>> stubs_;
-  TrafficModel* traffic_;
+  VisitSource* traffic_;
   const int64_t timeout_ms_;
   AnswerLog* const answers_;
   std::atomic<uint64_t> next_stub_{0};

@@ -22,6 +22,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/parse.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
@@ -35,6 +36,7 @@
 #include "client/cli_util.h"
 #include "client/latency_histogram.h"
 #include "client/load_driver.h"
+#include "client/replay.h"
 #include "client/report.h"
 #include "client/traffic.h"
 #include "engine/atomic_file.h"
@@ -111,6 +113,14 @@ ABSL_FLAG(int64_t, record_every, 1, "With --record: write every Nth OK answer on
 ABSL_FLAG(bool, overlapping_visits, false,
           "Let a user have several visits in flight (the later ones re-send its history). By "
           "default a visit goes to a user with none in flight while there is one.");
+ABSL_FLAG(std::string, replay, "",
+          "Send the requests of this JSONL file instead of generated traffic: hstu_rank's lines, or "
+          "what --record wrote (expected_scores and cache_result are ignored). In the file's "
+          "order, a user's next line waiting while its previous visit is in flight (unless "
+          "--overlapping_visits); from the first line again at the end (later passes re-send "
+          "histories the server holds). The traffic model's flags (--users, --zipf, "
+          "--new_user_rate, --initial_events*, --new_events*, --max_events, --candidates) do not "
+          "apply.");
 
 namespace hstu::loadgen {
 namespace {
@@ -376,10 +386,30 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
   return levels;
 }
 
+// --replay: the file's visits, read before connecting; an error when a traffic-model flag was
+// given too (it would be silently ignored).
+absl::StatusOr<std::unique_ptr<ReplayTraffic>> ReplayFromFlags() {
+  const std::string path = absl::GetFlag(FLAGS_replay);
+  if (path.empty()) return nullptr;
+  for (const char* flag : {"users", "zipf", "new_user_rate", "initial_events", "initial_events_min",
+                           "new_events", "new_events_min", "max_events", "candidates"}) {
+    if (absl::flags_internal::WasPresentOnCommandLine(flag)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--", flag, " does not apply with --replay (the file gives the users and requests)"));
+    }
+  }
+  return ReplayTraffic::Load(path, absl::GetFlag(FLAGS_overlapping_visits));
+}
+
 int Main() {
   absl::StatusOr<std::vector<LevelResult>> levels = LevelsFromFlags();
   if (!levels.ok()) {
     std::fprintf(stderr, "%s\n", std::string(levels.status().message()).c_str());
+    return 2;
+  }
+  absl::StatusOr<std::unique_ptr<ReplayTraffic>> replay = ReplayFromFlags();
+  if (!replay.ok()) {
+    std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(replay.status().message()).c_str());
     return 2;
   }
   const std::string target = absl::GetFlag(FLAGS_target);
@@ -473,17 +503,24 @@ int Main() {
     t.seed = (static_cast<uint64_t>(std::random_device()()) << 32) ^ std::random_device()() ^
              static_cast<uint64_t>(Clock::now().time_since_epoch().count());
   }
-  auto traffic = TrafficModel::Create(t);
-  if (!traffic.ok()) {
-    std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(traffic.status().message()).c_str());
-    return 2;
+  std::unique_ptr<VisitSource> traffic;
+  if (*replay != nullptr) {
+    traffic = *std::move(replay);
+  } else {
+    auto model = TrafficModel::Create(t);
+    if (!model.ok()) {
+      std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(model.status().message()).c_str());
+      return 2;
+    }
+    traffic = *std::move(model);
   }
+  auto* replayed = dynamic_cast<ReplayTraffic*>(traffic.get());
 
   const std::string arrival = absl::GetFlag(FLAGS_arrival);
 
   std::vector<std::unique_ptr<Ranker::Stub>> stubs;
   for (const auto& ch : channels) stubs.push_back(Ranker::NewStub(ch));
-  Driver driver(std::move(stubs), traffic->get(), absl::GetFlag(FLAGS_timeout_ms), answers.get());
+  Driver driver(std::move(stubs), traffic.get(), absl::GetFlag(FLAGS_timeout_ms), answers.get());
   const double warmup_s = absl::GetFlag(FLAGS_warmup);
   const double duration_s = absl::GetFlag(FLAGS_duration);
   const int64_t num_requests = absl::GetFlag(FLAGS_requests);
@@ -499,11 +536,20 @@ int Main() {
   run.zipf = t.zipf_s;
   run.connections = num_connections;
   run.seed = t.seed;
+  if (replayed != nullptr) {
+    run.replay_file = absl::GetFlag(FLAGS_replay);
+    run.replay_lines = replayed->lines();
+    run.replay_users = replayed->users();
+    std::fprintf(stderr, "hstu_loadgen: replaying %s: %lld lines, %lld users\n",
+                 run.replay_file.c_str(), static_cast<long long>(run.replay_lines),
+                 static_cast<long long>(run.replay_users));
+  }
   run.levels_planned = levels->size();
   // The report files hold every level finished so far, each write whole or not at all: a run cut
   // short, even mid-write, keeps what it measured.
   auto write_reports = [&](const std::vector<LevelResult>& done) {
     bool ok = true;
+    if (replayed != nullptr) run.replay_passes = replayed->passes();
     if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
       if (absl::Status s = WriteFileAtomically(path, ToJson(run, done)); !s.ok()) {
         std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());

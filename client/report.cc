@@ -59,11 +59,24 @@ std::string LevelLabel(const LevelResult& l) {
 }
 
 std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& levels) {
-  std::string out = absl::StrFormat(
-      "hstu_loadgen: target %s, model %s on %s, %d candidates, %d users (zipf %.2f), %d "
-      "connection(s), seed %d\n",
-      info.target, info.model, info.device, info.candidates, info.users, info.zipf,
-      info.connections, info.seed);
+  std::string out =
+      info.replay_file.empty()
+          ? absl::StrFormat(
+                "hstu_loadgen: target %s, model %s on %s, %d candidates, %d users (zipf %.2f), %d "
+                "connection(s), seed %d\n",
+                info.target, info.model, info.device, info.candidates, info.users, info.zipf,
+                info.connections, info.seed)
+          : absl::StrFormat(
+                "hstu_loadgen: target %s, model %s on %s, replaying %s (%d lines, %d users%s), "
+                "%d connection(s)\n",
+                info.target, info.model, info.device, info.replay_file, info.replay_lines,
+                info.replay_users,
+                info.replay_passes > 0
+                    ? absl::StrFormat("; went back to its first line %d time(s): the later "
+                                      "passes re-sent histories the server held",
+                                      info.replay_passes)
+                    : "",
+                info.connections);
   absl::StrAppend(&out, absl::StrFormat("| %-18s | %9s | %8s | %8s | %8s | %8s | %8s | %8s | %8s | %7s | %s |\n",
                                         "load", "requests", "rps", "p50 ms", "p90 ms", "p95 ms",
                                         "p99 ms", "p99.9 ms", "max ms", "reuse %", "errors"));
@@ -145,9 +158,16 @@ std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels) 
   root["target"] = info.target;
   root["model"] = info.model;
   root["device"] = info.device;
-  root["candidates"] = info.candidates;
-  root["users"] = info.users;
-  root["zipf"] = info.zipf;
+  if (info.replay_file.empty()) {
+    root["candidates"] = info.candidates;
+    root["users"] = info.users;
+    root["zipf"] = info.zipf;
+  } else {
+    root["replay"] = {{"file", info.replay_file},
+                      {"lines", info.replay_lines},
+                      {"users", info.replay_users},
+                      {"passes", info.replay_passes}};
+  }
   root["connections"] = info.connections;
   root["seed"] = info.seed;
   root["levels_planned"] = info.levels_planned;

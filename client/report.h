@@ -61,6 +61,11 @@ struct RunInfo {
   uint64_t seed = 0;
   size_t levels_planned = 0;
   bool interrupted = false;  // a stop signal ended the run before its last level
+  // --replay: the file, its request lines and users, and the times it went back to its start.
+  std::string replay_file;
+  int64_t replay_lines = 0;
+  int64_t replay_users = 0;
+  int64_t replay_passes = 0;
 };
 
 // "c=8" for a closed-loop level, "500 rps poisson" for an open-loop one; " (stopped)" after a level

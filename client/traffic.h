@@ -51,7 +51,18 @@ struct Visit {
   int64_t slot = -1;  // the user's place in the population, for Done()
 };
 
-class TrafficModel {
+// Where a run's visits come from: the traffic model below, or a replayed file (replay.h).
+// Thread-safe.
+class VisitSource {
+ public:
+  virtual ~VisitSource() = default;
+  // The next visit to send, marked in flight until Done().
+  virtual Visit Next() = 0;
+  // The answer to `visit` came back, its call failed, or it was never sent.
+  virtual void Done(const Visit& visit) = 0;
+};
+
+class TrafficModel final : public VisitSource {
  public:
   static absl::StatusOr<std::unique_ptr<TrafficModel>> Create(const TrafficOptions& options);
   // The next visit, its user drawn by popularity (see overlapping_visits) and marked in flight
@@ -60,9 +71,8 @@ class TrafficModel {
   // flight re-sends the same history. Before, it grew, and could reach the server ahead of the
   // shorter one, which then cut the user's cache (a traffic artefact reported as partial or
   // hash-mismatch results).
-  Visit Next();
-  // The answer to `visit` came back (or its call failed).
-  void Done(const Visit& visit);
+  Visit Next() override;
+  void Done(const Visit& visit) override;
   // Rank (0-based) drawn from the Zipf distribution; exposed for tests.
   int64_t SampleRank(double u) const;
 

@@ -70,7 +70,7 @@ TEST(ProcessTest, HelpDocumentsEveryFlag) {
                            "users", "zipf", "candidates", "timeout_ms", "warmup", "seed",
                            "connections", "json", "csv", "new_user_rate", "wait_ready_s",
                            "max_outstanding", "max_error_rate", "prewarm_visits",
-                           "overlapping_visits", "record", "record_every"}) {
+                           "overlapping_visits", "record", "record_every", "replay"}) {
     EXPECT_NE(out2.find(absl::StrCat("--", flag, " (")), std::string::npos) << flag;
   }
 }

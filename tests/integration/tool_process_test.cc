@@ -485,6 +485,64 @@ TEST(ProcessTest, LoadgenRecordsAnswersThatHstuRankRecomputesWithoutTheCache) {
   EXPECT_EQ(ReadFile(dir + "/every3.jsonl"), every3);
 }
 
+// A recorded run replayed into a fresh server of the same model, one caller at a time, is the
+// same traffic: every answer, its scores and how the cache served it, equal the recording's.
+TEST(ProcessTest, LoadgenReplaysARecordingIntoTheSameAnswers) {
+  const std::string dir = TempDir();
+  auto run = [&](const ServerProcess& server, const std::string& flags) {
+    return RunCommand(absl::StrCat(HSTU_LOADGEN_BIN, " --target=", server.target(),
+                                   " --concurrency=1 --warmup=0 --timeout_ms=30000 --progress=false ",
+                                   flags));
+  };
+  ServerProcess first({"--cache_pages=40"});
+  ASSERT_TRUE(first.WaitServing()) << first.proc().Log();
+  const auto [rc, out] =
+      run(first, absl::StrCat("--requests=60 --users=15 --seed=9 --record=", dir, "/first.jsonl"));
+  ASSERT_EQ(rc, 0) << out;
+  const std::string recorded = ReadFile(dir + "/first.jsonl");
+  ASSERT_EQ(std::count(recorded.begin(), recorded.end(), '\n'), 60);
+
+  ServerProcess second({"--cache_pages=40"});
+  ASSERT_TRUE(second.WaitServing()) << second.proc().Log();
+  const auto [rc2, out2] = run(second, absl::StrCat("--requests=60 --replay=", dir, "/first.jsonl",
+                                                     " --record=", dir, "/second.jsonl --json=",
+                                                     dir, "/second.json"));
+  ASSERT_EQ(rc2, 0) << out2;
+  EXPECT_EQ(ReadFile(dir + "/second.jsonl"), recorded);
+  EXPECT_NE(out2.find(absl::StrCat("replaying ", dir, "/first.jsonl (60 lines, ")),
+            std::string::npos)
+      << out2;
+  const auto report = nlohmann::json::parse(ReadFile(dir + "/second.json"), nullptr, false);
+  ASSERT_FALSE(report.is_discarded());
+  EXPECT_EQ(report["replay"]["lines"], 60);
+  EXPECT_EQ(report["replay"]["passes"], 0);
+  EXPECT_FALSE(report.contains("zipf"));
+
+  // Past the file's end it starts again, and says so.
+  const auto [rc3, out3] =
+      run(second, absl::StrCat("--requests=90 --replay=", dir, "/first.jsonl --json=", dir,
+                               "/third.json"));
+  ASSERT_EQ(rc3, 0) << out3;
+  EXPECT_NE(out3.find("went back to its first line 1 time(s)"), std::string::npos) << out3;
+  const auto third = nlohmann::json::parse(ReadFile(dir + "/third.json"), nullptr, false);
+  ASSERT_FALSE(third.is_discarded());
+  EXPECT_EQ(third["replay"]["passes"], 1);
+
+  // A traffic-model flag with --replay, and a file that does not parse: exit 2, named.
+  const auto [rc4, out4] =
+      run(second, absl::StrCat("--requests=5 --zipf=2 --replay=", dir, "/first.jsonl"));
+  EXPECT_EQ(rc4, 2) << out4;
+  EXPECT_NE(out4.find("--zipf does not apply with --replay"), std::string::npos) << out4;
+  {
+    std::ofstream f(dir + "/bad.jsonl");
+    f << recorded.substr(0, recorded.find('\n') + 1) << "{\"user_id\": -1}\n";
+  }
+  const auto [rc5, out5] = run(second, absl::StrCat("--requests=5 --replay=", dir, "/bad.jsonl"));
+  EXPECT_EQ(rc5, 2) << out5;
+  EXPECT_NE(out5.find(absl::StrCat(dir, "/bad.jsonl:2: field 'user_id'")), std::string::npos)
+      << out5;
+}
+
 TEST(ProcessTest, HstuRankRejectsIntegersOutOfTheirFieldsRange) {
   // A value that does not fit its proto field is an error naming the field, never wrapped: action
   // 2^32 + 1 must not score as action 1. The whole uint64 range of user_id is accepted.
