@@ -222,12 +222,14 @@ int main(int argc, char** argv) {
   CheckSummary checked;
   std::string line;
   for (int line_no = 1; std::getline(*in, line); ++line_no) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    if (hstu::client::IsBlankRequestLine(line)) continue;
     auto parsed = hstu::client::ParseRequestLine(line);
     hstu::RankRequest request;
     if (parsed.ok()) {
-      request = {parsed->user_id, std::move(parsed->history_item_ids),
-                 std::move(parsed->history_actions), std::move(parsed->candidate_item_ids)};
+      request = {.user_id = parsed->user_id,
+                 .history_item_ids = std::move(parsed->history_item_ids),
+                 .history_actions = std::move(parsed->history_actions),
+                 .candidate_item_ids = std::move(parsed->candidate_item_ids)};
     }
     const hstu::RankRequest* req = parsed.ok() ? &request : nullptr;
     absl::StatusOr<hstu::RankResult> res =

@@ -22,7 +22,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/internal/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
@@ -119,8 +119,8 @@ ABSL_FLAG(std::string, replay, "",
           "order, a user's next line waiting while its previous visit is in flight (unless "
           "--overlapping_visits); from the first line again at the end (later passes re-send "
           "histories the server holds). The traffic model's flags (--users, --zipf, "
-          "--new_user_rate, --initial_events*, --new_events*, --max_events, --candidates) do not "
-          "apply.");
+          "--new_user_rate, --initial_events*, --new_events*, --max_events, --candidates) are an "
+          "error with it.");
 
 namespace hstu::loadgen {
 namespace {
@@ -391,9 +391,11 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
 absl::StatusOr<std::unique_ptr<ReplayTraffic>> ReplayFromFlags() {
   const std::string path = absl::GetFlag(FLAGS_replay);
   if (path.empty()) return nullptr;
+  // A flag set to its default value passes: absl's public API tells values, not presence.
   for (const char* flag : {"users", "zipf", "new_user_rate", "initial_events", "initial_events_min",
                            "new_events", "new_events_min", "max_events", "candidates"}) {
-    if (absl::flags_internal::WasPresentOnCommandLine(flag)) {
+    const absl::CommandLineFlag* f = absl::FindCommandLineFlag(flag);
+    if (f != nullptr && f->CurrentValue() != f->DefaultValue()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--", flag, " does not apply with --replay (the file gives the users and requests)"));
     }
@@ -504,7 +506,8 @@ int Main() {
              static_cast<uint64_t>(Clock::now().time_since_epoch().count());
   }
   std::unique_ptr<VisitSource> traffic;
-  if (*replay != nullptr) {
+  ReplayTraffic* const replayed = replay->get();
+  if (replayed != nullptr) {
     traffic = *std::move(replay);
   } else {
     auto model = TrafficModel::Create(t);
@@ -514,7 +517,6 @@ int Main() {
     }
     traffic = *std::move(model);
   }
-  auto* replayed = dynamic_cast<ReplayTraffic*>(traffic.get());
 
   const std::string arrival = absl::GetFlag(FLAGS_arrival);
 

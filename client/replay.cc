@@ -1,6 +1,10 @@
 #include "client/replay.h"
 
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
 #include <fstream>
+#include <system_error>
 
 #include "absl/strings/str_cat.h"
 #include "client/request_line.h"
@@ -9,6 +13,10 @@ namespace hstu::loadgen {
 
 absl::StatusOr<std::unique_ptr<ReplayTraffic>> ReplayTraffic::Load(const std::string& path,
                                                                    bool overlapping) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat("--replay file ", path, " is a directory"));
+  }
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read --replay file ", path));
   std::vector<std::string> lines;
@@ -20,11 +28,11 @@ absl::StatusOr<std::unique_ptr<ReplayTraffic>> ReplayTraffic::Load(const std::st
 absl::StatusOr<std::unique_ptr<ReplayTraffic>> ReplayTraffic::FromLines(
     const std::vector<std::string>& lines, const std::string& name, bool overlapping) {
   std::vector<Visit> visits;
-  std::vector<int32_t> first_visit;
+  std::vector<uint8_t> first_of_user;
   std::unordered_map<uint64_t, int64_t> slots;
   int64_t with_scores = 0;
   for (size_t n = 0; n < lines.size(); ++n) {
-    if (lines[n].find_first_not_of(" \t\r") == std::string::npos) continue;
+    if (client::IsBlankRequestLine(lines[n])) continue;
     absl::StatusOr<client::RequestLine> parsed = client::ParseRequestLine(lines[n]);
     if (!parsed.ok()) {
       return absl::InvalidArgumentError(
@@ -38,72 +46,83 @@ absl::StatusOr<std::unique_ptr<ReplayTraffic>> ReplayTraffic::FromLines(
     v.candidate_item_ids = std::move(parsed->candidate_item_ids);
     const auto [it, inserted] = slots.try_emplace(v.user_id, static_cast<int64_t>(slots.size()));
     v.slot = it->second;
-    first_visit.push_back(inserted ? 1 : 0);
+    first_of_user.push_back(inserted ? 1 : 0);
     visits.push_back(std::move(v));
   }
   if (visits.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": no request line to replay"));
   }
   return std::unique_ptr<ReplayTraffic>(new ReplayTraffic(
-      std::move(visits), std::move(first_visit), static_cast<int64_t>(slots.size()), with_scores,
+      std::move(visits), std::move(first_of_user), static_cast<int64_t>(slots.size()), with_scores,
       overlapping));
 }
 
-ReplayTraffic::ReplayTraffic(std::vector<Visit> visits, std::vector<int32_t> first_visit_of_user,
+ReplayTraffic::ReplayTraffic(std::vector<Visit> visits, std::vector<uint8_t> first_of_user,
                              int64_t users, int64_t lines_with_scores, bool overlapping)
     : visits_(std::move(visits)),
-      first_visit_(std::move(first_visit_of_user)),
+      first_of_user_(std::move(first_of_user)),
       lines_with_scores_(lines_with_scores),
       overlapping_(overlapping),
       in_flight_(static_cast<size_t>(users), 0) {}
 
 int64_t ReplayTraffic::passes() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return passes_;
+  return sent_pass_;
 }
 
-int64_t ReplayTraffic::NextLineLocked() {
+ReplayTraffic::LineOfPass ReplayTraffic::NextLineLocked() {
   if (next_ == lines()) {
     next_ = 0;
-    ++passes_;
+    ++pass_;
   }
-  return next_++;
+  return LineOfPass{next_++, pass_};
 }
 
-Visit ReplayTraffic::TakeLocked(int64_t i) {
-  Visit v = visits_[i];
-  v.new_user = first_visit_[i] != 0 && passes_ == 0;
-  ++in_flight_[v.slot];
-  return v;
+ReplayTraffic::LineOfPass ReplayTraffic::TakeLocked(LineOfPass l) {
+  ++in_flight_[visits_[l.line].slot];
+  sent_pass_ = std::max(sent_pass_, l.pass);
+  return l;
 }
 
-Visit ReplayTraffic::Next() {
-  std::lock_guard<std::mutex> lock(mu_);
+std::optional<ReplayTraffic::LineOfPass> ReplayTraffic::PickLocked() {
   if (overlapping_) return TakeLocked(NextLineLocked());
   // A waiting line whose user is free goes first: it is older than any line still in the file.
   for (auto it = held_.begin(); it != held_.end(); ++it) {
-    if (in_flight_[visits_[*it].slot] == 0) {
-      const int64_t i = *it;
+    if (in_flight_[visits_[it->line].slot] == 0) {
+      const LineOfPass l = *it;
       held_.erase(it);
-      return TakeLocked(i);
+      return TakeLocked(l);
     }
   }
   // Every waiting line's user is busy, so a free user in the file has no line waiting: its line
-  // keeps its user's order.
-  for (int64_t scanned = 0; scanned < lines() && held_.size() < kMaxHeld; ++scanned) {
-    const int64_t i = NextLineLocked();
-    if (in_flight_[visits_[i].slot] == 0) return TakeLocked(i);
-    held_.push_back(i);
+  // keeps its user's order. The file's end is not passed while a line of this pass waits.
+  while (held_.size() < kMaxHeld && !(next_ == lines() && !held_.empty())) {
+    const LineOfPass l = NextLineLocked();
+    if (in_flight_[visits_[l.line].slot] == 0) return TakeLocked(l);
+    held_.push_back(l);
   }
-  if (held_.empty()) return TakeLocked(NextLineLocked());
-  const int64_t i = held_.front();  // every user in reach is busy: the oldest line goes anyway
-  held_.pop_front();
-  return TakeLocked(i);
+  return std::nullopt;  // every user in reach is busy
+}
+
+Visit ReplayTraffic::Next() {
+  std::optional<LineOfPass> l;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    // Busy users are answered (Done) by other threads; the timeout only bounds a missed wake-up.
+    while (!(l = PickLocked())) user_free_.wait_for(lock, std::chrono::milliseconds(100));
+  }
+  // visits_ never changes: the (possibly long) history is copied outside the lock.
+  Visit v = visits_[l->line];
+  v.new_user = first_of_user_[l->line] != 0 && l->pass == 0;
+  return v;
 }
 
 void ReplayTraffic::Done(const Visit& visit) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (visit.slot >= 0 && visit.slot < users()) --in_flight_[visit.slot];
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (visit.slot < 0 || visit.slot >= users() || --in_flight_[visit.slot] > 0) return;
+  }
+  user_free_.notify_all();
 }
 
 }  // namespace hstu::loadgen

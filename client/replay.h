@@ -7,8 +7,10 @@
 // others) until that visit is answered, and the lines after it go ahead meanwhile, so that a
 // user's visits reach the server one at a time and in the file's order, as one person's app sends
 // them (the traffic model's rule; without it a later, longer history could overtake an earlier
-// one and cut the user's cache). With `overlapping` every line goes in the file's order at once.
-// When every user in reach has a visit in flight, the oldest waiting line goes anyway.
+// one and cut the user's cache). No line of the next pass goes while one of this pass waits.
+// When every user in reach has a visit in flight, Next() waits until one is answered: a run
+// cannot have more visits in flight than the file has users ready. With `overlapping` every line
+// goes in the file's order at once, and Next() never waits.
 //
 // At the end of the file the replay starts again from its first line (passes() counts the
 // times). The histories are then those the server already holds: the later passes measure cache
@@ -17,10 +19,12 @@
 // Thread-safety: Next() and Done() are thread-safe.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -43,6 +47,7 @@ class ReplayTraffic final : public VisitSource {
   static absl::StatusOr<std::unique_ptr<ReplayTraffic>> FromLines(
       const std::vector<std::string>& lines, const std::string& name, bool overlapping);
 
+  // Waits while every user in reach has a visit in flight (not with `overlapping`).
   Visit Next() override;
   void Done(const Visit& visit) override;
 
@@ -50,26 +55,35 @@ class ReplayTraffic final : public VisitSource {
   int64_t users() const { return static_cast<int64_t>(in_flight_.size()); }
   // Lines that carry 'expected_scores' (ignored here: hstu_rank checks them).
   int64_t lines_with_scores() const { return lines_with_scores_; }
-  // Times the replay went back to the file's first line.
+  // Times the replay went back to the file's first line: the pass of the latest line sent.
   int64_t passes() const;
 
  private:
-  ReplayTraffic(std::vector<Visit> visits, std::vector<int32_t> first_visit_of_user,
-                int64_t users, int64_t lines_with_scores, bool overlapping);
-  // The visit of line `i`, marked in flight. Under mu_.
-  Visit TakeLocked(int64_t i);
-  // The next line of the file, wrapping at its end. Under mu_.
-  int64_t NextLineLocked();
+  // A line of the file in one pass through it (0: the first).
+  struct LineOfPass {
+    int64_t line = 0;
+    int64_t pass = 0;
+  };
+  ReplayTraffic(std::vector<Visit> visits, std::vector<uint8_t> first_of_user, int64_t users,
+                int64_t lines_with_scores, bool overlapping);
+  // Which line goes next, marked in flight; none while every user in reach is busy. Under mu_.
+  std::optional<LineOfPass> PickLocked();
+  // `l` marked in flight. Under mu_.
+  LineOfPass TakeLocked(LineOfPass l);
+  // The file's next line; at its end, the first line of the next pass. Under mu_.
+  LineOfPass NextLineLocked();
 
-  const std::vector<Visit> visits_;  // slot: the user's index in in_flight_
-  const std::vector<int32_t> first_visit_;  // 1 where the line is its user's first in the file
+  const std::vector<Visit> visits_;        // slot: the user's index in in_flight_
+  const std::vector<uint8_t> first_of_user_;  // 1 where the line is its user's first in the file
   const int64_t lines_with_scores_;
   const bool overlapping_;
   mutable std::mutex mu_;
-  std::vector<int32_t> in_flight_;  // by user slot
-  std::deque<int64_t> held_;        // lines waiting for their user, in the file's order
-  int64_t next_ = 0;
-  int64_t passes_ = 0;
+  std::condition_variable user_free_;  // a user's last visit in flight was answered
+  std::vector<int32_t> in_flight_;     // by user slot
+  std::deque<LineOfPass> held_;     // lines waiting for their user, in the file's order
+  int64_t next_ = 0;                // the file's next line to read in pass `pass_`
+  int64_t pass_ = 0;
+  int64_t sent_pass_ = 0;           // the pass of the latest line sent
 };
 
 }  // namespace hstu::loadgen

@@ -68,7 +68,7 @@ std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& lev
                 info.connections, info.seed)
           : absl::StrFormat(
                 "hstu_loadgen: target %s, model %s on %s, replaying %s (%d lines, %d users%s), "
-                "%d connection(s)\n",
+                "%d connection(s), seed %d\n",
                 info.target, info.model, info.device, info.replay_file, info.replay_lines,
                 info.replay_users,
                 info.replay_passes > 0
@@ -76,7 +76,7 @@ std::string FormatTable(const RunInfo& info, const std::vector<LevelResult>& lev
                                       "passes re-sent histories the server held",
                                       info.replay_passes)
                     : "",
-                info.connections);
+                info.connections, info.seed);
   absl::StrAppend(&out, absl::StrFormat("| %-18s | %9s | %8s | %8s | %8s | %8s | %8s | %8s | %8s | %7s | %s |\n",
                                         "load", "requests", "rps", "p50 ms", "p90 ms", "p95 ms",
                                         "p99 ms", "p99.9 ms", "max ms", "reuse %", "errors"));

@@ -16,6 +16,10 @@ namespace {
 
 using json = nlohmann::json;
 
+constexpr const char* kRequestLineFields[] = {"user_id",          "history_item_ids",
+                                              "history_actions",  "candidate_item_ids",
+                                              "expected_scores",  "cache_result"};
+
 // JSON integer `v` as T, or an error naming `field` when it is not an integer or does not fit
 // (a value is never wrapped: an action of 2^32 + 1 is not action 1).
 template <typename T>
@@ -42,6 +46,10 @@ absl::StatusOr<T> IntegerAs(const json& v, const std::string& field) {
 }
 
 }  // namespace
+
+bool IsBlankRequestLine(const std::string& line) {
+  return line.find_first_not_of(" \t\r") == std::string::npos;
+}
 
 absl::StatusOr<RequestLine> ParseRequestLine(const std::string& line) {
   // A key given twice at the top level: which one was meant is unknown (the parser keeps the last).
@@ -79,18 +87,18 @@ absl::StatusOr<RequestLine> ParseRequestLine(const std::string& line) {
   auto user = IntegerAs<uint64_t>(j["user_id"], "user_id");
   if (!user.ok()) return user.status();
   out.user_id = *user;
-  auto ints = [&](const char* field, auto* out, bool required) -> absl::Status {
+  auto ints = [&](const char* field, auto* values, bool required) -> absl::Status {
     if (!j.contains(field)) {
       return required ? absl::InvalidArgumentError(std::string("field '") + field + "' is missing")
                       : absl::OkStatus();
     }
     const json& a = j[field];
     if (!a.is_array()) return absl::InvalidArgumentError(std::string("field '") + field + "' must be an array");
-    using T = typename std::remove_pointer_t<decltype(out)>::value_type;
+    using T = typename std::remove_pointer_t<decltype(values)>::value_type;
     for (size_t i = 0; i < a.size(); ++i) {
       auto v = IntegerAs<T>(a[i], std::string(field) + "[" + std::to_string(i) + "]");
       if (!v.ok()) return v.status();
-      out->push_back(*v);
+      values->push_back(*v);
     }
     return absl::OkStatus();
   };

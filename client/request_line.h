@@ -16,10 +16,6 @@
 
 namespace hstu::client {
 
-inline constexpr const char* kRequestLineFields[] = {"user_id",          "history_item_ids",
-                                                     "history_actions",  "candidate_item_ids",
-                                                     "expected_scores",  "cache_result"};
-
 struct RequestLine {
   uint64_t user_id = 0;
   std::vector<int64_t> history_item_ids;  // oldest first
@@ -28,6 +24,9 @@ struct RequestLine {
   std::optional<std::vector<std::vector<float>>> expected_scores;  // [candidates][tasks]
   std::string cache_result;  // how the recording server's cache served it ("" when not given)
 };
+
+// A line of spaces, tabs and CRs only (skipped: neither a request nor an error).
+bool IsBlankRequestLine(const std::string& line);
 
 // Parses one line; the error names the field. The request's values are not checked against a
 // model (the engine or the server does that).

@@ -56,7 +56,8 @@ struct Visit {
 class VisitSource {
  public:
   virtual ~VisitSource() = default;
-  // The next visit to send, marked in flight until Done().
+  // The next visit to send, marked in flight until Done(). May wait for a visit in flight to be
+  // answered (ReplayTraffic).
   virtual Visit Next() = 0;
   // The answer to `visit` came back, its call failed, or it was never sent.
   virtual void Done(const Visit& visit) = 0;

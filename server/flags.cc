@@ -126,7 +126,8 @@ ABSL_FLAG(int32_t, engine_stall_timeout_s, -1,
 ABSL_FLAG(double, slow_request_ms, -1,
           "Log one line (info level) for each Rank call that spent at least this many "
           "milliseconds in the server: its request_id, user, sizes, time in the queue and on the "
-          "engine, batch size, cache result and code. < 0: off; 0: every call (an access log).");
+          "engine, batch size, cache result and code. < 0: off; 0: every call counted in "
+          "hstu_requests_total (an access log, with --slow_request_log_per_s=0).");
 ABSL_FLAG(int32_t, slow_request_log_per_s, 10,
           "Most slow-request lines a second; the rest are counted in one line. 0: no limit.");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level: trace, debug, info, warn, error, critical, off.");

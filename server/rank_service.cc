@@ -146,13 +146,15 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
     const absl::Status counted = AsCounted(status, context->IsCancelled(), client_deadline, now);
     const double total = std::chrono::duration<double>(now - arrived).count();
     metrics->ObserveRequest(GrpcCodeName(counted.code()), total);
+    answer(status);
+    // Logged once answered: the line's I/O holds up no answer (this may be the scheduler's
+    // thread, with the rest of the batch still to answer).
     if (log->Slow(total)) {
       record.total_seconds = total;
       record.code = counted.code();
       record.error = counted.message();
       log->Write(record);
     }
-    answer(status);
   };
 
   // The refusals of a server not serving (still loading, or draining) are counted as such, not
@@ -184,19 +186,21 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
         "a string field such as request_id that is not UTF-8)"));
     return reactor;
   }
-  if (request.request_id().size() > kMaxRequestIdBytes) {
-    finish(absl::InvalidArgumentError(absl::StrCat("request_id has ", request.request_id().size(),
-                                                   " bytes, more than the limit of ",
-                                                   kMaxRequestIdBytes)));
-    return reactor;
-  }
-  RankRequest rank_request = FromProto(request);
   // The slow-request log's view of the request (its request_id is owned by the callback below).
   RequestRecord seen;
   seen.parsed = true;
-  seen.user_id = rank_request.user_id;
-  seen.history_events = static_cast<int64_t>(rank_request.history_item_ids.size());
-  seen.candidates = static_cast<int64_t>(rank_request.candidate_item_ids.size());
+  seen.user_id = request.user_id();
+  seen.history_events = request.history_item_ids_size();
+  seen.candidates = request.candidate_item_ids_size();
+  if (request.request_id().size() > kMaxRequestIdBytes) {
+    seen.request_id = request.request_id();
+    finish(absl::InvalidArgumentError(absl::StrCat("request_id has ", request.request_id().size(),
+                                                   " bytes, more than the limit of ",
+                                                   kMaxRequestIdBytes)),
+           seen);
+    return reactor;
+  }
+  RankRequest rank_request = FromProto(request);
   if (absl::Status s = ValidateForEngine(rank_request, *a->engine); !s.ok()) {
     seen.request_id = request.request_id();
     finish(s, seen);

@@ -10,9 +10,19 @@
 namespace hstu::server {
 namespace {
 
-// An error message is cut to this many bytes in a line (validation errors can quote sizes, not
-// payloads, but a line stays a line).
+// An error message and a request_id are cut to these many bytes in a line (validation errors
+// quote sizes, not payloads, but a line stays a line; the server refuses longer request_ids).
 constexpr size_t kMaxErrorBytes = 300;
+constexpr size_t kMaxLoggedIdBytes = 256;
+
+// `text` C-escaped but for its UTF-8 (a non-ASCII request_id stays readable and greppable), cut
+// at a character's start once past `max_bytes`, with "..." then.
+std::string EscapedPrefix(absl::string_view text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return absl::Utf8SafeCEscape(text);
+  size_t cut = max_bytes;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return absl::StrCat(absl::Utf8SafeCEscape(text.substr(0, cut)), "...");
+}
 
 }  // namespace
 
@@ -20,7 +30,7 @@ absl::Status CheckRequestLogOptions(const RequestLogOptions& options) {
   constexpr double kDayMs = 86400e3;
   if (!std::isfinite(options.slow_request_ms) || options.slow_request_ms > kDayMs) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--slow_request_ms=", options.slow_request_ms,
+        "--slow_request_ms=", absl::StrFormat("%.15g", options.slow_request_ms),
         ": must be a number of milliseconds up to a day (86400000), or < 0 for no slow-request log"));
   }
   if (options.max_lines_per_s < 0) {
@@ -40,48 +50,56 @@ std::string FormatRequestRecord(const RequestRecord& r) {
   }
   absl::StrAppend(&line, " code=", absl::StatusCodeToString(r.code));
   if (r.parsed) {
-    absl::StrAppend(&line, " request_id=\"", absl::CEscape(r.request_id), "\" user_id=", r.user_id,
-                    " events=", r.history_events, " candidates=", r.candidates);
+    absl::StrAppend(&line, " request_id=\"", EscapedPrefix(r.request_id, kMaxLoggedIdBytes),
+                    "\" user_id=", r.user_id, " events=", r.history_events,
+                    " candidates=", r.candidates);
   }
   if (r.answered) {
     absl::StrAppend(&line, " reused_tokens=", r.reused_tokens, " computed_tokens=",
                     r.computed_tokens, " cache=", r.cache_result);
   }
   if (r.code != absl::StatusCode::kOk) {
-    absl::StrAppend(&line, " error=\"", absl::CEscape(r.error.substr(0, kMaxErrorBytes)),
-                    r.error.size() > kMaxErrorBytes ? "..." : "", "\"");
+    absl::StrAppend(&line, " error=\"", EscapedPrefix(r.error, kMaxErrorBytes), "\"");
   }
   return line;
 }
 
 void RequestLog::Write(const RequestRecord& record, Clock::time_point now) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (options_.max_lines_per_s > 0) {
-    if (now - window_start_ >= std::chrono::seconds(1)) {
-      window_start_ = now;
-      written_ = 0;
+  int64_t held_back = 0;
+  {
+    // Only the decision is made under the lock; the lines are formatted and written outside it.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (options_.max_lines_per_s > 0) {
+      if (now - window_start_ >= std::chrono::seconds(1)) {
+        window_start_ = now;
+        written_ = 0;
+      }
+      if (written_ >= options_.max_lines_per_s) {
+        ++held_back_;
+        return;
+      }
+      ++written_;
     }
-    if (written_ >= options_.max_lines_per_s) {
-      ++held_back_;
-      return;
-    }
-    ++written_;
+    std::swap(held_back, held_back_);
   }
-  WriteHeldBackLocked();
+  WriteHeldBack(held_back);
   spdlog::info("slow request: {}", FormatRequestRecord(record));
 }
 
 void RequestLog::Flush() {
-  std::lock_guard<std::mutex> lock(mu_);
-  WriteHeldBackLocked();
+  int64_t held_back = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::swap(held_back, held_back_);
+  }
+  WriteHeldBack(held_back);
 }
 
-void RequestLog::WriteHeldBackLocked() {
-  if (held_back_ == 0) return;
-  spdlog::info("slow request: {} more slow-request lines were not written (at most {} a second, "
+void RequestLog::WriteHeldBack(int64_t lines) const {
+  if (lines == 0) return;
+  spdlog::info("slow request: {} more slow-request {} not written (at most {} a second, "
                "--slow_request_log_per_s)",
-               held_back_, options_.max_lines_per_s);
-  held_back_ = 0;
+               lines, lines == 1 ? "line was" : "lines were", options_.max_lines_per_s);
 }
 
 }  // namespace hstu::server

@@ -4,15 +4,20 @@
 // request_id. Off by default (DESIGN §8: no per-request lines by default); a threshold of 0 logs
 // every call, an access log.
 //
-// A line, at info level (the request_id C-escaped, so a client cannot forge log lines):
-//   slow request: total_ms=12.31 queue_ms=10.02 compute_ms=2.10 batch=8 code=OK
+// A line, at info level (the request_id C-escaped but for its UTF-8, so that a client cannot
+// forge log lines):
+//   slow request: total_ms=12.310 queue_ms=10.020 compute_ms=2.100 batch=8 code=OK
 //   request_id="a1" user_id=42 events=200 candidates=256 reused_tokens=396 computed_tokens=4
 //   cache=gpu_hit
-// (one line; wrapped here). A call answered before it reached the engine (refused, invalid)
-// has no queue, batch or cache fields, and a failed one ends with its error message.
+// (one line; wrapped here). A call refused before the queue (invalid, queue full) has no queue,
+// batch or cache fields; one answered from the queue (expired, cancelled) has its queue time
+// only; a failed one ends with its error message. The calls logged are those
+// hstu_requests_total counts (not the refusals while the model loads or the server drains, nor
+// those gRPC refuses before the service sees them, such as a message over --max_message_bytes).
 //
 // At most `max_lines_per_s` lines a second; the lines held back are counted and summed up in one
-// line with the next line written, or at Flush() (the server's shutdown).
+// line with the next line written, or at Flush() (the server's shutdown). The lines are written
+// after the call is answered.
 #pragma once
 
 #include <chrono>
@@ -37,7 +42,7 @@ struct RequestLogOptions {
 absl::Status CheckRequestLogOptions(const RequestLogOptions& options);
 
 // What one call's line says. Fields of parts the call did not reach stay at their defaults and
-// are left out of the line.
+// are left out of the line. The views must outlive the Write() of the record.
 struct RequestRecord {
   double total_seconds = 0;
   absl::StatusCode code = absl::StatusCode::kOk;
@@ -81,7 +86,8 @@ class RequestLog {
   void Flush();
 
  private:
-  void WriteHeldBackLocked();
+  // Writes the count of `lines` held back, if any.
+  void WriteHeldBack(int64_t lines) const;
 
   const RequestLogOptions options_;
   std::mutex mu_;

@@ -10,15 +10,14 @@
 #include <chrono>
 #include <cstdlib>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
+#include "tests/util/captured_log.h"
 
 namespace hstu::server {
 namespace {
@@ -82,26 +81,11 @@ TEST(LogRateLimiter, TakeEndedAndTakeAllReportWithoutANewLine) {
   EXPECT_TRUE(limiter.TakeAll().empty());
 }
 
-std::vector<std::string> Lines(const std::ostringstream& out) {
-  return absl::StrSplit(out.str(), '\n', absl::SkipEmpty());
-}
-
-// spdlog's default logger writes plain "[level] message" lines to a stream for the test, and is
-// put back at its end.
+// spdlog's default logger writes plain "[level] message" lines for the test, and is put back at
+// its end.
 class GrpcLogRouterTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    previous_ = spdlog::default_logger();
-    auto logger = std::make_shared<spdlog::logger>(
-        "test", std::make_shared<spdlog::sinks::ostream_sink_mt>(out_));
-    logger->set_pattern("[%l] %v");
-    logger->set_level(spdlog::level::trace);
-    spdlog::set_default_logger(logger);
-  }
-  void TearDown() override { spdlog::set_default_logger(previous_); }
-
-  std::ostringstream out_;
-  std::shared_ptr<spdlog::logger> previous_;
+  hstu::testing::CapturedLog log_{"[%l] %v"};
 };
 
 // Logs as gRPC's code does, from one line of code, and returns that line.
@@ -115,8 +99,8 @@ TEST_F(GrpcLogRouterTest, GrpcLinesGoThroughSpdlogAtMostABurstOfAKind) {
     GrpcLogRouter router;
     for (int i = 0; i < 20; ++i) line = LogHandshakeFailed(40000 + i);
     gpr_log(GPR_ERROR, "another line of code");  // a kind of its own
-    const std::vector<std::string> lines = Lines(out_);
-    ASSERT_EQ(lines.size(), GrpcLogRouter::kBurst + 1u) << out_.str();
+    const std::vector<std::string> lines = log_.Lines();
+    ASSERT_EQ(lines.size(), GrpcLogRouter::kBurst + 1u) << log_.str();
     const std::string site = absl::StrCat("grpc_log_test.cc:", line);
     EXPECT_EQ(lines[0],
               absl::StrCat("[error] grpc-core: handshake from port 40000 failed (", site, ")"));
@@ -124,20 +108,20 @@ TEST_F(GrpcLogRouterTest, GrpcLinesGoThroughSpdlogAtMostABurstOfAKind) {
               absl::StrCat("[error] grpc-core: handshake from port 40004 failed (", site, ")"));
     EXPECT_NE(lines[5].find("grpc-core: another line of code (grpc_log_test.cc:"),
               std::string::npos);
-    out_.str("");
+    log_.Clear();
   }
   // At the router's end what it held back is summed up, with the last such line.
-  const std::vector<std::string> lines = Lines(out_);
-  ASSERT_EQ(lines.size(), 1u) << out_.str();
+  const std::vector<std::string> lines = log_.Lines();
+  ASSERT_EQ(lines.size(), 1u) << log_.str();
   EXPECT_EQ(lines[0],
             absl::StrCat("[error] grpc-core: 15 more lines like this were not written (at "
                          "most 5 of a kind in 10 s): handshake from port 40019 failed "
                          "(grpc_log_test.cc:",
                          line, ")"));
   // Past it, gRPC's lines go to stderr, not through spdlog (which may be torn down by then).
-  out_.str("");
+  log_.Clear();
   gpr_log(GPR_ERROR, "after the router");
-  EXPECT_EQ(out_.str(), "");
+  EXPECT_EQ(log_.str(), "");
 }
 
 TEST_F(GrpcLogRouterTest, TheTimerWritesTheSummaryOnceTheWindowIsOver) {
@@ -145,11 +129,11 @@ TEST_F(GrpcLogRouterTest, TheTimerWritesTheSummaryOnceTheWindowIsOver) {
   for (int i = 0; i < GrpcLogRouter::kBurst + 2; ++i) LogHandshakeFailed(i);
   // No further gRPC line: the timer (every second) writes the summary after the 10 s window.
   const auto end = std::chrono::steady_clock::now() + GrpcLogRouter::kWindow + seconds(5);
-  while (out_.str().find("2 more lines") == std::string::npos &&
+  while (log_.str().find("2 more lines") == std::string::npos &&
          std::chrono::steady_clock::now() < end) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  EXPECT_NE(out_.str().find("grpc-core: 2 more lines like this"), std::string::npos) << out_.str();
+  EXPECT_NE(log_.str().find("grpc-core: 2 more lines like this"), std::string::npos) << log_.str();
 }
 
 TEST_F(GrpcLogRouterTest, ManyThreadsLoggingOneKindWriteOneBurst) {
@@ -162,7 +146,7 @@ TEST_F(GrpcLogRouterTest, ManyThreadsLoggingOneKindWriteOneBurst) {
   }
   for (std::thread& t : threads) t.join();
   // Written within one window (this test takes far less than 10 s).
-  EXPECT_EQ(Lines(out_).size(), static_cast<size_t>(GrpcLogRouter::kBurst)) << out_.str();
+  EXPECT_EQ(log_.Lines().size(), static_cast<size_t>(GrpcLogRouter::kBurst)) << log_.str();
 }
 
 TEST_F(GrpcLogRouterTest, WithGrpcTraceSetNothingIsHeldBack) {
@@ -172,7 +156,7 @@ TEST_F(GrpcLogRouterTest, WithGrpcTraceSetNothingIsHeldBack) {
     for (int i = 0; i < 20; ++i) LogHandshakeFailed(i);
   }
   unsetenv("GRPC_TRACE");
-  EXPECT_EQ(Lines(out_).size(), 20u) << out_.str();
+  EXPECT_EQ(log_.Lines().size(), 20u) << log_.str();
 }
 
 }  // namespace

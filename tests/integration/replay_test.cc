@@ -7,7 +7,9 @@
 
 #include <cstdio>
 #include <fstream>
+#include <future>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -80,14 +82,62 @@ TEST(ReplayTest, ABusyUsersLineWaitsAndKeepsItsUsersOrder) {
   EXPECT_EQ(f.history_item_ids.size(), 6u);
 }
 
-TEST(ReplayTest, WhenEveryUserIsBusyTheOldestWaitingLineGoes) {
+// With every user busy, Next() waits for an answer rather than send a user's second visit.
+TEST(ReplayTest, WhenEveryUserIsBusyNextWaitsForAnAnswer) {
   auto r = FromLines({Line(1, 2), Line(1, 4)});
   ASSERT_NE(r, nullptr);
   const Visit a = r->Next();
-  const Visit b = r->Next();  // user 1 busy, no other user: its next line goes anyway
-  EXPECT_EQ(a.user_id, 1u);
+  std::promise<Visit> next;
+  std::future<Visit> got = next.get_future();
+  std::thread caller([&] { next.set_value(r->Next()); });
+  EXPECT_EQ(got.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
+  r->Done(a);
+  ASSERT_EQ(got.wait_for(std::chrono::seconds(20)), std::future_status::ready);
+  const Visit b = got.get();
+  caller.join();
   EXPECT_EQ(b.user_id, 1u);
   EXPECT_EQ(b.history_item_ids.size(), 4u);
+}
+
+// A waiting line of this pass goes before any line of the next, and the pass count is that of
+// the lines sent (not of how far the file was read).
+TEST(ReplayTest, NoLineOfTheNextPassOvertakesAWaitingOne) {
+  auto r = FromLines({Line(1, 2), Line(1, 4), Line(2, 2)});
+  ASSERT_NE(r, nullptr);
+  const Visit a = r->Next();  // line 1
+  const Visit b = r->Next();  // line 2 waits (user 1 busy): line 3
+  EXPECT_EQ(b.user_id, 2u);
+  r->Done(b);
+  // User 2 is free, but its next line is of pass 1, and line 2 of pass 0 still waits.
+  std::promise<Visit> next;
+  std::future<Visit> got = next.get_future();
+  std::thread caller([&] { next.set_value(r->Next()); });
+  EXPECT_EQ(got.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
+  r->Done(a);
+  ASSERT_EQ(got.wait_for(std::chrono::seconds(20)), std::future_status::ready);
+  const Visit c = got.get();
+  caller.join();
+  EXPECT_EQ(c.user_id, 1u);
+  EXPECT_EQ(c.history_item_ids.size(), 4u);
+  EXPECT_EQ(r->passes(), 0);
+  r->Done(c);
+  const Visit d = r->Next();  // line 1 of pass 1
+  EXPECT_EQ(d.user_id, 1u);
+  EXPECT_EQ(d.history_item_ids.size(), 2u);
+  EXPECT_FALSE(d.new_user);
+  EXPECT_EQ(r->passes(), 1);
+
+  auto two = FromLines({Line(1, 2), Line(2, 2)});
+  ASSERT_NE(two, nullptr);
+  std::vector<Visit> out;
+  for (int i = 0; i < 23; ++i) {
+    out.push_back(two->Next());
+    if (out.size() == 2) {  // two callers
+      two->Done(out.front());
+      out.erase(out.begin());
+    }
+  }
+  EXPECT_EQ(two->passes(), 11);  // 23 lines of a 2-line file: passes 0..11
 }
 
 TEST(ReplayTest, OverlappingSendsEveryLineInOrderAtOnce) {

@@ -10,7 +10,6 @@
 #include <cmath>
 #include <limits>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,36 +18,20 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "spdlog/sinks/ostream_sink.h"
-#include "spdlog/spdlog.h"
 #include "tests/integration/server_fixture.h"
+#include "tests/util/captured_log.h"
 
 namespace hstu::server {
 namespace {
 
-// Sends spdlog's default logger's lines to a string while it lives, then restores the logger.
-class CapturedLog {
- public:
-  CapturedLog() : previous_(spdlog::default_logger()) {
-    auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out_);
-    sink->set_pattern("%v");
-    spdlog::set_default_logger(std::make_shared<spdlog::logger>("captured", sink));
+// The lines that start with "slow request: ", without it.
+std::vector<std::string> SlowLines(const testing::CapturedLog& log) {
+  std::vector<std::string> lines;
+  for (absl::string_view line : log.Lines()) {
+    if (absl::ConsumePrefix(&line, "slow request: ")) lines.emplace_back(line);
   }
-  ~CapturedLog() { spdlog::set_default_logger(previous_); }
-  // The lines that start with "slow request: ", without it.
-  std::vector<std::string> SlowLines() {
-    std::vector<std::string> lines;
-    spdlog::default_logger()->flush();
-    for (absl::string_view line : absl::StrSplit(out_.str(), '\n')) {
-      if (absl::ConsumePrefix(&line, "slow request: ")) lines.emplace_back(line);
-    }
-    return lines;
-  }
-
- private:
-  std::ostringstream out_;
-  std::shared_ptr<spdlog::logger> previous_;
-};
+  return lines;
+}
 
 TEST(RequestLog, LineHasTheFieldsOfWhatTheCallReached) {
   RequestRecord r;
@@ -92,10 +75,22 @@ TEST(RequestLog, WhatTheClientSentCannotBreakTheLine) {
   EXPECT_NE(line.find("request_id=\"a\\\"b\\nslow request: total_ms=0\""), std::string::npos) << line;
   EXPECT_NE(line.find(std::string(300, 'x') + "...\""), std::string::npos) << line;
   EXPECT_EQ(line.find(std::string(301, 'x')), std::string::npos);
+
+  // UTF-8 stays as it is (greppable); an id past 256 bytes (refused by the server, and logged
+  // with its refusal) is cut at a character's start.
+  r.request_id = "caf\xc3\xa9\xe2\x98\x83\t";
+  EXPECT_NE(FormatRequestRecord(r).find("request_id=\"caf\xc3\xa9\xe2\x98\x83\\t\""),
+            std::string::npos)
+      << FormatRequestRecord(r);
+  const std::string long_id = std::string(255, 'a') + "\xc3\xa9" + std::string(100, 'b');
+  r.request_id = long_id;
+  EXPECT_NE(FormatRequestRecord(r).find("request_id=\"" + std::string(255, 'a') + "...\""),
+            std::string::npos)
+      << FormatRequestRecord(r);
 }
 
 TEST(RequestLog, WritesAtMostTheRateAndCountsTheRestInOneLine) {
-  CapturedLog captured;
+  testing::CapturedLog captured;
   RequestLog log(RequestLogOptions{.slow_request_ms = 0, .max_lines_per_s = 3});
   const RequestLog::Clock::time_point t0 = RequestLog::Clock::time_point() + std::chrono::hours(1);
   RequestRecord r;
@@ -110,7 +105,7 @@ TEST(RequestLog, WritesAtMostTheRateAndCountsTheRestInOneLine) {
   log.Write(r, t0 + std::chrono::milliseconds(1003));  // held back: reported by the Flush
   log.Flush();
   log.Flush();  // nothing more held back: no line
-  const std::vector<std::string> lines = captured.SlowLines();
+  const std::vector<std::string> lines = SlowLines(captured);
   ASSERT_EQ(lines.size(), 8u) << absl::StrJoin(lines, "\n");
   EXPECT_EQ(lines[0], "total_ms=0.000 code=OK");
   EXPECT_EQ(lines[2], "total_ms=2.000 code=OK");
@@ -119,7 +114,7 @@ TEST(RequestLog, WritesAtMostTheRateAndCountsTheRestInOneLine) {
             "--slow_request_log_per_s)");
   EXPECT_EQ(lines[4], "total_ms=500.000 code=OK");
   EXPECT_EQ(lines[7],
-            "1 more slow-request lines were not written (at most 3 a second, "
+            "1 more slow-request line was not written (at most 3 a second, "
             "--slow_request_log_per_s)");
 }
 
@@ -132,11 +127,11 @@ TEST(RequestLog, NoLimitAndOffAndThreshold) {
   EXPECT_FALSE(slow.Slow(0.0049));
   EXPECT_TRUE(slow.Slow(0.005));
 
-  CapturedLog captured;
+  testing::CapturedLog captured;
   RequestLog unlimited(RequestLogOptions{.slow_request_ms = 0, .max_lines_per_s = 0});
   const auto t0 = RequestLog::Clock::now();
   for (int i = 0; i < 50; ++i) unlimited.Write(RequestRecord(), t0);
-  EXPECT_EQ(captured.SlowLines().size(), 50u);
+  EXPECT_EQ(SlowLines(captured).size(), 50u);
 }
 
 TEST(RequestLog, OptionsOutOfRangeNameTheFlag) {
@@ -151,26 +146,30 @@ TEST(RequestLog, OptionsOutOfRangeNameTheFlag) {
   EXPECT_TRUE(absl::StrContains(s.message(), "--slow_request_log_per_s")) << s;
 }
 
-class RequestLogServerTest : public fixture::ServerTest {};
+// The log is captured for the fixture's whole life: the server's threads, which may still log
+// until its TearDown shuts it down, never see the logger put back under them.
+class RequestLogServerTest : public fixture::ServerTest {
+ protected:
+  testing::CapturedLog captured_;
+};
 
 // A call held at the engine past the threshold gets a line with its queue, batch and cache
 // fields; fast calls get none.
 TEST_F(RequestLogServerTest, SlowCallIsLoggedAndFastCallsAreNot) {
-  CapturedLog captured;
   ServerOptions o;
-  o.request_log.slow_request_ms = 300;
+  o.request_log.slow_request_ms = 1000;
   ASSERT_NO_FATAL_FAILURE(StartServer(o));
   hstu::v1::RankResponse fast;
   ASSERT_TRUE(Rank(fixture::MakeRequest(7, 10, 3, 1), &fast).ok());
   grpc::Status held;
   std::thread caller = HoldOneBatch(&held);  // user 5, request_id "req-5-1"
-  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
   gate_.Open();
   caller.join();
   ASSERT_TRUE(held.ok()) << held.error_message();
   ASSERT_TRUE(Rank(fixture::MakeRequest(7, 12, 3, 1), &fast).ok());
   server_->Shutdown(absl::Seconds(5));
-  const std::vector<std::string> lines = captured.SlowLines();
+  const std::vector<std::string> lines = SlowLines(captured_);
   ASSERT_EQ(lines.size(), 1u) << absl::StrJoin(lines, "\n");
   const std::string& line = lines[0];
   EXPECT_NE(line.find(" code=OK request_id=\"req-5-1\" user_id=5 events=5 candidates=3 "
@@ -185,14 +184,13 @@ TEST_F(RequestLogServerTest, SlowCallIsLoggedAndFastCallsAreNot) {
       ASSERT_TRUE(absl::SimpleAtod(field, &compute_ms));
     }
   }
-  EXPECT_GE(compute_ms, 390) << line;  // the gate held the batch inside the engine's call
+  EXPECT_GE(compute_ms, 1090) << line;  // the gate held the batch inside the engine's call
   EXPECT_GE(total_ms, compute_ms) << line;
 }
 
 // With a threshold of 0 every call has a line, also one refused as invalid, which names its
 // error and has no queue or engine fields.
 TEST_F(RequestLogServerTest, ThresholdZeroLogsEveryCallWithItsError) {
-  CapturedLog captured;
   ServerOptions o;
   o.request_log.slow_request_ms = 0;
   ASSERT_NO_FATAL_FAILURE(StartServer(o));
@@ -202,9 +200,17 @@ TEST_F(RequestLogServerTest, ThresholdZeroLogsEveryCallWithItsError) {
   hstu::v1::RankRequest bad = fixture::MakeRequest(4, 4, 2, 1);
   bad.add_history_actions(1);
   EXPECT_EQ(Rank(bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  hstu::v1::RankRequest long_id = fixture::MakeRequest(6, 4, 2, 1);
+  long_id.set_request_id(std::string(300, 'z'));
+  EXPECT_EQ(Rank(long_id, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   server_->Shutdown(absl::Seconds(5));
-  const std::vector<std::string> lines = captured.SlowLines();
-  ASSERT_EQ(lines.size(), 3u) << absl::StrJoin(lines, "\n");
+  const std::vector<std::string> lines = SlowLines(captured_);
+  ASSERT_EQ(lines.size(), 4u) << absl::StrJoin(lines, "\n");
+  EXPECT_NE(lines[3].find(absl::StrCat(" code=INVALID_ARGUMENT request_id=\"", std::string(256, 'z'),
+                                       "...\" user_id=6 events=4 candidates=2 error=\"request_id "
+                                       "has 300 bytes")),
+            std::string::npos)
+      << lines[3];
   EXPECT_NE(lines[0].find("cache=miss"), std::string::npos) << lines[0];
   EXPECT_NE(lines[1].find("reused_tokens=8 computed_tokens=4 cache=gpu_hit"), std::string::npos)
       << lines[1];

@@ -518,6 +518,33 @@ TEST(ProcessTest, LoadgenReplaysARecordingIntoTheSameAnswers) {
   EXPECT_EQ(report["replay"]["passes"], 0);
   EXPECT_FALSE(report.contains("zipf"));
 
+  // At four callers the batches differ, but each user's visits still reach the server one at a
+  // time and in the file's order: with a pool that holds every user, each user's answers have the
+  // same cache results and reused tokens as at one caller.
+  auto per_user = [](const std::string& jsonl) {
+    std::map<uint64_t, std::vector<std::string>> users;
+    for (absl::string_view line : absl::StrSplit(jsonl, '\n', absl::SkipEmpty())) {
+      const auto j = nlohmann::json::parse(line);
+      users[j["user_id"].get<uint64_t>()].push_back(
+          absl::StrCat(j["history_item_ids"].size(), " ", j["cache_result"].get<std::string>()));
+    }
+    return users;
+  };
+  ServerProcess one;
+  ServerProcess four;
+  ASSERT_TRUE(one.WaitServing()) << one.proc().Log();
+  ASSERT_TRUE(four.WaitServing()) << four.proc().Log();
+  const auto [rc6, out6] = run(one, absl::StrCat("--requests=60 --replay=", dir,
+                                                 "/first.jsonl --record=", dir, "/one.jsonl"));
+  ASSERT_EQ(rc6, 0) << out6;
+  const auto [rc7, out7] = run(four, absl::StrCat("--requests=60 --replay=", dir,
+                                                  "/first.jsonl --record=", dir, "/four.jsonl",
+                                                  " --concurrency=4"));
+  ASSERT_EQ(rc7, 0) << out7;
+  EXPECT_EQ(per_user(ReadFile(dir + "/four.jsonl")), per_user(ReadFile(dir + "/one.jsonl")));
+  EXPECT_NE(out7.find("60 lines, "), std::string::npos) << out7;
+  EXPECT_EQ(out7.find("went back"), std::string::npos) << out7;
+
   // Past the file's end it starts again, and says so.
   const auto [rc3, out3] =
       run(second, absl::StrCat("--requests=90 --replay=", dir, "/first.jsonl --json=", dir,
