@@ -11,7 +11,8 @@
 # 512 MiB instead of the default 128; cache_window: the cache's load on the base shapes with a sliding window
 # of 512 tokens (a model file), whose cache holds a user's last ~700 tokens only; these three are
 # not in the default parts; nor are verify and verify_window: the cache run's answers at 8 callers
-# recorded and recomputed without the cache by hstu_rank on the GPU.)
+# recorded and recomputed without the cache by hstu_rank on the GPU; nor replay: the cache part's
+# load recorded, then replayed by hstu_loadgen --replay into a fresh server and the answers joined.)
 # Server against `hstu_bench e2e` with the bench's exact shape (every user starts at 128 events and
 # each visit adds exactly 128 = 256 tokens, up to 2048 events; 256 candidates), one loadgen run per
 # concurrency so the server's metrics split by level (not in the default parts):
@@ -31,7 +32,7 @@ has() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 # A misspelt part would otherwise run nothing and pass.
 for part in $PARTS; do
   case "$part" in
-    parity | cache | cache_b512 | cache_gpu | cache_always | nocache | verify | verify_window | \
+    parity | cache | cache_b512 | cache_gpu | cache_always | nocache | verify | verify_window | replay | \
     cache_window | memcheck | e2e | e2e_fixed | e2e_adapt | e2e_sat | e2e_var_adapt | e2e_var_eager | \
     e2e_tls) ;;
     *) echo "run_device_server.sh: unknown part '$part'" >&2; exit 2 ;;
@@ -102,14 +103,15 @@ fi
 # The population (400 users, histories up to 2048 events = 4096 tokens) is far larger than the pool.
 run() {  # name, "loadgen flags", extra server flags...
   local name="$1" lg="$2"; shift 2
-  "$H/bin/hstu_server" --model="${RUN_MODEL:-random:base}" --device=cuda:0 \
+  "$H/bin/hstu_server" --model="${RUN_MODEL:-$MODEL}" --device="$DEVICE" \
     --listen=127.0.0.1:50051 --metrics_listen=127.0.0.1:9464 --max_batch_size=8 "$@" \
     > "$OUT/server_$name.log" 2>&1 &
   local pid=$!
+  # RUN_LG_DEFAULTS: the loadgen flags every run gets (a replay takes no --candidates).
   # shellcheck disable=SC2086
-  "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --wait_ready_s=240 $lg --candidates=256 \
-    --timeout_ms=5000 --duration="$DUR" --warmup=2 --progress=false \
-    --json="$OUT/loadgen_$name.json" 2>&1 | tee "$OUT/loadgen_$name.txt"
+  "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --wait_ready_s=240 $lg \
+    ${RUN_LG_DEFAULTS:---candidates=256 --timeout_ms=5000 --duration=$DUR --warmup=2} \
+    --progress=false --json="$OUT/loadgen_$name.json" 2>&1 | tee "$OUT/loadgen_$name.txt"
   local lg_status=${PIPESTATUS[0]}
   [ "$lg_status" = 0 ] || { echo "loadgen ($name) exit code: $lg_status"; status=1; }
   curl -sf http://127.0.0.1:9464/metrics > "$OUT/metrics_$name.txt" 2>/dev/null || true
@@ -202,6 +204,52 @@ PY
   cd - > /dev/null
 }
 has verify && verify verify random:base
+# hstu_loadgen --replay at the GPU's scale: REPLAY_N visits of the cache part's load at 8 callers
+# recorded (every answer), then sent again from that file into a fresh server, one pass at 8
+# callers (each user's visits in the file's order). The two runs' answers are joined by user and
+# history: the scores must agree within VERIFY_TOL (a batch's bf16 rounding differs with its
+# company); the cache results are reported, not required equal (evictions and the onload rule
+# follow the global order and measured times). Both servers log requests over 50 ms.
+if has replay; then
+  rm -f "$DIR/replay_in.jsonl" "$DIR/replay_out.jsonl"
+  RUN_LG_DEFAULTS="--candidates=256 --timeout_ms=5000 --warmup=0" run replay_record \
+    "--users=400 --zipf=1.0 --initial_events=1800 --new_events=64 --concurrency=8 --requests=${REPLAY_N:-3000} --record=$DIR/replay_in.jsonl" \
+    --cache_pages=2048 --host_cache_pages=8192 --slow_request_ms=50 --slow_request_log_per_s=0
+  n=$(wc -l < "$DIR/replay_in.jsonl" 2>/dev/null || echo 0)
+  if [ "$n" -gt 0 ]; then
+    RUN_LG_DEFAULTS="--timeout_ms=5000 --warmup=0" run replay \
+      "--replay=$DIR/replay_in.jsonl --concurrency=8 --requests=$n --record=$DIR/replay_out.jsonl" \
+      --cache_pages=2048 --host_cache_pages=8192 --slow_request_ms=50 --slow_request_log_per_s=0
+    for part in replay_record replay; do
+      echo "$part: $(grep -c 'slow request: total_ms' "$OUT/server_$part.log") requests over 50 ms logged"
+    done | tee "$OUT/replay.txt"
+    python3 - "$DIR/replay_in.jsonl" "$DIR/replay_out.jsonl" "${VERIFY_TOL:-2e-2}" <<'PY' 2>&1 | tee -a "$OUT/replay.txt" || status=1
+import collections, json, sys
+def load(path):
+    out = {}
+    for line in open(path):
+        j = json.loads(line)
+        out[(j["user_id"], tuple(j["history_item_ids"]), tuple(j["candidate_item_ids"]))] = j
+    return out
+rec, rep = load(sys.argv[1]), load(sys.argv[2])
+tol = float(sys.argv[3])
+both = rec.keys() & rep.keys()
+diff = max((abs(a - b) for k in both
+            for ra, rb in zip(rec[k]["expected_scores"], rep[k]["expected_scores"])
+            for a, b in zip(ra, rb)), default=float("inf"))
+same = sum(rec[k].get("cache_result") == rep[k].get("cache_result") for k in both)
+pairs = collections.Counter((rec[k].get("cache_result"), rep[k].get("cache_result")) for k in both)
+print(f"replay: {len(rep)} answers of {len(rec)} recorded visits joined ({len(both)} by user, "
+      f"history and candidates); largest score difference {diff:.3g} (tolerance {tol:g}); "
+      f"same cache result {same} of {len(both)}")
+for (a, b), c in sorted(pairs.items(), key=lambda x: -x[1]):
+    print(f"  recorded {a} -> replayed {b}: {c}")
+sys.exit(0 if len(both) == len(rec) and diff <= tol else 1)
+PY
+  else
+    echo "replay: the recording run recorded nothing"; status=1
+  fi
+fi
 # The base shapes with a 512-token window (a model file, written once; hstu_model writes it whole
 # or not at all), for cache_window and verify_window.
 window_model() {
