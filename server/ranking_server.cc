@@ -35,6 +35,35 @@ RankRequest WarmupRequest() {
   return r;
 }
 
+}  // namespace
+
+std::vector<std::vector<RankRequest>> EagerWarmupBatches(int64_t max_history_tokens,
+                                                         int64_t candidates,
+                                                         int32_t max_batch_size,
+                                                         int64_t max_batch_tokens) {
+  // Full-history users, as the scheduler counts them (SchedulerOptions::token_cost's default).
+  const int64_t events = std::max<int64_t>(1, max_history_tokens / 2);
+  const int64_t tokens = std::min<int64_t>(2 * events, max_history_tokens) + candidates;
+  std::vector<std::vector<RankRequest>> batches;
+  for (int32_t users = 1; users <= max_batch_size; ++users) {
+    if (users > 1 && users * tokens > max_batch_tokens) break;  // the scheduler forms none larger
+    std::vector<RankRequest> batch(static_cast<size_t>(users));
+    for (int32_t u = 0; u < users; ++u) {
+      RankRequest& r = batch[static_cast<size_t>(u)];
+      r.user_id = ~uint64_t{0} - 1 - static_cast<uint64_t>(u);  // below the warm-up request's id
+      for (int64_t e = 0; e < events; ++e) {
+        r.history_item_ids.push_back(1 + (e + u) % 1000);
+        r.history_actions.push_back(0);
+      }
+      for (int64_t c = 0; c < candidates; ++c) r.candidate_item_ids.push_back(1 + c);
+    }
+    batches.push_back(std::move(batch));
+  }
+  return batches;
+}
+
+namespace {
+
 // A memory size for the log: GiB from 1 GiB up, else MiB (a small pool is not "0.00 GiB").
 std::string SizeText(double bytes) {
   constexpr double kMiB = 1 << 20, kGiB = 1 << 30;
@@ -267,7 +296,31 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
     }
     spdlog::info("engine: warm-up request done");
   }
-  // After the graph warm-up and the warm-up request: the row classes seen so far are tuned.
+  // On a GPU, the eager steps' shapes too: a batch larger than the graphs' buckets (misses,
+  // mostly) runs eagerly, and the GEMM tuner times a row class at its first call. The base
+  // model's first such batches on an H100 took 50-80 ms each, in the first second of traffic
+  // (the slow-request log, docs/benchmarks.md). One batch of k full-history users for each k the
+  // scheduler can form; their entries are forgotten.
+  if (options.warmup && !on_cpu) {
+    const absl::Time start = absl::Now();
+    int32_t largest = 0, kept = 0;
+    for (const std::vector<RankRequest>& batch :
+         EagerWarmupBatches(c.max_history_tokens, c.max_candidates,
+                            options.scheduler.max_batch_size, options.scheduler.max_batch_tokens)) {
+      for (const absl::StatusOr<RankResult>& r : s->engine_->Rank(batch)) {
+        if (r.ok()) continue;
+        s->Shutdown(absl::ZeroDuration());
+        return absl::InternalError(absl::StrCat("engine: warm-up batch of ", batch.size(),
+                                                " users failed: ", r.status().message()));
+      }
+      for (const RankRequest& r : batch) kept += s->engine_->Forget(r.user_id) ? 0 : 1;
+      largest = static_cast<int32_t>(batch.size());
+    }
+    if (kept > 0) spdlog::warn("engine: {} warm-up users' cache entries are still in use", kept);
+    spdlog::info("engine: warm-up of the eager batches of 1 to {} full-history users done ({} ms)",
+                 largest, absl::ToInt64Milliseconds(absl::Now() - start));
+  }
+  // After the graph warm-up and the warm-up requests: the row classes seen so far are tuned.
   spdlog::info("engine: UVQK GEMM route per row class: {}", s->engine_->gemm_routes());
 
   SchedulerOptions sched = options.scheduler;

@@ -56,6 +56,15 @@ struct ConnectionOptions {
 // the timeout at least 1 s.
 absl::Status CheckConnectionOptions(const ConnectionOptions& c);
 
+// The start-up's batches of the eager step shapes (GPU): for k = 1 .. max_batch_size, k users of
+// the model's longest history and `candidates` candidates each (misses: the most rows a batch of k
+// can have), while the scheduler would form such a batch (k · tokens within max_batch_tokens; one
+// user always). Their user ids are the top of the range, below the warm-up request's.
+std::vector<std::vector<RankRequest>> EagerWarmupBatches(int64_t max_history_tokens,
+                                                         int64_t candidates,
+                                                         int32_t max_batch_size,
+                                                         int64_t max_batch_tokens);
+
 struct ServerOptions {
   std::string listen = "0.0.0.0:50051";         // port 0 picks a free one (see port())
   std::string metrics_listen = "0.0.0.0:9464";  // "" disables the exposer

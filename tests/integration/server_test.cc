@@ -67,6 +67,29 @@ TEST(PromFamily, MirroredTotalsOnlyMoveUpAndASeriesIsMadeOnce) {
   EXPECT_NE(page.find("hstu_test_seconds_count 2"), std::string::npos) << page;
 }
 
+// The GPU start-up's eager batches: 1 .. max_batch_size users of the longest history, as many as
+// the scheduler's token budget lets one batch hold; each a valid request of distinct users.
+TEST(EagerWarmupBatches, OneBatchPerSizeTheSchedulerCanForm) {
+  const auto batches = EagerWarmupBatches(4096, 256, 8, 65536);
+  ASSERT_EQ(batches.size(), 8u);
+  std::set<uint64_t> users;
+  for (size_t k = 0; k < batches.size(); ++k) {
+    ASSERT_EQ(batches[k].size(), k + 1);
+    for (const RankRequest& r : batches[k]) {
+      EXPECT_EQ(r.history_item_ids.size(), 2048u);
+      EXPECT_EQ(r.history_actions.size(), 2048u);
+      EXPECT_EQ(r.candidate_item_ids.size(), 256u);
+      EXPECT_NE(r.user_id, ~uint64_t{0});  // the warm-up request's
+      if (k + 1 == batches.size()) users.insert(r.user_id);
+    }
+  }
+  EXPECT_EQ(users.size(), 8u);
+  // 4352 tokens a user: a budget of 20000 holds 4 (17408), and one user always runs.
+  EXPECT_EQ(EagerWarmupBatches(4096, 256, 8, 20000).size(), 4u);
+  EXPECT_EQ(EagerWarmupBatches(4096, 256, 8, 100).size(), 1u);
+  EXPECT_EQ(EagerWarmupBatches(4096, 256, 2, 65536).size(), 2u);
+}
+
 TEST_F(ServerTest, HealthIsServingAndModelInfoDescribesTheModel) {
   StartServer();
   ExpectHealth(grpc::health::v1::HealthCheckResponse::SERVING);
