@@ -36,6 +36,19 @@ std::unique_ptr<ReplayTraffic> FromLines(const std::vector<std::string>& lines,
   return r.ok() ? *std::move(r) : nullptr;
 }
 
+// Next() from a thread of its own: it must still be waiting after 300 ms, and return once `busy`
+// is answered.
+Visit NextOnceAnswered(ReplayTraffic& r, const Visit& busy) {
+  std::promise<Visit> next;
+  std::future<Visit> got = next.get_future();
+  std::thread caller([&] { next.set_value(r.Next()); });
+  EXPECT_EQ(got.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
+  r.Done(busy);
+  EXPECT_EQ(got.wait_for(std::chrono::seconds(20)), std::future_status::ready);
+  caller.join();  // a Next() that never returns fails the test by its time limit
+  return got.get();
+}
+
 TEST(ReplayTest, SendsTheLinesInTheFilesOrderAndStartsAgainAtItsEnd) {
   auto r = FromLines({Line(1, 2), "", Line(2, 3), "  ", Line(3, 1)});
   ASSERT_NE(r, nullptr);
@@ -87,14 +100,7 @@ TEST(ReplayTest, WhenEveryUserIsBusyNextWaitsForAnAnswer) {
   auto r = FromLines({Line(1, 2), Line(1, 4)});
   ASSERT_NE(r, nullptr);
   const Visit a = r->Next();
-  std::promise<Visit> next;
-  std::future<Visit> got = next.get_future();
-  std::thread caller([&] { next.set_value(r->Next()); });
-  EXPECT_EQ(got.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
-  r->Done(a);
-  ASSERT_EQ(got.wait_for(std::chrono::seconds(20)), std::future_status::ready);
-  const Visit b = got.get();
-  caller.join();
+  const Visit b = NextOnceAnswered(*r, a);
   EXPECT_EQ(b.user_id, 1u);
   EXPECT_EQ(b.history_item_ids.size(), 4u);
 }
@@ -109,14 +115,7 @@ TEST(ReplayTest, NoLineOfTheNextPassOvertakesAWaitingOne) {
   EXPECT_EQ(b.user_id, 2u);
   r->Done(b);
   // User 2 is free, but its next line is of pass 1, and line 2 of pass 0 still waits.
-  std::promise<Visit> next;
-  std::future<Visit> got = next.get_future();
-  std::thread caller([&] { next.set_value(r->Next()); });
-  EXPECT_EQ(got.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
-  r->Done(a);
-  ASSERT_EQ(got.wait_for(std::chrono::seconds(20)), std::future_status::ready);
-  const Visit c = got.get();
-  caller.join();
+  const Visit c = NextOnceAnswered(*r, a);
   EXPECT_EQ(c.user_id, 1u);
   EXPECT_EQ(c.history_item_ids.size(), 4u);
   EXPECT_EQ(r->passes(), 0);

@@ -150,15 +150,19 @@ TEST(RequestLog, OptionsOutOfRangeNameTheFlag) {
 // until its TearDown shuts it down, never see the logger put back under them.
 class RequestLogServerTest : public fixture::ServerTest {
  protected:
+  void StartLogging(double slow_request_ms) {
+    ServerOptions o;
+    o.request_log.slow_request_ms = slow_request_ms;
+    StartServer(o);
+  }
+
   testing::CapturedLog captured_;
 };
 
 // A call held at the engine past the threshold gets a line with its queue, batch and cache
 // fields; fast calls get none.
 TEST_F(RequestLogServerTest, SlowCallIsLoggedAndFastCallsAreNot) {
-  ServerOptions o;
-  o.request_log.slow_request_ms = 1000;
-  ASSERT_NO_FATAL_FAILURE(StartServer(o));
+  ASSERT_NO_FATAL_FAILURE(StartLogging(1000));
   hstu::v1::RankResponse fast;
   ASSERT_TRUE(Rank(fixture::MakeRequest(7, 10, 3, 1), &fast).ok());
   grpc::Status held;
@@ -191,9 +195,7 @@ TEST_F(RequestLogServerTest, SlowCallIsLoggedAndFastCallsAreNot) {
 // With a threshold of 0 every call has a line, also one refused as invalid, which names its
 // error and has no queue or engine fields.
 TEST_F(RequestLogServerTest, ThresholdZeroLogsEveryCallWithItsError) {
-  ServerOptions o;
-  o.request_log.slow_request_ms = 0;
-  ASSERT_NO_FATAL_FAILURE(StartServer(o));
+  ASSERT_NO_FATAL_FAILURE(StartLogging(0));
   hstu::v1::RankResponse resp;
   ASSERT_TRUE(Rank(fixture::MakeRequest(3, 4, 2, 1), &resp).ok());
   ASSERT_TRUE(Rank(fixture::MakeRequest(3, 6, 2, 1), &resp).ok());
