@@ -149,7 +149,16 @@ absl::Status Driver::RunClosed(Level* level, int32_t concurrency, double warmup_
     while (!stop.load() && !g_interrupted.load()) {
       const bool measured = level->measuring();
       if (measured && num_requests > 0 && issued.fetch_add(1) >= num_requests) break;
-      const Visit v = traffic_->Next();
+      // A replay waits here while every user in reach has a visit in flight (client/replay.h):
+      // the level may end meanwhile, and a visit taken then goes unsent.
+      auto stopped = [&] { return stop.load() || g_interrupted.load(); };
+      const std::optional<Visit> next = traffic_->NextUnless(stopped);
+      if (!next) break;
+      if (stopped()) {
+        traffic_->Done(*next);
+        break;
+      }
+      const Visit& v = *next;
       const hstu::v1::RankRequest req = MakeRequest(v);
       hstu::v1::RankResponse resp;
       grpc::ClientContext ctx;
@@ -260,8 +269,15 @@ void Driver::RunOpen(Level* level, double rate, bool poisson, double warmup_s, d
       ++sent_measured;
     }
     if (pending == nullptr) {
+      // A replay's sender waits here while every user in reach has a visit in flight, and falls
+      // behind its schedule (reported as its lag); a stop signal ends the wait.
+      std::optional<Visit> next = traffic_->NextUnless([] { return g_interrupted.load(); });
+      if (!next) {
+        if (measuring) level->CloseWindow();
+        break;
+      }
       pending = std::make_unique<Call>();
-      pending->visit = traffic_->Next();
+      pending->visit = *std::move(next);
       pending->req = MakeRequest(pending->visit);
     }
     if (!SleepUntil(scheduled)) {

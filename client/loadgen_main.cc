@@ -119,8 +119,8 @@ ABSL_FLAG(std::string, replay, "",
           "order, a user's next line waiting while its previous visit is in flight (unless "
           "--overlapping_visits); from the first line again at the end (later passes re-send "
           "histories the server holds). The traffic model's flags (--users, --zipf, "
-          "--new_user_rate, --initial_events*, --new_events*, --max_events, --candidates) are an "
-          "error with it.");
+          "--new_user_rate, --initial_events*, --new_events*, --max_events, --candidates) set to "
+          "other than their defaults are an error with it.");
 
 namespace hstu::loadgen {
 namespace {

@@ -104,12 +104,18 @@ std::optional<ReplayTraffic::LineOfPass> ReplayTraffic::PickLocked() {
   return std::nullopt;  // every user in reach is busy
 }
 
-Visit ReplayTraffic::Next() {
+Visit ReplayTraffic::Next() { return *NextUnless([] { return false; }); }
+
+std::optional<Visit> ReplayTraffic::NextUnless(const std::function<bool()>& stop) {
   std::optional<LineOfPass> l;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    // Busy users are answered (Done) by other threads; the timeout only bounds a missed wake-up.
-    while (!(l = PickLocked())) user_free_.wait_for(lock, std::chrono::milliseconds(100));
+    // Busy users are answered (Done) by other threads; the timeout bounds a missed wake-up and
+    // how long a stop waits to be seen.
+    while (!(l = PickLocked())) {
+      if (stop()) return std::nullopt;
+      user_free_.wait_for(lock, std::chrono::milliseconds(100));
+    }
   }
   // visits_ never changes: the (possibly long) history is copied outside the lock.
   Visit v = visits_[l->line];
@@ -120,7 +126,9 @@ Visit ReplayTraffic::Next() {
 void ReplayTraffic::Done(const Visit& visit) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (visit.slot < 0 || visit.slot >= users() || --in_flight_[visit.slot] > 0) return;
+    // A visit not taken from here, or answered twice, changes nothing.
+    if (visit.slot < 0 || visit.slot >= users() || in_flight_[visit.slot] == 0) return;
+    if (--in_flight_[visit.slot] > 0) return;
   }
   user_free_.notify_all();
 }

@@ -49,6 +49,7 @@ class ReplayTraffic final : public VisitSource {
 
   // Waits while every user in reach has a visit in flight (not with `overlapping`).
   Visit Next() override;
+  std::optional<Visit> NextUnless(const std::function<bool()>& stop) override;
   void Done(const Visit& visit) override;
 
   int64_t lines() const { return static_cast<int64_t>(visits_.size()); }

@@ -9,7 +9,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -59,6 +61,8 @@ class VisitSource {
   // The next visit to send, marked in flight until Done(). May wait for a visit in flight to be
   // answered (ReplayTraffic).
   virtual Visit Next() = 0;
+  // As Next(), but a wait ends, with none, once `stop` says so (polled; a stop signal).
+  virtual std::optional<Visit> NextUnless(const std::function<bool()>& /*stop*/) { return Next(); }
   // The answer to `visit` came back, its call failed, or it was never sent.
   virtual void Done(const Visit& visit) = 0;
 };

@@ -381,6 +381,14 @@ absl::Status Engine::CheckPoolHoldsTheLongestHistory() const {
       " (0 sizes it automatically)"));
 }
 
+void Engine::ResetMeasuredRates() {
+  onload_cost_ = OnloadCostModel(options_.onload_bytes_per_second,
+                                 options_.recompute_seconds_per_token);
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  stats_.onload_bytes_per_second = onload_cost_.bytes_per_second();
+  stats_.recompute_seconds_per_token = onload_cost_.seconds_per_token();
+}
+
 bool Engine::Forget(uint64_t user_id) {
   SettleOffloads(/*wait=*/true);
   return cache_->Forget(user_id);

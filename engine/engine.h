@@ -113,6 +113,10 @@ class Engine {
   // request leaves nothing behind). Called from the thread that calls Rank(), not during one.
   // True when nothing of the user is cached now.
   bool Forget(uint64_t user_id);
+  // The onload rule's measured rates (copy bandwidth, recompute time) back at their start values
+  // (EngineOptions): after a start-up's warm-up, whose forwards include the GEMM tuner's timings.
+  // Called from the thread that calls Rank(), not during one.
+  void ResetMeasuredRates();
   const ModelConfig& config() const { return config_; }
   const EngineOptions& options() const { return options_; }
   std::string device_name() const { return backend_->name(); }

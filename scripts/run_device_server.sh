@@ -234,6 +234,9 @@ def load(path):
 rec, rep = load(sys.argv[1]), load(sys.argv[2])
 tol = float(sys.argv[3])
 both = rec.keys() & rep.keys()
+shapes = sum(len(rec[k]["expected_scores"]) != len(rep[k]["expected_scores"]) or
+             any(len(a) != len(b) for a, b in zip(rec[k]["expected_scores"], rep[k]["expected_scores"]))
+             for k in both)
 diff = max((abs(a - b) for k in both
             for ra, rb in zip(rec[k]["expected_scores"], rep[k]["expected_scores"])
             for a, b in zip(ra, rb)), default=float("inf"))
@@ -244,7 +247,9 @@ print(f"replay: {len(rep)} answers of {len(rec)} recorded visits joined ({len(bo
       f"same cache result {same} of {len(both)}")
 for (a, b), c in sorted(pairs.items(), key=lambda x: -x[1]):
     print(f"  recorded {a} -> replayed {b}: {c}")
-sys.exit(0 if len(both) == len(rec) and diff <= tol else 1)
+if shapes:
+    print(f"replay: {shapes} answers with another number of scores than recorded")
+sys.exit(0 if len(both) == len(rec) and not shapes and diff <= tol else 1)
 PY
   else
     echo "replay: the recording run recorded nothing"; status=1

@@ -113,7 +113,9 @@ ABSL_FLAG(bool, enable_cache, true,
           "Keep users' KV between requests (--noenable_cache or --no_cache recomputes every "
           "history).");
 ABSL_FLAG(bool, no_cache, false, "Same as --noenable_cache.");
-ABSL_FLAG(bool, warmup, true, "Run one request through the engine before reporting SERVING.");
+ABSL_FLAG(bool, warmup, true,
+          "Run one request through the engine before reporting SERVING; on a GPU also one batch "
+          "of misses for each GEMM row class up to the largest batch the scheduler forms.");
 ABSL_FLAG(int32_t, shutdown_grace_s, 30,
           "On SIGTERM/SIGINT/SIGHUP, how long in-flight requests may take before gRPC cancels "
           "them (UNAVAILABLE). A batch already on the engine still runs to its end before the "

@@ -10,6 +10,7 @@
 
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/gemm_bias_silu.h"
+#include "kernels/row_classes.h"
 #include "kernels/cuda/ops.h"
 
 namespace hstu::cuda {
@@ -134,14 +135,7 @@ cublasStatus_t GemmTuner::Init(cublasHandle_t blas, void* workspace, size_t work
   return enabled_ ? cublasLtCreate(&lt_) : CUBLAS_STATUS_SUCCESS;
 }
 
-int64_t GemmTuner::RowClass(int64_t m) {
-  int64_t bound = 256;
-  while (bound < m) {
-    // 256, 384, 512, 768, 1024, ...: alternately ×1.5 and ×4/3.
-    bound = (bound & (bound - 1)) == 0 ? bound + bound / 2 : bound / 3 * 4;
-  }
-  return bound;
-}
+int64_t GemmTuner::RowClass(int64_t m) { return row_classes::Of(m); }
 
 cublasStatus_t GemmTuner::RunLt(const cublasLtMatmulAlgo_t& algo, const __nv_bfloat16* a,
                                 const __nv_bfloat16* b, void* c, bool c_is_f32, int64_t m,

@@ -5,9 +5,11 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdio>
 #include <fstream>
 #include <future>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -103,6 +105,29 @@ TEST(ReplayTest, WhenEveryUserIsBusyNextWaitsForAnAnswer) {
   const Visit b = NextOnceAnswered(*r, a);
   EXPECT_EQ(b.user_id, 1u);
   EXPECT_EQ(b.history_item_ids.size(), 4u);
+}
+
+// A stop ends a wait without a visit (a stop signal while every user is busy), and a second
+// Done() of one visit changes nothing.
+TEST(ReplayTest, AStopEndsTheWaitAndARepeatedDoneIsIgnored) {
+  auto r = FromLines({Line(1, 2), Line(1, 4)});
+  ASSERT_NE(r, nullptr);
+  const Visit a = r->Next();
+  std::atomic<bool> stop{false};
+  std::promise<std::optional<Visit>> next;
+  std::future<std::optional<Visit>> got = next.get_future();
+  std::thread caller([&] { next.set_value(r->NextUnless([&] { return stop.load(); })); });
+  EXPECT_EQ(got.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
+  stop = true;
+  ASSERT_EQ(got.wait_for(std::chrono::seconds(20)), std::future_status::ready);
+  caller.join();
+  EXPECT_FALSE(got.get().has_value());
+  r->Done(a);
+  r->Done(a);  // ignored: user 1 has nothing in flight
+  const Visit b = r->Next();
+  EXPECT_EQ(b.history_item_ids.size(), 4u);
+  // User 1 is busy again: had the second Done() counted, a third visit would go at once.
+  EXPECT_FALSE(r->NextUnless([] { return true; }).has_value());
 }
 
 // A waiting line of this pass goes before any line of the next, and the pass count is that of

@@ -520,7 +520,7 @@ TEST(ProcessTest, LoadgenReplaysARecordingIntoTheSameAnswers) {
 
   // At four callers the batches differ, but each user's visits still reach the server one at a
   // time and in the file's order: with a pool that holds every user, each user's answers have the
-  // same cache results and reused tokens as at one caller.
+  // same histories and cache results, in the same order, as at one caller.
   auto per_user = [](const std::string& jsonl) {
     std::map<uint64_t, std::vector<std::string>> users;
     for (absl::string_view line : absl::StrSplit(jsonl, '\n', absl::SkipEmpty())) {

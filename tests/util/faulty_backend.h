@@ -25,6 +25,9 @@ struct Faults {
   // does; the engine then sizes an automatic host tier), and pinning the host pool fails.
   int64_t device_memory_bytes = -1;  // < 0: the inner backend's
   bool fail_host_pool = false;
+  // Set before the engine is created: the backend's name, when not empty (a CPU backend named as
+  // a GPU takes the server's GPU-only start-up steps).
+  std::string name;
 };
 
 class FaultyBackend final : public Backend {
@@ -32,7 +35,7 @@ class FaultyBackend final : public Backend {
   FaultyBackend(std::unique_ptr<Backend> inner, std::shared_ptr<Faults> faults)
       : inner_(std::move(inner)), faults_(std::move(faults)) {}
 
-  std::string name() const override { return inner_->name(); }
+  std::string name() const override { return faults_->name.empty() ? inner_->name() : faults_->name; }
   std::string pci_bus_id() const override { return inner_->pci_bus_id(); }
   std::string attention_kernel() const override { return inner_->attention_kernel(); }
   std::string gemm_routes() const override { return inner_->gemm_routes(); }
