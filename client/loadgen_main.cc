@@ -22,8 +22,8 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/reflection.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
@@ -114,9 +114,9 @@ ABSL_FLAG(bool, overlapping_visits, false,
           "Let a user have several visits in flight (the later ones re-send its history). By "
           "default a visit goes to a user with none in flight while there is one.");
 ABSL_FLAG(std::string, replay, "",
-          "Send the requests of this JSONL file instead of generated traffic: hstu_rank's lines, or "
-          "what --record wrote (expected_scores and cache_result are ignored). In the file's "
-          "order, a user's next line waiting while its previous visit is in flight (unless "
+          "Send the requests of this JSONL file instead of generated traffic: hstu_rank's lines, "
+          "or what --record wrote (expected_scores and cache_result are not checked). In the "
+          "file's order, a user's next line waiting while its previous visit is in flight (unless "
           "--overlapping_visits); from the first line again at the end (later passes re-send "
           "histories the server holds). The traffic model's flags (--users, --zipf, "
           "--new_user_rate, --initial_events*, --new_events*, --max_events, --candidates) set to "
@@ -540,10 +540,13 @@ int Main() {
   run.seed = t.seed;
   if (replayed != nullptr) {
     run.replay_file = absl::GetFlag(FLAGS_replay);
-    run.replay_lines = replayed->lines();
-    run.replay_users = replayed->users();
-    std::fprintf(stderr, "hstu_loadgen: replaying %s: %lld lines, %lld users\n",
+    run.replay_lines = replayed->num_lines();
+    run.replay_users = replayed->num_users();
+    std::fprintf(stderr,
+                 "hstu_loadgen: replaying %s: %lld lines (%lld with expected_scores, not checked "
+                 "here: hstu_rank checks them), %lld users\n",
                  run.replay_file.c_str(), static_cast<long long>(run.replay_lines),
+                 static_cast<long long>(replayed->num_lines_with_scores()),
                  static_cast<long long>(run.replay_users));
   }
   run.levels_planned = levels->size();
@@ -676,12 +679,15 @@ int main(int argc, char** argv) {
       "Load generator for hstu_server.\n"
       "  hstu_loadgen --target=HOST:PORT [--concurrency=8 | --concurrency=1:64:x2 | "
       "--rate=500 --arrival=poisson]\n"
-      "               [--duration=10 | --requests=N] [--users=1000 --zipf=1.0] [--json=F --csv=F]\n"
+      "               [--duration=10 | --requests=N] [--users=1000 --zipf=1.0 | --replay=F.jsonl]\n"
+      "               [--json=F --csv=F]\n"
       "Exit status: 0 when every load level ran and answered within --max_error_rate; 1 when a\n"
       "level answered no request or failed more calls than that, or the server could not be\n"
       "reached, or a report file could not be written, or a signal stopped the run (the levels\n"
       "measured are still printed and written), or a flag does not parse; 2 for a flag value out\n"
-      "of range, a word that is no flag, or a report file in a directory that cannot be written.");
+      "of range, a word that is no flag, a report file in a directory that cannot be written, a\n"
+      "--replay file that cannot be read or has a line that does not parse, or a traffic-model\n"
+      "flag given with --replay.");
   absl::FlagsUsageConfig usage;
   // --help lists this program's flags (absl's default matches files named after the binary).
   usage.contains_help_flags = [](absl::string_view path) {

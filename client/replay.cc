@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <system_error>
+#include <unordered_map>
 
 #include "absl/strings/str_cat.h"
 #include "client/request_line.h"
@@ -52,9 +53,9 @@ absl::StatusOr<std::unique_ptr<ReplayTraffic>> ReplayTraffic::FromLines(
   if (visits.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": no request line to replay"));
   }
-  return std::unique_ptr<ReplayTraffic>(new ReplayTraffic(
-      std::move(visits), std::move(first_of_user), static_cast<int64_t>(slots.size()), with_scores,
-      overlapping));
+  return std::unique_ptr<ReplayTraffic>(
+      new ReplayTraffic(std::move(visits), std::move(first_of_user),
+                        static_cast<int64_t>(slots.size()), with_scores, overlapping));
 }
 
 ReplayTraffic::ReplayTraffic(std::vector<Visit> visits, std::vector<uint8_t> first_of_user,
@@ -71,7 +72,7 @@ int64_t ReplayTraffic::passes() const {
 }
 
 ReplayTraffic::LineOfPass ReplayTraffic::NextLineLocked() {
-  if (next_ == lines()) {
+  if (next_ == num_lines()) {
     next_ = 0;
     ++pass_;
   }
@@ -96,7 +97,7 @@ std::optional<ReplayTraffic::LineOfPass> ReplayTraffic::PickLocked() {
   }
   // Every waiting line's user is busy, so a free user in the file has no line waiting: its line
   // keeps its user's order. The file's end is not passed while a line of this pass waits.
-  while (held_.size() < kMaxHeld && !(next_ == lines() && !held_.empty())) {
+  while (held_.size() < kMaxHeld && !(next_ == num_lines() && !held_.empty())) {
     const LineOfPass l = NextLineLocked();
     if (in_flight_[visits_[l.line].slot] == 0) return TakeLocked(l);
     held_.push_back(l);
@@ -104,7 +105,9 @@ std::optional<ReplayTraffic::LineOfPass> ReplayTraffic::PickLocked() {
   return std::nullopt;  // every user in reach is busy
 }
 
-Visit ReplayTraffic::Next() { return *NextUnless([] { return false; }); }
+Visit ReplayTraffic::Next() {
+  return *NextUnless([] { return false; });
+}
 
 std::optional<Visit> ReplayTraffic::NextUnless(const std::function<bool()>& stop) {
   std::optional<LineOfPass> l;
@@ -127,7 +130,7 @@ void ReplayTraffic::Done(const Visit& visit) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     // A visit not taken from here, or answered twice, changes nothing.
-    if (visit.slot < 0 || visit.slot >= users() || in_flight_[visit.slot] == 0) return;
+    if (visit.slot < 0 || visit.slot >= num_users() || in_flight_[visit.slot] == 0) return;
     if (--in_flight_[visit.slot] > 0) return;
   }
   user_free_.notify_all();

@@ -26,7 +26,6 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -52,10 +51,10 @@ class ReplayTraffic final : public VisitSource {
   std::optional<Visit> NextUnless(const std::function<bool()>& stop) override;
   void Done(const Visit& visit) override;
 
-  int64_t lines() const { return static_cast<int64_t>(visits_.size()); }
-  int64_t users() const { return static_cast<int64_t>(in_flight_.size()); }
-  // Lines that carry 'expected_scores' (ignored here: hstu_rank checks them).
-  int64_t lines_with_scores() const { return lines_with_scores_; }
+  int64_t num_lines() const { return static_cast<int64_t>(visits_.size()); }
+  int64_t num_users() const { return static_cast<int64_t>(in_flight_.size()); }
+  // Lines that carry 'expected_scores' (not checked here: hstu_rank checks them).
+  int64_t num_lines_with_scores() const { return lines_with_scores_; }
   // Times the replay went back to the file's first line: the pass of the latest line sent.
   int64_t passes() const;
 
@@ -74,17 +73,17 @@ class ReplayTraffic final : public VisitSource {
   // The file's next line; at its end, the first line of the next pass. Under mu_.
   LineOfPass NextLineLocked();
 
-  const std::vector<Visit> visits_;        // slot: the user's index in in_flight_
+  const std::vector<Visit> visits_;           // slot: the user's index in in_flight_
   const std::vector<uint8_t> first_of_user_;  // 1 where the line is its user's first in the file
   const int64_t lines_with_scores_;
   const bool overlapping_;
   mutable std::mutex mu_;
   std::condition_variable user_free_;  // a user's last visit in flight was answered
   std::vector<int32_t> in_flight_;     // by user slot
-  std::deque<LineOfPass> held_;     // lines waiting for their user, in the file's order
-  int64_t next_ = 0;                // the file's next line to read in pass `pass_`
+  std::deque<LineOfPass> held_;        // lines waiting for their user, in the file's order
+  int64_t next_ = 0;                   // the file's next line to read in pass `pass_`
   int64_t pass_ = 0;
-  int64_t sent_pass_ = 0;           // the pass of the latest line sent
+  int64_t sent_pass_ = 0;  // the pass of the latest line sent
 };
 
 }  // namespace hstu::loadgen

@@ -16,31 +16,34 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr const char* kRequestLineFields[] = {"user_id",          "history_item_ids",
-                                              "history_actions",  "candidate_item_ids",
-                                              "expected_scores",  "cache_result"};
+constexpr const char* kRequestLineFields[] = {"user_id",         "history_item_ids",
+                                              "history_actions", "candidate_item_ids",
+                                              "expected_scores", "cache_result"};
 
 // JSON integer `v` as T, or an error naming `field` when it is not an integer or does not fit
 // (a value is never wrapped: an action of 2^32 + 1 is not action 1).
 template <typename T>
 absl::StatusOr<T> IntegerAs(const json& v, const std::string& field) {
-  const std::string range = std::string(std::is_signed_v<T> ? "int" : "uint") + std::to_string(8 * sizeof(T));
+  const std::string range =
+      std::string(std::is_signed_v<T> ? "int" : "uint") + std::to_string(8 * sizeof(T));
   if (v.is_number_float()) {
     // A literal past 64 bits is read as a double, as is 1.5.
     return absl::InvalidArgumentError("field '" + field + "' = " + v.dump() +
                                       " is not an integer in the range of " + range);
   }
-  if (!v.is_number_integer()) return absl::InvalidArgumentError("field '" + field + "' is not an integer");
+  if (!v.is_number_integer())
+    return absl::InvalidArgumentError("field '" + field + "' is not an integer");
   bool fits;
   if (v.is_number_unsigned()) {
     fits = v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max());
-  } else {  // nlohmann parses only negative literals as signed
+  } else {                               // nlohmann parses only negative literals as signed
     const int64_t x = v.get<int64_t>();  // "-0" is 0
-    fits = x >= 0 || (std::is_signed_v<T> && x >= static_cast<int64_t>(std::numeric_limits<T>::min()));
+    fits =
+        x >= 0 || (std::is_signed_v<T> && x >= static_cast<int64_t>(std::numeric_limits<T>::min()));
   }
   if (!fits) {
-    return absl::InvalidArgumentError("field '" + field + "' = " + v.dump() + " is out of the range of " +
-                                      range);
+    return absl::InvalidArgumentError("field '" + field + "' = " + v.dump() +
+                                      " is out of the range of " + range);
   }
   return v.get<T>();
 }
@@ -73,13 +76,14 @@ absl::StatusOr<RequestLine> ParseRequestLine(const std::string& line) {
                                       (at == std::string::npos ? what : what.substr(at + 2)));
   }
   if (!j.is_object()) return absl::InvalidArgumentError("not a JSON object");
-  if (!duplicate.empty()) return absl::InvalidArgumentError("field '" + duplicate + "' is given twice");
+  if (!duplicate.empty())
+    return absl::InvalidArgumentError("field '" + duplicate + "' is given twice");
   for (const auto& [key, value] : j.items()) {
     // A misspelt key would otherwise leave its field empty: "history_items" scored no history.
     if (std::find(std::begin(kRequestLineFields), std::end(kRequestLineFields), key) ==
         std::end(kRequestLineFields)) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown field '", key, "' (the fields: ",
-                                                     absl::StrJoin(kRequestLineFields, ", "), ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown field '", key, "' (the fields: ", absl::StrJoin(kRequestLineFields, ", "), ")"));
     }
   }
   RequestLine out;
@@ -93,7 +97,8 @@ absl::StatusOr<RequestLine> ParseRequestLine(const std::string& line) {
                       : absl::OkStatus();
     }
     const json& a = j[field];
-    if (!a.is_array()) return absl::InvalidArgumentError(std::string("field '") + field + "' must be an array");
+    if (!a.is_array())
+      return absl::InvalidArgumentError(std::string("field '") + field + "' must be an array");
     using T = typename std::remove_pointer_t<decltype(values)>::value_type;
     for (size_t i = 0; i < a.size(); ++i) {
       auto v = IntegerAs<T>(a[i], std::string(field) + "[" + std::to_string(i) + "]");

@@ -190,8 +190,8 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
   RequestRecord seen;
   seen.parsed = true;
   seen.user_id = request.user_id();
-  seen.history_events = request.history_item_ids_size();
-  seen.candidates = request.candidate_item_ids_size();
+  seen.num_events = request.history_item_ids_size();
+  seen.num_candidates = request.candidate_item_ids_size();
   if (request.request_id().size() > kMaxRequestIdBytes) {
     seen.request_id = request.request_id();
     finish(absl::InvalidArgumentError(absl::StrCat("request_id has ", request.request_id().size(),
@@ -219,7 +219,7 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
     record.request_id = request_id;
     record.queued = true;
     record.queue_seconds = timing.queue_seconds;
-    record.batch_requests = timing.batch_requests;
+    record.batch_size = timing.batch_size;
     record.compute_seconds = timing.compute_seconds;
     absl::Status status = result.status();
     if (result.ok()) {

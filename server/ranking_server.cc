@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kernels/row_classes.h"
+#include "engine/warmup.h"
 #include "server/stop_signals.h"
 #include "server/validation.h"
 #include "spdlog/spdlog.h"
@@ -35,58 +35,6 @@ RankRequest WarmupRequest() {
   r.candidate_item_ids = {5, 6};
   return r;
 }
-
-}  // namespace
-
-std::vector<EagerWarmupBatch> EagerWarmupBatches(int64_t max_history_tokens, int64_t candidates,
-                                                 int32_t max_batch_size,
-                                                 int64_t max_batch_tokens) {
-  const int64_t full_events = std::max<int64_t>(1, max_history_tokens / 2);
-  candidates = std::max<int64_t>(1, candidates);
-  // A miss's rows in a step: its history tokens and its candidates (the scheduler's tokens too).
-  const int64_t user_rows = 2 * full_events + candidates;
-  // The most rows the scheduler puts in one batch (one user always runs, however large).
-  const int64_t most_rows =
-      std::max(user_rows, std::min(int64_t{max_batch_size} * user_rows, max_batch_tokens));
-  std::vector<EagerWarmupBatch> batches;
-  for (int64_t bound = row_classes::kFirst;; bound = row_classes::Next(bound)) {
-    // Full-history users while they fit, then one of the rows left (candidates first, at least
-    // one event): as many rows as the bound, or one fewer.
-    EagerWarmupBatch batch;
-    const int64_t rows = std::min(bound, most_rows);
-    for (int64_t left = rows; left >= 3;) {
-      const int64_t c = std::min(candidates, left - 2);
-      const int64_t events = std::min(full_events, (left - c) / 2);
-      batch.users.push_back({events, c});
-      left -= 2 * events + c;
-    }
-    batches.push_back(std::move(batch));
-    if (rows == most_rows) break;
-  }
-  return batches;
-}
-
-int64_t EagerWarmupBatch::rows() const {
-  int64_t r = 0;
-  for (const auto& [events, candidates] : users) r += 2 * events + candidates;
-  return r;
-}
-
-std::vector<RankRequest> EagerWarmupBatch::Requests() const {
-  std::vector<RankRequest> batch(users.size());
-  for (size_t u = 0; u < users.size(); ++u) {
-    RankRequest& r = batch[u];
-    r.user_id = ~uint64_t{0} - 1 - u;  // below the warm-up request's id
-    for (int64_t e = 0; e < users[u].first; ++e) {
-      r.history_item_ids.push_back(1 + static_cast<int64_t>((e + u) % 1000));
-      r.history_actions.push_back(0);
-    }
-    for (int64_t c = 0; c < users[u].second; ++c) r.candidate_item_ids.push_back(1 + c);
-  }
-  return batch;
-}
-
-namespace {
 
 // A memory size for the log: GiB from 1 GiB up, else MiB (a small pool is not "0.00 GiB").
 std::string SizeText(double bytes) {
@@ -320,38 +268,23 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
     }
     spdlog::info("engine: warm-up request done");
   }
-  // On a GPU, the eager steps' shapes too: a batch larger than the graphs' buckets (misses,
-  // mostly) runs eagerly, and the GEMM tuner times a row class at its first call. The base
-  // model's first such batches on an H100 took 50-82 ms each, in the first second of traffic (the
-  // slow-request log, docs/benchmarks.md). One batch of misses for each row class up to the
-  // largest batch the scheduler forms; their entries are forgotten, and the measured compute
-  // rates (which the tuning inflated) start again from their start values.
+  // On a GPU, the eager steps' shapes too (engine/warmup.h): the GEMM tuner's first-call timing
+  // of a row class would otherwise land on the first batches of misses.
   if (options.warmup && !on_cpu) {
     const absl::Time start = absl::Now();
-    // Within the server's --max_candidates, which the engine checks each request against.
-    const int64_t limit = options.engine.limits.max_candidates;
-    const std::vector<EagerWarmupBatch> batches = EagerWarmupBatches(
-        c.max_history_tokens,
-        limit > 0 ? std::min<int64_t>(c.max_candidates, limit) : int64_t{c.max_candidates},
-        options.scheduler.max_batch_size, options.scheduler.max_batch_tokens);
-    int32_t kept = 0;
-    int64_t most_rows = 0;
-    for (const EagerWarmupBatch& shape : batches) {
-      const std::vector<RankRequest> batch = shape.Requests();
-      for (const absl::StatusOr<RankResult>& r : s->engine_->Rank(batch)) {
-        if (r.ok()) continue;
-        s->Shutdown(absl::ZeroDuration());
-        return absl::InternalError(absl::StrCat("engine: warm-up batch of ", shape.rows(),
-                                                " rows failed: ", r.status().message()));
-      }
-      for (const RankRequest& r : batch) kept += s->engine_->Forget(r.user_id) ? 0 : 1;
-      most_rows = std::max(most_rows, shape.rows());
+    const absl::StatusOr<EagerWarmupSummary> warmed = WarmUpEagerSteps(
+        *s->engine_, options.scheduler.max_batch_size, options.scheduler.max_batch_tokens);
+    if (!warmed.ok()) {
+      s->Shutdown(absl::ZeroDuration());
+      return absl::InternalError(absl::StrCat("engine: ", warmed.status().message()));
     }
-    s->engine_->ResetMeasuredRates();
-    if (kept > 0) spdlog::warn("engine: {} warm-up users' cache entries are still in use", kept);
+    if (warmed->num_kept > 0) {
+      spdlog::warn("engine: {} warm-up users' cache entries are still in use", warmed->num_kept);
+    }
     spdlog::info("engine: warm-up of the eager steps done: {} batches of misses, up to {} rows "
                  "({} ms)",
-                 batches.size(), most_rows, absl::ToInt64Milliseconds(absl::Now() - start));
+                 warmed->num_batches, warmed->most_rows,
+                 absl::ToInt64Milliseconds(absl::Now() - start));
   }
   // After the graph warm-up and the warm-up requests: the row classes seen so far are tuned.
   spdlog::info("engine: UVQK GEMM route per row class: {}", s->engine_->gemm_routes());
@@ -513,6 +446,7 @@ int ServeUntilStopped(RankingServer& server, const StopWait& wait_stop, absl::Du
     sig = wait_stop(poll);
     if (stalled()) return kEngineStalled;
     engine_health = server.engine_health();
+    server.FlushSlowRequestLog();
   }
   const int first_sig = sig;
   // A copy of the same signal already waiting (timeout(1) signals the process and its group) is

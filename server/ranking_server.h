@@ -56,20 +56,6 @@ struct ConnectionOptions {
 // the timeout at least 1 s.
 absl::Status CheckConnectionOptions(const ConnectionOptions& c);
 
-// The start-up's batches of the eager step shapes (GPU): one batch of misses for each row class
-// of the GEMM tuner (kernels/row_classes.h: 256, 384, 512, 768, ...) up to the most rows the
-// scheduler puts in one batch (max_batch_size users of the model's longest history, within
-// max_batch_tokens; one such user always), each of its class's bound in rows (or one fewer; the
-// last: that most). Full-history users, then one of the rows left.
-struct EagerWarmupBatch {
-  std::vector<std::pair<int64_t, int64_t>> users;  // each user's history events and candidates
-  int64_t rows() const;                            // 2 a history event, 1 a candidate
-  // The requests: user ids at the top of the range, below the warm-up request's.
-  std::vector<RankRequest> Requests() const;
-};
-std::vector<EagerWarmupBatch> EagerWarmupBatches(int64_t max_history_tokens, int64_t candidates,
-                                                 int32_t max_batch_size, int64_t max_batch_tokens);
-
 struct ServerOptions {
   std::string listen = "0.0.0.0:50051";         // port 0 picks a free one (see port())
   std::string metrics_listen = "0.0.0.0:9464";  // "" disables the exposer
@@ -120,6 +106,11 @@ class RankingServer {
   // DEADLINE_EXCEEDED naming the time, and health turns NOT_SERVING. Thread-safe.
   absl::Status CheckStall();
   absl::Duration stall_timeout() const { return stall_timeout_; }
+
+  // The slow-request log's count of lines held back in a second that is over, if any.
+  void FlushSlowRequestLog() {
+    if (service_ != nullptr) service_->FlushEndedRequestLog();
+  }
 
   int port() const { return port_; }
   int metrics_port() const { return http_ ? http_->port() : 0; }

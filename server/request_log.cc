@@ -5,15 +5,15 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/validation.h"
 #include "spdlog/spdlog.h"
 
 namespace hstu::server {
 namespace {
 
-// An error message and a request_id are cut to these many bytes in a line (validation errors
-// quote sizes, not payloads, but a line stays a line; the server refuses longer request_ids).
+// An error message is cut to this many bytes in a line (validation errors quote sizes, not
+// payloads, but a line stays a line), a request_id to the longest the server takes.
 constexpr size_t kMaxErrorBytes = 300;
-constexpr size_t kMaxLoggedIdBytes = 256;
 
 // `text` C-escaped but for its UTF-8 (a non-ASCII request_id stays readable and greppable), cut
 // at a character's start once past `max_bytes`, with "..." then.
@@ -29,14 +29,14 @@ std::string EscapedPrefix(absl::string_view text, size_t max_bytes) {
 absl::Status CheckRequestLogOptions(const RequestLogOptions& options) {
   constexpr double kDayMs = 86400e3;
   if (!std::isfinite(options.slow_request_ms) || options.slow_request_ms > kDayMs) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--slow_request_ms=", absl::StrFormat("%.15g", options.slow_request_ms),
-        ": must be a number of milliseconds up to a day (86400000), or < 0 for no slow-request log"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--slow_request_ms=", absl::StrFormat("%.15g", options.slow_request_ms),
+                     ": must be a number of milliseconds up to a day (86400000), or < 0 for no "
+                     "slow-request log"));
   }
   if (options.max_lines_per_s < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--slow_request_log_per_s=",
-                                                   options.max_lines_per_s,
-                                                   ": must be >= 0 (0: no limit)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--slow_request_log_per_s=", options.max_lines_per_s, ": must be >= 0 (0: no limit)"));
   }
   return absl::OkStatus();
 }
@@ -44,19 +44,19 @@ absl::Status CheckRequestLogOptions(const RequestLogOptions& options) {
 std::string FormatRequestRecord(const RequestRecord& r) {
   std::string line = absl::StrFormat("total_ms=%.3f", r.total_seconds * 1e3);
   if (r.queued) absl::StrAppendFormat(&line, " queue_ms=%.3f", r.queue_seconds * 1e3);
-  if (r.batch_requests > 0) {
+  if (r.batch_size > 0) {
     absl::StrAppendFormat(&line, " compute_ms=%.3f batch=%d", r.compute_seconds * 1e3,
-                          r.batch_requests);
+                          r.batch_size);
   }
   absl::StrAppend(&line, " code=", absl::StatusCodeToString(r.code));
   if (r.parsed) {
-    absl::StrAppend(&line, " request_id=\"", EscapedPrefix(r.request_id, kMaxLoggedIdBytes),
-                    "\" user_id=", r.user_id, " events=", r.history_events,
-                    " candidates=", r.candidates);
+    absl::StrAppend(&line, " request_id=\"", EscapedPrefix(r.request_id, kMaxRequestIdBytes),
+                    "\" user_id=", r.user_id, " events=", r.num_events,
+                    " candidates=", r.num_candidates);
   }
   if (r.answered) {
-    absl::StrAppend(&line, " reused_tokens=", r.reused_tokens, " computed_tokens=",
-                    r.computed_tokens, " cache=", r.cache_result);
+    absl::StrAppend(&line, " reused_tokens=", r.reused_tokens,
+                    " computed_tokens=", r.computed_tokens, " cache=", r.cache_result);
   }
   if (r.code != absl::StatusCode::kOk) {
     absl::StrAppend(&line, " error=\"", EscapedPrefix(r.error, kMaxErrorBytes), "\"");
@@ -86,6 +86,16 @@ void RequestLog::Write(const RequestRecord& record, Clock::time_point now) {
   spdlog::info("slow request: {}", FormatRequestRecord(record));
 }
 
+void RequestLog::FlushEnded(Clock::time_point now) {
+  int64_t held_back = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (now - window_start_ < std::chrono::seconds(1)) return;
+    std::swap(held_back, held_back_);
+  }
+  WriteHeldBack(held_back);
+}
+
 void RequestLog::Flush() {
   int64_t held_back = 0;
   {
@@ -97,9 +107,10 @@ void RequestLog::Flush() {
 
 void RequestLog::WriteHeldBack(int64_t lines) const {
   if (lines == 0) return;
-  spdlog::info("slow request: {} more slow-request {} not written (at most {} a second, "
-               "--slow_request_log_per_s)",
-               lines, lines == 1 ? "line was" : "lines were", options_.max_lines_per_s);
+  spdlog::info(
+      "slow request: {} more slow-request {} not written (at most {} a second, "
+      "--slow_request_log_per_s)",
+      lines, lines == 1 ? "line was" : "lines were", options_.max_lines_per_s);
 }
 
 }  // namespace hstu::server

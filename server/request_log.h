@@ -16,8 +16,8 @@
 // those gRPC refuses before the service sees them, such as a message over --max_message_bytes).
 //
 // At most `max_lines_per_s` lines a second; the lines held back are counted and summed up in one
-// line with the next line written, or at Flush() (the server's shutdown). The lines are written
-// after the call is answered.
+// line once their second is over (FlushEnded), with the next line written, or at Flush() (the
+// server's shutdown). The lines are written after the call is answered.
 #pragma once
 
 #include <chrono>
@@ -47,14 +47,14 @@ struct RequestRecord {
   double total_seconds = 0;
   absl::StatusCode code = absl::StatusCode::kOk;
   absl::string_view error;  // the status message of a failed call
-  bool parsed = false;     // the request parsed: the request fields below are set
+  bool parsed = false;      // the request parsed: the request fields below are set
   absl::string_view request_id;
   uint64_t user_id = 0;
-  int64_t history_events = 0;
-  int64_t candidates = 0;
+  int64_t num_events = 0;
+  int64_t num_candidates = 0;
   bool queued = false;  // it reached the scheduler: queue_seconds is set
   double queue_seconds = 0;
-  int32_t batch_requests = 0;  // > 0 when it ran on the engine: compute_seconds is set
+  int32_t batch_size = 0;  // > 0 when it ran on the engine: compute_seconds is set
   double compute_seconds = 0;
   bool answered = false;  // the engine scored it: the token and cache fields are set
   uint32_t reused_tokens = 0;
@@ -84,6 +84,9 @@ class RequestLog {
   void Write(const RequestRecord& record, Clock::time_point now = Clock::now());
   // Writes the count of lines held back since the last line written, if any.
   void Flush();
+  // The same once the second the lines were held back in is over (the server calls it a few
+  // times a second, so that a burst's count is written without waiting for the next line).
+  void FlushEnded(Clock::time_point now = Clock::now());
 
  private:
   // Writes the count of `lines` held back, if any.

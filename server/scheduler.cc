@@ -337,7 +337,7 @@ void Scheduler::RunBatch(std::vector<Item>& batch) {
     RequestTiming timing;
     timing.queue_seconds = Seconds(start - batch[i].enqueued);
     timing.compute_seconds = info.compute_seconds;
-    timing.batch_requests = info.num_requests;
+    timing.batch_size = info.num_requests;
     batch[i].pending.done(std::move(results[i]), timing);
   }
 }

@@ -79,7 +79,7 @@ struct SchedulerOptions {
 struct RequestTiming {
   double queue_seconds = 0;    // Submit() → its batch starts
   double compute_seconds = 0;  // its batch's engine call (0 when answered without engine work)
-  int32_t batch_requests = 0;  // requests in that batch (0 when answered without engine work)
+  int32_t batch_size = 0;      // requests in that batch (0 when answered without engine work)
 };
 
 using RankDone = std::function<void(absl::StatusOr<RankResult>, const RequestTiming&)>;

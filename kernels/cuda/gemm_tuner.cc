@@ -10,8 +10,8 @@
 
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/gemm_bias_silu.h"
-#include "kernels/row_classes.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/row_classes.h"
 
 namespace hstu::cuda {
 namespace {

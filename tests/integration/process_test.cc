@@ -259,7 +259,8 @@ TEST(ProcessTest, BadFlagValuesAreRejectedNamingTheFlag) {
         "--metrics_tls needs --metrics_listen"},
        {"--max_queue_per_user=-1", "--max_queue_per_user=-1: must be >= 0"},
        {"--log_format=xml", "--log_format=xml: want text or json"},
-       {"--slow_request_ms=nan", "--slow_request_ms=nan: must be a number of milliseconds up to a day"},
+       {"--slow_request_ms=nan",
+        "--slow_request_ms=nan: must be a number of milliseconds up to a day"},
        {"--slow_request_log_per_s=-1", "--slow_request_log_per_s=-1: must be >= 0 (0: no limit)"},
        // gRPC takes these in milliseconds as int32 (ConnectionOptions).
        {"--keepalive_timeout_s=0", "--keepalive_timeout_s=0: must be in [1, 2147483]"},

@@ -54,8 +54,8 @@ Visit NextOnceAnswered(ReplayTraffic& r, const Visit& busy) {
 TEST(ReplayTest, SendsTheLinesInTheFilesOrderAndStartsAgainAtItsEnd) {
   auto r = FromLines({Line(1, 2), "", Line(2, 3), "  ", Line(3, 1)});
   ASSERT_NE(r, nullptr);
-  EXPECT_EQ(r->lines(), 3);
-  EXPECT_EQ(r->users(), 3);
+  EXPECT_EQ(r->num_lines(), 3);
+  EXPECT_EQ(r->num_users(), 3);
   std::vector<uint64_t> users;
   for (int i = 0; i < 7; ++i) {
     const Visit v = r->Next();
@@ -180,7 +180,7 @@ TEST(ReplayTest, RecordedLinesLoadAndTheirScoresAreCounted) {
       "5],\"expected_scores\":[[0.5],[0.25]],\"cache_result\":\"miss\"}";
   auto r = FromLines({recorded, Line(9, 1)});
   ASSERT_NE(r, nullptr);
-  EXPECT_EQ(r->lines_with_scores(), 1);
+  EXPECT_EQ(r->num_lines_with_scores(), 1);
   EXPECT_EQ(r->Next().candidate_item_ids, (std::vector<int64_t>{4, 5}));
 }
 
@@ -204,7 +204,7 @@ TEST(ReplayTest, LoadErrorsNameTheFileAndLine) {
   }
   auto loaded = ReplayTraffic::Load(path, false);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
-  EXPECT_EQ((*loaded)->lines(), 2);
+  EXPECT_EQ((*loaded)->num_lines(), 2);
   EXPECT_EQ((*loaded)->Next().user_id, 5u);
   std::remove(path.c_str());
 }

@@ -43,8 +43,8 @@ TEST(RequestLog, LineHasTheFieldsOfWhatTheCallReached) {
   r.parsed = true;
   r.request_id = "abc";
   r.user_id = 42;
-  r.history_events = 3;
-  r.candidates = 5;
+  r.num_events = 3;
+  r.num_candidates = 5;
   EXPECT_EQ(FormatRequestRecord(r),
             "total_ms=12.346 code=INVALID_ARGUMENT request_id=\"abc\" user_id=42 events=3 "
             "candidates=5 error=\"history_actions has 2 entries, history_item_ids 3\"");
@@ -52,7 +52,7 @@ TEST(RequestLog, LineHasTheFieldsOfWhatTheCallReached) {
   r.code = absl::StatusCode::kOk;
   r.queued = true;
   r.queue_seconds = 0.01;
-  r.batch_requests = 8;
+  r.batch_size = 8;
   r.compute_seconds = 0.0021;
   r.answered = true;
   r.reused_tokens = 396;
@@ -72,7 +72,8 @@ TEST(RequestLog, WhatTheClientSentCannotBreakTheLine) {
   r.error = long_error;
   const std::string line = FormatRequestRecord(r);
   EXPECT_EQ(line.find('\n'), std::string::npos) << line;
-  EXPECT_NE(line.find("request_id=\"a\\\"b\\nslow request: total_ms=0\""), std::string::npos) << line;
+  EXPECT_NE(line.find("request_id=\"a\\\"b\\nslow request: total_ms=0\""), std::string::npos)
+      << line;
   EXPECT_NE(line.find(std::string(300, 'x') + "...\""), std::string::npos) << line;
   EXPECT_EQ(line.find(std::string(301, 'x')), std::string::npos);
 
@@ -115,6 +116,23 @@ TEST(RequestLog, WritesAtMostTheRateAndCountsTheRestInOneLine) {
   EXPECT_EQ(lines[4], "total_ms=500.000 code=OK");
   EXPECT_EQ(lines[7],
             "1 more slow-request line was not written (at most 3 a second, "
+            "--slow_request_log_per_s)");
+}
+
+// A burst's count is written once its second is over, without waiting for another slow call.
+TEST(RequestLog, TheCountHeldBackIsWrittenOnceItsSecondIsOver) {
+  testing::CapturedLog captured;
+  RequestLog log(RequestLogOptions{.slow_request_ms = 0, .max_lines_per_s = 1});
+  const RequestLog::Clock::time_point t0 = RequestLog::Clock::time_point() + std::chrono::hours(1);
+  for (int i = 0; i < 4; ++i) log.Write(RequestRecord(), t0 + std::chrono::milliseconds(i));
+  log.FlushEnded(t0 + std::chrono::milliseconds(999));  // its second is not over: nothing
+  EXPECT_EQ(SlowLines(captured).size(), 1u);
+  log.FlushEnded(t0 + std::chrono::milliseconds(1000));
+  log.FlushEnded(t0 + std::chrono::milliseconds(1200));  // nothing more held back
+  const std::vector<std::string> lines = SlowLines(captured);
+  ASSERT_EQ(lines.size(), 2u) << absl::StrJoin(lines, "\n");
+  EXPECT_EQ(lines[1],
+            "3 more slow-request lines were not written (at most 1 a second, "
             "--slow_request_log_per_s)");
 }
 
@@ -183,7 +201,9 @@ TEST_F(RequestLogServerTest, SlowCallIsLoggedAndFastCallsAreNot) {
   EXPECT_NE(line.find(" batch=1 "), std::string::npos) << line;
   double total_ms = 0, compute_ms = 0;
   for (absl::string_view field : absl::StrSplit(line, ' ')) {
-    if (absl::ConsumePrefix(&field, "total_ms=")) ASSERT_TRUE(absl::SimpleAtod(field, &total_ms));
+    if (absl::ConsumePrefix(&field, "total_ms=")) {
+      ASSERT_TRUE(absl::SimpleAtod(field, &total_ms));
+    }
     if (absl::ConsumePrefix(&field, "compute_ms=")) {
       ASSERT_TRUE(absl::SimpleAtod(field, &compute_ms));
     }

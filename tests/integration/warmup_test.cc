@@ -1,5 +1,7 @@
-// The start-up's warm-up (server/ranking_server.h): the warm-up request and, on a GPU, the eager
-// steps' batches, none of which may leave anything cached.
+// The start-up's warm-up (server/ranking_server.cc, engine/warmup.h): the warm-up request and, on a
+// GPU, the eager steps' batches, none of which may leave anything cached.
+#include "engine/warmup.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -27,8 +29,8 @@ TEST(EagerWarmupBatches, OneBatchOfMissesForEachRowClassUpToTheLargestBatch) {
   int64_t bound = row_classes::kFirst;
   for (size_t i = 0; i < batches.size(); ++i, bound = row_classes::Next(bound)) {
     const EagerWarmupBatch& b = batches[i];
-    EXPECT_EQ(b.rows(), std::min<int64_t>(bound, 34816)) << i;
-    EXPECT_EQ(row_classes::Of(b.rows()), bound) << i;
+    EXPECT_EQ(b.num_rows(), std::min<int64_t>(bound, 34816)) << i;
+    EXPECT_EQ(row_classes::Of(b.num_rows()), bound) << i;
     EXPECT_LE(b.users.size(), 8u);
     const std::vector<RankRequest> requests = b.Requests();
     std::set<uint64_t> users;
@@ -47,15 +49,15 @@ TEST(EagerWarmupBatches, OneBatchOfMissesForEachRowClassUpToTheLargestBatch) {
   // A token budget of 20000 rows: the classes up to 16384, then a batch of 20000.
   const auto budget = EagerWarmupBatches(4096, 256, 8, 20000);
   ASSERT_EQ(budget.size(), 14u);
-  EXPECT_EQ(budget.back().rows(), 20000);
+  EXPECT_EQ(budget.back().num_rows(), 20000);
   // One user always runs, whatever the budget: up to its 4352 rows.
   const auto one = EagerWarmupBatches(4096, 256, 8, 100);
   ASSERT_EQ(one.size(), 10u);
-  EXPECT_EQ(one.back().rows(), 4352);
+  EXPECT_EQ(one.back().num_rows(), 4352);
   // random:tiny's shape (256 tokens, 64 candidates) at 2 users: 256, 384, 512, then 640.
   const auto tiny = EagerWarmupBatches(256, 64, 2, 65536);
   ASSERT_EQ(tiny.size(), 4u);
-  EXPECT_EQ(tiny.back().rows(), 640);
+  EXPECT_EQ(tiny.back().num_rows(), 640);
 }
 
 TEST_F(ServerTest, TheWarmUpLeavesNothingInTheCache) {
@@ -91,7 +93,8 @@ TEST_F(ServerTest, TheEagerWarmUpRunsEveryClassAndLeavesNothingCached) {
   o.scheduler.max_batch_size = 4;
   ASSERT_NO_FATAL_FAILURE(StartServer(o));
   const auto c = *PresetConfig("tiny");
-  const auto batches = EagerWarmupBatches(c.max_history_tokens, 16, 4, o.scheduler.max_batch_tokens);
+  const auto batches =
+      EagerWarmupBatches(c.max_history_tokens, 16, 4, o.scheduler.max_batch_tokens);
   ASSERT_GE(batches.size(), 4u);
   // The warm-up request, then at least one forward a batch (a batch too large for the pool runs
   // in several).

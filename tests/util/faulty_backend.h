@@ -35,7 +35,9 @@ class FaultyBackend final : public Backend {
   FaultyBackend(std::unique_ptr<Backend> inner, std::shared_ptr<Faults> faults)
       : inner_(std::move(inner)), faults_(std::move(faults)) {}
 
-  std::string name() const override { return faults_->name.empty() ? inner_->name() : faults_->name; }
+  std::string name() const override {
+    return faults_->name.empty() ? inner_->name() : faults_->name;
+  }
   std::string pci_bus_id() const override { return inner_->pci_bus_id(); }
   std::string attention_kernel() const override { return inner_->attention_kernel(); }
   std::string gemm_routes() const override { return inner_->gemm_routes(); }
