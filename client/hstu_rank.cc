@@ -181,6 +181,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "error: --page_size=%d: must be in [1, 4096]\n", page_size);
     return 2;
   }
+  // The pools' ranges, named as the flags (the engine's own check names its options' fields).
+  if (const int64_t pages = absl::GetFlag(FLAGS_cache_pages);
+      pages < 0 || pages > hstu::kMaxPoolPages) {
+    std::fprintf(stderr, "error: --cache_pages=%lld: must be in [0, %lld]\n",
+                 static_cast<long long>(pages), static_cast<long long>(hstu::kMaxPoolPages));
+    return 2;
+  }
+  if (const int64_t pages = absl::GetFlag(FLAGS_host_cache_pages);
+      pages < -1 || pages > hstu::kMaxPoolPages) {
+    std::fprintf(stderr, "error: --host_cache_pages=%lld: must be in [0, %lld], or -1 for auto\n",
+                 static_cast<long long>(pages), static_cast<long long>(hstu::kMaxPoolPages));
+    return 2;
+  }
   const double tolerance = absl::GetFlag(FLAGS_max_score_diff);
   if (!(tolerance >= 0)) {  // inf: report the differences, fail none
     std::fprintf(stderr, "error: --max_score_diff=%g: must be >= 0 (inf: report only)\n", tolerance);

@@ -646,8 +646,9 @@ TEST(ProcessTest, HstuRankNamesUnknownAndRepeatedFieldsAndJsonErrors) {
       {{"--page_size=32 --cache_pages=3", "error: --cache_pages=3: the KV pool of 3 pages must hold one user"},
        {"--page_size=0", "error: --page_size=0: must be in [1, 4096]"},
        // Before: exit 1, as if the model could not be used.
-       {"--cache_pages=-1", "error: cache_pages must be in [0, 2147483647], got -1"},
-       {"--host_cache_pages=-2", "error: host_cache_pages must be in [-1, 2147483647], got -2"},
+       {"--cache_pages=-1", "error: --cache_pages=-1: must be in [0, 2147483647]"},
+       {"--host_cache_pages=-2",
+        "error: --host_cache_pages=-2: must be in [0, 2147483647], or -1 for auto"},
        {"--max_score_diff=-1", "error: --max_score_diff=-1: must be >= 0 (inf: report only)"},
        {"--max_score_diff=nan", "error: --max_score_diff=nan: must be >= 0 (inf: report only)"}},
       2);
