@@ -122,7 +122,9 @@ run() {  # name, "loadgen flags", extra server flags...
     "$OUT/metrics_$name.txt" || true
 }
 ZIPF="--users=400 --zipf=1.0 --initial_events=1800 --new_events=64 --concurrency=1:16:x2"
-has cache && run cache "$ZIPF" --cache_pages=2048 --host_cache_pages=8192
+# CACHE_SERVER_FLAGS: more server flags for the cache part (A/B runs, e.g. --warmup=false).
+# shellcheck disable=SC2086
+has cache && run cache "$ZIPF" --cache_pages=2048 --host_cache_pages=8192 ${CACHE_SERVER_FLAGS:-}
 has cache_b512 && run cache_b512 "$ZIPF" --cache_pages=2048 --host_cache_pages=8192 --offload_backlog_mib=512
 has cache_gpu && run cache_gpu "$ZIPF" --cache_pages=2048 --host_cache_pages=0
 has cache_always && run cache_always "$ZIPF" --cache_pages=2048 --host_cache_pages=8192 --onload_policy=always
