@@ -193,8 +193,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   engine->stats_.device_memory_bytes = engine->backend_->device_memory_bytes();
   engine->stats_.weight_bytes = engine->backend_->device_weight_bytes();
   engine->stats_.kv_page_bytes = engine->backend_->page_bytes();
-  engine->stats_.onload_bytes_per_second = engine->onload_cost_.bytes_per_second();
-  engine->stats_.recompute_seconds_per_token = engine->onload_cost_.seconds_per_token();
+  engine->ResetMeasuredRates();  // their start values into the stats
   return engine;
 }
 

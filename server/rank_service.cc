@@ -186,14 +186,15 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
         "a string field such as request_id that is not UTF-8)"));
     return reactor;
   }
-  // The slow-request log's view of the request (its request_id is owned by the callback below).
+  // The slow-request log's view of the request. Its request_id views `request`, which lives until
+  // this method returns; the callback below points it at its own copy.
   RequestRecord seen;
   seen.parsed = true;
+  seen.request_id = request.request_id();
   seen.user_id = request.user_id();
   seen.num_events = request.history_item_ids_size();
   seen.num_candidates = request.candidate_item_ids_size();
   if (request.request_id().size() > kMaxRequestIdBytes) {
-    seen.request_id = request.request_id();
     finish(absl::InvalidArgumentError(absl::StrCat("request_id has ", request.request_id().size(),
                                                    " bytes, more than the limit of ",
                                                    kMaxRequestIdBytes)),
@@ -202,7 +203,6 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
   }
   RankRequest rank_request = FromProto(request);
   if (absl::Status s = ValidateForEngine(rank_request, *a->engine); !s.ok()) {
-    seen.request_id = request.request_id();
     finish(s, seen);
     return reactor;
   }
@@ -246,7 +246,6 @@ grpc::ServerUnaryReactor* RankService::Rank(grpc::CallbackServerContext* context
     if (rejection == SubmitRejection::kShuttingDown) {
       answer(s);
     } else {
-      seen.request_id = request.request_id();
       finish(s, seen);
     }
   }

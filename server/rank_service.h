@@ -47,10 +47,8 @@ class RankService final
   void StopAdmitting() { admitting_.store(false); }
   // Rank calls received and not yet answered.
   int64_t InFlight() const { return inflight_.load(); }
-  // Writes what the slow-request log held back: at the drain's end (all), or while serving (once
-  // the second it was held back in is over).
-  void FlushRequestLog() { request_log_.Flush(); }
-  void FlushEndedRequestLog() { request_log_.FlushEnded(); }
+  // The slow-request log, for its counts of the lines held back (RequestLog::Flush, FlushEnded).
+  RequestLog& request_log() { return request_log_; }
 
  private:
   struct Attached {

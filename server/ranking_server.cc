@@ -412,7 +412,7 @@ void RankingServer::Shutdown(absl::Duration grace) {
     grpc_server_->Wait();
   }
   if (scheduler_ != nullptr) scheduler_->Drain();
-  if (service_ != nullptr) service_->FlushRequestLog();
+  if (service_ != nullptr) service_->request_log().Flush();
   http_.reset();
 }
 

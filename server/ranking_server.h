@@ -109,7 +109,7 @@ class RankingServer {
 
   // The slow-request log's count of lines held back in a second that is over, if any.
   void FlushSlowRequestLog() {
-    if (service_ != nullptr) service_->FlushEndedRequestLog();
+    if (service_ != nullptr) service_->request_log().FlushEnded();
   }
 
   int port() const { return port_; }

@@ -1,6 +1,7 @@
 #include "server/request_log.h"
 
 #include <cmath>
+#include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -14,6 +15,9 @@ namespace {
 // An error message is cut to this many bytes in a line (validation errors quote sizes, not
 // payloads, but a line stays a line), a request_id to the longest the server takes.
 constexpr size_t kMaxErrorBytes = 300;
+
+// The rate limiter's one kind of line.
+constexpr char kKind[] = "slow request";
 
 // `text` C-escaped but for its UTF-8 (a non-ASCII request_id stays readable and greppable), cut
 // at a character's start once past `max_bytes`, with "..." then.
@@ -65,52 +69,24 @@ std::string FormatRequestRecord(const RequestRecord& r) {
 }
 
 void RequestLog::Write(const RequestRecord& record, Clock::time_point now) {
-  int64_t held_back = 0;
-  {
-    // Only the decision is made under the lock; the lines are formatted and written outside it.
-    std::lock_guard<std::mutex> lock(mu_);
-    if (options_.max_lines_per_s > 0) {
-      if (now - window_start_ >= std::chrono::seconds(1)) {
-        window_start_ = now;
-        written_ = 0;
-      }
-      if (written_ >= options_.max_lines_per_s) {
-        ++held_back_;
-        return;
-      }
-      ++written_;
-    }
-    std::swap(held_back, held_back_);
-  }
-  WriteHeldBack(held_back);
-  spdlog::info("slow request: {}", FormatRequestRecord(record));
+  std::vector<LogRateLimiter::Suppressed> ended;
+  const bool admitted = options_.max_lines_per_s == 0 || limiter_.Admit(kKind, "", 0, now, &ended);
+  // Only the decision is made under the limiter's lock; the lines are written outside it.
+  WriteHeldBack(ended);
+  if (admitted) spdlog::info("slow request: {}", FormatRequestRecord(record));
 }
 
-void RequestLog::FlushEnded(Clock::time_point now) {
-  int64_t held_back = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (now - window_start_ < std::chrono::seconds(1)) return;
-    std::swap(held_back, held_back_);
-  }
-  WriteHeldBack(held_back);
-}
+void RequestLog::FlushEnded(Clock::time_point now) { WriteHeldBack(limiter_.TakeEnded(now)); }
 
-void RequestLog::Flush() {
-  int64_t held_back = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::swap(held_back, held_back_);
-  }
-  WriteHeldBack(held_back);
-}
+void RequestLog::Flush() { WriteHeldBack(limiter_.TakeAll()); }
 
-void RequestLog::WriteHeldBack(int64_t lines) const {
-  if (lines == 0) return;
-  spdlog::info(
-      "slow request: {} more slow-request {} not written (at most {} a second, "
-      "--slow_request_log_per_s)",
-      lines, lines == 1 ? "line was" : "lines were", options_.max_lines_per_s);
+void RequestLog::WriteHeldBack(const std::vector<LogRateLimiter::Suppressed>& held_back) const {
+  for (const LogRateLimiter::Suppressed& s : held_back) {
+    spdlog::info(
+        "slow request: {} more slow-request {} not written (at most {} a second, "
+        "--slow_request_log_per_s)",
+        s.lines, s.lines == 1 ? "line was" : "lines were", options_.max_lines_per_s);
+  }
 }
 
 }  // namespace hstu::server

@@ -20,13 +20,14 @@
 // server's shutdown). The lines are written after the call is answered.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <mutex>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "server/grpc_log.h"
 
 namespace hstu::server {
 
@@ -68,9 +69,12 @@ std::string FormatRequestRecord(const RequestRecord& record);
 // Thread-safe.
 class RequestLog {
  public:
-  using Clock = std::chrono::steady_clock;
+  using Clock = LogRateLimiter::Clock;
 
-  explicit RequestLog(const RequestLogOptions& options) : options_(options) {}
+  // The rate limit is gRPC's log lines' limiter (server/grpc_log.h): one kind, windows of 1 s.
+  explicit RequestLog(const RequestLogOptions& options)
+      : options_(options),
+        limiter_(std::max(1, options.max_lines_per_s), std::chrono::seconds(1)) {}
   ~RequestLog() { Flush(); }
   RequestLog(const RequestLog&) = delete;
   RequestLog& operator=(const RequestLog&) = delete;
@@ -89,14 +93,11 @@ class RequestLog {
   void FlushEnded(Clock::time_point now = Clock::now());
 
  private:
-  // Writes the count of `lines` held back, if any.
-  void WriteHeldBack(int64_t lines) const;
+  // Writes the count of the lines held back, if any.
+  void WriteHeldBack(const std::vector<LogRateLimiter::Suppressed>& held_back) const;
 
   const RequestLogOptions options_;
-  std::mutex mu_;
-  Clock::time_point window_start_;  // of the current second
-  int64_t written_ = 0;             // lines in the current second
-  int64_t held_back_ = 0;           // lines not written since the last summary
+  LogRateLimiter limiter_;  // used with max_lines_per_s > 0
 };
 
 }  // namespace hstu::server
