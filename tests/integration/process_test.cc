@@ -405,6 +405,7 @@ TEST(ProcessTest, SigtermUnderLoadDrainsAndExitsZero) {
   std::atomic<bool> stop{false};
   std::atomic<int> ok{0}, unavailable{0}, other{0};
   std::atomic<int> ok_across_signal{0};  // sent before SIGTERM, answered OK after it
+  std::atomic<int> in_flight{0};         // calls sent and not yet answered
   // When SIGTERM is sent, as steady-clock ticks (0 = not yet).
   std::atomic<int64_t> signalled_at{0};
   // The longest call that finished before the signal, in ticks: how long a call may take to reach
@@ -418,9 +419,12 @@ TEST(ProcessTest, SigtermUnderLoadDrainsAndExitsZero) {
         grpc::ClientContext ctx;
         ctx.set_deadline(std::chrono::system_clock::now() + 30s);
         hstu::v1::RankResponse resp;
+        const hstu::v1::RankRequest req = MakeRequest(t * 1000 + i % 7, 60, 32, i);
+        ++in_flight;
         const auto sent = std::chrono::steady_clock::now();
-        const grpc::Status s = stub->Rank(&ctx, MakeRequest(t * 1000 + i % 7, 60, 32, i), &resp);
+        const grpc::Status s = stub->Rank(&ctx, req, &resp);
         const auto done = std::chrono::steady_clock::now();
+        --in_flight;
         const int64_t sig = signalled_at.load();
         const int64_t took = (done - sent).count();
         if (sig == 0) {
@@ -459,6 +463,11 @@ TEST(ProcessTest, SigtermUnderLoadDrainsAndExitsZero) {
     std::this_thread::sleep_for(10ms);
   }
   const int ok_before = ok.load();
+  // Signalled while a call is on its way (the clients' own work between calls is slow in a
+  // sanitizer build: all four were between calls at the signal in about one run of four).
+  while (in_flight.load() == 0 && std::chrono::steady_clock::now() < load_until) {
+    std::this_thread::yield();
+  }
   signalled_at = std::chrono::steady_clock::now().time_since_epoch().count();
   server.proc().Signal(SIGTERM);
   const int rc = server.proc().Wait(60s);
