@@ -3,10 +3,12 @@
 #include <time.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "spdlog/pattern_formatter.h"
 #include "spdlog/spdlog.h"
 
@@ -40,7 +42,54 @@ size_t Utf8Length(std::string_view s, size_t i) {
   return n;
 }
 
+// The members of the innermost ScopedLogFields of this thread, or none.
+thread_local const std::string* t_fields = nullptr;
+
 }  // namespace
+
+ScopedLogFields::ScopedLogFields(std::string members)
+    : members_(std::move(members)), previous_(t_fields) {
+  t_fields = &members_;
+}
+
+ScopedLogFields::~ScopedLogFields() { t_fields = previous_; }
+
+void JsonFields::Key(std::string_view key) {
+  if (!members_.empty()) members_.push_back(',');
+  members_.push_back('"');
+  AppendJsonEscaped(key, &members_);
+  members_.append("\":");
+}
+
+JsonFields& JsonFields::AddString(std::string_view key, std::string_view text) {
+  Key(key);
+  members_.push_back('"');
+  AppendJsonEscaped(text, &members_);
+  members_.push_back('"');
+  return *this;
+}
+
+JsonFields& JsonFields::AddInt(std::string_view key, int64_t value) {
+  Key(key);
+  absl::StrAppend(&members_, value);
+  return *this;
+}
+
+JsonFields& JsonFields::AddBool(std::string_view key, bool value) {
+  Key(key);
+  members_.append(value ? "true" : "false");
+  return *this;
+}
+
+JsonFields& JsonFields::AddFixed(std::string_view key, double value, int decimals) {
+  Key(key);
+  if (std::isfinite(value)) {
+    absl::StrAppend(&members_, absl::StrFormat("%.*f", decimals, value));
+  } else {
+    members_.append("null");
+  }
+  return *this;
+}
 
 void AppendJsonEscaped(std::string_view text, std::string* out) {
   for (size_t i = 0; i < text.size();) {
@@ -93,7 +142,7 @@ void JsonLogFormatter::format(const spdlog::details::log_msg& msg, spdlog::memor
   const int64_t ms = duration_cast<milliseconds>(since_epoch).count() % 1000;
   tm utc{};
   gmtime_r(&seconds, &utc);
-  char time_text[40];
+  char time_text[64];
   std::snprintf(time_text, sizeof(time_text), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ",
                 utc.tm_year + 1900, utc.tm_mon + 1, utc.tm_mday, utc.tm_hour, utc.tm_min,
                 utc.tm_sec, static_cast<int>(ms));
@@ -102,7 +151,12 @@ void JsonLogFormatter::format(const spdlog::details::log_msg& msg, spdlog::memor
                                   std::string(level.data(), level.size()),
                                   "\",\"thread\":", msg.thread_id, ",\"message\":\"");
   AppendJsonEscaped(std::string_view(msg.payload.data(), msg.payload.size()), &line);
-  line.append("\"}\n");
+  line.push_back('"');
+  if (t_fields != nullptr && !t_fields->empty()) {
+    line.push_back(',');
+    line.append(*t_fields);
+  }
+  line.append("}\n");
   dest.append(line.data(), line.data() + line.size());
 }
 

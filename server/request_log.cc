@@ -1,11 +1,13 @@
 #include "server/request_log.h"
 
 #include <cmath>
+#include <string_view>
 #include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/log_format.h"
 #include "server/validation.h"
 #include "spdlog/spdlog.h"
 
@@ -19,13 +21,22 @@ constexpr size_t kMaxErrorBytes = 300;
 // The rate limiter's one kind of line.
 constexpr char kKind[] = "slow request";
 
+// `text` cut at a character's start once past `max_bytes` (`text` itself when it fits).
+absl::string_view Prefix(absl::string_view text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return text;
+  size_t cut = max_bytes;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return text.substr(0, cut);
+}
+
+// Debian's abseil has a string_view of its own.
+std::string_view Std(absl::string_view text) { return {text.data(), text.size()}; }
+
 // `text` C-escaped but for its UTF-8 (a non-ASCII request_id stays readable and greppable), cut
 // at a character's start once past `max_bytes`, with "..." then.
 std::string EscapedPrefix(absl::string_view text, size_t max_bytes) {
-  if (text.size() <= max_bytes) return absl::Utf8SafeCEscape(text);
-  size_t cut = max_bytes;
-  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
-  return absl::StrCat(absl::Utf8SafeCEscape(text.substr(0, cut)), "...");
+  const absl::string_view prefix = Prefix(text, max_bytes);
+  return absl::StrCat(absl::Utf8SafeCEscape(prefix), prefix.size() < text.size() ? "..." : "");
 }
 
 }  // namespace
@@ -68,12 +79,45 @@ std::string FormatRequestRecord(const RequestRecord& r) {
   return line;
 }
 
+std::string RequestRecordJsonFields(const RequestRecord& r) {
+  JsonFields fields;
+  fields.AddString("event", "slow_request").AddFixed("total_ms", r.total_seconds * 1e3, 3);
+  if (r.queued) fields.AddFixed("queue_ms", r.queue_seconds * 1e3, 3);
+  if (r.batch_size > 0) {
+    fields.AddFixed("compute_ms", r.compute_seconds * 1e3, 3).AddInt("batch", r.batch_size);
+  }
+  fields.AddString("code", absl::StatusCodeToString(r.code));
+  if (r.parsed) {
+    const absl::string_view id = Prefix(r.request_id, kMaxRequestIdBytes);
+    fields.AddString("request_id", Std(id));
+    if (id.size() < r.request_id.size()) fields.AddBool("request_id_cut", true);
+    // A string: a JSON number past 2^53 loses digits in most parsers.
+    fields.AddString("user_id", absl::StrCat(r.user_id))
+        .AddInt("events", r.num_events)
+        .AddInt("candidates", r.num_candidates);
+  }
+  if (r.answered) {
+    fields.AddInt("reused_tokens", r.reused_tokens)
+        .AddInt("computed_tokens", r.computed_tokens)
+        .AddString("cache", Std(r.cache_result));
+  }
+  if (r.code != absl::StatusCode::kOk) {
+    const absl::string_view error = Prefix(r.error, kMaxErrorBytes);
+    fields.AddString(
+        "error", error.size() < r.error.size() ? absl::StrCat(error, "...") : std::string(error));
+  }
+  return fields.Take();
+}
+
 void RequestLog::Write(const RequestRecord& record, Clock::time_point now) {
   std::vector<LogRateLimiter::Suppressed> ended;
   const bool admitted = options_.max_lines_per_s == 0 || limiter_.Admit(kKind, "", 0, now, &ended);
   // Only the decision is made under the limiter's lock; the lines are written outside it.
   WriteHeldBack(ended);
-  if (admitted) spdlog::info("slow request: {}", FormatRequestRecord(record));
+  if (admitted) {
+    const ScopedLogFields fields(RequestRecordJsonFields(record));
+    spdlog::info("slow request: {}", FormatRequestRecord(record));
+  }
 }
 
 void RequestLog::FlushEnded(Clock::time_point now) { WriteHeldBack(limiter_.TakeEnded(now)); }
@@ -82,6 +126,10 @@ void RequestLog::Flush() { WriteHeldBack(limiter_.TakeAll()); }
 
 void RequestLog::WriteHeldBack(const std::vector<LogRateLimiter::Suppressed>& held_back) const {
   for (const LogRateLimiter::Suppressed& s : held_back) {
+    const ScopedLogFields fields(JsonFields()
+                                     .AddString("event", "slow_requests_not_written")
+                                     .AddInt("lines", static_cast<int64_t>(s.lines))
+                                     .Take());
     spdlog::info(
         "slow request: {} more slow-request {} not written (at most {} a second, "
         "--slow_request_log_per_s)",

@@ -66,6 +66,14 @@ struct RequestRecord {
 // The line for `record`, without the "slow request: " prefix (tests read it).
 std::string FormatRequestRecord(const RequestRecord& record);
 
+// The same fields as keys of the JSON line (--log_format=json; ScopedLogFields), beside
+// "event":"slow_request": total_ms, queue_ms, compute_ms, batch, code, request_id (cut past 256
+// bytes, with "request_id_cut":true then; bytes that are not UTF-8 as U+FFFD), user_id (a
+// string: exact past 2^53), events, candidates, reused_tokens, computed_tokens, cache, error.
+// Numbers are numbers. The count of lines held back is
+// "event":"slow_requests_not_written","lines":N.
+std::string RequestRecordJsonFields(const RequestRecord& record);
+
 // Thread-safe.
 class RequestLog {
  public:

@@ -34,7 +34,7 @@ target_include_directories(hstu_log_format PUBLIC ${CMAKE_SOURCE_DIR})
 add_library(hstu_server_lib STATIC metrics.cc prom_family.cc http_exposer.cc validation.cc
             rank_service.cc ranking_server.cc request_log.cc stop_signals.cc)
 target_link_libraries(hstu_server_lib PUBLIC hstu_server_core hstu_proto hstu_engine
-                      hstu_grpc_reflection hstu_grpc_log hstu_tls absl::time spdlog::spdlog PkgConfig::HSTU_PROMETHEUS
+                      hstu_grpc_reflection hstu_grpc_log hstu_log_format hstu_tls absl::time spdlog::spdlog PkgConfig::HSTU_PROMETHEUS
                       PRIVATE OpenSSL::SSL OpenSSL::Crypto)
 
 add_executable(hstu_server main.cc flags.cc)

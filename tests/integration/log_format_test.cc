@@ -5,10 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <vector>
 
+#include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
@@ -81,6 +84,53 @@ TEST(JsonLog, SetLogFormatSwitchesEveryLoggerAndBack) {
   EXPECT_EQ(nlohmann::json::parse(json_line)["message"], "as json");
   EXPECT_EQ(text_line.front(), '[') << text_line;  // spdlog's pattern: "[2026-11-27 ...] [..."
   EXPECT_NE(text_line.find("] as text"), std::string::npos) << text_line;
+}
+
+// Keys of a line's own follow its message while their scope lives, innermost scope first; text
+// lines do not show them.
+TEST(JsonLog, ScopedFieldsAreKeysOfTheLinesLoggedInTheirScope) {
+  std::ostringstream json_out, text_out;
+  auto json = std::make_shared<spdlog::logger>(
+      "json", std::make_shared<spdlog::sinks::ostream_sink_mt>(json_out));
+  json->set_formatter(std::make_unique<JsonLogFormatter>());
+  auto text = std::make_shared<spdlog::logger>(
+      "text", std::make_shared<spdlog::sinks::ostream_sink_mt>(text_out));
+  text->set_pattern("%v");
+  json->info("before");
+  {
+    const ScopedLogFields outer(JsonFields()
+                                    .AddString("event", "a \"b\"\n")
+                                    .AddInt("n", -7)
+                                    .AddBool("cut", true)
+                                    .AddFixed("ms", 1.23456, 3)
+                                    .AddFixed("nan", std::nan(""), 3)
+                                    .Take());
+    json->info("outer");
+    text->info("outer");
+    {
+      const ScopedLogFields inner(JsonFields().AddInt("n", 1).Take());
+      json->info("inner");
+    }
+    json->info("outer again");
+  }
+  json->info("after");
+  const std::vector<std::string> lines = absl::StrSplit(json_out.str(), '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 5u) << json_out.str();
+  EXPECT_EQ(nlohmann::json::parse(lines[0]).size(), 4u)
+      << lines[0];  // time, level, thread, message
+  const auto outer = nlohmann::json::parse(lines[1]);
+  EXPECT_EQ(outer["message"], "outer");
+  EXPECT_EQ(outer["event"], "a \"b\"\n");
+  EXPECT_EQ(outer["n"], -7);
+  EXPECT_EQ(outer["cut"], true);
+  EXPECT_EQ(outer["ms"], 1.235);
+  EXPECT_TRUE(outer["nan"].is_null());
+  const auto inner = nlohmann::json::parse(lines[2]);
+  EXPECT_EQ(inner["n"], 1);
+  EXPECT_FALSE(inner.contains("event")) << lines[2];
+  EXPECT_EQ(nlohmann::json::parse(lines[3])["n"], -7);
+  EXPECT_EQ(nlohmann::json::parse(lines[4]).size(), 4u) << lines[4];
+  EXPECT_EQ(text_out.str(), "outer\n");
 }
 
 TEST(JsonLog, OnlyTextAndJsonAreFormats) {

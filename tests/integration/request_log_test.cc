@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,6 +19,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "nlohmann/json.hpp"
+#include "server/log_format.h"
+#include "spdlog/sinks/ostream_sink.h"
 #include "tests/integration/server_fixture.h"
 #include "tests/util/captured_log.h"
 
@@ -150,6 +154,82 @@ TEST(RequestLog, NoLimitAndOffAndThreshold) {
   const auto t0 = RequestLog::Clock::now();
   for (int i = 0; i < 50; ++i) unlimited.Write(RequestRecord(), t0);
   EXPECT_EQ(SlowLines(captured).size(), 50u);
+}
+
+// With --log_format=json the line's fields are keys of their own, beside the message.
+TEST(RequestLog, JsonLinesCarryTheFieldsAsKeys) {
+  RequestRecord r;
+  r.total_seconds = 0.0123456;
+  r.code = absl::StatusCode::kResourceExhausted;
+  r.error = "queue full";
+  r.parsed = true;
+  const std::string long_id = std::string(255, 'a') + "\xc3\xa9" + "\"\n\xff";
+  r.request_id = long_id;
+  r.user_id = std::numeric_limits<uint64_t>::max();
+  r.num_events = 3;
+  r.num_candidates = 5;
+  const auto refused = nlohmann::json::parse("{" + RequestRecordJsonFields(r) + "}");
+  EXPECT_EQ(refused,
+            nlohmann::json::parse(R"({"event":"slow_request","total_ms":12.346,
+                "code":"RESOURCE_EXHAUSTED","request_id":")" +
+                                  std::string(255, 'a') +
+                                  R"(","request_id_cut":true,"user_id":"18446744073709551615",
+                "events":3,"candidates":5,"error":"queue full"})"));
+
+  r.request_id = "id \"1\"\n\xff";
+  r.code = absl::StatusCode::kOk;
+  r.queued = true;
+  r.queue_seconds = 0.01;
+  r.batch_size = 8;
+  r.compute_seconds = 0.0021;
+  r.answered = true;
+  r.reused_tokens = 396;
+  r.computed_tokens = 4;
+  r.cache_result = "gpu_hit";
+  const auto answered = nlohmann::json::parse("{" + RequestRecordJsonFields(r) + "}");
+  EXPECT_EQ(answered["request_id"], "id \"1\"\n\xef\xbf\xbd");  // not UTF-8: U+FFFD
+  EXPECT_FALSE(answered.contains("request_id_cut"));
+  EXPECT_FALSE(answered.contains("error"));
+  EXPECT_EQ(answered["queue_ms"], 10.0);
+  EXPECT_EQ(answered["compute_ms"], 2.1);
+  EXPECT_EQ(answered["batch"], 8);
+  EXPECT_EQ(answered["reused_tokens"], 396);
+  EXPECT_EQ(answered["computed_tokens"], 4);
+  EXPECT_EQ(answered["cache"], "gpu_hit");
+
+  // Through the log: the keys follow the message, on the slow-request lines only.
+  r.request_id = "id-2";
+  std::ostringstream out;
+  const std::shared_ptr<spdlog::logger> previous = spdlog::default_logger();
+  auto json_logger = std::make_shared<spdlog::logger>(
+      "json", std::make_shared<spdlog::sinks::ostream_sink_mt>(out));
+  json_logger->set_formatter(std::make_unique<JsonLogFormatter>());
+  spdlog::set_default_logger(json_logger);
+  {
+    RequestLog log(RequestLogOptions{.slow_request_ms = 0, .max_lines_per_s = 1});
+    const auto t0 = RequestLog::Clock::time_point() + std::chrono::hours(1);
+    log.Write(r, t0);
+    log.Write(r, t0 + std::chrono::milliseconds(1));  // held back
+    log.Write(r, t0 + std::chrono::milliseconds(2));  // held back
+    log.Flush();
+    spdlog::info("another line");
+  }
+  spdlog::set_default_logger(previous);
+  const std::vector<std::string> lines = absl::StrSplit(out.str(), '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 3u) << out.str();
+  const auto first = nlohmann::json::parse(lines[0]);
+  EXPECT_EQ(first["message"], "slow request: " + FormatRequestRecord(r));
+  EXPECT_EQ(first["level"], "info");
+  EXPECT_EQ(first["event"], "slow_request");
+  EXPECT_EQ(first["request_id"], "id-2");
+  EXPECT_EQ(first["user_id"], "18446744073709551615");
+  EXPECT_EQ(first["cache"], "gpu_hit");
+  const auto held_back = nlohmann::json::parse(lines[1]);
+  EXPECT_EQ(held_back["event"], "slow_requests_not_written");
+  EXPECT_EQ(held_back["lines"], 2);
+  const auto other = nlohmann::json::parse(lines[2]);
+  EXPECT_EQ(other["message"], "another line");
+  EXPECT_FALSE(other.contains("event")) << lines[2];
 }
 
 TEST(RequestLog, OptionsOutOfRangeNameTheFlag) {
