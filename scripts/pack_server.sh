@@ -28,7 +28,7 @@ git rev-parse --short HEAD > "$STAGE/hstu_server/COMMIT" 2>/dev/null || echo unk
 if [ -n "$(git status --porcelain -- CMakeLists.txt proto kernels kvcache engine server client 2>/dev/null)" ]; then
   echo "+dirty" >> "$STAGE/hstu_server/COMMIT"
 fi
-cp tools/make_requests.py tools/compare_rank_outputs.py "$STAGE/hstu_server/"
+cp tools/make_requests.py tools/compare_rank_outputs.py tools/soak_monitor.py "$STAGE/hstu_server/"
 mkdir -p pack
 tar -C "$STAGE" -czf pack/hstu_server_pack.tar.gz hstu_server
 ls -la pack/hstu_server_pack.tar.gz

@@ -12,7 +12,10 @@
 # of 512 tokens (a model file), whose cache holds a user's last ~700 tokens only; these three are
 # not in the default parts; nor are verify and verify_window: the cache run's answers at 8 callers
 # recorded and recomputed without the cache by hstu_rank on the GPU; nor replay: the cache part's
-# load recorded, then replayed by hstu_loadgen --replay into a fresh server and the answers joined.)
+# load recorded, then replayed by hstu_loadgen --replay into a fresh server and the answers joined;
+# nor soak: SOAK_S seconds (360) of Zipf load on 3,000 users at 8 callers, churning both tiers,
+# with tools/soak_monitor.py checking the metrics' and the process's invariants every 15 s and
+# once idle, and every 100th answer recomputed without the cache by hstu_rank on the GPU.)
 # Server against `hstu_bench e2e` with the bench's exact shape (every user starts at 128 events and
 # each visit adds exactly 128 = 256 tokens, up to 2048 events; 256 candidates), one loadgen run per
 # concurrency so the server's metrics split by level (not in the default parts):
@@ -32,7 +35,7 @@ has() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 # A misspelt part would otherwise run nothing and pass.
 for part in $PARTS; do
   case "$part" in
-    parity | cache | cache_b512 | cache_gpu | cache_always | nocache | verify | verify_window | replay | \
+    parity | cache | cache_b512 | cache_gpu | cache_always | nocache | verify | verify_window | replay | soak | \
     cache_window | memcheck | e2e | e2e_fixed | e2e_adapt | e2e_sat | e2e_var_adapt | e2e_var_eager | \
     e2e_tls) ;;
     *) echo "run_device_server.sh: unknown part '$part'" >&2; exit 2 ;;
@@ -255,6 +258,54 @@ sys.exit(0 if len(both) == len(rec) and not shapes and diff <= tol else 1)
 PY
   else
     echo "replay: the recording run recorded nothing"; status=1
+  fi
+fi
+# A soak: SOAK_S seconds of the cache part's Zipf load over 3,000 users (GPU pool ~16 of them,
+# host tier ~64: evictions, drops, offloads and onloads all the way), 8 callers, and slow calls
+# logged. tools/soak_monitor.py samples /metrics and the server's process every 15 s from
+# SERVING on, and once more when the load has stopped: pages, counters, threads, fds, resident
+# and GPU memory, and, idle, the queue, pins and request counts (its docstring lists them).
+# Every 100th OK answer is recorded and recomputed without the cache by hstu_rank on the GPU.
+if has soak; then
+  rm -f "$DIR/soak_stop" "$DIR/answers_soak.jsonl"
+  "$H/bin/hstu_server" --model="$MODEL" --device="$DEVICE" --listen=127.0.0.1:50051 \
+    --metrics_listen=127.0.0.1:9464 --max_batch_size=8 --cache_pages=2048 --host_cache_pages=8192 \
+    --slow_request_ms=100 --slow_request_log_per_s=5 > "$OUT/server_soak.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 480); do
+    curl -sf http://127.0.0.1:9464/healthz > /dev/null 2>&1 && break
+    kill -0 "$pid" 2> /dev/null || break
+    sleep 0.5
+  done
+  python3 "$H/soak_monitor.py" --metrics-url http://127.0.0.1:9464/metrics --pid "$pid" \
+    --interval 15 --stop-file "$DIR/soak_stop" --out "$OUT/soak_samples.jsonl" \
+    --summary "$OUT/soak_summary.json" > "$OUT/soak.txt" 2>&1 &
+  mon=$!
+  "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --wait_ready_s=240 --users=3000 --zipf=1.0 \
+    --initial_events=1800 --new_events=64 --candidates=256 --concurrency=8 \
+    --duration="${SOAK_S:-360}" --warmup=0 --timeout_ms=5000 --progress=false \
+    --record="$DIR/answers_soak.jsonl" --record_every=100 --json="$OUT/loadgen_soak.json" \
+    > "$OUT/loadgen_soak.txt" 2>&1
+  lg_status=$?
+  touch "$DIR/soak_stop"
+  wait "$mon"; mon_status=$?
+  cat "$OUT/soak.txt"
+  tail -n 20 "$OUT/loadgen_soak.txt"
+  echo "loadgen (soak) exit code: $lg_status; soak monitor exit code: $mon_status"
+  [ "$lg_status" = 0 ] && [ "$mon_status" = 0 ] || status=1
+  kill -TERM "$pid"; wait "$pid"; srv_status=$?
+  echo "server (soak) exit code: $srv_status; $(grep -c 'slow request: total_ms' "$OUT/server_soak.log") calls over 100 ms logged"
+  [ "$srv_status" = 0 ] || status=1
+  if [ -s "$DIR/answers_soak.jsonl" ]; then
+    "$H/bin/hstu_rank" --model="$MODEL" --device="$DEVICE" --no_cache \
+      --input="$DIR/answers_soak.jsonl" --max_score_diff="${VERIFY_TOL:-2e-2}" \
+      2> "$OUT/soak_verify.txt" > "$DIR/soak_scores.jsonl"
+    v_status=$?
+    tail -n 12 "$OUT/soak_verify.txt"
+    echo "hstu_rank (soak answers) exit code: $v_status"
+    [ "$v_status" = 0 ] || status=1
+  else
+    echo "soak: the loadgen recorded no answers"; status=1
   fi
 fi
 # The base shapes with a 512-token window (a model file, written once; hstu_model writes it whole

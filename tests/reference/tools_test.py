@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The Python tools fail loudly: compare_rank_outputs.py on every mismatch it promises to catch,
-hstu_reference.py on bad requests (exit 1, as hstu_rank), make_requests.py on empty workloads.
+hstu_reference.py on bad requests (exit 1, as hstu_rank), make_requests.py on empty workloads,
+soak_monitor.py on each invariant it checks.
 Each case failed (passed, or raised a traceback) before these checks were added."""
 
 import argparse
@@ -211,6 +212,47 @@ def main():
     expect("make_requests on a file that is not a model", rc, out, 1, "error: ")
     if "Traceback" in out:
         failures.append(f"make_requests on a file that is not a model: a traceback\n{out[-600:]}")
+
+    # soak_monitor.py: each invariant it promises fails on a sample that breaks it, and a run
+    # that keeps them all passes.
+    def metrics(ok=10, exhausted=0, queue_full=0, gpu_used=4, gpu_free=60, pinned=0, queue=0,
+                inflight=0, hist_ok=None, ok_bucket=None):
+        hist_ok = ok if hist_ok is None else hist_ok
+        return "\n".join([
+            "# TYPE hstu_requests_total counter",
+            f'hstu_requests_total{{code="OK"}} {ok}',
+            f'hstu_requests_total{{code="RESOURCE_EXHAUSTED"}} {exhausted}',
+            f'hstu_queue_rejections_total{{reason="queue_full"}} {queue_full}',
+            'hstu_queue_rejections_total{reason="user_queue_full"} 0',
+            f'hstu_request_duration_seconds_bucket{{code="OK",le="0.005"}} {hist_ok if ok_bucket is None else ok_bucket}',
+            f'hstu_request_duration_seconds_bucket{{code="OK",le="+Inf"}} {hist_ok}',
+            f'hstu_request_duration_seconds_count{{code="OK"}} {hist_ok}',
+            f'hstu_request_duration_seconds_count{{code="RESOURCE_EXHAUSTED"}} {exhausted}',
+            f'hstu_kv_pages{{state="used",tier="gpu"}} {gpu_used}',
+            f'hstu_kv_pages{{state="free",tier="gpu"}} {gpu_free}',
+            f'hstu_kv_pages{{state="pinned",tier="gpu"}} {pinned}',
+            f"hstu_queue_depth {queue}", f"hstu_inflight_requests {inflight}", ""])
+
+    monitor = [sys.executable, os.path.join(tools, "soak_monitor.py"), "--metrics-files"]
+    good = [write("soak0.txt", [metrics()]), write("soak1.txt", [metrics(ok=20, gpu_used=30, gpu_free=34, pinned=8, queue=3, inflight=5, hist_ok=18)]),
+            write("soak2.txt", [metrics(ok=30, exhausted=2, queue_full=2)])]
+    rc, out = run(monitor + good)
+    expect("soak monitor, invariants kept", rc, out, 0, "soak: 3 samples")
+    soak_cases = {
+        "pages leaked": (dict(ok=30, gpu_used=5), "gpu pages used 5 + free 60 = 65, capacity 64"),
+        "a counter down": (dict(ok=15), 'counter hstu_requests_total{\'code\': \'OK\'} went down'),
+        "a bucket down": (dict(ok=30, ok_bucket=5), "hstu_request_duration_seconds_bucket"),
+        "queue not empty when idle": (dict(ok=30, queue=1), "idle: hstu_queue_depth 1, want 0"),
+        "pages pinned when idle": (dict(ok=30, pinned=2), "idle: pinned GPU pages 2, want 0"),
+        "pinned past used": (dict(ok=30, pinned=5), "pinned pages 5 > used 4"),
+        "calls not in the histogram": (dict(ok=30, hist_ok=29), "!= duration histogram count 29"),
+        "refusals not counted": (dict(ok=30, exhausted=3, queue_full=2), "RESOURCE_EXHAUSTED 3 != queue_full"),
+    }
+    for what, (kw, needle) in soak_cases.items():
+        rc, out = run(monitor + good[:2] + [write("soak_bad.txt", [metrics(**kw)])])
+        expect(f"soak monitor, {what}", rc, out, 1, needle)
+    rc, out = run(monitor + [write("soak_junk.txt", ["hstu_queue_depth one"])])
+    expect("soak monitor, a line that is not metrics", rc, out, 1, "not a metrics line")
 
     for f in failures:
         print("FAIL: " + f)
