@@ -270,6 +270,12 @@ struct ClearOpenSslErrors {
 }  // namespace
 
 absl::StatusOr<TlsPem> ReadTlsFiles(const TlsFiles& files) {
+  // Checked with TLS off too: a value out of range would otherwise surface only when TLS is
+  // turned on.
+  if (files.reload_interval_s < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_reload_interval_s=", files.reload_interval_s, ": must be >= 1"));
+  }
   if (files.cert_file.empty()) {
     if (!files.key_file.empty()) {
       return absl::InvalidArgumentError("--tls_key_file needs --tls_cert_file");
@@ -282,10 +288,6 @@ absl::StatusOr<TlsPem> ReadTlsFiles(const TlsFiles& files) {
   }
   if (files.key_file.empty())
     return absl::InvalidArgumentError("--tls_cert_file needs --tls_key_file");
-  if (files.reload_interval_s < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls_reload_interval_s=", files.reload_interval_s, ": must be >= 1"));
-  }
   TlsPem pem;
   for (auto [flag, path, out] :
        {std::make_tuple("tls_cert_file", &files.cert_file, &pem.cert),

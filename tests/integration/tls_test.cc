@@ -423,6 +423,8 @@ TEST(TlsTest, TheStartUpCheckNamesEachWrongFile) {
   leaf_as_ca.client_ca_file = Data("hstu-test-client.crt");
   TlsFiles zero_interval = good;
   zero_interval.reload_interval_s = 0;
+  TlsFiles zero_interval_plaintext;  // checked without TLS too (before: only with it)
+  zero_interval_plaintext.reload_interval_s = 0;
   const Case cases[] = {
       {no_key, "--tls_cert_file needs --tls_key_file"},
       {key_only, "--tls_key_file needs --tls_cert_file"},
@@ -434,6 +436,7 @@ TEST(TlsTest, TheStartUpCheckNamesEachWrongFile) {
       {expired, "expired at 2020-01-02"},
       {bad_ca, "--tls_client_ca_file=" + good.key_file + ": no PEM certificate in it"},
       {zero_interval, "--tls_reload_interval_s=0: must be >= 1"},
+      {zero_interval_plaintext, "--tls_reload_interval_s=0: must be >= 1"},
       {directory, "tests/data/tls/: is a directory"},
       // Before: each passed the check, and the server then served a leaf without its chain,
       // failed every handshake, or refused every client.
