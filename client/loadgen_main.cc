@@ -4,6 +4,7 @@
 // when the previous one answers. Open loop (--rate=R[,R2...]): requests are sent on a schedule
 // (constant or Poisson gaps) whatever the server does, and latency is measured from the scheduled
 // send time, so a slow server cannot hide its queueing (no coordinated omission).
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
@@ -250,6 +252,46 @@ absl::Status WaitReady(const std::string& target, const Connection& conn, double
       absl::StrCat("server not SERVING after ", wait_s, " s (last: ", last, ")"));
 }
 
+// Whether two paths name one file that one would overwrite the other in (through links, `.` and
+// `..`): the same inode where both exist, else the same absolute path once the links of what
+// exists are resolved. A device or FIFO both write to (/dev/stdout twice) is not.
+bool SameFile(const std::string& a, const std::string& b) {
+  std::error_code ec;
+  if (std::filesystem::exists(a, ec) && std::filesystem::exists(b, ec)) {
+    return std::filesystem::equivalent(a, b, ec) && std::filesystem::is_regular_file(a, ec);
+  }
+  const auto ca = std::filesystem::weakly_canonical(std::filesystem::absolute(a, ec), ec);
+  if (ec) return false;
+  const auto cb = std::filesystem::weakly_canonical(std::filesystem::absolute(b, ec), ec);
+  return !ec && ca == cb;
+}
+
+// Whether an output can go to `path`: an existing file must be writable, or, for a new one or one
+// that WriteFileAtomically replaces, its directory; a device or FIFO is written through.
+absl::Status CheckOutputPath(const std::string& path) {
+  struct stat st{};
+  std::string dir_of;  // the file whose directory must be writable
+  if (stat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) return absl::InvalidArgumentError("is a directory");
+    if (access(path.c_str(), W_OK) != 0) return absl::InvalidArgumentError("is not writable");
+    if (!S_ISREG(st.st_mode)) return absl::OkStatus();  // a device, a FIFO: written through
+    std::error_code ec;
+    dir_of = std::filesystem::canonical(path, ec).string();
+    if (ec) return absl::InvalidArgumentError(ec.message());
+  } else if (lstat(path.c_str(), &st) == 0) {
+    return absl::InvalidArgumentError("a symbolic link to a missing file");
+  } else {
+    dir_of = path;
+  }
+  const size_t slash = dir_of.rfind('/');
+  const std::string dir =
+      slash == std::string::npos ? "." : dir_of.substr(0, std::max<size_t>(slash, 1));
+  if (access(dir.c_str(), W_OK | X_OK) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("directory ", dir, " is missing or not writable"));
+  }
+  return absl::OkStatus();
+}
+
 // The flags that need no server, checked before connecting (a typo fails at once, naming the
 // flag), and the load levels they ask for.
 absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
@@ -294,23 +336,28 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
     return bad("record_every", absl::GetFlag(FLAGS_record_every), "needs --record=FILE");
   }
   // Output files, checked now, not after a run of minutes (the reports are written after each
-  // level, the recording once the server answered): a writable directory, and not one themselves.
-  for (const auto& [flag, path] : {std::pair<const char*, std::string>{"json", absl::GetFlag(FLAGS_json)},
-                                   {"csv", absl::GetFlag(FLAGS_csv)},
-                                   {"record", absl::GetFlag(FLAGS_record)}}) {
+  // level, the recording once the server answered): each can be written where it goes
+  // (engine/atomic_file.h: a file is replaced, a device or FIFO written through), and no two
+  // flags, --replay's input among them, name one file (before, --record over the --replay file
+  // emptied a team's recording).
+  const std::pair<const char*, std::string> files[] = {{"json", absl::GetFlag(FLAGS_json)},
+                                                       {"csv", absl::GetFlag(FLAGS_csv)},
+                                                       {"record", absl::GetFlag(FLAGS_record)},
+                                                       {"replay", absl::GetFlag(FLAGS_replay)}};
+  for (size_t i = 0; i < std::size(files); ++i) {
+    const auto& [flag, path] = files[i];
     if (path.empty()) continue;
-    const std::string what =
-        std::string(flag) == "record" ? absl::StrCat("--record=", path) : absl::StrCat("report file ", path);
-    const size_t slash = path.rfind('/');
-    const std::string dir =
-        slash == std::string::npos ? "." : path.substr(0, std::max<size_t>(slash, 1));
-    if (access(dir.c_str(), W_OK | X_OK) != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": directory ", dir, " is missing or not writable"));
+    for (size_t j = 0; j < i; ++j) {
+      if (!files[j].second.empty() && SameFile(files[j].second, path)) {
+        return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": the same file as --",
+                                                       files[j].first, "=", files[j].second));
+      }
     }
-    std::error_code ec;
-    if (std::filesystem::is_directory(path, ec)) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": is a directory"));
+    if (std::string(flag) == "replay") continue;  // an input: Load() says what is wrong with it
+    const std::string what = std::string(flag) == "record" ? absl::StrCat("--record=", path)
+                                                           : absl::StrCat("report file ", path);
+    if (absl::Status s = CheckOutputPath(path); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
     }
   }
   const std::string events_bound = absl::StrCat(" and at most ", kMaxEvents);

@@ -200,6 +200,10 @@ TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
                           {"--json=/nonexistent/dir/r.json", "report file /nonexistent/dir/r.json: directory /nonexistent/dir is missing or not writable"},
                           {"--record=/nonexistent/dir/a.jsonl", "--record=/nonexistent/dir/a.jsonl: directory /nonexistent/dir is missing or not writable"},
                           {"--record=/tmp", "--record=/tmp: is a directory"},
+                          // Before: the second file written over the first, the recording
+                          // over the file being replayed.
+                          {"--json=/tmp/hstu_lg_same --csv=/tmp/hstu_lg_same", "--csv=/tmp/hstu_lg_same: the same file as --json=/tmp/hstu_lg_same"},
+                          {"--replay=/tmp/hstu_lg_rec.jsonl --record=/tmp/./hstu_lg_rec.jsonl", "--replay=/tmp/hstu_lg_rec.jsonl: the same file as --record=/tmp/./hstu_lg_rec.jsonl"},
                           {"--record_every=0 --record=/tmp/a.jsonl", "--record_every=0: must be >= 1"},
                           {"--record_every=3", "--record_every=3: needs --record=FILE"},
                           // The traffic model's flags too (before: checked after connecting).

@@ -1,0 +1,107 @@
+// WriteFileAtomically (engine/atomic_file.h): a file is replaced whole where it is, through its
+// links and with its mode; a FIFO or device is written through; a directory or a link to nothing
+// is an error. Before, whatever the path named was replaced by a regular file: a symbolic link
+// lost its target, a FIFO its reader, and, run as root, /dev/null became a file.
+
+#include "engine/atomic_file.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+
+namespace hstu {
+namespace {
+
+class AtomicFileTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/atomic_file_" + std::to_string(getpid());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  static std::string Read(const std::string& path) {
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+  // The names in the test's directory, sorted (no temporary left behind).
+  std::vector<std::string> Names() const {
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(dir_)) {
+      names.push_back(e.path().filename());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  std::string dir_;
+};
+
+TEST_F(AtomicFileTest, NewAndExistingFilesAreReplacedWithTheirMode) {
+  const std::string path = dir_ + "/a.json";
+  ASSERT_TRUE(WriteFileAtomically(path, "first").ok());
+  EXPECT_EQ(Read(path), "first");
+  ASSERT_EQ(chmod(path.c_str(), 0600), 0);
+  ASSERT_TRUE(WriteFileAtomically(path, "second").ok());
+  EXPECT_EQ(Read(path), "second");
+  struct stat st {};
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  EXPECT_EQ(Names(), std::vector<std::string>{"a.json"});
+}
+
+TEST_F(AtomicFileTest, ALinkStaysALinkAndItsTargetIsReplaced) {
+  std::filesystem::create_directories(dir_ + "/data");
+  const std::string target = dir_ + "/data/model.safetensors";
+  ASSERT_TRUE(WriteFileAtomically(target, "old").ok());
+  const std::string link = dir_ + "/current";
+  std::filesystem::create_symlink("data/model.safetensors", link);
+  ASSERT_TRUE(WriteFileAtomically(link, "new").ok());
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
+  EXPECT_EQ(Read(target), "new");
+  EXPECT_EQ(Names(), (std::vector<std::string>{"current", "data"}));
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir_ + "/data"),
+                          std::filesystem::directory_iterator()),
+            1);
+}
+
+TEST_F(AtomicFileTest, AFifoIsWrittenThroughToItsReader) {
+  const std::string fifo = dir_ + "/pipe";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  std::string received;
+  std::thread reader([&] { received = Read(fifo); });
+  const absl::Status s = WriteFileAtomically(fifo, "through the pipe");
+  reader.join();
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(received, "through the pipe");
+  struct stat st {};
+  ASSERT_EQ(lstat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+  EXPECT_EQ(Names(), std::vector<std::string>{"pipe"});
+}
+
+TEST_F(AtomicFileTest, ADirectoryOrALinkToNothingIsAnErrorAndLeftAsItWas) {
+  const absl::Status dir = WriteFileAtomically(dir_, "x");
+  EXPECT_EQ(dir.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(dir.message(), "cannot write '" + dir_ + "': a directory");
+  const std::string dangling = dir_ + "/dangling";
+  std::filesystem::create_symlink("missing/file", dangling);
+  const absl::Status link = WriteFileAtomically(dangling, "x");
+  EXPECT_EQ(link.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(link.message(), "cannot write '" + dangling + "': a symbolic link to a missing file");
+  EXPECT_TRUE(std::filesystem::is_symlink(dangling));
+  EXPECT_EQ(Names(), std::vector<std::string>{"dangling"});
+}
+
+}  // namespace
+}  // namespace hstu
