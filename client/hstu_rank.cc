@@ -2,6 +2,7 @@
 // users reuse their KV cache). One JSON line out per line in.
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -129,6 +130,8 @@ struct CheckSummary {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A closed stdout is a write error (exit 1, as the help says), not a death by SIGPIPE.
+  std::signal(SIGPIPE, SIG_IGN);
   absl::SetProgramUsageMessage(
       "scores JSONL requests offline.\n"
       "  hstu_rank --model FILE|random:PRESET --input=FILE.jsonl|--input=- [--device cpu|cpu-bf16|cuda:N|auto]\n"
@@ -234,7 +237,8 @@ int main(int argc, char** argv) {
   int failures = 0;
   CheckSummary checked;
   std::string line;
-  for (int line_no = 1; std::getline(*in, line); ++line_no) {
+  // A reader that went away (`| head -1`) ends the run: the rest would be scored for nobody.
+  for (int line_no = 1; !std::ferror(stdout) && std::getline(*in, line); ++line_no) {
     if (hstu::client::IsBlankRequestLine(line)) continue;
     auto parsed = hstu::client::ParseRequestLine(line);
     hstu::RankRequest request;
@@ -256,7 +260,9 @@ int main(int argc, char** argv) {
     if (!res.ok()) {
       ++failures;
       nlohmann::ordered_json err = {{"line", line_no}, {"error", std::string(res.status().message())}};
-      std::printf("%s\n", err.dump().c_str());
+      // The message may quote the line's bytes, cut anywhere (a parse error's excerpt): what is
+      // not UTF-8 is written as U+FFFD (before: the dump threw and the process aborted).
+      std::printf("%s\n", err.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
       std::fprintf(stderr, "line %d: %s\n", line_no, std::string(res.status().message()).c_str());
       continue;
     }

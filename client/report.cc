@@ -234,7 +234,8 @@ std::string ToJson(const RunInfo& info, const std::vector<LevelResult>& levels) 
       root[k] = arr.back()[k];
     }
   }
-  return root.dump(2) + "\n";
+  // The target, model and file names may hold bytes that are not UTF-8: written as U+FFFD.
+  return root.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 std::string ToCsv(const std::vector<LevelResult>& levels) {

@@ -619,6 +619,11 @@ TEST(ProcessTest, HstuRankNamesUnknownAndRepeatedFieldsAndJsonErrors) {
       << R"({"user_id": 4, "history_item_ids": [1], "history_actions": [1], "candidate_item_ids": [3]} x)" "\n"
       << R"([1, 2])" "\n"
       << R"({"user_id": 1e999, "history_item_ids": [], "history_actions": [], "candidate_item_ids": [3]})" "\n"
+      // A syntax error beside non-ASCII text, and a byte that is not UTF-8: the error's quote
+      // of the line cuts the character (before: the error line's dump threw, exit 134, and the
+      // lines after were never scored).
+      << "{\"user_id\": 7, \"history_item_ids\": [1\xc3\xa9]}\n"
+      << "{\"user_id\": \"\xff\"}\n"
       << R"({"user_id": 5, "history_item_ids": [1], "history_actions": [1], "candidate_item_ids": [3]})" "\n";
   }
   const auto [rc, out] = RunCommand(absl::StrCat("{ ", HSTU_RANK_BIN,
@@ -629,7 +634,7 @@ TEST(ProcessTest, HstuRankNamesUnknownAndRepeatedFieldsAndJsonErrors) {
   for (absl::string_view l : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
     lines.push_back(nlohmann::json::parse(l, nullptr, false));
   }
-  ASSERT_EQ(lines.size(), 6u) << out;
+  ASSERT_EQ(lines.size(), 8u) << out;
   EXPECT_EQ(lines[0].value("error", ""),
             "unknown field 'history_action' (the fields: user_id, history_item_ids, "
             "history_actions, candidate_item_ids, expected_scores, cache_result)");
@@ -641,7 +646,13 @@ TEST(ProcessTest, HstuRankNamesUnknownAndRepeatedFieldsAndJsonErrors) {
   // A number past a double: nlohmann's out_of_range, which ended the process.
   EXPECT_NE(lines[4].value("error", "").find("not valid JSON: number overflow"), std::string::npos)
       << lines[4];
-  EXPECT_TRUE(lines[5].contains("scores")) << out;
+  for (int i : {5, 6}) {
+    EXPECT_NE(lines[i].value("error", "").find("not valid JSON: parse error"), std::string::npos)
+        << lines[i];
+  }
+  EXPECT_NE(lines[6].value("error", "").find("\xef\xbf\xbd"), std::string::npos)  // U+FFFD
+      << lines[6];
+  EXPECT_TRUE(lines[7].contains("scores")) << out;
   // As hstu_server: a pool that cannot hold one user of the longest history is refused up front
   // (before: a warning, then every long line failed and cut its user's cache).
   ExpectEachFlagRejected(
@@ -710,6 +721,20 @@ TEST(ProcessTest, HstuRankAndHstuModelFailLoudly) {
       absl::StrCat("{ ", rank, "--input=", dir, "/requests.jsonl >/dev/full; }"));
   EXPECT_EQ(rc, 1) << out;
   EXPECT_NE(out.find("writing the results to stdout failed"), std::string::npos) << out;
+  // A reader that goes away after one line: exit 1 with the same error (before: killed by
+  // SIGPIPE, exit 141), and the rest of the input is not scored.
+  {
+    std::ofstream f(dir + "/many.jsonl");
+    for (int i = 0; i < 3000; ++i) {
+      f << R"({"user_id": 1, "history_item_ids": [5], "history_actions": [1], "candidate_item_ids": [3]})" "\n";
+    }
+  }
+  const auto [rc_pipe, out_pipe] =
+      RunCommand(absl::StrCat("bash -c 'set -o pipefail; ", rank, "--input=", dir,
+                              "/many.jsonl 2>", dir, "/pipe.err | head -c 1 >/dev/null'"));
+  EXPECT_EQ(rc_pipe, 1) << out_pipe << ReadFile(dir + "/pipe.err");
+  EXPECT_NE(ReadFile(dir + "/pipe.err").find("writing the results to stdout failed"),
+            std::string::npos);
   // hstu_model names what it did not understand (before: the usage text alone).
   ExpectEachFlagRejected(HSTU_MODEL_BIN, {{"init extra", "error: init takes flags only, not 'extra'"},
                                           {"infos x", "error: unknown command 'infos'"}},
