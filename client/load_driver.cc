@@ -2,6 +2,7 @@
 
 #include <signal.h>
 #include <sys/prctl.h>
+#include <time.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -17,11 +18,26 @@ namespace {
 // Set by the first stop signal.
 std::atomic<bool> g_interrupted{false};
 
+// CLOCK_MONOTONIC's nanoseconds of the first stop signal; 0 before it.
+std::atomic<int64_t> g_first_signal_ns{0};
+
+// A second signal within this of the first is the same stop delivered twice: timeout(1) and
+// `kill -TERM -PGID` signal the process and then its group, the process included.
+constexpr int64_t kSameStopNs = 100'000'000;
+
 extern "C" void OnStopSignal(int sig) {
-  if (g_interrupted.exchange(true)) {
-    signal(sig, SIG_DFL);
-    raise(sig);
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);  // async-signal-safe
+  const int64_t now = int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
+  int64_t first = 0;
+  if (g_first_signal_ns.compare_exchange_strong(first, now)) {
+    g_interrupted.store(true);
+    return;
   }
+  if (now - first < kSameStopNs) return;
+  // A second stop: the process ends at once, by the signal.
+  signal(sig, SIG_DFL);
+  raise(sig);
 }
 
 

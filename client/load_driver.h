@@ -29,7 +29,8 @@ using hstu::v1::Ranker;
 double Since(Clock::time_point t);
 
 // SIGINT/SIGTERM: the level running stops and the report of what was measured is printed and
-// written; a second signal ends the process at once.
+// written; a second signal ends the process at once, unless it came within 100 ms of the first
+// (the same stop sent to the process and to its group, as timeout(1) does).
 void InstallStopSignals();
 // Whether a stop signal came.
 bool Interrupted();
