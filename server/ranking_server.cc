@@ -4,8 +4,15 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/resource_quota.h>
 
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <tuple>
@@ -60,6 +67,35 @@ absl::Status CheckServingLimits(const ServerOptions& options, const Engine& engi
         "--max_message_bytes=", options.max_message_bytes, ": smaller than the largest reply, ",
         largest_reply, " bytes (--max_candidates=", candidates, " x ", c.num_tasks,
         " tasks x 4 bytes, the request_id, 1 KiB of framing)"));
+  }
+  return absl::OkStatus();
+}
+
+// gRPC unlinks a unix socket's file before it binds, so a second server on the path took it over
+// from the first, which went on reporting SERVING to no one (and lost it for good when the
+// second stopped and removed the file). A socket that takes a connection is in use: refused, as
+// a TCP port in use is. One that refuses it (ECONNREFUSED) was left by a process that is gone,
+// and gRPC replaces it. unix-abstract: names have no file; their bind fails while in use.
+absl::Status CheckUnixSocketFree(const std::string& address) {
+  if (address.rfind("unix:", 0) != 0) return absl::OkStatus();
+  std::string path = address.substr(5);
+  if (path.rfind("//", 0) == 0) path = path.substr(2);  // unix:///abs/path
+  struct stat st {};
+  sockaddr_un addr{};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode) ||
+      path.size() >= sizeof(addr.sun_path)) {
+    return absl::OkStatus();  // nothing there, or what gRPC's own bind reports
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::OkStatus();
+  const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  const int err = errno;
+  ::close(fd);
+  if (rc == 0 || err == EAGAIN) {  // EAGAIN: its backlog is full, so it listens
+    return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", address,
+                                               ": another process is serving on that socket"));
   }
   return absl::OkStatus();
 }
@@ -163,6 +199,7 @@ absl::StatusOr<std::unique_ptr<RankingServer>> RankingServer::Start(const Server
   if (conn.max_connection_idle_s > 0) {
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, conn.max_connection_idle_s * 1000);
   }
+  if (absl::Status free = CheckUnixSocketFree(options.listen); !free.ok()) return free;
   builder.AddListeningPort(options.listen,
                            s->tls_ != nullptr ? s->tls_->credentials()
                                               : grpc::InsecureServerCredentials(),

@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -134,6 +136,39 @@ TEST(ProcessTest, AClosedLogPipeDoesNotEndTheServer) {
   ASSERT_TRUE(WaitServingAt(socket, proc)) << "exit status " << proc.Wait(0ms);
   proc.Signal(SIGTERM);
   EXPECT_EQ(proc.Wait(60s), 0);  // 141 (SIGPIPE) before
+}
+
+TEST(ProcessTest, ASecondServerOnAUnixSocketInUseFailsToStart) {
+  // Before: gRPC unlinked the first server's socket and bound its own, so the first went on
+  // reporting SERVING, unreachable (for good once the second stopped and removed the file).
+  const std::string dir = TempDir();
+  const std::string path = dir + "/grpc.sock";
+  // A socket file whose process is gone (bound, never listened on): replaced, not in the way.
+  {
+    const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
+    ASSERT_EQ(bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    close(fd);
+  }
+  const std::string socket_address = "unix:" + path;
+  Subprocess first({HSTU_SERVER_BIN, "--listen=" + socket_address, "--metrics_listen=",
+                    "--device=cpu", "--model=random:tiny"},
+                   dir + "/first.log");
+  ASSERT_TRUE(WaitServingAt(socket_address, first)) << first.Log();
+  for (const std::string& address : {socket_address, "unix://" + path}) {
+    Subprocess second({HSTU_SERVER_BIN, "--listen=" + address, "--metrics_listen=",
+                       "--device=cpu", "--model=random:tiny"},
+                      dir + "/second.log");
+    EXPECT_EQ(second.Wait(60s), 1) << second.Log();
+    EXPECT_NE(second.Log().find("another process is serving on that socket"), std::string::npos)
+        << second.Log();
+  }
+  ASSERT_TRUE(WaitServingAt(socket_address, first)) << first.Log();
+  first.Signal(SIGTERM);
+  EXPECT_EQ(first.Wait(60s), 0) << first.Log();
 }
 
 TEST(ProcessTest, ASighupIgnoredByTheParentStaysIgnored) {
