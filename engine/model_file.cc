@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <set>
@@ -14,6 +15,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/match.h"
 #include "nlohmann/json.hpp"
@@ -253,6 +255,14 @@ absl::StatusOr<ModelWeights> ReadModelFile(const std::string& path) {
   }
 }
 
+// The hyper-parameters a model file's __metadata__ may give (DESIGN §3, and
+// hstu.max_candidates and hstu.truncation_stride).
+constexpr const char* kMetadataKeys[] = {
+    "hstu.model_name",         "hstu.num_layers",     "hstu.hidden_dim",
+    "hstu.num_heads",          "hstu.head_dim",       "hstu.attention_norm_len",
+    "hstu.max_history_tokens", "hstu.max_candidates", "hstu.max_attn_len",
+    "hstu.position_encoding",  "hstu.num_tasks",      "hstu.truncation_stride"};
+
 absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std::string& name) {
   if (bytes.size() < 8) {
     return InvalidModel(name, absl::StrCat("file is ", bytes.size(),
@@ -300,6 +310,18 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
     return InvalidModel(name, "header has no __metadata__ object with the hstu.* hyper-parameters");
   }
   const json& meta = header["__metadata__"];
+  // An hstu.* key this loader does not know is a misspelling or a newer file's setting: either
+  // way, loading on without it would score with a default in its place (before: ignored, so
+  // 'hstu.attention_norm_length' silently changed the scores). Other keys (a writer's "format")
+  // are not ours.
+  for (const auto& [key, value] : meta.items()) {
+    if (key.rfind("hstu.", 0) == 0 &&
+        std::find(std::begin(kMetadataKeys), std::end(kMetadataKeys), key) ==
+            std::end(kMetadataKeys)) {
+      return InvalidModel(name, absl::StrCat("unknown metadata key '", key, "' (the hstu.* keys: ",
+                                             absl::StrJoin(kMetadataKeys, ", "), ")"));
+    }
+  }
   ModelConfig c;
   auto get_str = [&](const std::string& key, std::string* out, bool required) -> absl::Status {
     if (!meta.contains(key)) {

@@ -121,6 +121,15 @@ def load_model(path: str) -> Model:
         raise ValueError(f"{path}: header is not a JSON object with __metadata__")
     data = blob[8 + header_len :]
     meta = header.pop("__metadata__")
+    # As the C++ loader: an hstu.* key it does not know is an error, not a default in its place.
+    known = ("hstu.model_name", "hstu.num_layers", "hstu.hidden_dim", "hstu.num_heads",
+             "hstu.head_dim", "hstu.attention_norm_len", "hstu.max_history_tokens",
+             "hstu.max_candidates", "hstu.max_attn_len", "hstu.position_encoding",
+             "hstu.num_tasks", "hstu.truncation_stride")
+    for key in meta:
+        if key.startswith("hstu.") and key not in known:
+            raise ValueError(f"{path}: unknown metadata key '{key}' (the hstu.* keys: "
+                             f"{', '.join(known)})")
 
     tensors = {}
     spans = []

@@ -126,7 +126,11 @@ def main():
     extra["zzz.extra"] = {"dtype": "F32", "shape": [2], "data_offsets": [len(data), len(data) + 8]}
     reshaped = json.loads(json.dumps(header))
     reshaped["layers.0.input_norm.weight"]["shape"] = [2, reshaped["layers.0.input_norm.weight"]["shape"][0] // 2]
+    misspelt = json.loads(json.dumps(header))
+    misspelt["__metadata__"]["hstu.attention_norm_length"] = "64"
     bad_models = {
+        # Before: ignored, and the default norm length scored in its place.
+        "a misspelt metadata key": (misspelt, "unknown metadata key 'hstu.attention_norm_length'", data),
         "NaN weight": (bytes(data), f"tensor {name0} contains NaN or Inf", bytes(nan)),
         # Before: read as false and scored, or kept out of the model silently, or a traceback.
         "position encoding 'True'": (capital_true, "is not true/false", data),

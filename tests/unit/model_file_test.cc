@@ -319,6 +319,17 @@ TEST(ModelFile, InconsistentMetadata) {
     ExpectError(Join(h, data), "'layers.2.input_norm.weight' is missing");
   }
   {
+    // A misspelt optional key (before: ignored, and the default scored in its place); a key of
+    // another writer's is not ours to judge.
+    auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
+    h["__metadata__"]["hstu.attention_norm_length"] = "64";
+    ExpectError(Join(h, data), "unknown metadata key 'hstu.attention_norm_length' (the hstu.* keys: "
+                               "hstu.model_name, hstu.num_layers");
+    h["__metadata__"].erase("hstu.attention_norm_length");
+    h["__metadata__"]["format"] = "pt";
+    EXPECT_TRUE(ParseModelFile(Join(h, data), "x").ok());
+  }
+  {
     auto [h, data] = Split(SerializeModelFile(RandomModel(SmallConfig(), 1)));
     h["__metadata__"]["hstu.hidden_dim"] = "16";
     ExpectError(Join(h, data), "embeddings.item.weight' has shape [11, 8], expected [rows > 0, 16]");
