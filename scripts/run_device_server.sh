@@ -266,6 +266,7 @@ fi
 # SERVING on, and once more when the load has stopped: pages, counters, threads, fds, resident
 # and GPU memory, and, idle, the queue, pins and request counts (its docstring lists them).
 # Every 100th OK answer is recorded and recomputed without the cache by hstu_rank on the GPU.
+# SOAK_CHAOS=1 adds failing loads beside it (below).
 if has soak; then
   rm -f "$DIR/soak_stop" "$DIR/answers_soak.jsonl"
   "$H/bin/hstu_server" --model="$MODEL" --device="$DEVICE" --listen=127.0.0.1:50051 \
@@ -281,6 +282,29 @@ if has soak; then
     --interval 15 --stop-file "$DIR/soak_stop" --out "$OUT/soak_samples.jsonl" \
     --summary "$OUT/soak_summary.json" > "$OUT/soak.txt" 2>&1 &
   mon=$!
+  chaos=()
+  if [ "${SOAK_CHAOS:-0}" = 1 ]; then
+    # Beside the load, on the same users: calls with a 4 ms deadline (expiring in the queue and
+    # in their batch), requests the server refuses (2,000 candidates, 200 a second), and a loadgen stopped by
+    # SIGTERM every 3 s (its calls cancelled mid-flight, host onloads among them). Their exit
+    # codes are not judged (they fail by design); the monitor's checks and the main load's are.
+    lg_chaos() {  # name, flags...
+      local name="$1"; shift
+      "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --wait_ready_s=240 --users=3000 --zipf=1.0 \
+        --initial_events=1800 --new_events=64 --warmup=0 --progress=false --max_error_rate=1 "$@" \
+        > "$OUT/loadgen_soak_$name.txt" 2>&1
+    }
+    lg_chaos deadline --candidates=256 --concurrency=4 --timeout_ms=4 --duration="${SOAK_S:-360}" &
+    chaos+=($!)
+    lg_chaos invalid --candidates=2000 --rate=200 --duration="${SOAK_S:-360}" &
+    chaos+=($!)
+    ( while [ ! -f "$DIR/soak_stop" ]; do
+        timeout -s TERM 3 "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --users=3000 --zipf=1.0 \
+          --initial_events=1800 --new_events=64 --candidates=256 --concurrency=8 --duration=60 \
+          --warmup=0 --progress=false --timeout_ms=5000 >> "$OUT/loadgen_soak_stopped.txt" 2>&1
+      done ) &
+    chaos+=($!)
+  fi
   "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --wait_ready_s=240 --users=3000 --zipf=1.0 \
     --initial_events=1800 --new_events=64 --candidates=256 --concurrency=8 \
     --duration="${SOAK_S:-360}" --warmup=0 --timeout_ms=5000 --progress=false \
@@ -288,6 +312,10 @@ if has soak; then
     > "$OUT/loadgen_soak.txt" 2>&1
   lg_status=$?
   touch "$DIR/soak_stop"
+  [ "${#chaos[@]}" -gt 0 ] && wait "${chaos[@]}"
+  for f in "$OUT"/loadgen_soak_*.txt; do
+    [ -f "$f" ] && { echo "== $f"; grep -E "^\| c=|errors|stopped" "$f" | tail -n 6; }
+  done
   wait "$mon"; mon_status=$?
   cat "$OUT/soak.txt"
   tail -n 20 "$OUT/loadgen_soak.txt"
