@@ -810,7 +810,8 @@ int main(int argc, char** argv) {
   }
   const std::string path = absl::GetFlag(FLAGS_json);
   if (!path.empty()) {
-    if (absl::Status s = hstu::WriteFileAtomically(path, j.dump(2) + "\n"); !s.ok()) {
+    if (absl::Status s = hstu::WriteFileAtomically(
+            path, j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"); !s.ok()) {
       std::fprintf(stderr, "hstu_bench: the results to --json: %s\n", std::string(s.message()).c_str());
       return 1;
     }

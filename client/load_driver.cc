@@ -1,8 +1,6 @@
 #include "client/load_driver.h"
 
-#include <signal.h>
 #include <sys/prctl.h>
-#include <time.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -15,35 +13,9 @@
 namespace hstu::loadgen {
 namespace {
 
-// Set by the first stop signal.
-std::atomic<bool> g_interrupted{false};
-
-// CLOCK_MONOTONIC's nanoseconds of the first stop signal; 0 before it.
-std::atomic<int64_t> g_first_signal_ns{0};
-
-// A second signal within this of the first is the same stop delivered twice: timeout(1) and
-// `kill -TERM -PGID` signal the process and then its group, the process included.
-constexpr int64_t kSameStopNs = 100'000'000;
-
-extern "C" void OnStopSignal(int sig) {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);  // async-signal-safe
-  const int64_t now = int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
-  int64_t first = 0;
-  if (g_first_signal_ns.compare_exchange_strong(first, now)) {
-    g_interrupted.store(true);
-    return;
-  }
-  if (now - first < kSameStopNs) return;
-  // A second stop: the process ends at once, by the signal.
-  signal(sig, SIG_DFL);
-  raise(sig);
-}
-
-
 // Sleeps until `t` in short slices; false when a stop signal came first.
 bool SleepUntil(Clock::time_point t) {
-  while (!g_interrupted.load()) {
+  while (!Interrupted()) {
     const Clock::time_point now = Clock::now();
     if (now >= t) return true;
     std::this_thread::sleep_for(std::min<Clock::duration>(t - now, std::chrono::milliseconds(50)));
@@ -87,23 +59,12 @@ class InFlightCalls {
 
 // A call that a stop signal cancelled: not the server's answer, so not counted.
 bool CancelledByUs(const grpc::Status& status) {
-  return status.error_code() == grpc::StatusCode::CANCELLED && g_interrupted.load();
+  return status.error_code() == grpc::StatusCode::CANCELLED && Interrupted();
 }
 
 }  // namespace
 
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-void InstallStopSignals() {
-  struct sigaction sa = {};
-  sa.sa_handler = OnStopSignal;
-  sa.sa_flags = SA_RESTART;  // stdio writes to a pipe are not cut short by the signal
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-}
-
-bool Interrupted() { return g_interrupted.load(); }
 
 const char* CodeName(grpc::StatusCode code) {
   static const char* kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT",
@@ -162,12 +123,12 @@ absl::Status Driver::RunClosed(Level* level, int32_t concurrency, double warmup_
     // back off (1 ms doubling to 100 ms), as a well-behaved client does, instead of spinning
     // through failed calls (800 refusals a second at 8 callers on a queue of 6).
     std::chrono::milliseconds backoff{0};
-    while (!stop.load() && !g_interrupted.load()) {
+    while (!stop.load() && !Interrupted()) {
       const bool measured = level->measuring();
       if (measured && num_requests > 0 && issued.fetch_add(1) >= num_requests) break;
       // A replay waits here while every user in reach has a visit in flight (client/replay.h):
       // the level may end meanwhile, and a visit taken then goes unsent.
-      auto stopped = [&] { return stop.load() || g_interrupted.load(); };
+      auto stopped = [&] { return stop.load() || Interrupted(); };
       const std::optional<Visit> next = traffic_->NextUnless(stopped);
       if (!next) break;
       if (stopped()) {
@@ -226,10 +187,10 @@ absl::Status Driver::RunClosed(Level* level, int32_t concurrency, double warmup_
       level->CloseWindow();
     }
   }
-  if (num_requests == 0 || !started.ok() || g_interrupted.load()) stop.store(true);
+  if (num_requests == 0 || !started.ok() || Interrupted()) stop.store(true);
   // A stop signal cancels the calls in flight instead of waiting out their deadlines.
   while (running.load() > 0) {
-    if (g_interrupted.load()) calls.CancelAll();
+    if (Interrupted()) calls.CancelAll();
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   for (auto& t : workers) t.join();
@@ -287,7 +248,7 @@ void Driver::RunOpen(Level* level, double rate, bool poisson, double warmup_s, d
     if (pending == nullptr) {
       // A replay's sender waits here while every user in reach has a visit in flight, and falls
       // behind its schedule (reported as its lag); a stop signal ends the wait.
-      std::optional<Visit> next = traffic_->NextUnless([] { return g_interrupted.load(); });
+      std::optional<Visit> next = traffic_->NextUnless([] { return Interrupted(); });
       if (!next) {
         if (measuring) level->CloseWindow();
         break;
@@ -339,7 +300,7 @@ void Driver::RunOpen(Level* level, double rate, bool poisson, double warmup_s, d
         break;
       }
     }
-    if (g_interrupted.load()) calls.CancelAll();  // not under done_mu, which completions take
+    if (Interrupted()) calls.CancelAll();  // not under done_mu, which completions take
   }
   level->Finish();
 }

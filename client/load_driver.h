@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "client/answer_log.h"
 #include "client/report.h"
+#include "client/stop_signal.h"
 #include "client/traffic.h"
 #include "hstu/v1/ranking.grpc.pb.h"
 
@@ -28,12 +29,6 @@ using hstu::v1::Ranker;
 
 double Since(Clock::time_point t);
 
-// SIGINT/SIGTERM: the level running stops and the report of what was measured is printed and
-// written; a second signal ends the process at once, unless it came within 100 ms of the first
-// (the same stop sent to the process and to its group, as timeout(1) does).
-void InstallStopSignals();
-// Whether a stop signal came.
-bool Interrupted();
 
 // The gRPC code's name ("OK", "DEADLINE_EXCEEDED", ...).
 const char* CodeName(grpc::StatusCode code);

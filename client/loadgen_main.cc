@@ -252,13 +252,16 @@ absl::Status WaitReady(const std::string& target, const Connection& conn, double
       absl::StrCat("server not SERVING after ", wait_s, " s (last: ", last, ")"));
 }
 
-// Whether two paths name one file that one would overwrite the other in (through links, `.` and
+// Whether two paths name one regular file, or one path to be created (through links, `.` and
 // `..`): the same inode where both exist, else the same absolute path once the links of what
-// exists are resolved. A device or FIFO both write to (/dev/stdout twice) is not.
+// exists are resolved. Two outputs to one file leave only the last written; an output over the
+// --replay input destroys it. A device, FIFO or descriptor both write to (/dev/stdout twice) is
+// not refused.
 bool SameFile(const std::string& a, const std::string& b) {
   std::error_code ec;
   if (std::filesystem::exists(a, ec) && std::filesystem::exists(b, ec)) {
-    return std::filesystem::equivalent(a, b, ec) && std::filesystem::is_regular_file(a, ec);
+    return std::filesystem::equivalent(a, b, ec) && std::filesystem::is_regular_file(a, ec) &&
+           IsReplaceableFile(a) && IsReplaceableFile(b);
   }
   const auto ca = std::filesystem::weakly_canonical(std::filesystem::absolute(a, ec), ec);
   if (ec) return false;
@@ -266,15 +269,19 @@ bool SameFile(const std::string& a, const std::string& b) {
   return !ec && ca == cb;
 }
 
-// Whether an output can go to `path`: an existing file must be writable, or, for a new one or one
-// that WriteFileAtomically replaces, its directory; a device or FIFO is written through.
+// Whether an output can go to `path` (engine/atomic_file.h says where each kind goes; --record
+// opens it for writing): a regular file or a new one needs a writable directory (it is replaced,
+// or created), a device, FIFO or descriptor must be writable itself.
 absl::Status CheckOutputPath(const std::string& path) {
   struct stat st{};
   std::string dir_of;  // the file whose directory must be writable
   if (stat(path.c_str(), &st) == 0) {
     if (S_ISDIR(st.st_mode)) return absl::InvalidArgumentError("is a directory");
-    if (access(path.c_str(), W_OK) != 0) return absl::InvalidArgumentError("is not writable");
-    if (!S_ISREG(st.st_mode)) return absl::OkStatus();  // a device, a FIFO: written through
+    if (S_ISSOCK(st.st_mode)) return absl::InvalidArgumentError("is a socket");
+    if (!IsReplaceableFile(path)) {  // a device, a FIFO, stdout: written through
+      if (access(path.c_str(), W_OK) != 0) return absl::InvalidArgumentError("is not writable");
+      return absl::OkStatus();
+    }
     std::error_code ec;
     dir_of = std::filesystem::canonical(path, ec).string();
     if (ec) return absl::InvalidArgumentError(ec.message());
@@ -599,16 +606,21 @@ int Main() {
   run.levels_planned = levels->size();
   // The report files hold every level finished so far, each write whole or not at all: a run cut
   // short, even mid-write, keeps what it measured.
-  auto write_reports = [&](const std::vector<LevelResult>& done) {
+  // After each level (`last` false) only files that are replaced whole are written: a FIFO or
+  // stdout gets one report, the last (a reader of a FIFO may stop at its first end of file).
+  auto write_reports = [&](const std::vector<LevelResult>& done, bool last) {
     bool ok = true;
     if (replayed != nullptr) run.replay_passes = replayed->passes();
-    if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
+    const auto due = [last](const std::string& path) {
+      return !path.empty() && (last || IsReplaceableFile(path));
+    };
+    if (const std::string path = absl::GetFlag(FLAGS_json); due(path)) {
       if (absl::Status s = WriteFileAtomically(path, ToJson(run, done)); !s.ok()) {
         std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());
         ok = false;
       }
     }
-    if (const std::string path = absl::GetFlag(FLAGS_csv); !path.empty()) {
+    if (const std::string path = absl::GetFlag(FLAGS_csv); due(path)) {
       if (absl::Status s = WriteFileAtomically(path, ToCsv(done)); !s.ok()) {
         std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());
         ok = false;
@@ -669,13 +681,13 @@ int Main() {
     l.interrupted = Interrupted();
     if (!measured) break;  // stopped in its warm-up: nothing to report
     done.push_back(std::move(l));
-    if (!write_reports(done)) rc = 1;
+    if (!write_reports(done, /*last=*/false)) rc = 1;
   }
 
   // The last write says whether the run was cut short (also when no level got measured: a file
   // left by an earlier run must not pass for this one's).
   run.interrupted = Interrupted();
-  if (!write_reports(done)) rc = 1;
+  if (!write_reports(done, /*last=*/true)) rc = 1;
   std::printf("%s", FormatTable(run, done).c_str());
   std::fflush(stdout);
   if (answers != nullptr) {

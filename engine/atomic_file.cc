@@ -7,7 +7,9 @@
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace hstu {
@@ -29,54 +31,85 @@ absl::Status WriteFailed(const std::string& path, int err, const char* what) {
       absl::StrCat("write to '", path, "' failed: ", std::strerror(err), what));
 }
 
-// `path` is not a file that can be replaced (a device, a FIFO, a socket): its bytes go to it.
-absl::Status WriteThrough(const std::string& path, std::string_view bytes) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
-  if (fd < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot write '", path, "': ", std::strerror(errno)));
+absl::Status CannotWrite(const std::string& path, const std::string& why) {
+  return absl::InvalidArgumentError(absl::StrCat("cannot write '", path, "': ", why));
+}
+
+// The descriptor `path` names, for /dev/stdout, /dev/stderr, /dev/fd/N and /proc/self/fd/N.
+// (Resolved as links they can name a regular file, the one the shell redirected to, which a
+// rename would replace: the shell's other output in it lost, and the rest of this process's
+// output written to an unlinked file.)
+std::optional<int> OwnDescriptor(const std::string& path) {
+  if (path == "/dev/stdout") return 1;
+  if (path == "/dev/stderr") return 2;
+  for (const std::string prefix : {"/dev/fd/", "/proc/self/fd/"}) {
+    int fd = -1;
+    if (path.rfind(prefix, 0) == 0 && absl::SimpleAtoi(path.substr(prefix.size()), &fd) &&
+        fd >= 0) {
+      return fd;
+    }
   }
-  int err = WriteAll(fd, bytes);
+  return std::nullopt;
+}
+
+// `path` is a device or a FIFO: its bytes go to it. A FIFO without a reader would block the
+// open until one comes (forever, for a reader that read the first report and left).
+absl::Status WriteThrough(const std::string& path, std::string_view bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_TRUNC | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    return CannotWrite(path, errno == ENXIO ? "no process reads it (a FIFO without a reader, or a "
+                                              "socket)"
+                                            : std::strerror(errno));
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  int err = flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0 ? errno : 0;
+  if (err == 0) err = WriteAll(fd, bytes);
   if (::close(fd) != 0 && err == 0) err = errno;
   return err == 0 ? absl::OkStatus() : WriteFailed(path, err, "");
 }
 
 }  // namespace
 
+bool IsReplaceableFile(const std::string& path) {
+  if (OwnDescriptor(path).has_value()) return false;
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) return S_ISREG(st.st_mode);
+  return errno == ENOENT && ::lstat(path.c_str(), &st) != 0;  // nothing, not a link to nothing
+}
+
 absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes) {
+  if (const std::optional<int> fd = OwnDescriptor(path); fd.has_value()) {
+    if (::fcntl(*fd, F_GETFD) < 0) return CannotWrite(path, "the descriptor is not open");
+    const int err = WriteAll(*fd, bytes);
+    return err == 0 ? absl::OkStatus() : WriteFailed(path, err, "");
+  }
   std::string target = path;
   mode_t mode = 0644;
   bool keep_mode = false;
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0) {
-    if (S_ISDIR(st.st_mode)) {
-      return absl::InvalidArgumentError(absl::StrCat("cannot write '", path, "': a directory"));
-    }
+    if (S_ISDIR(st.st_mode)) return CannotWrite(path, "a directory");
+    if (S_ISSOCK(st.st_mode)) return CannotWrite(path, "a socket");
     if (!S_ISREG(st.st_mode)) return WriteThrough(path, bytes);
     // A regular file, maybe behind symbolic links: the file itself is replaced.
     char* real = ::realpath(path.c_str(), nullptr);
-    if (real == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("cannot write '", path, "': ", std::strerror(errno)));
-    }
+    if (real == nullptr) return CannotWrite(path, std::strerror(errno));
     target = real;
     ::free(real);
-    mode = st.st_mode & 07777;
+    mode = st.st_mode & 0777;  // not set-user-ID and the like, on a file the writer now owns
     keep_mode = true;
   } else if (errno == ENOENT) {
-    if (::lstat(path.c_str(), &st) == 0) {  // a link to nothing: where it points is not said
-      return absl::InvalidArgumentError(
-          absl::StrCat("cannot write '", path, "': a symbolic link to a missing file"));
-    }
+    if (::lstat(path.c_str(), &st) == 0)
+      return CannotWrite(path, "a symbolic link to a missing file");
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot write '", path, "': ", std::strerror(errno)));
+    return CannotWrite(path, std::strerror(errno));
   }
+  // Created anew, never opened through a link someone left at the name.
   const std::string tmp = absl::StrCat(target, ".tmp.", getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  ::unlink(tmp.c_str());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot write '", path, "': cannot create '",
-                                                   tmp, "': ", std::strerror(errno)));
+    return CannotWrite(path, absl::StrCat("cannot create '", tmp, "': ", std::strerror(errno)));
   }
   int err = WriteAll(fd, bytes);
   if (err == 0 && keep_mode && ::fchmod(fd, mode) != 0) err = errno;

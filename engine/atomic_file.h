@@ -16,11 +16,17 @@ namespace hstu {
 // What `path` names decides where the bytes go (before, whatever was there was replaced by a
 // regular file, /dev/null included):
 // - nothing: a new file (mode 0644 less the umask);
-// - a regular file, directly or through symbolic links: replaced where it is, with its mode, so
-//   the links stay links;
-// - a device, a FIFO, a socket or a terminal (`/dev/stdout` into a pipe): written through, as
-//   `>` would (not atomic: there is no file to replace);
-// - a directory, or a symbolic link to nothing: an error naming it.
+// - a regular file, directly or through symbolic links: replaced where it is, with its permission
+//   bits, so the links stay links;
+// - one of the process's open descriptors (/dev/stdout, /dev/stderr, /dev/fd/N,
+//   /proc/self/fd/N): written to that descriptor, at its offset (a shell's `>>` appends);
+// - a device or a FIFO: written through, as `>` would (not atomic: there is no file to
+//   replace); a FIFO without a reader is an error, not a wait;
+// - a directory, a socket or a symbolic link to nothing: an error naming it.
 absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes);
+
+// Whether `path` is a regular file or nothing yet: what WriteFileAtomically replaces whole, so
+// that writing it again is safe (a FIFO's reader may be gone after the first write).
+bool IsReplaceableFile(const std::string& path);
 
 }  // namespace hstu

@@ -16,7 +16,6 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/match.h"
 #include "nlohmann/json.hpp"
 

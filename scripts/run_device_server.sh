@@ -268,7 +268,7 @@ fi
 # Every 100th OK answer is recorded and recomputed without the cache by hstu_rank on the GPU.
 # SOAK_CHAOS=1 adds failing loads beside it (below).
 if has soak; then
-  rm -f "$DIR/soak_stop" "$DIR/answers_soak.jsonl"
+  rm -f "$DIR/soak_stop" "$DIR/soak_chaos_stop" "$DIR/answers_soak.jsonl"
   "$H/bin/hstu_server" --model="$MODEL" --device="$DEVICE" --listen=127.0.0.1:50051 \
     --metrics_listen=127.0.0.1:9464 --max_batch_size=8 --cache_pages=2048 --host_cache_pages=8192 \
     --slow_request_ms=100 --slow_request_log_per_s=5 > "$OUT/server_soak.log" 2>&1 &
@@ -298,7 +298,7 @@ if has soak; then
     chaos+=($!)
     lg_chaos invalid --candidates=2000 --rate=200 --duration="${SOAK_S:-360}" &
     chaos+=($!)
-    ( while [ ! -f "$DIR/soak_stop" ]; do
+    ( while [ ! -f "$DIR/soak_chaos_stop" ]; do
         timeout -s TERM 3 "$H/bin/hstu_loadgen" --target=127.0.0.1:50051 --users=3000 --zipf=1.0 \
           --initial_events=1800 --new_events=64 --candidates=256 --concurrency=8 --duration=60 \
           --warmup=0 --progress=false --timeout_ms=5000 >> "$OUT/loadgen_soak_stopped.txt" 2>&1
@@ -311,8 +311,10 @@ if has soak; then
     --record="$DIR/answers_soak.jsonl" --record_every=100 --json="$OUT/loadgen_soak.json" \
     > "$OUT/loadgen_soak.txt" 2>&1
   lg_status=$?
-  touch "$DIR/soak_stop"
+  # The side loads end first, so that the monitor's idle sample sees no call of theirs.
+  touch "$DIR/soak_chaos_stop"
   [ "${#chaos[@]}" -gt 0 ] && wait "${chaos[@]}"
+  touch "$DIR/soak_stop"
   for f in "$OUT"/loadgen_soak_*.txt; do
     [ -f "$f" ] && { echo "== $f"; grep -E "^\| c=|errors|stopped" "$f" | tail -n 6; }
   done

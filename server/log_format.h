@@ -32,7 +32,8 @@ void AppendJsonEscaped(std::string_view text, std::string* out);
 // Keys of their own for the lines logged on this thread while it lives: with --log_format=json
 // they follow "message" in the line's object, for pipelines that filter on them (text lines do
 // not show them; their message says the same). `members` is JSON object members without the
-// braces, `"key":value,...`, with none of the four keys above; JsonFields builds them. The
+// braces, `"key":value,...`, each key once and none of the four keys above; JsonFields builds
+// them. A scope inside another replaces its fields until it ends (they are not merged). The
 // JSON formatter runs on the logging thread: spdlog's synchronous loggers, the server's.
 class ScopedLogFields {
  public:

@@ -93,11 +93,16 @@ absl::Status CheckUnixSocketFree(const std::string& address) {
   const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
   const int err = errno;
   ::close(fd);
+  if (rc != 0 && (err == ECONNREFUSED || err == ENOENT)) return absl::OkStatus();  // stale, gone
   if (rc == 0 || err == EAGAIN) {  // EAGAIN: its backlog is full, so it listens
     return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", address,
                                                ": another process is serving on that socket"));
   }
-  return absl::OkStatus();
+  // Another user's socket (EACCES), another kind of socket (EPROTOTYPE): not ours to replace.
+  return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", address,
+                                             ": a socket is there that may be in use (connecting "
+                                             "to it: ",
+                                             std::strerror(err), "); remove it if it is not"));
 }
 
 }  // namespace

@@ -4,7 +4,8 @@ sample of its /metrics and of its process:
 
 - each KV tier's pages (used + free) stay its capacity, and pinned pages never exceed used ones;
 - counters never go down (every *_total series, histogram _count, _sum and _bucket);
-- the process's threads and file descriptors stay within a bound of their first loaded sample;
+- the process's threads and file descriptors grow by at most --max-extra-threads / --max-extra-fds
+  (64) over the first sample that had them;
   its resident memory grows by at most --max-rss-growth-mib from the middle of the run to its end,
   and its GPU memory (nvidia-smi, where present) does not change after the first sample;
 - once the load has stopped (the idle sample, taken when --stop-file appears): no request is
@@ -29,7 +30,7 @@ import sys
 import time
 import urllib.request
 
-SERIES = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)(\s+\d+)?$')
+SERIES = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?\s+(\S+)(\s+\d+)?$')
 LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
@@ -147,12 +148,13 @@ class Checker:
                 if is_counter(key[0]) and before is not None and value < before:
                     self.fail(i, f"counter {key[0]}{dict(key[1]) or ''} went down: "
                                  f"{before:g} -> {value:g}")
-            first = self.samples[0][2]
+            # Against the first sample that had each (a first scrape may come without them).
             for what in ("threads", "fds"):
-                if what in first and what in proc and proc[what] > first[what] + self.args.max_extra[what]:
-                    self.fail(i, f"{what} {proc[what]} (first sample {first[what]})")
-            gpu0 = self.samples[0][3]
-            if gpu0 is not None and gpu_mib is not None and abs(gpu_mib - gpu0) > 0:
+                first = next((s[2][what] for s in self.samples if what in s[2]), None)
+                if first is not None and what in proc and proc[what] > first + self.args.max_extra[what]:
+                    self.fail(i, f"{what} {proc[what]} (first sample {first})")
+            gpu0 = next((s[3] for s in self.samples if s[3] is not None), None)
+            if gpu0 is not None and gpu_mib is not None and gpu_mib != gpu0:
                 self.fail(i, f"GPU memory {gpu_mib:.0f} MiB (first sample {gpu0:.0f} MiB)")
         if idle:
             self.check_idle(i, metrics)
@@ -257,9 +259,12 @@ def main():
         gpu = gpu_memory_mib(args.pid) if args.pid else None
         checker.add(t, metrics, proc, gpu, idle)
         if out:
+            # NaN and infinities (a gauge with no value yet) as null: the line stays JSON.
+            finite = lambda v: v if math.isfinite(v) else None
             out.write(json.dumps({"t": round(t, 3), "idle": idle, "process": proc, "gpu_mib": gpu,
                                   "metrics": {k[0] + json.dumps(dict(sorted(k[1])), separators=(",", ":"))
-                                              if k[1] else k[0]: v for k, v in metrics.items()}}) + "\n")
+                                              if k[1] else k[0]: finite(v) for k, v in metrics.items()}},
+                                 allow_nan=False) + "\n")
             out.flush()
 
     if args.metrics_files:

@@ -86,8 +86,8 @@ TEST(JsonLog, SetLogFormatSwitchesEveryLoggerAndBack) {
   EXPECT_NE(text_line.find("] as text"), std::string::npos) << text_line;
 }
 
-// Keys of a line's own follow its message while their scope lives, innermost scope first; text
-// lines do not show them.
+// Keys of a line's own follow its message while their scope lives, the innermost scope's alone
+// (not merged with the outer's); text lines do not show them.
 TEST(JsonLog, ScopedFieldsAreKeysOfTheLinesLoggedInTheirScope) {
   std::ostringstream json_out, text_out;
   auto json = std::make_shared<spdlog::logger>(

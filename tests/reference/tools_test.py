@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The Python tools fail loudly: compare_rank_outputs.py on every mismatch it promises to catch,
 hstu_reference.py on bad requests (exit 1, as hstu_rank), make_requests.py on empty workloads,
-soak_monitor.py on each invariant it checks.
+soak_monitor.py on each metrics invariant it checks.
 Each case failed (passed, or raised a traceback) before these checks were added."""
 
 import argparse
@@ -217,8 +217,8 @@ def main():
     if "Traceback" in out:
         failures.append(f"make_requests on a file that is not a model: a traceback\n{out[-600:]}")
 
-    # soak_monitor.py: each invariant it promises fails on a sample that breaks it, and a run
-    # that keeps them all passes.
+    # soak_monitor.py: each invariant of the metrics it promises fails on a sample that breaks it,
+    # and a run that keeps them all passes (the process's own checks need a live --pid).
     def metrics(ok=10, exhausted=0, queue_full=0, gpu_used=4, gpu_free=60, pinned=0, queue=0,
                 inflight=0, hist_ok=None, ok_bucket=None):
         hist_ok = ok if hist_ok is None else hist_ok
@@ -255,6 +255,10 @@ def main():
     for what, (kw, needle) in soak_cases.items():
         rc, out = run(monitor + good[:2] + [write("soak_bad.txt", [metrics(**kw)])])
         expect(f"soak monitor, {what}", rc, out, 1, needle)
+    # A label value holding '}' (a model path) is a label, not a broken line.
+    braces = metrics(ok=30) + 'hstu_build_info{model="a}b",version="0.1.0"} 1\n'
+    rc, out = run(monitor + good[:2] + [write("soak_braces.txt", [braces])])
+    expect("soak monitor, a label value with a brace", rc, out, 0, "soak: 3 samples")
     rc, out = run(monitor + [write("soak_junk.txt", ["hstu_queue_depth one"])])
     expect("soak monitor, a line that is not metrics", rc, out, 1, "not a metrics line")
 

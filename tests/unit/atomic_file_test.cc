@@ -1,7 +1,8 @@
 // WriteFileAtomically (engine/atomic_file.h): a file is replaced whole where it is, through its
-// links and with its mode; a FIFO or device is written through; a directory or a link to nothing
-// is an error. Before, whatever the path named was replaced by a regular file: a symbolic link
-// lost its target, a FIFO its reader, and, run as root, /dev/null became a file.
+// links and with its mode; a FIFO or device is written through, an open descriptor written to; a
+// directory, a FIFO without a reader or a link to nothing is an error. Before, whatever the path
+// named was replaced by a regular file: a symbolic link lost its target, a FIFO its reader, and,
+// run as root, /dev/null became a file.
 
 #include "engine/atomic_file.h"
 
@@ -10,11 +11,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
-#include <thread>
+#include <vector>
 
 namespace hstu {
 namespace {
@@ -75,19 +78,45 @@ TEST_F(AtomicFileTest, ALinkStaysALinkAndItsTargetIsReplaced) {
             1);
 }
 
-TEST_F(AtomicFileTest, AFifoIsWrittenThroughToItsReader) {
+TEST_F(AtomicFileTest, AFifoIsWrittenThroughToItsReaderAndOneWithoutIsAnError) {
   const std::string fifo = dir_ + "/pipe";
   ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
-  std::string received;
-  std::thread reader([&] { received = Read(fifo); });
+  // No reader: an error at once (before the change the open would have waited for one).
+  const absl::Status alone = WriteFileAtomically(fifo, "x");
+  EXPECT_EQ(alone.code(), absl::StatusCode::kInvalidArgument) << alone;
+  EXPECT_NE(alone.message().find("no process reads it"), std::string::npos) << alone;
+  // A reader (opened without waiting for a writer) gets the bytes; the FIFO stays a FIFO.
+  const int reader = open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
+  ASSERT_GE(reader, 0);
   const absl::Status s = WriteFileAtomically(fifo, "through the pipe");
-  reader.join();
+  char buf[64] = {};
+  const ssize_t n = read(reader, buf, sizeof(buf));
+  close(reader);
   ASSERT_TRUE(s.ok()) << s;
-  EXPECT_EQ(received, "through the pipe");
+  EXPECT_EQ(std::string(buf, n > 0 ? n : 0), "through the pipe");
   struct stat st {};
   ASSERT_EQ(lstat(fifo.c_str(), &st), 0);
   EXPECT_TRUE(S_ISFIFO(st.st_mode));
   EXPECT_EQ(Names(), std::vector<std::string>{"pipe"});
+}
+
+// /dev/fd/N (and /dev/stdout, /proc/self/fd/N) resolve to the file a shell redirected to: written
+// to the descriptor, at its offset (before: the file was replaced, `>>`'s earlier lines lost).
+TEST_F(AtomicFileTest, AnOpenDescriptorIsWrittenToWhereItStands) {
+  const std::string log = dir_ + "/runs.log";
+  { std::ofstream(log) << "earlier run\n"; }
+  const int fd = open(log.c_str(), O_WRONLY | O_APPEND);
+  ASSERT_GE(fd, 0);
+  const absl::Status s = WriteFileAtomically("/dev/fd/" + std::to_string(fd), "this run\n");
+  close(fd);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(Read(log), "earlier run\nthis run\n");
+  EXPECT_EQ(Names(), std::vector<std::string>{"runs.log"});
+  const absl::Status closed = WriteFileAtomically("/dev/fd/1000000", "x");
+  EXPECT_NE(closed.message().find("the descriptor is not open"), std::string::npos) << closed;
+  EXPECT_FALSE(IsReplaceableFile("/dev/stdout"));
+  EXPECT_TRUE(IsReplaceableFile(log));
+  EXPECT_TRUE(IsReplaceableFile(dir_ + "/new.json"));
 }
 
 TEST_F(AtomicFileTest, ADirectoryOrALinkToNothingIsAnErrorAndLeftAsItWas) {
