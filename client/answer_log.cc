@@ -1,11 +1,14 @@
 #include "client/answer_log.h"
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "engine/atomic_file.h"
 
 namespace hstu::loadgen {
 namespace {
@@ -58,8 +61,14 @@ std::string AnswerLine(uint64_t user_id, std::span<const int64_t> history_item_i
 
 absl::StatusOr<std::unique_ptr<AnswerLog>> AnswerLog::Open(const std::string& path, int64_t every) {
   if (every < 1) return absl::InvalidArgumentError(absl::StrCat("answer log: every ", every, " < 1"));
-  std::FILE* f = std::fopen(path.c_str(), "w");
+  // /dev/stdout and the like: the descriptor itself, at its offset (fopen would truncate the
+  // file a shell redirected it to, `>>` included), and a copy of it, which Close() closes.
+  const std::optional<int> own = OwnDescriptor(path);
+  const int fd = own.has_value() ? ::dup(*own) : -1;
+  std::FILE* f = own.has_value() ? (fd >= 0 ? ::fdopen(fd, "w") : nullptr)
+                                 : std::fopen(path.c_str(), "w");
   if (f == nullptr) {
+    if (fd >= 0) ::close(fd);
     return absl::InvalidArgumentError(
         absl::StrCat("--record=", path, ": cannot create it: ", std::strerror(errno)));
   }

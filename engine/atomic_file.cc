@@ -35,23 +35,6 @@ absl::Status CannotWrite(const std::string& path, const std::string& why) {
   return absl::InvalidArgumentError(absl::StrCat("cannot write '", path, "': ", why));
 }
 
-// The descriptor `path` names, for /dev/stdout, /dev/stderr, /dev/fd/N and /proc/self/fd/N.
-// (Resolved as links they can name a regular file, the one the shell redirected to, which a
-// rename would replace: the shell's other output in it lost, and the rest of this process's
-// output written to an unlinked file.)
-std::optional<int> OwnDescriptor(const std::string& path) {
-  if (path == "/dev/stdout") return 1;
-  if (path == "/dev/stderr") return 2;
-  for (const std::string prefix : {"/dev/fd/", "/proc/self/fd/"}) {
-    int fd = -1;
-    if (path.rfind(prefix, 0) == 0 && absl::SimpleAtoi(path.substr(prefix.size()), &fd) &&
-        fd >= 0) {
-      return fd;
-    }
-  }
-  return std::nullopt;
-}
-
 // `path` is a device or a FIFO: its bytes go to it. A FIFO without a reader would block the
 // open until one comes (forever, for a reader that read the first report and left).
 absl::Status WriteThrough(const std::string& path, std::string_view bytes) {
@@ -69,6 +52,22 @@ absl::Status WriteThrough(const std::string& path, std::string_view bytes) {
 }
 
 }  // namespace
+
+// Resolved as links, these can name a regular file, the one the shell redirected to, which a
+// rename would replace: the shell's other output in it lost, and the rest of this process's
+// output written to an unlinked file.
+std::optional<int> OwnDescriptor(const std::string& path) {
+  if (path == "/dev/stdout") return 1;
+  if (path == "/dev/stderr") return 2;
+  for (const std::string prefix : {"/dev/fd/", "/proc/self/fd/"}) {
+    int fd = -1;
+    if (path.rfind(prefix, 0) == 0 && absl::SimpleAtoi(path.substr(prefix.size()), &fd) &&
+        fd >= 0) {
+      return fd;
+    }
+  }
+  return std::nullopt;
+}
 
 bool IsReplaceableFile(const std::string& path) {
   if (OwnDescriptor(path).has_value()) return false;

@@ -2,6 +2,7 @@
 // benchmark and load-generator reports).
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -24,6 +25,11 @@ namespace hstu {
 //   replace); a FIFO without a reader is an error, not a wait;
 // - a directory, a socket or a symbolic link to nothing: an error naming it.
 absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes);
+
+// The descriptor `path` names when it is /dev/stdout, /dev/stderr, /dev/fd/N or /proc/self/fd/N
+// (as links these can lead to the file a shell redirected to, which must be written at the
+// descriptor's offset, not replaced or truncated), else nullopt.
+std::optional<int> OwnDescriptor(const std::string& path);
 
 // Whether `path` is a regular file or nothing yet: what WriteFileAtomically replaces whole, so
 // that writing it again is safe (a FIFO's reader may be gone after the first write).

@@ -1,6 +1,7 @@
 // hstu_loadgen's numbers (client/latency_histogram.h, client/report.h): the histogram's
 // resolution and quantiles, and the open-loop sender's lag in the table, JSON and CSV; the
 // answers it records (client/answer_log.h).
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -215,6 +216,29 @@ TEST(AnswerLogTest, ALineIsTheRequestAndItsScoresEachFloatReadBackExactly) {
   const auto odd = nlohmann::json::parse(AnswerLine(1, {}, {}, candidates, scores, 3, "a\"b\\c\n"));
   EXPECT_EQ(odd["cache_result"], "abc");
   EXPECT_TRUE(odd["history_item_ids"].empty());
+}
+
+// --record=/dev/stdout (here /dev/fd/N) into a file a shell opened for `>>`: appended at the
+// descriptor's offset (before: fopen truncated the file, the earlier lines lost), and the
+// descriptor stays open after Close().
+TEST(AnswerLogTest, AnOpenDescriptorIsAppendedToAndLeftOpen) {
+  const std::string path =
+      ::testing::TempDir() + "/answers_fd_" + std::to_string(getpid()) + ".jsonl";
+  { std::ofstream(path) << "{\"earlier\":1}\n"; }
+  const int fd = open(path.c_str(), O_WRONLY | O_APPEND);
+  ASSERT_GE(fd, 0);
+  auto log = AnswerLog::Open("/dev/fd/" + std::to_string(fd), 1);
+  ASSERT_TRUE(log.ok()) << log.status();
+  ASSERT_TRUE((*log)->Take());
+  (*log)->Write("{\"n\":0}");
+  ASSERT_TRUE((*log)->Close().ok());
+  EXPECT_EQ(fcntl(fd, F_GETFD), 0) << "the descriptor was closed";
+  close(fd);
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  EXPECT_EQ(ss.str(), "{\"earlier\":1}\n{\"n\":0}\n");
+  std::remove(path.c_str());
 }
 
 TEST(AnswerLogTest, WritesEveryNthAnswerAndSaysWhenWritingFailed) {
