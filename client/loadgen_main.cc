@@ -260,8 +260,8 @@ absl::Status WaitReady(const std::string& target, const Connection& conn, double
 bool SameFile(const std::string& a, const std::string& b) {
   std::error_code ec;
   if (std::filesystem::exists(a, ec) && std::filesystem::exists(b, ec)) {
-    return std::filesystem::equivalent(a, b, ec) && std::filesystem::is_regular_file(a, ec) &&
-           IsReplaceableFile(a) && IsReplaceableFile(b);
+    // IsReplaceableFile: an existing path that is, is a regular file not named as a descriptor.
+    return std::filesystem::equivalent(a, b, ec) && IsReplaceableFile(a) && IsReplaceableFile(b);
   }
   const auto ca = std::filesystem::weakly_canonical(std::filesystem::absolute(a, ec), ec);
   if (ec) return false;

@@ -56,57 +56,86 @@ absl::Status CheckRequestLogOptions(const RequestLogOptions& options) {
   return absl::OkStatus();
 }
 
-std::string FormatRequestRecord(const RequestRecord& r) {
-  std::string line = absl::StrFormat("total_ms=%.3f", r.total_seconds * 1e3);
-  if (r.queued) absl::StrAppendFormat(&line, " queue_ms=%.3f", r.queue_seconds * 1e3);
+namespace {
+
+// Each field of `r` that the call reached, in the line's order, to `sink`: numbers of
+// milliseconds (Fixed), counts (Int), the user id (Id), names from a fixed set (Word), and text
+// the client sent (ClientText: the request_id) or the server wrote (ServerText: the error), each
+// cut at `max_bytes`. The text line and the JSON keys are both written from this one list.
+template <typename Sink>
+void VisitFields(const RequestRecord& r, Sink& sink) {
+  sink.Fixed("total_ms", r.total_seconds * 1e3);
+  if (r.queued) sink.Fixed("queue_ms", r.queue_seconds * 1e3);
   if (r.batch_size > 0) {
-    absl::StrAppendFormat(&line, " compute_ms=%.3f batch=%d", r.compute_seconds * 1e3,
-                          r.batch_size);
+    sink.Fixed("compute_ms", r.compute_seconds * 1e3);
+    sink.Int("batch", r.batch_size);
   }
-  absl::StrAppend(&line, " code=", absl::StatusCodeToString(r.code));
+  sink.Word("code", absl::StatusCodeToString(r.code));
   if (r.parsed) {
-    absl::StrAppend(&line, " request_id=\"", EscapedPrefix(r.request_id, kMaxRequestIdBytes),
-                    "\" user_id=", r.user_id, " events=", r.num_events,
-                    " candidates=", r.num_candidates);
+    sink.ClientText("request_id", r.request_id, kMaxRequestIdBytes);
+    sink.Id("user_id", r.user_id);
+    sink.Int("events", r.num_events);
+    sink.Int("candidates", r.num_candidates);
   }
   if (r.answered) {
-    absl::StrAppend(&line, " reused_tokens=", r.reused_tokens,
-                    " computed_tokens=", r.computed_tokens, " cache=", r.cache_result);
+    sink.Int("reused_tokens", r.reused_tokens);
+    sink.Int("computed_tokens", r.computed_tokens);
+    sink.Word("cache", r.cache_result);
   }
-  if (r.code != absl::StatusCode::kOk) {
-    absl::StrAppend(&line, " error=\"", EscapedPrefix(r.error, kMaxErrorBytes), "\"");
+  if (r.code != absl::StatusCode::kOk) sink.ServerText("error", r.error, kMaxErrorBytes);
+}
+
+// `key=value` pairs joined by spaces; text quoted and C-escaped (EscapedPrefix).
+struct TextSink {
+  void Pair(absl::string_view key, absl::string_view value) {
+    absl::StrAppend(&line, line.empty() ? "" : " ", key, "=", value);
   }
-  return line;
+  void Fixed(absl::string_view key, double ms) { Pair(key, absl::StrFormat("%.3f", ms)); }
+  void Int(absl::string_view key, int64_t value) { Pair(key, absl::StrCat(value)); }
+  void Id(absl::string_view key, uint64_t value) { Pair(key, absl::StrCat(value)); }
+  void Word(absl::string_view key, absl::string_view word) { Pair(key, word); }
+  void ClientText(absl::string_view key, absl::string_view text, size_t max_bytes) {
+    Pair(key, absl::StrCat("\"", EscapedPrefix(text, max_bytes), "\""));
+  }
+  void ServerText(absl::string_view key, absl::string_view text, size_t max_bytes) {
+    ClientText(key, text, max_bytes);
+  }
+  std::string line;
+};
+
+// JSON members (JsonFields). The user id is a string: a JSON number past 2^53 loses digits in
+// most parsers. A cut request_id is its exact prefix and "request_id_cut":true (the id is looked
+// up, so nothing is appended to it); a cut error ends in "...".
+struct JsonSink {
+  void Fixed(std::string_view key, double ms) { fields.AddFixed(key, ms, 3); }
+  void Int(std::string_view key, int64_t value) { fields.AddInt(key, value); }
+  void Id(std::string_view key, uint64_t value) { fields.AddString(key, absl::StrCat(value)); }
+  void Word(std::string_view key, absl::string_view word) { fields.AddString(key, Std(word)); }
+  void ClientText(std::string_view key, absl::string_view text, size_t max_bytes) {
+    const absl::string_view prefix = Prefix(text, max_bytes);
+    fields.AddString(key, Std(prefix));
+    if (prefix.size() < text.size()) fields.AddBool(std::string(key) + "_cut", true);
+  }
+  void ServerText(std::string_view key, absl::string_view text, size_t max_bytes) {
+    const absl::string_view prefix = Prefix(text, max_bytes);
+    fields.AddString(key, absl::StrCat(prefix, prefix.size() < text.size() ? "..." : ""));
+  }
+  JsonFields fields;
+};
+
+}  // namespace
+
+std::string FormatRequestRecord(const RequestRecord& r) {
+  TextSink sink;
+  VisitFields(r, sink);
+  return std::move(sink.line);
 }
 
 std::string RequestRecordJsonFields(const RequestRecord& r) {
-  JsonFields fields;
-  fields.AddString("event", "slow_request").AddFixed("total_ms", r.total_seconds * 1e3, 3);
-  if (r.queued) fields.AddFixed("queue_ms", r.queue_seconds * 1e3, 3);
-  if (r.batch_size > 0) {
-    fields.AddFixed("compute_ms", r.compute_seconds * 1e3, 3).AddInt("batch", r.batch_size);
-  }
-  fields.AddString("code", absl::StatusCodeToString(r.code));
-  if (r.parsed) {
-    const absl::string_view id = Prefix(r.request_id, kMaxRequestIdBytes);
-    fields.AddString("request_id", Std(id));
-    if (id.size() < r.request_id.size()) fields.AddBool("request_id_cut", true);
-    // A string: a JSON number past 2^53 loses digits in most parsers.
-    fields.AddString("user_id", absl::StrCat(r.user_id))
-        .AddInt("events", r.num_events)
-        .AddInt("candidates", r.num_candidates);
-  }
-  if (r.answered) {
-    fields.AddInt("reused_tokens", r.reused_tokens)
-        .AddInt("computed_tokens", r.computed_tokens)
-        .AddString("cache", Std(r.cache_result));
-  }
-  if (r.code != absl::StatusCode::kOk) {
-    const absl::string_view error = Prefix(r.error, kMaxErrorBytes);
-    fields.AddString(
-        "error", error.size() < r.error.size() ? absl::StrCat(error, "...") : std::string(error));
-  }
-  return fields.Take();
+  JsonSink sink;
+  sink.fields.AddString("event", "slow_request");
+  VisitFields(r, sink);
+  return sink.fields.Take();
 }
 
 void RequestLog::Write(const RequestRecord& record, Clock::time_point now) {
