@@ -27,6 +27,7 @@
 #include "tests/integration/raw_rank.h"
 #include "tests/integration/server_process.h"
 #include "tests/integration/test_util.h"
+#include "tests/util/tolerance.h"
 
 namespace hstu::testing {
 namespace {
@@ -439,9 +440,15 @@ TEST(ProcessTest, LoadgenRecordsAnswersThatHstuRankRecomputesWithoutTheCache) {
   };
   const auto [rc2, out2] = rank("/answers.jsonl");
   EXPECT_EQ(rc2, 0) << out2;
-  EXPECT_NE(out2.find(absl::StrCat(answered, " lines checked against expected_scores: largest difference 0 ")),
-            std::string::npos)
+  // fp32 on both sides, but not bit for bit: BLAS sums a row in an order that can depend on how
+  // many rows its call has (OpenBLAS on AMD Zen 5 does), and a batch or a cached suffix has other
+  // row counts than hstu_rank's one request. A wrong reuse moves scores by ~1e-2.
+  std::smatch largest;
+  ASSERT_TRUE(std::regex_search(out2, largest,
+                                std::regex(absl::StrCat(answered, " lines checked against "
+                                                        "expected_scores: largest difference (\\S+) "))))
       << out2;
+  EXPECT_LE(std::stod(largest[1].str()), hstu::test::kF32Abs) << out2;
 
   // One score changed by 0.01 and one candidate's scores dropped: both lines fail, named.
   std::vector<std::string> lines = absl::StrSplit(recorded, '\n', absl::SkipEmpty());
