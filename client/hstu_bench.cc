@@ -42,6 +42,7 @@
 #include "client/kernel_timeline.h"
 #include "engine/cuda_backend.h"
 #include "engine/engine.h"
+#include "engine/atomic_file.h"
 #include "engine/model_file.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/gemm.h"
@@ -742,6 +743,13 @@ int main(int argc, char** argv) {
   if (const int ps = absl::GetFlag(FLAGS_page_size); ps < 1 || ps > 4096 || (ps & (ps - 1)) != 0) {
     std::fprintf(stderr, "--page_size=%d: must be a power of two in [1, 4096]\n", ps);
     return 2;
+  }
+  // A results file that cannot be written fails now, not after the run.
+  if (const std::string json_path = absl::GetFlag(FLAGS_json); !json_path.empty()) {
+    if (absl::Status s = hstu::CheckWritable(json_path); !s.ok()) {
+      std::fprintf(stderr, "--json=%s: %s\n", json_path.c_str(), std::string(s.message()).c_str());
+      return 2;
+    }
   }
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {

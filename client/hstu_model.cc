@@ -12,6 +12,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_join.h"
 #include "client/cli_util.h"
+#include "engine/atomic_file.h"
 #include "engine/model_file.h"
 
 ABSL_FLAG(std::string, preset, "tiny", "init: preset to start from (tiny | base)");
@@ -46,6 +47,12 @@ int Init() {
   hstu::ModelConfig c = *preset;
   if (absl::GetFlag(FLAGS_out).empty()) {
     std::fprintf(stderr, "error: --out FILE is required\n");
+    return 2;
+  }
+  // Before the weights are drawn (seconds to minutes for a large --items).
+  if (absl::Status s = hstu::CheckWritable(absl::GetFlag(FLAGS_out)); !s.ok()) {
+    std::fprintf(stderr, "error: --out=%s: %s\n", absl::GetFlag(FLAGS_out).c_str(),
+                 std::string(s.message()).c_str());
     return 2;
   }
   const int32_t prev_max = c.max_history_tokens, prev_cand = c.max_candidates;

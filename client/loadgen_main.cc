@@ -4,7 +4,6 @@
 // when the previous one answers. Open loop (--rate=R[,R2...]): requests are sent on a schedule
 // (constant or Poisson gaps) whatever the server does, and latency is measured from the scheduled
 // send time, so a slow server cannot hide its queueing (no coordinated omission).
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -269,36 +268,6 @@ bool SameFile(const std::string& a, const std::string& b) {
   return !ec && ca == cb;
 }
 
-// Whether an output can go to `path` (engine/atomic_file.h says where each kind goes; --record
-// opens it for writing): a regular file or a new one needs a writable directory (it is replaced,
-// or created), a device, FIFO or descriptor must be writable itself.
-absl::Status CheckOutputPath(const std::string& path) {
-  struct stat st{};
-  std::string dir_of;  // the file whose directory must be writable
-  if (stat(path.c_str(), &st) == 0) {
-    if (S_ISDIR(st.st_mode)) return absl::InvalidArgumentError("is a directory");
-    if (S_ISSOCK(st.st_mode)) return absl::InvalidArgumentError("is a socket");
-    if (!IsReplaceableFile(path)) {  // a device, a FIFO, stdout: written through
-      if (access(path.c_str(), W_OK) != 0) return absl::InvalidArgumentError("is not writable");
-      return absl::OkStatus();
-    }
-    std::error_code ec;
-    dir_of = std::filesystem::canonical(path, ec).string();
-    if (ec) return absl::InvalidArgumentError(ec.message());
-  } else if (lstat(path.c_str(), &st) == 0) {
-    return absl::InvalidArgumentError("a symbolic link to a missing file");
-  } else {
-    dir_of = path;
-  }
-  const size_t slash = dir_of.rfind('/');
-  const std::string dir =
-      slash == std::string::npos ? "." : dir_of.substr(0, std::max<size_t>(slash, 1));
-  if (access(dir.c_str(), W_OK | X_OK) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("directory ", dir, " is missing or not writable"));
-  }
-  return absl::OkStatus();
-}
-
 // The flags that need no server, checked before connecting (a typo fails at once, naming the
 // flag), and the load levels they ask for.
 absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
@@ -363,7 +332,7 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
     if (std::string(flag) == "replay") continue;  // an input: Load() says what is wrong with it
     const std::string what = std::string(flag) == "record" ? absl::StrCat("--record=", path)
                                                            : absl::StrCat("report file ", path);
-    if (absl::Status s = CheckOutputPath(path); !s.ok()) {
+    if (absl::Status s = CheckWritable(path); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
     }
   }

@@ -5,10 +5,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <optional>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
@@ -69,52 +71,118 @@ std::optional<int> OwnDescriptor(const std::string& path) {
   return std::nullopt;
 }
 
-bool IsReplaceableFile(const std::string& path) {
-  if (OwnDescriptor(path).has_value()) return false;
+namespace {
+
+// Where the bytes written to a path go (engine/atomic_file.h lists the cases).
+struct Destination {
+  enum class Kind { kDescriptor, kThrough, kReplace, kCreate };
+  Kind kind = Kind::kCreate;
+  int fd = -1;         // kDescriptor
+  std::string file;    // kReplace: the regular file itself, links resolved; kCreate: the path
+  mode_t mode = 0644;  // kReplace: its permission bits
+};
+
+// What `path` names, or why nothing can be written there (the reason alone, without the path).
+absl::StatusOr<Destination> Resolve(const std::string& path) {
+  Destination d;
+  if (const std::optional<int> fd = OwnDescriptor(path); fd.has_value()) {
+    d.kind = Destination::Kind::kDescriptor;
+    d.fd = *fd;
+    return d;
+  }
   struct stat st {};
-  if (::stat(path.c_str(), &st) == 0) return S_ISREG(st.st_mode);
-  return errno == ENOENT && ::lstat(path.c_str(), &st) != 0;  // nothing, not a link to nothing
+  if (::stat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) return absl::InvalidArgumentError("is a directory");
+    if (S_ISSOCK(st.st_mode)) return absl::InvalidArgumentError("is a socket");
+    if (!S_ISREG(st.st_mode)) {
+      d.kind = Destination::Kind::kThrough;
+      return d;
+    }
+    // A regular file, maybe behind symbolic links: the file itself is replaced.
+    char* real = ::realpath(path.c_str(), nullptr);
+    if (real == nullptr) return absl::InvalidArgumentError(std::strerror(errno));
+    d.kind = Destination::Kind::kReplace;
+    d.file = real;
+    ::free(real);
+    d.mode = st.st_mode & 0777;  // not set-user-ID and the like, on a file the writer now owns
+    return d;
+  }
+  if (errno != ENOENT) return absl::InvalidArgumentError(std::strerror(errno));
+  if (::lstat(path.c_str(), &st) == 0) {
+    return absl::InvalidArgumentError("is a symbolic link to a missing file");
+  }
+  d.kind = Destination::Kind::kCreate;
+  d.file = path;
+  return d;
+}
+
+}  // namespace
+
+bool IsReplaceableFile(const std::string& path) {
+  const absl::StatusOr<Destination> d = Resolve(path);
+  return d.ok() &&
+         (d->kind == Destination::Kind::kReplace || d->kind == Destination::Kind::kCreate);
+}
+
+absl::Status CheckWritable(const std::string& path) {
+  absl::StatusOr<Destination> d = Resolve(path);
+  if (!d.ok()) return d.status();
+  switch (d->kind) {
+    case Destination::Kind::kDescriptor: {
+      const int flags = ::fcntl(d->fd, F_GETFL);
+      if (flags < 0 || (flags & O_ACCMODE) == O_RDONLY) {
+        return absl::InvalidArgumentError("the descriptor is not open for writing");
+      }
+      return absl::OkStatus();
+    }
+    case Destination::Kind::kThrough:
+      if (::access(path.c_str(), W_OK) != 0) return absl::InvalidArgumentError("is not writable");
+      return absl::OkStatus();
+    case Destination::Kind::kReplace:
+    case Destination::Kind::kCreate:
+      break;
+  }
+  // The file is created (or its replacement is) in its directory.
+  const size_t slash = d->file.rfind('/');
+  const std::string dir =
+      slash == std::string::npos ? "." : d->file.substr(0, std::max<size_t>(slash, 1));
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("directory ", dir, " is missing or not writable"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes) {
-  if (const std::optional<int> fd = OwnDescriptor(path); fd.has_value()) {
-    if (::fcntl(*fd, F_GETFD) < 0) return CannotWrite(path, "the descriptor is not open");
-    const int err = WriteAll(*fd, bytes);
-    return err == 0 ? absl::OkStatus() : WriteFailed(path, err, "");
+  absl::StatusOr<Destination> d = Resolve(path);
+  if (!d.ok()) {
+    return CannotWrite(path, std::string(d.status().message()));
   }
-  std::string target = path;
-  mode_t mode = 0644;
-  bool keep_mode = false;
-  struct stat st {};
-  if (::stat(path.c_str(), &st) == 0) {
-    if (S_ISDIR(st.st_mode)) return CannotWrite(path, "a directory");
-    if (S_ISSOCK(st.st_mode)) return CannotWrite(path, "a socket");
-    if (!S_ISREG(st.st_mode)) return WriteThrough(path, bytes);
-    // A regular file, maybe behind symbolic links: the file itself is replaced.
-    char* real = ::realpath(path.c_str(), nullptr);
-    if (real == nullptr) return CannotWrite(path, std::strerror(errno));
-    target = real;
-    ::free(real);
-    mode = st.st_mode & 0777;  // not set-user-ID and the like, on a file the writer now owns
-    keep_mode = true;
-  } else if (errno == ENOENT) {
-    if (::lstat(path.c_str(), &st) == 0)
-      return CannotWrite(path, "a symbolic link to a missing file");
-  } else {
-    return CannotWrite(path, std::strerror(errno));
+  switch (d->kind) {
+    case Destination::Kind::kDescriptor: {
+      if (::fcntl(d->fd, F_GETFD) < 0) return CannotWrite(path, "the descriptor is not open");
+      const int err = WriteAll(d->fd, bytes);
+      return err == 0 ? absl::OkStatus() : WriteFailed(path, err, "");
+    }
+    case Destination::Kind::kThrough:
+      return WriteThrough(path, bytes);
+    case Destination::Kind::kReplace:
+    case Destination::Kind::kCreate:
+      break;
   }
+  const bool keep_mode = d->kind == Destination::Kind::kReplace;
   // Created anew, never opened through a link someone left at the name.
-  const std::string tmp = absl::StrCat(target, ".tmp.", getpid());
+  const std::string tmp = absl::StrCat(d->file, ".tmp.", getpid());
   ::unlink(tmp.c_str());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) {
     return CannotWrite(path, absl::StrCat("cannot create '", tmp, "': ", std::strerror(errno)));
   }
   int err = WriteAll(fd, bytes);
-  if (err == 0 && keep_mode && ::fchmod(fd, mode) != 0) err = errno;
+  if (err == 0 && keep_mode && ::fchmod(fd, d->mode) != 0) err = errno;
   if (err == 0 && ::fsync(fd) != 0) err = errno;
   if (::close(fd) != 0 && err == 0) err = errno;
-  if (err == 0 && ::rename(tmp.c_str(), target.c_str()) != 0) err = errno;
+  if (err == 0 && ::rename(tmp.c_str(), d->file.c_str()) != 0) err = errno;
   if (err != 0) {
     ::unlink(tmp.c_str());
     return WriteFailed(path, err, "; nothing written");

@@ -31,6 +31,13 @@ absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes
 // descriptor's offset, not replaced or truncated), else nullopt.
 std::optional<int> OwnDescriptor(const std::string& path);
 
+// Whether WriteFileAtomically(path, ...) can write there, checked without writing anything, so
+// that a tool refuses a mistyped output path before a run of minutes, not after it. The error
+// says what is wrong: "is a directory", "is a socket", "is a symbolic link to a missing file",
+// "directory D is missing or not writable" (a file to replace or create), "is not writable" (a
+// device or FIFO), "the descriptor is not open for writing". A FIFO's reader is not checked.
+absl::Status CheckWritable(const std::string& path);
+
 // Whether `path` is a regular file or nothing yet: what WriteFileAtomically replaces whole, so
 // that writing it again is safe (a FIFO's reader may be gone after the first write).
 bool IsReplaceableFile(const std::string& path);

@@ -751,5 +751,41 @@ TEST(ProcessTest, HstuRankAndHstuModelFailLoudly) {
                          2);
 }
 
+// An output path that cannot be written fails before the work, naming the flag and what is
+// wrong (before: hstu_bench ran its benchmark, minutes on a GPU, and then could not write the
+// results; hstu_model drew every weight first).
+TEST(ProcessTest, OutputPathsAreCheckedBeforeTheWork) {
+  const std::string dir = TempDir();
+  const std::string missing = dir + "/missing/m.safetensors";
+  ExpectEachFlagRejected(
+      HSTU_MODEL_BIN,
+      {{"init --preset=tiny --out=" + missing,
+        "error: --out=" + missing + ": directory " + dir + "/missing is missing or not writable"},
+       {"init --preset=tiny --out=" + dir, "error: --out=" + dir + ": is a directory"},
+       {"init --preset=tiny --out=/dev/fd/0 </dev/null",
+        "error: --out=/dev/fd/0: the descriptor is not open for writing"}},
+      2);
+  std::filesystem::create_symlink("nowhere/m.safetensors", dir + "/dangling");
+  ExpectEachFlagRejected(HSTU_MODEL_BIN,
+                         {{"init --preset=tiny --out=" + dir + "/dangling",
+                           "is a symbolic link to a missing file"}},
+                         2);
+  EXPECT_FALSE(std::filesystem::exists(dir + "/missing"));
+  // A good path is written (the check is not a refusal of everything).
+  const auto [rc, out] = RunCommand(absl::StrCat(HSTU_MODEL_BIN, " init --preset=tiny --out=", dir,
+                                                 "/m.safetensors"));
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir + "/m.safetensors"));
+#ifdef HSTU_BENCH_BIN
+  // Checked before the GPU is looked for: exit 2 here, with or without one.
+  ExpectEachFlagRejected(
+      HSTU_BENCH_BIN,
+      {{"block --json=" + dir + "/missing/r.json",
+        "--json=" + dir + "/missing/r.json: directory " + dir + "/missing is missing or not writable"},
+       {"block --json=" + dir, "--json=" + dir + ": is a directory"}},
+      2);
+#endif
+}
+
 }  // namespace
 }  // namespace hstu::testing

@@ -122,14 +122,49 @@ TEST_F(AtomicFileTest, AnOpenDescriptorIsWrittenToWhereItStands) {
 TEST_F(AtomicFileTest, ADirectoryOrALinkToNothingIsAnErrorAndLeftAsItWas) {
   const absl::Status dir = WriteFileAtomically(dir_, "x");
   EXPECT_EQ(dir.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(dir.message(), "cannot write '" + dir_ + "': a directory");
+  EXPECT_EQ(dir.message(), "cannot write '" + dir_ + "': is a directory");
   const std::string dangling = dir_ + "/dangling";
   std::filesystem::create_symlink("missing/file", dangling);
   const absl::Status link = WriteFileAtomically(dangling, "x");
   EXPECT_EQ(link.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(link.message(), "cannot write '" + dangling + "': a symbolic link to a missing file");
+  EXPECT_EQ(link.message(),
+            "cannot write '" + dangling + "': is a symbolic link to a missing file");
   EXPECT_TRUE(std::filesystem::is_symlink(dangling));
   EXPECT_EQ(Names(), std::vector<std::string>{"dangling"});
+}
+
+// CheckWritable says beforehand what WriteFileAtomically would refuse, and writes nothing.
+TEST_F(AtomicFileTest, CheckWritableRefusesWhatAWriteWouldAndWritesNothing) {
+  const std::string file = dir_ + "/r.json";
+  { std::ofstream(file) << "kept"; }
+  std::filesystem::create_symlink("r.json", dir_ + "/link");
+  ASSERT_EQ(mkfifo((dir_ + "/pipe").c_str(), 0600), 0);
+  // A new file, a file (also through a link), a FIFO (its reader is not checked), a device.
+  for (const std::string ok :
+       {dir_ + "/new.json", file, dir_ + "/link", dir_ + "/pipe", std::string("/dev/null")}) {
+    EXPECT_TRUE(CheckWritable(ok).ok()) << ok << ": " << CheckWritable(ok);
+  }
+  EXPECT_EQ(Read(file), "kept");
+  std::filesystem::create_symlink("missing/file", dir_ + "/dangling");
+  const std::pair<std::string, std::string> refused[] = {
+      {dir_, "is a directory"},
+      {dir_ + "/dangling", "is a symbolic link to a missing file"},
+      {dir_ + "/no/such/dir/r.json",
+       "directory " + dir_ + "/no/such/dir is missing or not writable"},
+      {"/dev/fd/1000000", "the descriptor is not open for writing"}};
+  for (const auto& [path, why] : refused) {
+    const absl::Status s = CheckWritable(path);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << path;
+    EXPECT_EQ(s.message(), why) << path;
+    EXPECT_FALSE(WriteFileAtomically(path, "x").ok()) << path;  // the write refuses it too
+  }
+  // A descriptor open only for reading.
+  const int fd = open(file.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  const absl::Status read_only = CheckWritable("/dev/fd/" + std::to_string(fd));
+  close(fd);
+  EXPECT_EQ(read_only.message(), "the descriptor is not open for writing");
+  EXPECT_EQ(Names(), (std::vector<std::string>{"dangling", "link", "pipe", "r.json"}));
 }
 
 }  // namespace
