@@ -13,6 +13,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -311,15 +312,28 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
   const json& meta = header["__metadata__"];
   // An hstu.* key this loader does not know is a misspelling or a newer file's setting: either
   // way, loading on without it would score with a default in its place (before: ignored, so
-  // 'hstu.attention_norm_length' silently changed the scores). Other keys (a writer's "format")
-  // are not ours.
+  // 'hstu.attention_norm_length' silently changed the scores). So is one that is ours but for its
+  // case or separator ('HSTU.num_layers', 'hstu_max_attn_len'): keys are case-sensitive. Other
+  // keys (a writer's "format") are not ours.
   for (const auto& [key, value] : meta.items()) {
-    if (key.rfind("hstu.", 0) == 0 &&
-        std::find(std::begin(kMetadataKeys), std::end(kMetadataKeys), key) ==
-            std::end(kMetadataKeys)) {
-      return InvalidModel(name, absl::StrCat("unknown metadata key '", key, "' (the hstu.* keys: ",
-                                             absl::StrJoin(kMetadataKeys, ", "), ")"));
+    if (std::find(std::begin(kMetadataKeys), std::end(kMetadataKeys), key) !=
+        std::end(kMetadataKeys)) {
+      continue;
     }
+    const std::string lower = absl::AsciiStrToLower(key);
+    if (lower.rfind("hstu", 0) != 0 || (lower.size() > 4 && absl::ascii_isalnum(lower[4]))) {
+      continue;
+    }
+    // What it may have meant: the same name in lower case, after "hstu.".
+    const std::string meant = lower.size() > 5 ? absl::StrCat("hstu.", lower.substr(5)) : "";
+    const bool near = std::find(std::begin(kMetadataKeys), std::end(kMetadataKeys), meant) !=
+                      std::end(kMetadataKeys);
+    return InvalidModel(
+        name, absl::StrCat("unknown metadata key '", key, "'",
+                           near ? absl::StrCat(" (did you mean '", meant,
+                                               "'? metadata keys are case-sensitive)")
+                                : absl::StrCat(" (the hstu.* keys: ",
+                                               absl::StrJoin(kMetadataKeys, ", "), ")")));
   }
   ModelConfig c;
   auto get_str = [&](const std::string& key, std::string* out, bool required) -> absl::Status {

@@ -127,9 +127,15 @@ def load_model(path: str) -> Model:
              "hstu.max_candidates", "hstu.max_attn_len", "hstu.position_encoding",
              "hstu.num_tasks", "hstu.truncation_stride")
     for key in meta:
-        if key.startswith("hstu.") and key not in known:
-            raise ValueError(f"{path}: unknown metadata key '{key}' (the hstu.* keys: "
-                             f"{', '.join(known)})")
+        lower = key.lower()
+        if key in known or not lower.startswith("hstu") or (len(lower) > 4 and lower[4].isalnum()):
+            continue
+        meant = "hstu." + lower[5:] if len(lower) > 5 else ""
+        if meant in known:  # ours but for its case or separator: keys are case-sensitive
+            raise ValueError(f"{path}: unknown metadata key '{key}' (did you mean '{meant}'? "
+                             "metadata keys are case-sensitive)")
+        raise ValueError(f"{path}: unknown metadata key '{key}' (the hstu.* keys: "
+                         f"{', '.join(known)})")
 
     tensors = {}
     spans = []

@@ -128,9 +128,14 @@ def main():
     reshaped["layers.0.input_norm.weight"]["shape"] = [2, reshaped["layers.0.input_norm.weight"]["shape"][0] // 2]
     misspelt = json.loads(json.dumps(header))
     misspelt["__metadata__"]["hstu.attention_norm_length"] = "64"
+    wrong_case = json.loads(json.dumps(header))
+    wrong_case["__metadata__"]["HSTU.max_attn_len"] = "16"
     bad_models = {
         # Before: ignored, and the default norm length scored in its place.
         "a misspelt metadata key": (misspelt, "unknown metadata key 'hstu.attention_norm_length'", data),
+        # Before: a key ours but for its case was ignored, and the window's default scored.
+        "a metadata key in the wrong case": (
+            wrong_case, "unknown metadata key 'HSTU.max_attn_len' (did you mean 'hstu.max_attn_len'?", data),
         "NaN weight": (bytes(data), f"tensor {name0} contains NaN or Inf", bytes(nan)),
         # Before: read as false and scored, or kept out of the model silently, or a traceback.
         "position encoding 'True'": (capital_true, "is not true/false", data),

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "absl/strings/str_cat.h"
 #include "engine/model_file.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -326,6 +327,19 @@ TEST(ModelFile, InconsistentMetadata) {
     ExpectError(Join(h, data), "unknown metadata key 'hstu.attention_norm_length' (the hstu.* keys: "
                                "hstu.model_name, hstu.num_layers");
     h["__metadata__"].erase("hstu.attention_norm_length");
+    // Ours but for the case or the separator: the loader would have scored the default instead.
+    for (const char* key : {"HSTU.max_attn_len", "hstu_max_attn_len", "Hstu-Max_Attn_Len"}) {
+      h["__metadata__"][key] = "16";
+      ExpectError(Join(h, data), absl::StrCat("unknown metadata key '", key,
+                                              "' (did you mean 'hstu.max_attn_len'? metadata keys "
+                                              "are case-sensitive)"));
+      h["__metadata__"].erase(key);
+    }
+    h["__metadata__"]["HSTU_WINDOW"] = "16";
+    ExpectError(Join(h, data), "unknown metadata key 'HSTU_WINDOW' (the hstu.* keys: ");
+    h["__metadata__"].erase("HSTU_WINDOW");
+    // Keys that only begin with the letters, and other writers' keys, are not ours.
+    h["__metadata__"]["hstuff"] = "x";
     h["__metadata__"]["format"] = "pt";
     EXPECT_TRUE(ParseModelFile(Join(h, data), "x").ok());
   }
