@@ -3,6 +3,7 @@
 #include "engine/cuda_backend_impl.h"
 
 #include <algorithm>
+#include <limits>
 
 namespace hstu {
 
@@ -20,7 +21,8 @@ namespace cuda_backend_internal {
 
 absl::Status CudaBackendImpl::SizeGraphWorkspace() {
   const int64_t d = config_.hidden_dim, hd = config_.hd();
-  const int32_t pages_per_user = (config_.max_history_tokens + page_size_ - 1) / page_size_ + 1;
+  const int64_t pages_per_user =
+      (int64_t{config_.max_history_tokens} + page_size_ - 1) / page_size_ + 1;
   // Split-K adds work items only until the CTAs fill a few waves of the GPU (the plan's cost
   // model); a plan beyond these capacities runs eagerly (graph_fallbacks).
   const int32_t ctas_per_head = (concurrent_ctas_ + config_.num_heads - 1) / config_.num_heads;
@@ -30,7 +32,12 @@ absl::Status CudaBackendImpl::SizeGraphWorkspace() {
     const int32_t tiles = (R + cuda::kAttnBlockM - 1) / cuda::kAttnBlockM + U;
     g.item_cap = tiles + 8 * ctas_per_head;
     g.partial_cap = g.item_cap;
-    g.page_cap = U * pages_per_user;
+    // A batch's page ids are pool pages, each user's its own: no batch lists more than the pool
+    // holds, however long the model's histories may be (before: U × pages a user in int32, which
+    // wrapped at 4096 users of 2^22 tokens in pages of 8, and start-up failed on a ~2^64-byte
+    // allocation). A batch past the capacity would run eagerly.
+    g.page_cap = static_cast<int32_t>(
+        std::min<int64_t>({U * pages_per_user, num_pages_, std::numeric_limits<int32_t>::max()}));
     g.layout = PlaceMeta(U, R, g.page_cap, R, g.item_cap, g.item_cap);
     rows = std::max<size_t>(rows, R);
     meta = std::max(meta, g.layout.total);

@@ -162,6 +162,33 @@ TEST(CudaGraphs, LastLayerCandidatePlanInTinyBucketsAndWithoutCandidates) {
   }
 }
 
+// A bucket's page table holds what the pool can: a model of 2^22-token histories in pages of 8
+// with a 4096-user bucket (before: 4096 × 524,289 page ids in int32 wrapped, and the backend
+// failed to start on a ~2^64-byte allocation), and its batches still replay.
+TEST(CudaGraphs, ABucketsPageTableIsBoundedByThePool) {
+  HSTU_SKIP_WITHOUT_GPU();
+  ModelConfig c = GraphConfig(64);
+  c.max_history_tokens = 1 << 22;
+  c.attention_norm_len = (1 << 22) + c.max_candidates;
+  c.position_encoding = false;
+  c.position_rows = 0;
+  const ModelWeights w = RandomModel(c, 41);
+  const int page_size = 8, num_pages = 256;
+  GraphOptions go;
+  go.enable = true;
+  go.buckets = {{kMaxGraphBucketUsers, 64}};
+  auto graphed = CreateCudaBackendExt(w, page_size, num_pages, 0, go);
+  ASSERT_TRUE(graphed.ok()) << graphed.status();
+  CudaBackend& g = **graphed;
+  EXPECT_EQ(g.num_graphs(), 1);
+  std::mt19937 rng(9);
+  std::vector<User> users(3);
+  std::vector<int32_t> free_pages(num_pages);
+  std::iota(free_pages.begin(), free_pages.end(), 0);
+  const ForwardBatch fb = Step(&users, {20, 9, 1}, {4, 2, 1}, page_size, &free_pages, &rng);
+  ReplayThenEager(g, fb, /*replay=*/true, "3 users in the 4096-user bucket");
+}
+
 TEST(CudaGraphs, ReplayEqualsEagerBitForBit) {
   HSTU_SKIP_WITHOUT_GPU();
   for (int head_dim : {64, 128}) {
