@@ -1,5 +1,6 @@
 #include "client/answer_log.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -63,14 +64,27 @@ absl::StatusOr<std::unique_ptr<AnswerLog>> AnswerLog::Open(const std::string& pa
   if (every < 1) return absl::InvalidArgumentError(absl::StrCat("answer log: every ", every, " < 1"));
   // /dev/stdout and the like: the descriptor itself, at its offset (fopen would truncate the
   // file a shell redirected it to, `>>` included), and a copy of it, which Close() closes.
+  // A FIFO is opened without waiting for a reader: none is an error, as for the report files
+  // (engine/atomic_file.h), not a hang that a stop signal could not end.
   const std::optional<int> own = OwnDescriptor(path);
-  const int fd = own.has_value() ? ::dup(*own) : -1;
-  std::FILE* f = own.has_value() ? (fd >= 0 ? ::fdopen(fd, "w") : nullptr)
-                                 : std::fopen(path.c_str(), "w");
+  const int fd = own.has_value()
+                     ? ::dup(*own)
+                     : ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_CLOEXEC,
+                              0644);
+  if (fd < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--record=", path, ": cannot create it: ",
+        errno == ENXIO ? "no process reads it (a FIFO without a reader)" : std::strerror(errno)));
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  std::FILE* f = flags >= 0 && ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) == 0
+                     ? ::fdopen(fd, "w")
+                     : nullptr;
   if (f == nullptr) {
-    if (fd >= 0) ::close(fd);
+    const int err = errno;
+    ::close(fd);
     return absl::InvalidArgumentError(
-        absl::StrCat("--record=", path, ": cannot create it: ", std::strerror(errno)));
+        absl::StrCat("--record=", path, ": cannot create it: ", std::strerror(err)));
   }
   return std::unique_ptr<AnswerLog>(new AnswerLog(path, f, every));
 }
@@ -88,6 +102,7 @@ void AnswerLog::Write(const std::string& line) {
   if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() ||
       std::fputc('\n', file_) == EOF) {
     failed_ = true;  // reported by Close; later lines are not written after a gap
+    error_ = errno;
     return;
   }
   ++lines_;
@@ -97,11 +112,15 @@ absl::Status AnswerLog::Close() {
   std::lock_guard<std::mutex> lock(mu_);
   if (file_ == nullptr) return absl::OkStatus();
   const bool flushed = std::fflush(file_) == 0 && !std::ferror(file_);
+  if (!flushed && error_ == 0) error_ = errno;
   const bool closed = std::fclose(file_) == 0;
+  if (!closed && error_ == 0) error_ = errno;
   file_ = nullptr;
   if (failed_ || !flushed || !closed) {
-    return absl::DataLossError(absl::StrCat("--record=", path_,
-                                            ": writing failed, the file is incomplete (a full disk?)"));
+    // EPIPE: the reader of a pipe or FIFO went away; ENOSPC: a full disk.
+    return absl::DataLossError(absl::StrCat("--record=", path_, ": writing failed (",
+                                            error_ != 0 ? std::strerror(error_) : "an I/O error",
+                                            "), the recording is incomplete"));
   }
   return absl::OkStatus();
 }

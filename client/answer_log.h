@@ -58,6 +58,7 @@ class AnswerLog {
   int64_t offered_ = 0;
   int64_t lines_ = 0;
   bool failed_ = false;
+  int error_ = 0;  // errno of the first failed write, flush or close
 };
 
 }  // namespace hstu::loadgen

@@ -78,6 +78,10 @@ ABSL_FLAG(std::string, attn_slots, "0",
 
 namespace {
 
+// The decode-step shapes' history per user (tokens), and the most users a batch list may name.
+constexpr int kHistory = 4096;
+constexpr int kMaxBatch = 1024;
+
 using hstu::cuda::bf16;
 using json = nlohmann::json;
 using hstu::bench::FillRandom;
@@ -87,14 +91,15 @@ using hstu::bench::Median;
 using hstu::bench::TimeMs;
 
 
-// A comma-separated list of integers >= `min`, or an error naming `flag`.
-absl::StatusOr<std::vector<int>> ParseList(const char* flag, const std::string& s, int min) {
+// A comma-separated list of integers in [min, max], or an error naming `flag`.
+absl::StatusOr<std::vector<int>> ParseList(const char* flag, const std::string& s, int min,
+                                           int max) {
   std::vector<int> v;
   for (absl::string_view item : absl::StrSplit(s, ',')) {
     int x = 0;
-    if (!absl::SimpleAtoi(item, &x) || x < min) {
+    if (!absl::SimpleAtoi(item, &x) || x < min || x > max) {
       return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", s, ": want a comma-separated "
-                                                     "list of integers >= ", min));
+                                                     "list of integers in [", min, ", ", max, "]"));
     }
     v.push_back(x);
   }
@@ -383,11 +388,7 @@ Sustained RunSustained(const GpuMonitor* monitor, cudaStream_t s, int span_ms, d
 json BenchKernels(int reps, int page_size, const std::vector<int>& batches, int cached,
                   const GpuMonitor* monitor) {
   json rows = json::array();
-  const int hist = 4096;
-  if (cached < 0 || cached >= hist) {
-    std::fprintf(stderr, "hstu_bench kernels: --cached must be in [0, %d), got %d\n", hist, cached);
-    std::exit(2);
-  }
+  const int hist = kHistory;  // main() checked --cached against it
   std::printf("\n### kernels of one layer (d 1024, 4 x 256; %d cached + %d new history tokens + 256 "
               "candidates per user)\n\n", cached, hist - cached);
   const int sustained_ms = monitor != nullptr ? absl::GetFlag(FLAGS_sustained_ms) : 0;
@@ -725,9 +726,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   const absl::StatusOr<std::vector<int>> batches_or =
-      ParseList("batches", absl::GetFlag(FLAGS_batches), 1);
+      ParseList("batches", absl::GetFlag(FLAGS_batches), 1, kMaxBatch);
   const absl::StatusOr<std::vector<int>> slots_or =
-      ParseList("attn_slots", absl::GetFlag(FLAGS_attn_slots), 0);
+      ParseList("attn_slots", absl::GetFlag(FLAGS_attn_slots), 0, 1 << 20);
   for (const absl::Status& s : {batches_or.status(), slots_or.status()}) {
     if (!s.ok()) {
       std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
@@ -742,6 +743,19 @@ int main(int argc, char** argv) {
   }
   if (const int ps = absl::GetFlag(FLAGS_page_size); ps < 1 || ps > 4096 || (ps & (ps - 1)) != 0) {
     std::fprintf(stderr, "--page_size=%d: must be a power of two in [1, 4096]\n", ps);
+    return 2;
+  }
+  if (const int cached = absl::GetFlag(FLAGS_cached); cached < 0 || cached >= kHistory) {
+    std::fprintf(stderr, "--cached=%d: must be in [0, %d) (history tokens of the %d in the pages)\n",
+                 cached, kHistory, kHistory);
+    return 2;
+  }
+  if (const int window = absl::GetFlag(FLAGS_window); window < 0) {
+    std::fprintf(stderr, "--window=%d: must be >= 0 (0: no window)\n", window);
+    return 2;
+  }
+  if (const int ms = absl::GetFlag(FLAGS_sustained_ms); ms < 0 || ms > 600000) {
+    std::fprintf(stderr, "--sustained_ms=%d: must be in [0, 600000] (0: off)\n", ms);
     return 2;
   }
   // A results file that cannot be written fails now, not after the run.

@@ -112,7 +112,9 @@ int Init() {
     std::fprintf(stderr, "error: %s\n", std::string(s.message()).c_str());
     return 1;
   }
-  std::printf("wrote %s (%s, %s)\n", absl::GetFlag(FLAGS_out).c_str(), c.model_name.c_str(), dt.c_str());
+  // On stderr: with --out=/dev/stdout the model file is stdout (before, this line ended it).
+  std::fprintf(stderr, "wrote %s (%s, %s)\n", absl::GetFlag(FLAGS_out).c_str(),
+               c.model_name.c_str(), dt.c_str());
   return 0;
 }
 

@@ -9,12 +9,14 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iterator>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -268,12 +270,48 @@ bool SameFile(const std::string& a, const std::string& b) {
   return !ec && ca == cb;
 }
 
+// --target: HOST:PORT with a port in [1, 65535] ([V6]:PORT for an IPv6 address), or a gRPC
+// target with its scheme (dns:, ipv4:, ipv6:, unix:, unix-abstract:), passed as it is. Before, a
+// port past 65535 reached gRPC's resolver, which took it modulo 65536 and loaded another port.
+absl::Status CheckTarget(const std::string& target) {
+  const auto bad = [&] {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--target=", target,
+                     ": must be HOST:PORT with a port in [1, 65535], or a gRPC target with its "
+                     "scheme (dns:///HOST:PORT, ipv4:, ipv6:, unix:PATH)"));
+  };
+  for (const absl::string_view scheme : {"dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:"}) {
+    if (absl::StartsWith(target, scheme)) {
+      return target.size() > scheme.size() ? absl::OkStatus() : bad();
+    }
+  }
+  size_t colon = std::string::npos;
+  if (absl::StartsWith(target, "[")) {
+    const size_t close = target.find(']');
+    if (close != std::string::npos && close + 1 < target.size() && target[close + 1] == ':') {
+      colon = close + 1;
+    }
+  } else if (const size_t c = target.find(':'); c != std::string::npos && c > 0 &&
+                                                 target.find(':', c + 1) == std::string::npos) {
+    colon = c;
+  }
+  uint32_t port = 0;
+  const std::string digits = colon == std::string::npos ? "" : target.substr(colon + 1);
+  if (digits.empty() || digits.size() > 5 ||
+      digits.find_first_not_of("0123456789") != std::string::npos ||
+      !absl::SimpleAtoi(digits, &port) || port < 1 || port > 65535) {
+    return bad();
+  }
+  return absl::OkStatus();
+}
+
 // The flags that need no server, checked before connecting (a typo fails at once, naming the
 // flag), and the load levels they ask for.
 absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
   auto bad = [](const char* flag, auto value, absl::string_view want) {
     return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", want));
   };
+  if (absl::Status s = CheckTarget(absl::GetFlag(FLAGS_target)); !s.ok()) return s;
   if (absl::GetFlag(FLAGS_connections) < 1 || absl::GetFlag(FLAGS_connections) > kMaxConnections) {
     return bad("connections", absl::GetFlag(FLAGS_connections),
                absl::StrCat("must be in [1, ", kMaxConnections, "]"));
@@ -330,10 +368,8 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
       }
     }
     if (std::string(flag) == "replay") continue;  // an input: Load() says what is wrong with it
-    const std::string what = std::string(flag) == "record" ? absl::StrCat("--record=", path)
-                                                           : absl::StrCat("report file ", path);
     if (absl::Status s = CheckWritable(path); !s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": ", s.message()));
     }
   }
   const std::string events_bound = absl::StrCat(" and at most ", kMaxEvents);
@@ -427,6 +463,9 @@ absl::StatusOr<std::unique_ptr<ReplayTraffic>> ReplayFromFlags() {
 }
 
 int Main() {
+  // A --record reader that goes away (`--record=/dev/stdout | head`) is a failed write, reported
+  // at the end with the reports still written, not a silent death by SIGPIPE (exit 141).
+  std::signal(SIGPIPE, SIG_IGN);
   absl::StatusOr<std::vector<LevelResult>> levels = LevelsFromFlags();
   if (!levels.ok()) {
     std::fprintf(stderr, "%s\n", std::string(levels.status().message()).c_str());
@@ -577,6 +616,12 @@ int Main() {
   // short, even mid-write, keeps what it measured.
   // After each level (`last` false) only files that are replaced whole are written: a FIFO or
   // stdout gets one report, the last (a reader of a FIFO may stop at its first end of file).
+  std::set<std::string> write_errors;  // each said once, not after every level
+  const auto report_error = [&write_errors](const absl::Status& s) {
+    if (write_errors.insert(std::string(s.message())).second) {
+      std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());
+    }
+  };
   auto write_reports = [&](const std::vector<LevelResult>& done, bool last) {
     bool ok = true;
     if (replayed != nullptr) run.replay_passes = replayed->passes();
@@ -585,13 +630,13 @@ int Main() {
     };
     if (const std::string path = absl::GetFlag(FLAGS_json); due(path)) {
       if (absl::Status s = WriteFileAtomically(path, ToJson(run, done)); !s.ok()) {
-        std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());
+        report_error(s);
         ok = false;
       }
     }
     if (const std::string path = absl::GetFlag(FLAGS_csv); due(path)) {
       if (absl::Status s = WriteFileAtomically(path, ToCsv(done)); !s.ok()) {
-        std::fprintf(stderr, "hstu_loadgen: %s\n", std::string(s.message()).c_str());
+        report_error(s);
         ok = false;
       }
     }

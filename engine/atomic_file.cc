@@ -130,8 +130,9 @@ absl::Status CheckWritable(const std::string& path) {
   switch (d->kind) {
     case Destination::Kind::kDescriptor: {
       const int flags = ::fcntl(d->fd, F_GETFL);
-      if (flags < 0 || (flags & O_ACCMODE) == O_RDONLY) {
-        return absl::InvalidArgumentError("the descriptor is not open for writing");
+      if (flags < 0) return absl::InvalidArgumentError("the descriptor is not open");
+      if ((flags & O_ACCMODE) == O_RDONLY) {
+        return absl::InvalidArgumentError("the descriptor is open for reading only");
       }
       return absl::OkStatus();
     }
@@ -146,9 +147,23 @@ absl::Status CheckWritable(const std::string& path) {
   const size_t slash = d->file.rfind('/');
   const std::string dir =
       slash == std::string::npos ? "." : d->file.substr(0, std::max<size_t>(slash, 1));
-  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+  struct stat dir_st {};
+  if (::stat(dir.c_str(), &dir_st) != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("directory ", dir, " is missing or not writable"));
+        errno == ENOENT || errno == ENOTDIR
+            ? absl::StrCat("directory ", dir, " is missing")
+            : absl::StrCat("directory ", dir, ": ", std::strerror(errno)));
+  }
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("directory ", dir, " is not writable"));
+  }
+  // In a sticky directory (/tmp) only a file's owner, or the directory's, may rename over it.
+  struct stat file_st {};
+  const uid_t me = ::geteuid();
+  if (d->kind == Destination::Kind::kReplace && me != 0 && (dir_st.st_mode & S_ISVTX) != 0 &&
+      dir_st.st_uid != me && ::stat(d->file.c_str(), &file_st) == 0 && file_st.st_uid != me) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "is another user's file in the sticky directory ", dir, ", which only its owner may replace"));
   }
   return absl::OkStatus();
 }

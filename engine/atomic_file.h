@@ -34,8 +34,10 @@ std::optional<int> OwnDescriptor(const std::string& path);
 // Whether WriteFileAtomically(path, ...) can write there, checked without writing anything, so
 // that a tool refuses a mistyped output path before a run of minutes, not after it. The error
 // says what is wrong: "is a directory", "is a socket", "is a symbolic link to a missing file",
-// "directory D is missing or not writable" (a file to replace or create), "is not writable" (a
-// device or FIFO), "the descriptor is not open for writing". A FIFO's reader is not checked.
+// "directory D is missing", "directory D is not writable", "is another user's file in the sticky
+// directory D" (a file to replace or create), "is not writable" (a device or FIFO), "the
+// descriptor is not open", "the descriptor is open for reading only". A FIFO's reader is not
+// checked (opening it to see would end the reader's input).
 absl::Status CheckWritable(const std::string& path);
 
 // Whether `path` is a regular file or nothing yet: what WriteFileAtomically replaces whole, so

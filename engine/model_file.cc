@@ -324,8 +324,10 @@ absl::StatusOr<ModelWeights> ParseModelFile(const std::string& bytes, const std:
     if (lower.rfind("hstu", 0) != 0 || (lower.size() > 4 && absl::ascii_isalnum(lower[4]))) {
       continue;
     }
-    // What it may have meant: the same name in lower case, after "hstu.".
-    const std::string meant = lower.size() > 5 ? absl::StrCat("hstu.", lower.substr(5)) : "";
+    // What it may have meant: the name in lower case after "hstu.", with '_' between its words.
+    std::string meant = lower.size() > 5 ? absl::StrCat("hstu.", lower.substr(5)) : "";
+    std::replace_if(meant.begin() + std::min<size_t>(5, meant.size()), meant.end(),
+                    [](char ch) { return ch == '-' || ch == ' ' || ch == '.'; }, '_');
     const bool near = std::find(std::begin(kMetadataKeys), std::end(kMetadataKeys), meant) !=
                       std::end(kMetadataKeys);
     return InvalidModel(

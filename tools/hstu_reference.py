@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import re
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -130,7 +131,7 @@ def load_model(path: str) -> Model:
         lower = key.lower()
         if key in known or not lower.startswith("hstu") or (len(lower) > 4 and lower[4].isalnum()):
             continue
-        meant = "hstu." + lower[5:] if len(lower) > 5 else ""
+        meant = "hstu." + re.sub(r"[-. ]", "_", lower[5:]) if len(lower) > 5 else ""
         if meant in known:  # ours but for its case or separator: keys are case-sensitive
             raise ValueError(f"{path}: unknown metadata key '{key}' (did you mean '{meant}'? "
                              "metadata keys are case-sensitive)")

@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <atomic>
@@ -197,9 +198,15 @@ TEST(ProcessTest, LoadgenFailsOnBadFlagsAndWhenNoRequestSucceeds) {
                           {"--rate=1e-300", "--rate=1e-300: want R or R1,R2"},
                           {"--concurrency=1:1000000:+1", "--concurrency=1:1000000:+1: want N"},
                           {"--max_error_rate=2", "--max_error_rate=2: must be in [0, 1]"},
+                          // Before: gRPC took the port modulo 65536 and loaded another one.
+                          {"--target=127.0.0.1:112646", "--target=127.0.0.1:112646: must be HOST:PORT with a port in [1, 65535]"},
+                          {"--target=127.0.0.1:-18426", "--target=127.0.0.1:-18426: must be HOST:PORT"},
+                          {"--target=", "--target=: must be HOST:PORT"},
+                          {"--target=localhost", "--target=localhost: must be HOST:PORT"},
+                          {"--target=[::1]", "--target=[::1]: must be HOST:PORT"},
                           // Before: found only after the whole run.
-                          {"--json=/nonexistent/dir/r.json", "report file /nonexistent/dir/r.json: directory /nonexistent/dir is missing or not writable"},
-                          {"--record=/nonexistent/dir/a.jsonl", "--record=/nonexistent/dir/a.jsonl: directory /nonexistent/dir is missing or not writable"},
+                          {"--json=/nonexistent/dir/r.json", "--json=/nonexistent/dir/r.json: directory /nonexistent/dir is missing"},
+                          {"--record=/nonexistent/dir/a.jsonl", "--record=/nonexistent/dir/a.jsonl: directory /nonexistent/dir is missing"},
                           {"--record=/tmp", "--record=/tmp: is a directory"},
                           // Before: the second file written over the first, the recording
                           // over the file being replayed.
@@ -399,6 +406,37 @@ TEST(ProcessTest, ScoresEqualHstuRankForTheSameRequests) {
     EXPECT_EQ(resp.reused_tokens(), ref[i]["reused_tokens"].get<uint32_t>()) << i;
     EXPECT_EQ(resp.computed_tokens(), ref[i]["computed_tokens"].get<uint32_t>()) << i;
   }
+}
+
+// --record to a FIFO without a reader is an error at once (before: a blocking open that hung,
+// and a stop signal could not end); to a pipe whose reader leaves, a failed write reported at
+// the end, with the reports still written (before: killed by SIGPIPE, exit 141, no report).
+TEST(ProcessTest, LoadgenRecordingToAFifoWithoutAReaderOrAPipeThatCloses) {
+  ServerProcess server;
+  ASSERT_TRUE(server.WaitServing()) << server.proc().Log();
+  const std::string dir = TempDir();
+  const std::string fifo = dir + "/answers.fifo";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const std::string loadgen = absl::StrCat(HSTU_LOADGEN_BIN, " --target=", server.target(),
+                                           " --concurrency=2 --seed=4 --timeout_ms=60000");
+  const auto [rc, out] =
+      RunCommand(absl::StrCat("timeout 20 ", loadgen, " --duration=1 --record=", fifo));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("--record=" + fifo + ": cannot create it: no process reads it"),
+            std::string::npos)
+      << out;
+  const auto [rc_pipe, out_pipe] = RunCommand(absl::StrCat(
+      "bash -c 'set -o pipefail; ", loadgen, " --duration=2 --record=/dev/stdout --json=", dir,
+      "/r.json 2>", dir, "/err | head -c 100 >/dev/null'"));
+  const std::string err = ReadFile(dir + "/err");
+  EXPECT_EQ(rc_pipe, 1) << out_pipe << err;
+  EXPECT_NE(err.find("--record=/dev/stdout: writing failed (Broken pipe), the recording is "
+                     "incomplete"),
+            std::string::npos)
+      << err;
+  const auto report = nlohmann::json::parse(ReadFile(dir + "/r.json"), nullptr, false);
+  ASSERT_FALSE(report.is_discarded()) << err;
+  EXPECT_GT(report["levels"][0]["requests"].get<int64_t>(), 0) << report.dump();
 }
 
 TEST(ProcessTest, LoadgenRecordsAnswersThatHstuRankRecomputesWithoutTheCache) {
@@ -760,10 +798,10 @@ TEST(ProcessTest, OutputPathsAreCheckedBeforeTheWork) {
   ExpectEachFlagRejected(
       HSTU_MODEL_BIN,
       {{"init --preset=tiny --out=" + missing,
-        "error: --out=" + missing + ": directory " + dir + "/missing is missing or not writable"},
+        "error: --out=" + missing + ": directory " + dir + "/missing is missing"},
        {"init --preset=tiny --out=" + dir, "error: --out=" + dir + ": is a directory"},
        {"init --preset=tiny --out=/dev/fd/0 </dev/null",
-        "error: --out=/dev/fd/0: the descriptor is not open for writing"}},
+        "error: --out=/dev/fd/0: the descriptor is open for reading only"}},
       2);
   std::filesystem::create_symlink("nowhere/m.safetensors", dir + "/dangling");
   ExpectEachFlagRejected(HSTU_MODEL_BIN,
@@ -771,6 +809,13 @@ TEST(ProcessTest, OutputPathsAreCheckedBeforeTheWork) {
                            "is a symbolic link to a missing file"}},
                          2);
   EXPECT_FALSE(std::filesystem::exists(dir + "/missing"));
+  // To stdout: the file alone (before, the "wrote" line went into it and the model did not load).
+  const auto [rc_out, out_out] = RunCommand(absl::StrCat(
+      HSTU_MODEL_BIN, " init --preset=tiny --out=/dev/stdout 2>&1 >", dir, "/piped.safetensors && ",
+      HSTU_MODEL_BIN, " info ", dir, "/piped.safetensors"));
+  EXPECT_EQ(rc_out, 0) << out_out;
+  EXPECT_NE(out_out.find("wrote /dev/stdout"), std::string::npos) << out_out;
+  EXPECT_NE(out_out.find("num_layers"), std::string::npos) << out_out;
   // A good path is written (the check is not a refusal of everything).
   const auto [rc, out] = RunCommand(absl::StrCat(HSTU_MODEL_BIN, " init --preset=tiny --out=", dir,
                                                  "/m.safetensors"));
@@ -781,8 +826,15 @@ TEST(ProcessTest, OutputPathsAreCheckedBeforeTheWork) {
   ExpectEachFlagRejected(
       HSTU_BENCH_BIN,
       {{"block --json=" + dir + "/missing/r.json",
-        "--json=" + dir + "/missing/r.json: directory " + dir + "/missing is missing or not writable"},
-       {"block --json=" + dir, "--json=" + dir + ": is a directory"}},
+        "--json=" + dir + "/missing/r.json: directory " + dir + "/missing is missing"},
+       {"block --json=" + dir, "--json=" + dir + ": is a directory"},
+       // Before: these reached the GPU (or "no CUDA device present", exit 1).
+       {"kernels --cached=4096", "--cached=4096: must be in [0, 4096)"},
+       {"timeline --cached=-1", "--cached=-1: must be in [0, 4096)"},
+       {"block --window=-5", "--window=-5: must be >= 0"},
+       {"block --sustained_ms=-5", "--sustained_ms=-5: must be in [0, 600000]"},
+       {"attention --batches=1,99999999", "--batches=1,99999999: want a comma-separated list of "
+                                          "integers in [1, 1024]"}},
       2);
 #endif
 }

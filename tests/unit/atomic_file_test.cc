@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -150,8 +151,8 @@ TEST_F(AtomicFileTest, CheckWritableRefusesWhatAWriteWouldAndWritesNothing) {
       {dir_, "is a directory"},
       {dir_ + "/dangling", "is a symbolic link to a missing file"},
       {dir_ + "/no/such/dir/r.json",
-       "directory " + dir_ + "/no/such/dir is missing or not writable"},
-      {"/dev/fd/1000000", "the descriptor is not open for writing"}};
+       "directory " + dir_ + "/no/such/dir is missing"},
+      {"/dev/fd/1000000", "the descriptor is not open"}};
   for (const auto& [path, why] : refused) {
     const absl::Status s = CheckWritable(path);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << path;
@@ -163,8 +164,43 @@ TEST_F(AtomicFileTest, CheckWritableRefusesWhatAWriteWouldAndWritesNothing) {
   ASSERT_GE(fd, 0);
   const absl::Status read_only = CheckWritable("/dev/fd/" + std::to_string(fd));
   close(fd);
-  EXPECT_EQ(read_only.message(), "the descriptor is not open for writing");
+  EXPECT_EQ(read_only.message(), "the descriptor is open for reading only");
   EXPECT_EQ(Names(), (std::vector<std::string>{"dangling", "link", "pipe", "r.json"}));
+}
+
+// In a sticky directory (/tmp) only a file's owner, or the directory's, may rename over it: the
+// check says so beforehand (before, a run passed the check and its write failed after the work).
+TEST_F(AtomicFileTest, AnotherUsersFileInAStickyDirectoryIsRefusedBeforehand) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root, to make a file another user owns";
+  const std::string sticky = dir_ + "/sticky";
+  std::filesystem::create_directory(sticky);
+  ASSERT_EQ(chmod(dir_.c_str(), 0755), 0);
+  ASSERT_EQ(chmod(sticky.c_str(), 01777), 0);
+  const std::string theirs = sticky + "/theirs.json";
+  { std::ofstream(theirs) << "root's"; }
+  ASSERT_EQ(chmod(theirs.c_str(), 0666), 0);
+  // A child process as another user (nobody): the check, then the write it predicts.
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(10);
+    const absl::Status check = CheckWritable(theirs);
+    if (check.message() != "is another user's file in the sticky directory " +
+                               std::filesystem::canonical(sticky).string() +
+                               ", which only its owner may replace") {
+      _exit(11);
+    }
+    if (WriteFileAtomically(theirs, "x").ok()) _exit(12);         // the rename is refused
+    if (!CheckWritable(sticky + "/mine.json").ok()) _exit(13);    // a new file is fine
+    if (!WriteFileAtomically(sticky + "/mine.json", "x").ok()) _exit(14);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "10: setuid, 11: check, 12: write, 13/14: a new file";
+  EXPECT_EQ(Read(theirs), "root's");
+  EXPECT_TRUE(CheckWritable(theirs).ok());  // root may
 }
 
 }  // namespace

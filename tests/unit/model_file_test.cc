@@ -328,7 +328,8 @@ TEST(ModelFile, InconsistentMetadata) {
                                "hstu.model_name, hstu.num_layers");
     h["__metadata__"].erase("hstu.attention_norm_length");
     // Ours but for the case or the separator: the loader would have scored the default instead.
-    for (const char* key : {"HSTU.max_attn_len", "hstu_max_attn_len", "Hstu-Max_Attn_Len"}) {
+    for (const char* key :
+         {"HSTU.max_attn_len", "hstu_max_attn_len", "Hstu-Max_Attn_Len", "hstu.max-attn-len"}) {
       h["__metadata__"][key] = "16";
       ExpectError(Join(h, data), absl::StrCat("unknown metadata key '", key,
                                               "' (did you mean 'hstu.max_attn_len'? metadata keys "
