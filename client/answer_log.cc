@@ -4,11 +4,15 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/time.h"
+#include "client/stop_signal.h"
 #include "engine/atomic_file.h"
 
 namespace hstu::loadgen {
@@ -64,25 +68,34 @@ absl::StatusOr<std::unique_ptr<AnswerLog>> AnswerLog::Open(const std::string& pa
   if (every < 1) return absl::InvalidArgumentError(absl::StrCat("answer log: every ", every, " < 1"));
   // /dev/stdout and the like: the descriptor itself, at its offset (fopen would truncate the
   // file a shell redirected it to, `>>` included), and a copy of it, which Close() closes.
-  // A FIFO is opened without waiting for a reader: none is an error, as for the report files
-  // (engine/atomic_file.h), not a hang that a stop signal could not end.
+  // /dev/stdout and the like: a copy of the descriptor, written at its offset. Else the file,
+  // created or truncated in place; a FIFO's reader may open it just after us (`--record=f &
+  // hstu_rank --input=f`), so it gets kReaderWait, and none by then is an error, not a wait that
+  // never ends.
   const std::optional<int> own = OwnDescriptor(path);
-  const int fd = own.has_value()
-                     ? ::dup(*own)
-                     : ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_CLOEXEC,
-                              0644);
-  if (fd < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--record=", path, ": cannot create it: ",
-        errno == ENXIO ? "no process reads it (a FIFO without a reader)" : std::strerror(errno)));
+  absl::StatusOr<int> fd;
+  if (own.has_value()) {
+    const int copy = ::fcntl(*own, F_DUPFD_CLOEXEC, 0);
+    fd = copy >= 0 ? absl::StatusOr<int>(copy) : absl::InvalidArgumentError(std::strerror(errno));
+  } else {
+    const auto give_up = std::chrono::steady_clock::now() + kReaderWait;
+    while (absl::IsUnavailable(
+               (fd = OpenWithoutWaiting(path, O_WRONLY | O_CREAT | O_TRUNC)).status()) &&
+           std::chrono::steady_clock::now() < give_up && !Interrupted()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
   }
-  const int flags = ::fcntl(fd, F_GETFL);
-  std::FILE* f = flags >= 0 && ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) == 0
-                     ? ::fdopen(fd, "w")
-                     : nullptr;
+  if (!fd.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--record=", path, ": cannot create it: ", fd.status().message(),
+        absl::IsUnavailable(fd.status())
+            ? absl::StrCat(", after waiting ", absl::FormatDuration(absl::FromChrono(kReaderWait)))
+            : ""));
+  }
+  std::FILE* f = ::fdopen(*fd, "w");
   if (f == nullptr) {
     const int err = errno;
-    ::close(fd);
+    ::close(*fd);
     return absl::InvalidArgumentError(
         absl::StrCat("--record=", path, ": cannot create it: ", std::strerror(err)));
   }

@@ -4,6 +4,7 @@
 // history and compares: a check of the cache's reuse under real traffic (docs/server.md).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -32,7 +33,11 @@ std::string AnswerLine(uint64_t user_id, std::span<const int64_t> history_item_i
 // under a lock, so lines never interleave.
 class AnswerLog {
  public:
-  // Creates (truncates) `path`; an error names it.
+  // How long Open waits for a FIFO's reader.
+  static constexpr std::chrono::seconds kReaderWait{5};
+
+  // Creates (truncates) `path`, in place; a FIFO's reader is waited for up to kReaderWait (or
+  // until a stop signal). An error names the path.
   static absl::StatusOr<std::unique_ptr<AnswerLog>> Open(const std::string& path, int64_t every);
   ~AnswerLog();
   AnswerLog(const AnswerLog&) = delete;

@@ -274,7 +274,7 @@ json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batche
   hstu::cuda::Stream stream;
   HSTU_BENCH_CHECK_CUDA(stream.Create());
   std::printf("\n### attention timeline per CTA (4 x 256, %d cached + %d new + 256 candidates per user; "
-              "us, mean / max over CTAs)\n\n", cached, 4096 - cached);
+              "us, mean / max over CTAs)\n\n", cached, kHistory - cached);
   std::printf("| batch | slots | CTAs | blocks / CTA | event time | kernel span | PDL wait | Q | first K/V "
               "| loop | per block | epilogue | of it to the cluster sync | CTA total | CTAs' busy share of span |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
@@ -283,7 +283,7 @@ json BenchAttentionTrace(int reps, int page_size, const std::vector<int>& batche
       AttnSetup a;
       a.B = B;
       a.cached = cached;
-      a.num_new = 4096 - cached;
+      a.num_new = kHistory - cached;
       a.page_size = page_size;
       BuildAttention(a, slots > 0 ? slots : ConcurrentCtas(256));
       const float ms = TimeMs(stream.get(), reps, a.sets, [&] { RunAttention(a, stream.get()); });

@@ -9,9 +9,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <iterator>
 #include <memory>
@@ -47,7 +48,9 @@
 #include "hstu/v1/ranking.grpc.pb.h"
 #include "server/tls.h"
 
-ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address HOST:PORT.");
+ABSL_FLAG(std::string, target, "127.0.0.1:50051",
+          "Server address HOST:PORT ([V6]:PORT), or a gRPC target with its scheme: "
+          "dns:///HOST:PORT, ipv4:A:PORT[,...], ipv6:[A]:PORT[,...], unix:PATH.");
 ABSL_FLAG(bool, tls, false,
           "Connect with TLS, verifying the server against the system's CAs (or --tls_ca_file); "
           "implied by any --tls_*_file flag.");
@@ -280,27 +283,38 @@ absl::Status CheckTarget(const std::string& target) {
                      ": must be HOST:PORT with a port in [1, 65535], or a gRPC target with its "
                      "scheme (dns:///HOST:PORT, ipv4:, ipv6:, unix:PATH)"));
   };
-  for (const absl::string_view scheme : {"dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:"}) {
+  for (const absl::string_view scheme : {"unix:", "unix-abstract:"}) {
     if (absl::StartsWith(target, scheme)) {
       return target.size() > scheme.size() ? absl::OkStatus() : bad();
     }
   }
-  size_t colon = std::string::npos;
-  if (absl::StartsWith(target, "[")) {
-    const size_t close = target.find(']');
-    if (close != std::string::npos && close + 1 < target.size() && target[close + 1] == ':') {
-      colon = close + 1;
-    }
-  } else if (const size_t c = target.find(':'); c != std::string::npos && c > 0 &&
-                                                 target.find(':', c + 1) == std::string::npos) {
-    colon = c;
+  // HOST:PORT ([V6]:PORT) after the scheme: dns:///HOST:PORT, dns://AUTHORITY/HOST:PORT, or
+  // ipv4:/ipv6: with addresses joined by ','.
+  std::vector<std::string> addresses = {target};
+  if (absl::StartsWith(target, "dns:")) {
+    const size_t slash = target.rfind('/');
+    addresses = {slash == std::string::npos ? target.substr(4) : target.substr(slash + 1)};
+  } else if (absl::StartsWith(target, "ipv4:") || absl::StartsWith(target, "ipv6:")) {
+    addresses = absl::StrSplit(target.substr(5), ',');
   }
-  uint32_t port = 0;
-  const std::string digits = colon == std::string::npos ? "" : target.substr(colon + 1);
-  if (digits.empty() || digits.size() > 5 ||
-      digits.find_first_not_of("0123456789") != std::string::npos ||
-      !absl::SimpleAtoi(digits, &port) || port < 1 || port > 65535) {
-    return bad();
+  for (const std::string& address : addresses) {
+    size_t colon = std::string::npos;
+    if (absl::StartsWith(address, "[")) {
+      const size_t close = address.find(']');
+      if (close != std::string::npos && close + 1 < address.size() && address[close + 1] == ':') {
+        colon = close + 1;
+      }
+    } else if (const size_t c = address.find(':'); c != std::string::npos && c > 0 &&
+                                                   address.find(':', c + 1) == std::string::npos) {
+      colon = c;
+    }
+    uint32_t port = 0;
+    const std::string digits = colon == std::string::npos ? "" : address.substr(colon + 1);
+    if (digits.empty() || digits.size() > 5 ||
+        digits.find_first_not_of("0123456789") != std::string::npos ||
+        !absl::SimpleAtoi(digits, &port) || port < 1 || port > 65535) {
+      return bad();
+    }
   }
   return absl::OkStatus();
 }
@@ -368,7 +382,9 @@ absl::StatusOr<std::vector<LevelResult>> LevelsFromFlags() {
       }
     }
     if (std::string(flag) == "replay") continue;  // an input: Load() says what is wrong with it
-    if (absl::Status s = CheckWritable(path); !s.ok()) {
+    // The reports replace their files whole; the recording is written in place as it goes.
+    const WriteMode mode = std::string(flag) == "record" ? WriteMode::kInPlace : WriteMode::kReplace;
+    if (absl::Status s = CheckWritable(path, mode); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": ", s.message()));
     }
   }
@@ -703,7 +719,12 @@ int Main() {
   run.interrupted = Interrupted();
   if (!write_reports(done, /*last=*/true)) rc = 1;
   std::printf("%s", FormatTable(run, done).c_str());
-  std::fflush(stdout);
+  // With SIGPIPE ignored, a closed stdout (`| head -1`, /dev/full) is a failed write to report.
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    std::fprintf(stderr, "hstu_loadgen: writing the table to stdout failed: %s\n",
+                 std::strerror(errno));
+    rc = 1;
+  }
   if (answers != nullptr) {
     // Every call has ended (each level waits for its answers), so no completion writes after this.
     if (absl::Status s = answers->Close(); !s.ok()) {

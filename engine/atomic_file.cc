@@ -37,19 +37,34 @@ absl::Status CannotWrite(const std::string& path, const std::string& why) {
   return absl::InvalidArgumentError(absl::StrCat("cannot write '", path, "': ", why));
 }
 
+}  // namespace
+
+absl::StatusOr<int> OpenWithoutWaiting(const std::string& path, int flags, int mode) {
+  const int fd = ::open(path.c_str(), flags | O_NONBLOCK | O_CLOEXEC, static_cast<mode_t>(mode));
+  if (fd < 0) {
+    if (errno == ENXIO) {
+      return absl::UnavailableError("no process reads it (a FIFO without a reader)");
+    }
+    return absl::InvalidArgumentError(std::strerror(errno));
+  }
+  const int now = ::fcntl(fd, F_GETFL);
+  if (now < 0 || ::fcntl(fd, F_SETFL, now & ~O_NONBLOCK) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return absl::InvalidArgumentError(std::strerror(err));
+  }
+  return fd;
+}
+
+namespace {
+
 // `path` is a device or a FIFO: its bytes go to it. A FIFO without a reader would block the
 // open until one comes (forever, for a reader that read the first report and left).
 absl::Status WriteThrough(const std::string& path, std::string_view bytes) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_TRUNC | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) {
-    return CannotWrite(path, errno == ENXIO ? "no process reads it (a FIFO without a reader, or a "
-                                              "socket)"
-                                            : std::strerror(errno));
-  }
-  const int flags = ::fcntl(fd, F_GETFL);
-  int err = flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0 ? errno : 0;
-  if (err == 0) err = WriteAll(fd, bytes);
-  if (::close(fd) != 0 && err == 0) err = errno;
+  const absl::StatusOr<int> fd = OpenWithoutWaiting(path, O_WRONLY | O_TRUNC);
+  if (!fd.ok()) return CannotWrite(path, std::string(fd.status().message()));
+  int err = WriteAll(*fd, bytes);
+  if (::close(*fd) != 0 && err == 0) err = errno;
   return err == 0 ? absl::OkStatus() : WriteFailed(path, err, "");
 }
 
@@ -124,7 +139,8 @@ bool IsReplaceableFile(const std::string& path) {
          (d->kind == Destination::Kind::kReplace || d->kind == Destination::Kind::kCreate);
 }
 
-absl::Status CheckWritable(const std::string& path) {
+absl::Status CheckWritable(const std::string& path, WriteMode mode) {
+  if (path.empty()) return absl::InvalidArgumentError("is empty");
   absl::StatusOr<Destination> d = Resolve(path);
   if (!d.ok()) return d.status();
   switch (d->kind) {
@@ -140,6 +156,14 @@ absl::Status CheckWritable(const std::string& path) {
       if (::access(path.c_str(), W_OK) != 0) return absl::InvalidArgumentError("is not writable");
       return absl::OkStatus();
     case Destination::Kind::kReplace:
+      // Opened where it is: the file's own permission decides, not its directory's.
+      if (mode == WriteMode::kInPlace) {
+        if (::access(d->file.c_str(), W_OK) != 0) {
+          return absl::InvalidArgumentError("is not writable");
+        }
+        return absl::OkStatus();
+      }
+      break;
     case Destination::Kind::kCreate:
       break;
   }
@@ -157,13 +181,15 @@ absl::Status CheckWritable(const std::string& path) {
   if (::access(dir.c_str(), W_OK | X_OK) != 0) {
     return absl::InvalidArgumentError(absl::StrCat("directory ", dir, " is not writable"));
   }
-  // In a sticky directory (/tmp) only a file's owner, or the directory's, may rename over it.
+  // In a sticky directory (/tmp) only a file's owner, or the directory's, may rename over it
+  // (root stands in for the capability that lifts this, CAP_FOWNER).
   struct stat file_st {};
   const uid_t me = ::geteuid();
   if (d->kind == Destination::Kind::kReplace && me != 0 && (dir_st.st_mode & S_ISVTX) != 0 &&
       dir_st.st_uid != me && ::stat(d->file.c_str(), &file_st) == 0 && file_st.st_uid != me) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "is another user's file in the sticky directory ", dir, ", which only its owner may replace"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("is another user's file in the sticky directory ", dir,
+                     ", which only its owner may replace"));
   }
   return absl::OkStatus();
 }

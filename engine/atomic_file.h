@@ -7,6 +7,7 @@
 #include <string_view>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace hstu {
 
@@ -31,14 +32,25 @@ absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes
 // descriptor's offset, not replaced or truncated), else nullopt.
 std::optional<int> OwnDescriptor(const std::string& path);
 
-// Whether WriteFileAtomically(path, ...) can write there, checked without writing anything, so
-// that a tool refuses a mistyped output path before a run of minutes, not after it. The error
-// says what is wrong: "is a directory", "is a socket", "is a symbolic link to a missing file",
-// "directory D is missing", "directory D is not writable", "is another user's file in the sticky
-// directory D" (a file to replace or create), "is not writable" (a device or FIFO), "the
-// descriptor is not open", "the descriptor is open for reading only". A FIFO's reader is not
-// checked (opening it to see would end the reader's input).
-absl::Status CheckWritable(const std::string& path);
+// How an output is written: replaced whole (WriteFileAtomically: a new file renamed over the
+// old one), or opened where it is and written as it goes (a recording: O_TRUNC, no rename).
+enum class WriteMode { kReplace, kInPlace };
+
+// Whether an output can be written at `path` in `mode`, checked without writing anything, so that
+// a tool refuses a mistyped output path before a run of minutes, not after it. The error says what
+// is wrong: "is empty", "is a directory", "is a socket", "is a symbolic link to a missing file",
+// "directory D is missing", "directory D is not writable" (a file to create, or to replace),
+// "is another user's file in the sticky directory D" (to replace), "is not writable" (a file
+// written in place, a device or a FIFO), "the descriptor is not open", "the descriptor is open for
+// reading only", or the system's own error. A FIFO's reader is not checked (opening the FIFO to
+// see would end the reader's input).
+absl::Status CheckWritable(const std::string& path, WriteMode mode = WriteMode::kReplace);
+
+// Opens `path` for writing with `flags` (O_WRONLY and the like; O_CLOEXEC is added) without
+// waiting for a FIFO's reader: no reader is UNAVAILABLE ("no process reads it (a FIFO without a
+// reader)"), other failures INVALID_ARGUMENT with the system's error. The descriptor returned
+// blocks as usual.
+absl::StatusOr<int> OpenWithoutWaiting(const std::string& path, int flags, int mode = 0666);
 
 // Whether `path` is a regular file or nothing yet: what WriteFileAtomically replaces whole, so
 // that writing it again is safe (a FIFO's reader may be gone after the first write).

@@ -127,10 +127,12 @@ def load_model(path: str) -> Model:
              "hstu.head_dim", "hstu.attention_norm_len", "hstu.max_history_tokens",
              "hstu.max_candidates", "hstu.max_attn_len", "hstu.position_encoding",
              "hstu.num_tasks", "hstu.truncation_stride")
-    for key in meta:
-        lower = key.lower()
-        if key in known or not lower.startswith("hstu") or (len(lower) > 4 and lower[4].isalnum()):
+    for key in sorted(meta):  # the C++ loader's order (its JSON object's), for the same first error
+        # ASCII case and letters, as the C++ loader (str.lower/isalnum would fold 'É' and '²').
+        raw = key.encode("utf-8", "surrogatepass").lower()
+        if key in known or not raw.startswith(b"hstu") or raw[4:5].isalnum():
             continue
+        lower = raw.decode("utf-8", "surrogatepass")
         meant = "hstu." + re.sub(r"[-. ]", "_", lower[5:]) if len(lower) > 5 else ""
         if meant in known:  # ours but for its case or separator: keys are case-sensitive
             raise ValueError(f"{path}: unknown metadata key '{key}' (did you mean '{meant}'? "

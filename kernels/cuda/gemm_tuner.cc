@@ -221,8 +221,9 @@ cublasStatus_t GemmTuner::Run(const __nv_bfloat16* a, const __nv_bfloat16* b, vo
     const cublasStatus_t st = RunLt(it->second.algo, a, b, c, c_is_f32, m, n, k, beta, stream);
     // An algorithm timed at another row count of the class may not take this one: NOT_SUPPORTED,
     // or INVALID_VALUE when it would need more workspace there (a split-K reduction grows with
-    // m · n). cublasGemmEx chooses for this exact shape, and reports its own failure.
-    if (st == CUBLAS_STATUS_SUCCESS) return st;
+    // m · n). Both are refusals before any work, so cublasGemmEx, which chooses for this exact
+    // shape, may run instead; another failure (work may have started on c) is returned.
+    if (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE) return st;
   }
   return GemmBf16(blas_, a, b, c, c_is_f32, m, n, k, beta);
 }

@@ -130,10 +130,13 @@ def main():
     misspelt["__metadata__"]["hstu.attention_norm_length"] = "64"
     wrong_case = json.loads(json.dumps(header))
     wrong_case["__metadata__"]["HSTU.max_attn_len"] = "16"
+    non_ascii = json.loads(json.dumps(header))
+    non_ascii["__metadata__"]["hstu\u00e9"] = "1"  # the C++ loader refuses it: ASCII rules both
     bad_models = {
         # Before: ignored, and the default norm length scored in its place.
         "a misspelt metadata key": (misspelt, "unknown metadata key 'hstu.attention_norm_length'", data),
         # Before: a key ours but for its case was ignored, and the window's default scored.
+        "a metadata key hstu + a non-ASCII letter": (non_ascii, "unknown metadata key", data),
         "a metadata key in the wrong case": (
             wrong_case, "unknown metadata key 'HSTU.max_attn_len' (did you mean 'hstu.max_attn_len'?", data),
         "NaN weight": (bytes(data), f"tensor {name0} contains NaN or Inf", bytes(nan)),

@@ -336,6 +336,9 @@ TEST(ModelFile, InconsistentMetadata) {
                                               "are case-sensitive)"));
       h["__metadata__"].erase(key);
     }
+    h["__metadata__"]["hstu\u00e9"] = "1";  // what tools/hstu_reference.py refuses too
+    ExpectError(Join(h, data), "unknown metadata key 'hstu\u00e9' (the hstu.* keys: ");
+    h["__metadata__"].erase("hstu\u00e9");
     h["__metadata__"]["HSTU_WINDOW"] = "16";
     ExpectError(Join(h, data), "unknown metadata key 'HSTU_WINDOW' (the hstu.* keys: ");
     h["__metadata__"].erase("HSTU_WINDOW");
