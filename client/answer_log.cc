@@ -66,12 +66,11 @@ std::string AnswerLine(uint64_t user_id, std::span<const int64_t> history_item_i
 
 absl::StatusOr<std::unique_ptr<AnswerLog>> AnswerLog::Open(const std::string& path, int64_t every) {
   if (every < 1) return absl::InvalidArgumentError(absl::StrCat("answer log: every ", every, " < 1"));
-  // /dev/stdout and the like: the descriptor itself, at its offset (fopen would truncate the
-  // file a shell redirected it to, `>>` included), and a copy of it, which Close() closes.
-  // /dev/stdout and the like: a copy of the descriptor, written at its offset. Else the file,
-  // created or truncated in place; a FIFO's reader may open it just after us (`--record=f &
-  // hstu_rank --input=f`), so it gets kReaderWait, and none by then is an error, not a wait that
-  // never ends.
+  // /dev/stdout and the like: a copy of the descriptor (which Close() closes), written at its
+  // offset: opening the path would truncate the file a shell redirected it to, `>>` included.
+  // Else the file, created or truncated in place; a FIFO's reader may open it just after us
+  // (`--record=f & hstu_rank --input=f`), so it gets kReaderWait, and none by then is an error,
+  // not a wait that never ends.
   const std::optional<int> own = OwnDescriptor(path);
   absl::StatusOr<int> fd;
   if (own.has_value()) {
