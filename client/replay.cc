@@ -12,6 +12,49 @@
 
 namespace hstu::loadgen {
 
+// The visits of a file, one line at a time: a line is parsed as it is read, so a recording of
+// long histories is held once, as visits, not also as text.
+class ReplayTraffic::Builder {
+ public:
+  explicit Builder(std::string name) : name_(std::move(name)) {}
+
+  // Line `n` (1-based) of the file.
+  absl::Status Add(int64_t n, const std::string& line) {
+    if (client::IsBlankRequestLine(line)) return absl::OkStatus();
+    absl::StatusOr<client::RequestLine> parsed = client::ParseRequestLine(line);
+    if (!parsed.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(name_, ":", n, ": ", parsed.status().message()));
+    }
+    if (parsed->expected_scores.has_value()) ++with_scores_;
+    Visit v;
+    v.user_id = parsed->user_id;
+    v.history_item_ids = std::move(parsed->history_item_ids);
+    v.history_actions = std::move(parsed->history_actions);
+    v.candidate_item_ids = std::move(parsed->candidate_item_ids);
+    const auto [it, inserted] = slots_.try_emplace(v.user_id, static_cast<int64_t>(slots_.size()));
+    v.slot = it->second;
+    first_of_user_.push_back(inserted ? 1 : 0);
+    visits_.push_back(std::move(v));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::unique_ptr<ReplayTraffic>> Finish(bool overlapping) {
+    if (visits_.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(name_, ": no request line to replay"));
+    }
+    return std::unique_ptr<ReplayTraffic>(
+        new ReplayTraffic(std::move(visits_), std::move(first_of_user_),
+                          static_cast<int64_t>(slots_.size()), with_scores_, overlapping));
+  }
+
+ private:
+  const std::string name_;
+  std::vector<Visit> visits_;
+  std::vector<uint8_t> first_of_user_;
+  std::unordered_map<uint64_t, int64_t> slots_;
+  int64_t with_scores_ = 0;
+};
+
 absl::StatusOr<std::unique_ptr<ReplayTraffic>> ReplayTraffic::Load(const std::string& path,
                                                                    bool overlapping) {
   std::error_code ec;
@@ -20,42 +63,22 @@ absl::StatusOr<std::unique_ptr<ReplayTraffic>> ReplayTraffic::Load(const std::st
   }
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read --replay file ", path));
-  std::vector<std::string> lines;
-  for (std::string line; std::getline(in, line);) lines.push_back(std::move(line));
+  Builder builder(path);
+  int64_t n = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (absl::Status s = builder.Add(++n, line); !s.ok()) return s;
+  }
   if (in.bad()) return absl::DataLossError(absl::StrCat("reading --replay file ", path, " failed"));
-  return FromLines(lines, path, overlapping);
+  return builder.Finish(overlapping);
 }
 
 absl::StatusOr<std::unique_ptr<ReplayTraffic>> ReplayTraffic::FromLines(
     const std::vector<std::string>& lines, const std::string& name, bool overlapping) {
-  std::vector<Visit> visits;
-  std::vector<uint8_t> first_of_user;
-  std::unordered_map<uint64_t, int64_t> slots;
-  int64_t with_scores = 0;
+  Builder builder(name);
   for (size_t n = 0; n < lines.size(); ++n) {
-    if (client::IsBlankRequestLine(lines[n])) continue;
-    absl::StatusOr<client::RequestLine> parsed = client::ParseRequestLine(lines[n]);
-    if (!parsed.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, ":", n + 1, ": ", parsed.status().message()));
-    }
-    if (parsed->expected_scores.has_value()) ++with_scores;
-    Visit v;
-    v.user_id = parsed->user_id;
-    v.history_item_ids = std::move(parsed->history_item_ids);
-    v.history_actions = std::move(parsed->history_actions);
-    v.candidate_item_ids = std::move(parsed->candidate_item_ids);
-    const auto [it, inserted] = slots.try_emplace(v.user_id, static_cast<int64_t>(slots.size()));
-    v.slot = it->second;
-    first_of_user.push_back(inserted ? 1 : 0);
-    visits.push_back(std::move(v));
+    if (absl::Status s = builder.Add(static_cast<int64_t>(n) + 1, lines[n]); !s.ok()) return s;
   }
-  if (visits.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ": no request line to replay"));
-  }
-  return std::unique_ptr<ReplayTraffic>(
-      new ReplayTraffic(std::move(visits), std::move(first_of_user),
-                        static_cast<int64_t>(slots.size()), with_scores, overlapping));
+  return builder.Finish(overlapping);
 }
 
 ReplayTraffic::ReplayTraffic(std::vector<Visit> visits, std::vector<uint8_t> first_of_user,

@@ -59,6 +59,7 @@ class ReplayTraffic final : public VisitSource {
   int64_t passes() const;
 
  private:
+  class Builder;
   // A line of the file in one pass through it (0: the first).
   struct LineOfPass {
     int64_t line = 0;
