@@ -23,7 +23,8 @@ class ReplayTraffic::Builder {
     if (client::IsBlankRequestLine(line)) return absl::OkStatus();
     absl::StatusOr<client::RequestLine> parsed = client::ParseRequestLine(line);
     if (!parsed.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(name_, ":", n, ": ", parsed.status().message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name_, ":", n, ": ", parsed.status().message()));
     }
     if (parsed->expected_scores.has_value()) ++with_scores_;
     Visit v;
