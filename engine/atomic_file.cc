@@ -95,6 +95,8 @@ struct Destination {
   int fd = -1;         // kDescriptor
   std::string file;    // kReplace: the regular file itself, links resolved; kCreate: the path
   mode_t mode = 0644;  // kReplace: its permission bits
+  uid_t uid = 0;       // kReplace: its owner and group
+  gid_t gid = 0;
 };
 
 // What `path` names, or why nothing can be written there (the reason alone, without the path).
@@ -120,6 +122,8 @@ absl::StatusOr<Destination> Resolve(const std::string& path) {
     d.file = real;
     ::free(real);
     d.mode = st.st_mode & 0777;  // not set-user-ID and the like, on a file the writer now owns
+    d.uid = st.st_uid;
+    d.gid = st.st_gid;
     return d;
   }
   if (errno != ENOENT) return absl::InvalidArgumentError(std::strerror(errno));
@@ -220,6 +224,14 @@ absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes
     return CannotWrite(path, absl::StrCat("cannot create '", tmp, "': ", std::strerror(errno)));
   }
   int err = WriteAll(fd, bytes);
+  // The owner and group too, where the writer may give them (root; or a group it is in): before,
+  // root rewriting a service user's 0640 report left it root's, unreadable to that user. Where it
+  // may not, the file is the writer's, as a rename over it has always made it.
+  if (err == 0 && keep_mode && (d->uid != ::geteuid() || d->gid != ::getegid())) {
+    const bool kept =
+        ::fchown(fd, d->uid, d->gid) == 0 || ::fchown(fd, static_cast<uid_t>(-1), d->gid) == 0;
+    (void)kept;
+  }
   if (err == 0 && keep_mode && ::fchmod(fd, d->mode) != 0) err = errno;
   if (err == 0 && ::fsync(fd) != 0) err = errno;
   if (::close(fd) != 0 && err == 0) err = errno;

@@ -19,7 +19,8 @@ namespace hstu {
 // regular file, /dev/null included):
 // - nothing: a new file (mode 0644 less the umask);
 // - a regular file, directly or through symbolic links: replaced where it is, with its permission
-//   bits, so the links stay links;
+//   bits and, where the writer may give them (root, or a group it is in), its owner and group, so
+//   the links stay links and its users keep reading it;
 // - one of the process's open descriptors (/dev/stdout, /dev/stderr, /dev/fd/N,
 //   /proc/self/fd/N): written to that descriptor, at its offset (a shell's `>>` appends);
 // - a device or a FIFO: written through, as `>` would (not atomic: there is no file to

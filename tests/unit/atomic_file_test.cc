@@ -134,6 +134,24 @@ TEST_F(AtomicFileTest, ADirectoryOrALinkToNothingIsAnErrorAndLeftAsItWas) {
   EXPECT_EQ(Names(), std::vector<std::string>{"dangling"});
 }
 
+// A file replaced by root keeps its owner and group (before: root's, and a 0640 report became
+// unreadable to the user it belonged to).
+TEST_F(AtomicFileTest, AFileReplacedByRootKeepsItsOwner) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root, to give a file to another user";
+  const std::string path = dir_ + "/theirs.json";
+  { std::ofstream(path) << "old"; }
+  // A user namespace without uid 65534 mapped (a rootless container) cannot give it away.
+  if (chown(path.c_str(), 65534, 65534) != 0) GTEST_SKIP() << "cannot give a file to user 65534";
+  ASSERT_EQ(chmod(path.c_str(), 0640), 0);
+  ASSERT_TRUE(WriteFileAtomically(path, "new").ok());
+  struct stat st {};
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, 65534u);
+  EXPECT_EQ(st.st_gid, 65534u);
+  EXPECT_EQ(st.st_mode & 07777, 0640u);
+  EXPECT_EQ(Read(path), "new");
+}
+
 // CheckWritable says beforehand what WriteFileAtomically would refuse, and writes nothing.
 TEST_F(AtomicFileTest, CheckWritableRefusesWhatAWriteWouldAndWritesNothing) {
   const std::string file = dir_ + "/r.json";
