@@ -46,6 +46,7 @@
 #include "engine/atomic_file.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "hstu/v1/ranking.grpc.pb.h"
+#include "server/address.h"
 #include "server/tls.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051",
@@ -283,10 +284,8 @@ absl::Status CheckTarget(const std::string& target) {
                      ": must be HOST:PORT with a port in [1, 65535], or a gRPC target with its "
                      "scheme (dns:///HOST:PORT, ipv4:, ipv6:, unix:PATH)"));
   };
-  for (const absl::string_view scheme : {"unix:", "unix-abstract:"}) {
-    if (absl::StartsWith(target, scheme)) {
-      return target.size() > scheme.size() ? absl::OkStatus() : bad();
-    }
+  if (IsUnixSocketAddress(target)) {
+    return target.size() > target.find(':') + 1 ? absl::OkStatus() : bad();  // a path after it
   }
   // HOST:PORT ([V6]:PORT) after the scheme: dns:///HOST:PORT, dns://AUTHORITY/HOST:PORT, or
   // ipv4:/ipv6: with addresses joined by ','.
@@ -308,13 +307,9 @@ absl::Status CheckTarget(const std::string& target) {
                                                    address.find(':', c + 1) == std::string::npos) {
       colon = c;
     }
-    uint32_t port = 0;
-    const std::string digits = colon == std::string::npos ? "" : address.substr(colon + 1);
-    if (digits.empty() || digits.size() > 5 ||
-        digits.find_first_not_of("0123456789") != std::string::npos ||
-        !absl::SimpleAtoi(digits, &port) || port < 1 || port > 65535) {
-      return bad();
-    }
+    const std::optional<uint32_t> port =
+        ParsePort(colon == std::string::npos ? "" : address.substr(colon + 1));
+    if (!port.has_value() || *port == 0) return bad();
   }
   return absl::OkStatus();
 }

@@ -37,27 +37,6 @@ absl::Status CannotWrite(const std::string& path, const std::string& why) {
   return absl::InvalidArgumentError(absl::StrCat("cannot write '", path, "': ", why));
 }
 
-}  // namespace
-
-absl::StatusOr<int> OpenWithoutWaiting(const std::string& path, int flags, int mode) {
-  const int fd = ::open(path.c_str(), flags | O_NONBLOCK | O_CLOEXEC, static_cast<mode_t>(mode));
-  if (fd < 0) {
-    if (errno == ENXIO) {
-      return absl::UnavailableError("no process reads it (a FIFO without a reader)");
-    }
-    return absl::InvalidArgumentError(std::strerror(errno));
-  }
-  const int now = ::fcntl(fd, F_GETFL);
-  if (now < 0 || ::fcntl(fd, F_SETFL, now & ~O_NONBLOCK) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return absl::InvalidArgumentError(std::strerror(err));
-  }
-  return fd;
-}
-
-namespace {
-
 // `path` is a device or a FIFO: its bytes go to it. A FIFO without a reader would block the
 // open until one comes (forever, for a reader that read the first report and left).
 absl::Status WriteThrough(const std::string& path, std::string_view bytes) {
@@ -67,26 +46,6 @@ absl::Status WriteThrough(const std::string& path, std::string_view bytes) {
   if (::close(*fd) != 0 && err == 0) err = errno;
   return err == 0 ? absl::OkStatus() : WriteFailed(path, err, "");
 }
-
-}  // namespace
-
-// Resolved as links, these can name a regular file, the one the shell redirected to, which a
-// rename would replace: the shell's other output in it lost, and the rest of this process's
-// output written to an unlinked file.
-std::optional<int> OwnDescriptor(const std::string& path) {
-  if (path == "/dev/stdout") return 1;
-  if (path == "/dev/stderr") return 2;
-  for (const std::string prefix : {"/dev/fd/", "/proc/self/fd/"}) {
-    int fd = -1;
-    if (path.rfind(prefix, 0) == 0 && absl::SimpleAtoi(path.substr(prefix.size()), &fd) &&
-        fd >= 0) {
-      return fd;
-    }
-  }
-  return std::nullopt;
-}
-
-namespace {
 
 // Where the bytes written to a path go (engine/atomic_file.h lists the cases).
 struct Destination {
@@ -136,6 +95,39 @@ absl::StatusOr<Destination> Resolve(const std::string& path) {
 }
 
 }  // namespace
+
+absl::StatusOr<int> OpenWithoutWaiting(const std::string& path, int flags, int mode) {
+  const int fd = ::open(path.c_str(), flags | O_NONBLOCK | O_CLOEXEC, static_cast<mode_t>(mode));
+  if (fd < 0) {
+    if (errno == ENXIO) {
+      return absl::UnavailableError("no process reads it (a FIFO without a reader)");
+    }
+    return absl::InvalidArgumentError(std::strerror(errno));
+  }
+  const int now = ::fcntl(fd, F_GETFL);
+  if (now < 0 || ::fcntl(fd, F_SETFL, now & ~O_NONBLOCK) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return absl::InvalidArgumentError(std::strerror(err));
+  }
+  return fd;
+}
+
+// Resolved as links, these can name a regular file, the one the shell redirected to, which a
+// rename would replace: the shell's other output in it lost, and the rest of this process's
+// output written to an unlinked file.
+std::optional<int> OwnDescriptor(const std::string& path) {
+  if (path == "/dev/stdout") return 1;
+  if (path == "/dev/stderr") return 2;
+  for (const std::string prefix : {"/dev/fd/", "/proc/self/fd/"}) {
+    int fd = -1;
+    if (path.rfind(prefix, 0) == 0 && absl::SimpleAtoi(path.substr(prefix.size()), &fd) &&
+        fd >= 0) {
+      return fd;
+    }
+  }
+  return std::nullopt;
+}
 
 bool IsReplaceableFile(const std::string& path) {
   const absl::StatusOr<Destination> d = Resolve(path);
@@ -187,10 +179,9 @@ absl::Status CheckWritable(const std::string& path, WriteMode mode) {
   }
   // In a sticky directory (/tmp) only a file's owner, or the directory's, may rename over it
   // (root stands in for the capability that lifts this, CAP_FOWNER).
-  struct stat file_st {};
   const uid_t me = ::geteuid();
   if (d->kind == Destination::Kind::kReplace && me != 0 && (dir_st.st_mode & S_ISVTX) != 0 &&
-      dir_st.st_uid != me && ::stat(d->file.c_str(), &file_st) == 0 && file_st.st_uid != me) {
+      dir_st.st_uid != me && d->uid != me) {
     return absl::InvalidArgumentError(
         absl::StrCat("is another user's file in the sticky directory ", dir,
                      ", which only its owner may replace"));
@@ -215,7 +206,7 @@ absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes
     case Destination::Kind::kCreate:
       break;
   }
-  const bool keep_mode = d->kind == Destination::Kind::kReplace;
+  const bool replacing = d->kind == Destination::Kind::kReplace;  // keeps its mode and owner
   // Created anew, never opened through a link someone left at the name.
   const std::string tmp = absl::StrCat(d->file, ".tmp.", getpid());
   ::unlink(tmp.c_str());
@@ -227,12 +218,12 @@ absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes
   // The owner and group too, where the writer may give them (root; or a group it is in): before,
   // root rewriting a service user's 0640 report left it root's, unreadable to that user. Where it
   // may not, the file is the writer's, as a rename over it has always made it.
-  if (err == 0 && keep_mode && (d->uid != ::geteuid() || d->gid != ::getegid())) {
+  if (err == 0 && replacing && (d->uid != ::geteuid() || d->gid != ::getegid())) {
     const bool kept =
         ::fchown(fd, d->uid, d->gid) == 0 || ::fchown(fd, static_cast<uid_t>(-1), d->gid) == 0;
     (void)kept;
   }
-  if (err == 0 && keep_mode && ::fchmod(fd, d->mode) != 0) err = errno;
+  if (err == 0 && replacing && ::fchmod(fd, d->mode) != 0) err = errno;
   if (err == 0 && ::fsync(fd) != 0) err = errno;
   if (::close(fd) != 0 && err == 0) err = errno;
   if (err == 0 && ::rename(tmp.c_str(), d->file.c_str()) != 0) err = errno;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "engine/backend.h"
+#include "server/address.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
           "gRPC listen address HOST:PORT (port 0 picks a free port) or unix:PATH.");
@@ -150,11 +151,7 @@ absl::Status CheckListenAddress(const char* flag, const std::string& address,
         absl::StrCat("--", flag, "=", address, ": must be HOST:PORT (no unix sockets here)"));
   }
   const size_t colon = address.rfind(':');
-  const std::string port = colon == std::string::npos ? "" : address.substr(colon + 1);
-  uint32_t value = 0;
-  const bool digits = !port.empty() && port.size() <= 5 &&
-                      port.find_first_not_of("0123456789") == std::string::npos;
-  if (!digits || !absl::SimpleAtoi(port, &value) || value > 65535) {
+  if (!ParsePort(colon == std::string::npos ? "" : address.substr(colon + 1)).has_value()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--", flag, "=", address, ": must be HOST:PORT with a port in [0, 65535] (0 picks a free port)"));
   }

@@ -18,17 +18,13 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
+#include "server/address.h"
 #include "server/metrics.h"
 #include "server/rank_service.h"
 #include "server/scheduler.h"
 #include "server/tls.h"
 
 namespace hstu::server {
-
-// gRPC's unix: and unix-abstract: listen addresses (no port).
-inline bool IsUnixSocketAddress(const std::string& address) {
-  return address.rfind("unix:", 0) == 0 || address.rfind("unix-abstract:", 0) == 0;
-}
 
 // How the gRPC port keeps its connections (gRPC's keepalive and connection-age channel
 // arguments), in seconds.
